@@ -1,0 +1,284 @@
+"""``Buffer``: the public object. One method per operation, DeepEP V1 signatures.
+
+It validates every argument (clear errors before any byte moves), then hands the call to the
+backend that owns the tensors' device: the host backend for CPU tensors (processes on one
+machine, shared memory), the CUDA backend for GPU tensors.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import validate as check
+from .config import Config, normal_buffer_size_hint
+from .event import EventOverlap, capture_event
+from .handle import DispatchHandle
+from .layout import aligned_expert_counts, dispatch_layout
+from .host import normal as host_normal
+from .host.comm import HostComm
+
+DEFAULT_TIMEOUT_S = 120.0
+DEFAULT_NVL_BYTES = 256 << 20
+
+
+class Buffer:
+    """A communication buffer shared by the ranks of ``group`` for expert-parallel
+    dispatch/combine.
+
+    Args:
+        group: torch.distributed ProcessGroup (gloo for CPU tensors), or None for the default
+            group. Every rank of the group must construct the Buffer with the same arguments.
+        num_nvl_bytes: bytes of intranode receive memory per rank (normal mode). 0 picks
+            256 MiB. See :meth:`get_normal_buffer_size_hint`.
+        num_rdma_bytes: bytes of low-latency receive memory per rank (see
+            :meth:`get_low_latency_rdma_size_hint`); 0 if low-latency mode is unused.
+        low_latency_mode: enable the low-latency calls.
+        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy:
+            accepted for DeepEP compatibility (the host backend needs none of them).
+        timeout_s: deadline of every wait on a peer; a missed deadline raises
+            :class:`moe_comm.CommTimeoutError` naming the silent ranks.
+    """
+
+    num_sms: int = 20
+
+    def __init__(self, group=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
+                 explicitly_destroy: bool = False, *, timeout_s: float = DEFAULT_TIMEOUT_S):
+        for name, v in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+        if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+            raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised: call "
+                               "dist.init_process_group first (gloo for CPU tensors)")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.group_size = dist.get_world_size(self.group)
+        self.num_nvl_bytes = num_nvl_bytes or DEFAULT_NVL_BYTES
+        self.num_rdma_bytes = num_rdma_bytes
+        self.low_latency_mode = low_latency_mode
+        self.timeout_s = float(timeout_s)
+        self.explicitly_destroy = explicitly_destroy
+        self._comm = HostComm(self.group, self.num_nvl_bytes, num_rdma_bytes, self.timeout_s)
+        self._key = (id(self), self._comm.job)
+
+    # -- static helpers (DeepEP) ----------------------------------------------------------
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        if not isinstance(new_num_sms, int) or new_num_sms <= 0 or new_num_sms % 2:
+            raise ValueError(f"num_sms must be a positive even int, got {new_num_sms!r}")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An EventOverlap marking the work queued so far on the current stream."""
+        return capture_event()
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        return Config(Buffer.num_sms, 6, 256, 6, 128)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        return Config(Buffer.num_sms, 6, 256, 6, 128)
+
+    @staticmethod
+    def get_normal_buffer_size_hint(num_max_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                    topk: int = 8, elem_size: int = 2, fp8: bool = False,
+                                    keep_alive: int = 1) -> int:
+        """``num_nvl_bytes`` that always suffices for tokens of ``hidden`` channels of
+        ``elem_size`` bytes (1 with ``fp8=True``, which adds the scales), with ``keep_alive``
+        dispatch results held by the caller at once."""
+        row = hidden * (1 if fp8 else elem_size)
+        return normal_buffer_size_hint(num_max_tokens_per_rank, row, num_ranks, topk,
+                                       hidden // 128 * 4 if fp8 else 0, keep_alive)
+
+    # -- normal mode ----------------------------------------------------------------------
+    def _live(self):
+        if self._comm is None:
+            raise RuntimeError("this Buffer was destroyed")
+        return self._comm
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
+                            previous_event: EventOverlap | None = None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """Where each token goes.
+
+        Args:
+            topk_idx: int64 [T, K], expert ids in [0, num_experts) or -1 for an unused slot.
+            num_experts: total experts E (divisible by the group size).
+        Returns:
+            num_tokens_per_rank int32 [R], num_tokens_per_rdma_rank (None: single node),
+            num_tokens_per_expert int32 [E], is_token_in_rank bool [T, R], EventOverlap.
+        """
+        self._live()
+        check.num_experts(num_experts, self.group_size)
+        check.topk_idx(topk_idx, num_experts)
+        per_rank, per_expert, in_rank = dispatch_layout(topk_idx, num_experts, self.group_size)
+        return per_rank, None, per_expert, in_rank, EventOverlap()
+
+    def dispatch(self, x, handle: DispatchHandle | None = None,
+                 num_tokens_per_rank: torch.Tensor | None = None,
+                 num_tokens_per_rdma_rank: torch.Tensor | None = None,
+                 is_token_in_rank: torch.Tensor | None = None,
+                 num_tokens_per_expert: torch.Tensor | None = None,
+                 topk_idx: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0,
+                 config: Config | None = None, previous_event: EventOverlap | None = None,
+                 async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """Send each token once to every rank owning one of its top-k experts.
+
+        Args:
+            x: [T, H] bf16/fp16/fp32, or a tuple (float8_e4m3fn [T, H], float32 scales
+                [T, H/128]).
+            handle: a handle from an earlier dispatch of the same routing: repeats its layout
+                without the count exchange (then pass no topk_idx/topk_weights).
+            num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert: the outputs of
+                :meth:`get_dispatch_layout` (computed from topk_idx when omitted).
+            topk_idx: int64 [T, K] expert ids, -1 for unused slots (needed without handle).
+            topk_weights: float32 [T, K] or None.
+            expert_alignment: round each entry of the per-expert count list up to this.
+            num_worst_tokens: if > 0, received tensors have exactly this many rows (padding
+                rows have topk ids -1 and zero weights); must be >= the rows received.
+            config, previous_event, async_finish, allocate_on_comm_stream: DeepEP
+                compatibility; host-backend calls are complete when they return.
+        Returns:
+            recv_x: [N, H] (or (fp8 [N, H], float32 scales [N, H/128])), rows ordered by
+                source rank then source token index; it lives in the buffer's memory until
+                you drop it;
+            recv_topk_idx: int64 [N, K] local expert ids (-1 = not on this rank), or None
+                with a cached handle;
+            recv_topk_weights: float32 [N, K] (0 where the id is -1) or None;
+            num_recv_tokens_per_expert_list: list of E/R ints, aligned;
+            handle: for combine and cached dispatch;
+            event: EventOverlap.
+        """
+        comm = self._live()
+        data, scales = check.dispatch_x(x)
+        num_tokens, hidden = data.shape
+        check.alignment(expert_alignment)
+        if not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
+            raise ValueError(f"num_worst_tokens must be an int >= 0, got {num_worst_tokens!r}")
+        R = self.group_size
+        if handle is not None:
+            self._check_handle(handle, num_tokens)
+            if topk_idx is not None or topk_weights is not None:
+                raise ValueError("pass either handle or topk_idx/topk_weights, not both")
+            num_experts = None
+        else:
+            if topk_idx is None:
+                raise ValueError("topk_idx is required when no handle is given")
+            check.tensor("topk_idx", topk_idx, ndim=2, dtypes=(torch.int64,))
+            if num_tokens_per_expert is not None:
+                check.tensor("num_tokens_per_expert", num_tokens_per_expert, ndim=1)
+                num_experts = num_tokens_per_expert.shape[0]
+            else:
+                raise ValueError("num_tokens_per_expert (from get_dispatch_layout) is required "
+                                 "with topk_idx: it fixes num_experts")
+            check.num_experts(num_experts, R)
+            check.topk_idx(topk_idx, num_experts, num_tokens)
+            check.topk_weights(topk_weights, topk_idx)
+            computed = dispatch_layout(topk_idx, num_experts, R)
+            if num_tokens_per_rank is not None:
+                check.tensor("num_tokens_per_rank", num_tokens_per_rank, ndim=1)
+                if num_tokens_per_rank.shape[0] != R:
+                    raise ValueError(f"num_tokens_per_rank must have {R} entries, got "
+                                     f"{num_tokens_per_rank.shape[0]}")
+            if is_token_in_rank is not None:
+                check.tensor("is_token_in_rank", is_token_in_rank, ndim=2,
+                             dtypes=(torch.bool,))
+                if tuple(is_token_in_rank.shape) != (num_tokens, R):
+                    raise ValueError(f"is_token_in_rank must have shape {(num_tokens, R)}, "
+                                     f"got {tuple(is_token_in_rank.shape)}")
+            num_tokens_per_rank, is_token_in_rank = computed[0], computed[2]
+        recv_x, recv_s, recv_i, recv_w, handle = host_normal.dispatch(
+            comm, x_bytes=data.view(torch.uint8), dtype=data.dtype, hidden=hidden,
+            scales=scales, topk_idx=topk_idx, topk_weights=topk_weights,
+            is_token_in_rank=is_token_in_rank, num_tokens_per_rank=num_tokens_per_rank,
+            handle=handle, num_experts=num_experts, num_worst_tokens=num_worst_tokens,
+            buffer_key=self._key)
+        counts = [] if recv_i is None else aligned_expert_counts(
+            recv_i, num_experts // R, expert_alignment)
+        out_x = recv_x if recv_s is None else (recv_x, recv_s)
+        return out_x, recv_i, recv_w, counts, handle, EventOverlap()
+
+    def combine(self, x: torch.Tensor, handle: DispatchHandle,
+                topk_weights: torch.Tensor | None = None, bias=None,
+                config: Config | None = None, previous_event: EventOverlap | None = None,
+                async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """Send expert outputs back to the tokens' ranks and sum them per token.
+
+        Args:
+            x: [N, H] bf16/fp16/fp32, this rank's rows in the order dispatch returned them
+                (N = rows received, or num_worst_tokens rows of which the first N count).
+            handle: the dispatch handle.
+            topk_weights: float32 [N, K] or None; summed per token the same way.
+            bias: None, a [T, H] tensor or a tuple of up to two, added to the result.
+        Returns:
+            combined_x [T, H] in x's dtype (summed in float32), combined_topk_weights
+            float32 [T, K] or None, EventOverlap.
+        """
+        comm = self._live()
+        if not isinstance(handle, DispatchHandle):
+            raise TypeError(f"handle must be the handle returned by dispatch, got "
+                            f"{type(handle).__name__}")
+        self._check_handle(handle, None)
+        check.tensor("x", x, ndim=2, dtypes=check.FLOAT_DTYPES)
+        n = handle.num_recv_tokens
+        if x.shape[0] not in (n, handle.num_worst_tokens) or (x.shape[0] < n):
+            raise ValueError(f"x must have the {n} rows this rank received"
+                             + (f" (or num_worst_tokens={handle.num_worst_tokens})"
+                                if handle.num_worst_tokens else "") + f", got {x.shape[0]}")
+        if x.shape[1] != handle.hidden:
+            raise ValueError(f"x hidden size {x.shape[1]} differs from the dispatched "
+                             f"{handle.hidden}")
+        if topk_weights is not None:
+            check.tensor("topk_weights", topk_weights, ndim=2, dtypes=(torch.float32,))
+            if topk_weights.shape[0] != x.shape[0]:
+                raise ValueError(f"topk_weights must have {x.shape[0]} rows like x, got "
+                                 f"{topk_weights.shape[0]}")
+            topk_weights = topk_weights[:n].contiguous()
+        biases = self._biases(bias, handle)
+        out, w = host_normal.combine(comm, x=x[:n].contiguous(), handle=handle,
+                                     topk_weights=topk_weights, bias=biases)
+        return out, w, EventOverlap()
+
+    def _biases(self, bias, handle):
+        if bias is None:
+            return ()
+        items = bias if isinstance(bias, tuple) else (bias,)
+        if len(items) > 2:
+            raise ValueError(f"bias must be a tensor or a tuple of up to two, got {len(items)}")
+        shape = (handle.num_tokens, handle.hidden)
+        for i, b in enumerate(items):
+            check.tensor(f"bias[{i}]", b, ndim=2, dtypes=check.FLOAT_DTYPES)
+            if tuple(b.shape) != shape:
+                raise ValueError(f"bias[{i}] must have shape {shape}, got {tuple(b.shape)}")
+        return tuple(b.float() for b in items)
+
+    def _check_handle(self, handle, num_tokens):
+        if not isinstance(handle, DispatchHandle):
+            raise TypeError(f"handle must be a moe_comm dispatch handle, got "
+                            f"{type(handle).__name__}")
+        if handle.buffer_key != self._key:
+            raise ValueError("handle comes from another Buffer; pass the handle returned by "
+                             "this buffer's dispatch")
+        if num_tokens is not None and num_tokens != handle.num_tokens:
+            raise ValueError(f"x has {num_tokens} tokens but handle was made for "
+                             f"{handle.num_tokens}")
+
+    # -- lifetime ---------------------------------------------------------------------------
+    def destroy(self) -> None:
+        """Release the shared memory (received tensors still alive keep their pages mapped
+        until they are dropped; nothing outlives the process)."""
+        if self._comm is not None:
+            self._comm.destroy()
+            self._comm = None
+
+    def __del__(self):
+        try:
+            self.destroy()
+        except Exception:
+            pass

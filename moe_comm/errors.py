@@ -1,0 +1,39 @@
+"""Every error moe_comm raises on purpose, in one place.
+
+Bad input is a plain ``ValueError``/``TypeError`` naming the argument (raised before any byte
+moves). Communication failures have their own types so callers can tell them apart.
+"""
+from __future__ import annotations
+
+
+class CommTimeoutError(RuntimeError):
+    """A wait on peers passed its deadline.
+
+    ``silent_ranks`` lists the group ranks whose signal never arrived; ``op`` names the phase
+    (for example ``"dispatch/notify"``). After this error the buffer's peers are out of step:
+    destroy the buffer (or, in elastic mode, the silent ranks are masked instead of raising).
+    """
+
+    def __init__(self, op: str, silent_ranks, timeout_s: float):
+        self.op = op
+        self.silent_ranks = sorted(int(r) for r in silent_ranks)
+        self.timeout_s = timeout_s
+        super().__init__(
+            f"{op}: no signal from rank(s) {self.silent_ranks} within {timeout_s:g} s "
+            f"(peer dead, hung, or not calling the same operation)")
+
+
+class BufferTooSmallError(ValueError):
+    """The communication buffer cannot hold what this call must receive.
+
+    ``needed`` is the number of bytes of buffer this call needs; the message says which
+    constructor argument to raise.
+    """
+
+    def __init__(self, what: str, needed: int, available: int, argument: str = "num_nvl_bytes"):
+        self.needed = int(needed)
+        self.available = int(available)
+        super().__init__(
+            f"{argument} too small: {what} needs {self.needed} bytes of buffer, "
+            f"{self.available} are available; create the Buffer with "
+            f"{argument} >= {self.needed} (plus room for received tensors you keep alive)")

@@ -1,0 +1,34 @@
+"""EventOverlap: DeepEP's handle for work that may finish asynchronously."""
+from __future__ import annotations
+
+import torch
+
+
+class EventOverlap:
+    """Wraps a ``torch.cuda.Event`` (CUDA backend) or nothing (host backend, whose calls are
+    complete when they return). ``current_stream_wait()`` makes the current stream wait for
+    the event; ``with event:`` does the same at the end of the block."""
+
+    def __init__(self, event=None, extra_tensors=None):
+        self.event = event
+        self.extra_tensors = extra_tensors      # kept alive until the event completes
+
+    def current_stream_wait(self) -> None:
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.current_stream_wait()
+        return False
+
+
+def capture_event() -> EventOverlap:
+    """An EventOverlap for the work queued so far on the current stream."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream())
+        return EventOverlap(ev)
+    return EventOverlap()

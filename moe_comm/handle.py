@@ -1,0 +1,29 @@
+"""The handle of a normal-mode dispatch: everything combine (and a cached dispatch) needs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(eq=False)
+class DispatchHandle:
+    """Opaque to users; pass it back to ``combine`` or to ``dispatch(handle=...)``.
+
+    ``count_matrix[s, d]`` = tokens rank s sent to rank d (every rank holds the whole matrix);
+    ``send_token_ids[d]`` = this rank's token indices sent to rank d, ascending;
+    ``is_token_in_rank`` bool [T, R]; ``num_recv_tokens`` = rows this rank received.
+    """
+
+    buffer_key: tuple
+    num_tokens: int
+    hidden: int
+    count_matrix: np.ndarray
+    is_token_in_rank: torch.Tensor
+    send_token_ids: list
+    num_recv_tokens: int
+    num_worst_tokens: int = 0
+
+    def rows_from(self, rank: int) -> int:
+        return int(self.count_matrix[:, rank].sum())

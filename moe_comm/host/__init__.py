@@ -1,0 +1,1 @@
+"""Host (CPU) backend: ranks are processes on one machine sharing /dev/shm segments."""

@@ -1,0 +1,242 @@
+"""Normal (high-throughput) mode on the host backend.
+
+dispatch, one epoch:
+  1. notify  - each rank writes its row of token counts (per destination) into every peer's
+               NOTIFY slot; after waiting for all rows every rank knows the R x R matrix.
+               (Skipped when a cached handle already holds the matrix.)
+  2. grant   - each receiver allocates one region of its heap for exactly the rows it will
+               receive and publishes its page in GRANT. Every rank also checks, from the
+               matrix, that no receiver needs more than a heap can hold, so an impossible
+               call fails on every rank alike before a payload byte moves.
+  3. payload - each sender, as soon as a receiver's grant is visible, writes its tokens
+               straight into that region (index_select into the peer's memory: one copy per
+               token and destination), then signals DONE.
+  4. receive - the receiver waits for DONE from every rank that sends it rows; the region is
+               handed to the caller as recv_x (no second copy) and returns to the heap when
+               the caller drops the tensors.
+combine reverses the flow: the token owner grants a staging region, expert ranks write their
+rows back into it, the owner sums them per token in float32.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..errors import BufferTooSmallError
+from ..handle import DispatchHandle
+from ..layout import local_topk
+from ..wire import GRANT_FAILED, PAGE, SlabLayout, tag_value
+
+
+class ReceiverFailed(RuntimeError):
+    pass
+
+
+def _check_capacity(comm, what: str, layouts) -> None:
+    need = max((lay.nbytes for lay in layouts), default=0)
+    if need > comm.heap.capacity:
+        raise BufferTooSmallError(what, need, comm.heap.capacity)
+
+
+def exchange_counts(comm, epoch: int, row: np.ndarray, deadline: float) -> np.ndarray:
+    """Notify phase: returns the R x R matrix, ``m[s, d]`` = tokens s sends to d."""
+    lay, me, R = comm.layout, comm.rank, comm.num_ranks
+    parity = comm.notify_seq % 2
+    comm.notify_seq += 1
+    for p in range(R):
+        comm.signal(p, lay.notify(parity, me), epoch, row)
+    waits = {s: comm.slot(me, lay.notify(parity, s), R) for s in range(R)}
+    comm.wait(waits, epoch, "dispatch/notify", deadline)
+    return np.stack([tag_value(waits[s]) for s in range(R)]).astype(np.int64)
+
+
+def _grant(comm, epoch: int, nbytes: int, what: str):
+    """Allocate this rank's receive region and publish it. Returns (page, error)."""
+    page = comm.heap.alloc(max(1, -(-nbytes // PAGE)))
+    if page is None:
+        error = BufferTooSmallError(
+            what + f" (while {comm.heap.bytes_in_use} bytes are held by received tensors "
+            "still alive)", nbytes + comm.heap.bytes_in_use, comm.heap.capacity)
+    else:
+        error = None
+    comm.signal(comm.rank, comm.layout.grant, epoch, GRANT_FAILED if page is None else page)
+    return page, error
+
+
+def _send_when_granted(comm, epoch, dests, write, op, deadline):
+    """Wait for each destination's grant and call ``write(dst, page)``; returns the ranks
+    whose grant said they could not allocate."""
+    failed = []
+
+    def on_ready(dst, words):
+        page = int(tag_value(words[0]))
+        if page == GRANT_FAILED:
+            failed.append(dst)
+            return
+        write(dst, page)
+        comm.signal(dst, comm.layout.done(comm.rank), epoch, 1)
+
+    comm.wait({d: comm.slot(d, comm.layout.grant) for d in dests}, epoch, op, deadline,
+              on_ready)
+    return failed
+
+
+def _wait_done(comm, epoch, sources, op, deadline):
+    comm.wait({s: comm.slot(comm.rank, comm.layout.done(s)) for s in sources}, epoch, op,
+              deadline)
+
+
+def _raise_failures(own_error, failed, op):
+    if own_error is not None:
+        raise own_error
+    if failed:
+        raise ReceiverFailed(f"{op}: rank(s) {sorted(failed)} could not allocate their receive "
+                             "region (buffer too small there); nothing was sent to them")
+
+
+def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, is_token_in_rank,
+             num_tokens_per_rank, handle, num_experts, num_worst_tokens, buffer_key):
+    """Run one normal dispatch. ``x_bytes`` is x as uint8 ``[T, row_bytes]``.
+
+    Returns ``(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, handle)``."""
+    me, R = comm.rank, comm.num_ranks
+    epoch, deadline = comm.next_epoch(), comm.deadline()
+    num_tokens, row_bytes = x_bytes.shape
+    if handle is None:
+        matrix = exchange_counts(comm, epoch, num_tokens_per_rank.numpy().astype(np.int64),
+                                 deadline)
+        send_ids = [is_token_in_rank[:, d].nonzero().flatten() for d in range(R)]
+        handle = DispatchHandle(buffer_key, num_tokens, hidden, matrix, is_token_in_rank,
+                                send_ids, int(matrix[:, me].sum()), num_worst_tokens)
+    matrix, send_ids = handle.count_matrix, handle.send_token_ids
+    scale_cols = 0 if scales is None else scales.shape[1]
+    topk = 0 if topk_idx is None else topk_idx.shape[1]
+    recv_rows = matrix.sum(0)
+
+    def slab(d):
+        return SlabLayout(max(int(recv_rows[d]), num_worst_tokens), row_bytes, scale_cols, topk)
+
+    _check_capacity(comm, "dispatch", [slab(d) for d in range(R)])
+    mine = slab(me)
+    num_recv = int(recv_rows[me])
+    if num_worst_tokens and num_recv > num_worst_tokens:
+        own_error = ValueError(f"num_worst_tokens={num_worst_tokens} is smaller than the "
+                               f"{num_recv} tokens rank {me} receives")
+        page = None
+        comm.signal(me, comm.layout.grant, epoch, GRANT_FAILED)
+    else:
+        page, own_error = _grant(comm, epoch, mine.nbytes, "dispatch")
+
+    num_local = num_experts // R
+
+    def write(dst, dst_page):
+        ids, c = send_ids[dst], int(matrix[me, dst])
+        lay, row0 = slab(dst), int(matrix[:me, dst].sum())
+        base = dst_page * PAGE
+        heap = comm.peer_heap(dst)
+        offs = lay.offsets
+
+        def rows(sub, width, elem, dt):
+            start = base + offs[sub] + row0 * width * elem
+            return heap[start:start + c * width * elem].view(dt).view(c, width)
+
+        torch.index_select(x_bytes, 0, ids, out=rows(0, row_bytes, 1, torch.uint8))
+        if scales is not None:
+            torch.index_select(scales, 0, ids, out=rows(1, scale_cols, 4, torch.float32))
+        if topk:
+            li, lw = local_topk(topk_idx[ids], None if topk_weights is None
+                                else topk_weights[ids], dst, num_local)
+            rows(2, topk, 8, torch.int64).copy_(li)
+            w = rows(3, topk, 4, torch.float32)
+            w.copy_(lw) if lw is not None else w.zero_()
+
+    dests = [d for d in _rotation(me, R) if matrix[me, d] > 0]
+    failed = _send_when_granted(comm, epoch, dests, write, "dispatch/grant", deadline)
+    if page is not None:
+        _wait_done(comm, epoch, [s for s in range(R) if matrix[s, me] > 0],
+                   "dispatch/payload", deadline)
+    _raise_failures(own_error, failed, "dispatch")
+
+    region = comm.heap.tensor_owning(page, mine.nbytes)
+    offs, rows_out = mine.offsets, mine.rows
+
+    def out(sub, width, elem, dt):
+        return region[offs[sub]:offs[sub] + rows_out * width * elem].view(dt).view(rows_out,
+                                                                                   width)
+
+    recv_x = out(0, row_bytes, 1, torch.uint8).view(dtype)
+    recv_scales = out(1, scale_cols, 4, torch.float32) if scales is not None else None
+    recv_idx = out(2, topk, 8, torch.int64) if topk else None
+    recv_w = out(3, topk, 4, torch.float32) if topk else None
+    if rows_out > num_recv:                      # num_worst_tokens padding rows
+        recv_x[num_recv:].view(torch.uint8).zero_()
+        if recv_idx is not None:
+            recv_idx[num_recv:] = -1
+            recv_w[num_recv:] = 0
+    return recv_x, recv_scales, recv_idx, recv_w, handle
+
+
+def combine(comm, *, x, handle, topk_weights, bias):
+    """Run one normal combine. ``x`` [rows, H] holds this rank's expert outputs in received
+    order. Returns ``(combined_x [T, H], combined_topk_weights or None)``."""
+    me, R = comm.rank, comm.num_ranks
+    epoch, deadline = comm.next_epoch(), comm.deadline()
+    matrix, send_ids = handle.count_matrix, handle.send_token_ids
+    hidden, dtype = x.shape[1], x.dtype
+    x_bytes = x.view(torch.uint8)
+    row_bytes = x_bytes.shape[1]
+    topk = 0 if topk_weights is None else topk_weights.shape[1]
+    sent_rows = matrix.sum(1)
+
+    def slab(r):
+        return SlabLayout(int(sent_rows[r]), row_bytes, 0, topk)
+
+    _check_capacity(comm, "combine", [slab(r) for r in range(R)])
+    mine = slab(me)
+    page, own_error = _grant(comm, epoch, mine.nbytes, "combine")
+
+    def write(owner, owner_page):
+        c = int(matrix[owner, me])
+        src0 = int(matrix[:owner, me].sum())       # my received rows from `owner` start here
+        row0 = int(matrix[owner, :me].sum())       # owner's staging rows from me start here
+        lay, base, heap = slab(owner), owner_page * PAGE, comm.peer_heap(owner)
+        o = lay.offsets
+        heap[base + o[0] + row0 * row_bytes:base + o[0] + (row0 + c) * row_bytes].view(
+            c, row_bytes).copy_(x_bytes[src0:src0 + c])
+        if topk:
+            heap[base + o[3] + row0 * topk * 4:base + o[3] + (row0 + c) * topk * 4].view(
+                torch.float32).view(c, topk).copy_(topk_weights[src0:src0 + c])
+
+    owners = [s for s in _rotation(me, R) if matrix[s, me] > 0]
+    failed = _send_when_granted(comm, epoch, owners, write, "combine/grant", deadline)
+    if page is not None:
+        try:
+            _wait_done(comm, epoch, [d for d in range(R) if matrix[me, d] > 0],
+                       "combine/payload", deadline)
+        except BaseException:
+            comm.heap.free(page)
+            raise
+    _raise_failures(own_error, failed, "combine")
+
+    try:
+        staging = torch.from_numpy(comm.heap.view(page, mine.nbytes))
+        o, n = mine.offsets, mine.rows
+        rows = staging[o[0]:o[0] + n * row_bytes].view(dtype).view(n, hidden)
+        token_ids = torch.cat(send_ids) if send_ids else torch.empty(0, dtype=torch.int64)
+        acc = torch.zeros(handle.num_tokens, hidden, dtype=torch.float32)
+        acc.index_add_(0, token_ids, rows if dtype == torch.float32 else rows.float())
+        combined_w = None
+        if topk:
+            w = staging[o[3]:o[3] + n * topk * 4].view(torch.float32).view(n, topk)
+            combined_w = torch.zeros(handle.num_tokens, topk, dtype=torch.float32)
+            combined_w.index_add_(0, token_ids, w)
+    finally:
+        comm.heap.free(page)
+    for b in bias:
+        acc += b
+    return acc.to(dtype), combined_w
+
+
+def _rotation(me: int, R: int):
+    """Peers starting after ``me``: spreads the first writes of all ranks over all peers."""
+    return [(me + 1 + i) % R for i in range(R)]

@@ -1,0 +1,126 @@
+"""The wire format: where things land in a rank's communication segment and how signals
+are encoded. Every backend and transport reads it from here; nothing else hard-codes an
+offset.
+
+A rank's segment = ``[header | heap]``.
+
+Header (int64 words). Each signal slot is written by exactly one peer and read by the owner
+(or the reverse for GRANT), and sits on its own 64-byte line so peers never false-share:
+
+- ``NOTIFY[parity][src]``: one line-aligned row of ``R`` tagged counts per source rank: row
+  ``src`` holds ``src``'s token count for every destination. Every rank writes its row into
+  every peer, so after the notify phase each rank knows the whole ``R x R`` count matrix.
+  Two parities (by notify sequence number): a rank can run at most one notify ahead of a peer.
+- ``GRANT``: the owner's answer "receive region for op ``epoch`` starts at heap page ``v``"
+  (``GRANT_FAILED`` = it could not allocate; senders skip it and raise too).
+- ``DONE[src]``: source ``src`` finished writing its payload for op ``epoch``.
+
+Signal encoding ("tagged word"): ``(epoch << 32) | value`` with ``epoch >= 1``, so a word of
+0 means "nothing arrived yet", and a stale word from an older op never matches the epoch the
+reader waits for, so slots never need resetting. ``value < 2**32``.
+
+Ordering rule (every backend): a writer makes its payload visible before the signal word
+(release), a reader reads payload only after seeing the signal (acquire).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PAGE = 4096
+LINE_WORDS = 8                       # 64-byte cache line / 8-byte words
+MAGIC = 0x6D6F655F636F6D6D           # "moe_comm"
+VERSION = 1
+VALUE_BITS = 32
+VALUE_MASK = (1 << VALUE_BITS) - 1
+MAX_EPOCH = (1 << 31) - 1
+GRANT_FAILED = VALUE_MASK            # grant value meaning "receiver could not allocate"
+LL_NUM_BUFFERS = 2                   # low-latency double buffering
+
+
+def tag(epoch: int, value: int) -> int:
+    """Encode ``value`` for op ``epoch`` into one signal word."""
+    return (epoch << VALUE_BITS) | value
+
+
+def tag_epoch(word):
+    """Epoch field of a signal word (works on ints and int64 tensors/arrays)."""
+    return word >> VALUE_BITS
+
+
+def tag_value(word):
+    """Value field of a signal word (works on ints and int64 tensors/arrays)."""
+    return word & VALUE_MASK
+
+
+def round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+@dataclass(frozen=True)
+class HeaderLayout:
+    """Word offsets of every signal slot in a segment of a group of ``num_ranks`` ranks."""
+
+    num_ranks: int
+
+    @property
+    def row_words(self) -> int:            # one NOTIFY row, line aligned
+        return round_up(self.num_ranks, LINE_WORDS)
+
+    # word 0: magic, word 1: version, word 2: num_ranks, word 3: heap offset (bytes)
+    def notify(self, parity: int, src: int) -> int:
+        return LINE_WORDS + (parity * self.num_ranks + src) * self.row_words
+
+    @property
+    def grant(self) -> int:
+        return self.notify(2, 0)
+
+    def done(self, src: int) -> int:
+        return self.grant + LINE_WORDS * (1 + src)
+
+    @property
+    def num_words(self) -> int:
+        return self.done(self.num_ranks)
+
+    @property
+    def nbytes(self) -> int:
+        """Header size in bytes; the heap starts right after, page aligned."""
+        return round_up(self.num_words * 8, PAGE)
+
+
+@dataclass(frozen=True)
+class SlabLayout:
+    """Layout of one normal-mode receive region ("slab") holding ``rows`` received tokens.
+
+    Sub-arrays, each row-major, 64-byte aligned, in this order: payload ``[rows, row_bytes]``,
+    fp8 scales ``[rows, scale_cols]`` float32 (0 columns if not fp8), top-k ids
+    ``[rows, topk]`` int64, top-k weights ``[rows, topk]`` float32. Rows are ordered by source
+    rank, then by the token's index on the source: source ``s`` owns rows
+    ``[prefix[s], prefix[s] + count[s])``, so every sender computes its rows from the count
+    matrix alone.
+    """
+
+    rows: int
+    row_bytes: int
+    scale_cols: int = 0
+    topk: int = 0
+
+    def _sizes(self):
+        return (self.rows * self.row_bytes, self.rows * self.scale_cols * 4,
+                self.rows * self.topk * 8, self.rows * self.topk * 4)
+
+    @property
+    def offsets(self):
+        offs, at = [], 0
+        for size in self._sizes():
+            offs.append(at)
+            at = round_up(at + size, 64)
+        return offs
+
+    @property
+    def nbytes(self) -> int:
+        sizes, offs = self._sizes(), self.offsets
+        return round_up(offs[-1] + sizes[-1], PAGE)
+
+    @property
+    def num_pages(self) -> int:
+        return max(1, self.nbytes // PAGE)
