@@ -127,7 +127,7 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, is
     else:
         page, own_error = _grant(comm, epoch, mine.nbytes, "dispatch")
 
-    num_local = num_experts // R
+    num_local = num_experts // R if topk else 0
 
     def write(dst, dst_page):
         ids, c = send_ids[dst], int(matrix[me, dst])

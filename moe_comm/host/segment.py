@@ -113,7 +113,9 @@ class Segment:
         they die (the name is already unlinked, so nothing leaks past the process)."""
         self.unlink()
         self.bytes = None
-        try:
-            self._mm.close()
-        except BufferError:
-            pass
+        mm, self._mm = self._mm, None
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                pass        # still viewed: unmapped when the last view is collected

@@ -1,0 +1,113 @@
+"""Deadlines and resources: a silent peer is reported by rank within the deadline, never a
+hang; segments never outlive their job; destroy() unmaps everything."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import moe_comm
+from moe_comm.host.segment import PREFIX, SHM_DIR, Segment, reclaim_stale_segments
+from ranks import run_ranks
+
+
+def _our_segments():
+    return [n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX)]
+
+
+def _mapped_segments():
+    with open("/proc/self/maps") as f:
+        return [line for line in f if PREFIX in line]
+
+
+def _silent_peer(rank, n):
+    buf = moe_comm.Buffer(None, 4 << 20, timeout_s=1.5)
+    idx = torch.randint(0, 4 * n, (16, 2))
+    ntr, _, nte, itr, _ = buf.get_dispatch_layout(idx, 4 * n)
+    if rank == n - 1:          # the last rank never calls dispatch
+        time.sleep(3.0)
+        return None
+    t0 = time.monotonic()
+    try:
+        buf.dispatch(torch.randn(16, 128), topk_idx=idx, num_tokens_per_rank=ntr,
+                     is_token_in_rank=itr, num_tokens_per_expert=nte)
+    except moe_comm.CommTimeoutError as e:
+        return e.silent_ranks, e.op, time.monotonic() - t0
+    return "no error"
+
+
+def test_silent_peer_raises_comm_timeout_naming_it():
+    n = 3
+    results = run_ranks(_silent_peer, n, timeout=60)
+    for r in range(n - 1):
+        silent, op, elapsed = results[r]
+        assert silent == [n - 1], results[r]
+        assert op == "dispatch/notify"
+        assert 1.4 < elapsed < 3.0, elapsed
+
+
+def _destroy(rank, n):
+    buf = moe_comm.Buffer(None, 4 << 20, timeout_s=20)
+    assert _our_segments() == [] or all(str(os.getpid()) not in s for s in _our_segments())
+    idx = torch.randint(0, 2 * n, (8, 1))
+    ntr, _, nte, itr, _ = buf.get_dispatch_layout(idx, 2 * n)
+    rx, ri, rw, *_ = buf.dispatch(torch.randn(8, 128), topk_idx=idx, num_tokens_per_rank=ntr,
+                          is_token_in_rank=itr, num_tokens_per_expert=nte)
+    mapped_before = len(_mapped_segments())
+    kept = rx.clone()
+    buf.destroy()
+    still_mapped = len(_mapped_segments())       # rx is alive: its pages stay mapped
+    del rx, ri, rw
+    import gc
+    gc.collect()
+    with pytest.raises(RuntimeError, match="destroyed"):
+        buf.get_dispatch_layout(idx, 2 * n)
+    return mapped_before, still_mapped, len(_mapped_segments()), kept.shape[0]
+
+
+def test_destroy_unmaps_everything_and_names_are_gone():
+    n = 2
+    results = run_ranks(_destroy, n, timeout=60)
+    for before, during, after, _ in results:
+        assert before == n and during >= 1 and after == 0, results
+    assert _our_segments() == []
+
+
+def _killed_mid_run(rank, n):
+    buf = moe_comm.Buffer(None, 4 << 20, timeout_s=20)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.2)
+    return True
+
+
+def test_killed_rank_leaves_no_segment():
+    run_ranks(_killed_mid_run, 2, timeout=60, expect_exit=(1,))
+    assert _our_segments() == []
+
+
+def test_segment_of_a_dead_creator_is_reclaimed_on_next_start():
+    pid = os.fork()
+    if pid == 0:              # a "rank" killed between creating and unlinking its segment
+        Segment.create(f"{PREFIX}testjob.0.{os.getpid()}", 1 << 16)
+        os.kill(os.getpid(), signal.SIGKILL)
+    os.waitpid(pid, 0)
+    name = f"{PREFIX}testjob.0.{pid}"
+    assert name in _our_segments()
+    mode = os.stat(os.path.join(SHM_DIR, name)).st_mode & 0o777
+    assert mode == 0o600
+    assert name in reclaim_stale_segments()
+    assert name not in _our_segments()
+
+
+def test_reclaim_spares_live_segments():
+    seg = Segment.create(f"{PREFIX}livejob.0.{os.getpid()}", 1 << 16)
+    try:
+        assert seg.name not in reclaim_stale_segments()
+        assert seg.name in _our_segments()
+    finally:
+        seg.close()
+    assert seg.name not in _our_segments()
