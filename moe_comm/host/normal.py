@@ -26,6 +26,7 @@ from ..errors import BufferTooSmallError
 from ..handle import DispatchHandle
 from ..layout import local_topk
 from ..wire import GRANT_FAILED, PAGE, SlabLayout, tag_value
+from .reduce import sum_rows_per_token
 
 
 class ReceiverFailed(RuntimeError):
@@ -222,19 +223,18 @@ def combine(comm, *, x, handle, topk_weights, bias):
         staging = torch.from_numpy(comm.heap.view(page, mine.nbytes))
         o, n = mine.offsets, mine.rows
         rows = staging[o[0]:o[0] + n * row_bytes].view(dtype).view(n, hidden)
-        token_ids = torch.cat(send_ids) if send_ids else torch.empty(0, dtype=torch.int64)
-        acc = torch.zeros(handle.num_tokens, hidden, dtype=torch.float32)
-        acc.index_add_(0, token_ids, rows if dtype == torch.float32 else rows.float())
+        bounds = np.concatenate([[0], np.cumsum(matrix[me])])
+        segments = [rows[bounds[d]:bounds[d + 1]] for d in range(R)]
+        out = sum_rows_per_token(segments, send_ids, handle.num_tokens, dtype, bias)
         combined_w = None
         if topk:
+            token_ids = torch.cat(send_ids)
             w = staging[o[3]:o[3] + n * topk * 4].view(torch.float32).view(n, topk)
             combined_w = torch.zeros(handle.num_tokens, topk, dtype=torch.float32)
             combined_w.index_add_(0, token_ids, w)
     finally:
         comm.heap.free(page)
-    for b in bias:
-        acc += b
-    return acc.to(dtype), combined_w
+    return out, combined_w
 
 
 def _rotation(me: int, R: int):
