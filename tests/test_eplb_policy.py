@@ -142,7 +142,7 @@ def check_consistent(phy2log, log2phy, logcnt, L, P, R, active=None):
             assert held.unique().numel() == held.numel(), f"rank {r} holds a duplicate"
 
 
-def zipf_weights(layers, L, seed, s=1.1):
+def zipf_weights(layers, L, seed, s=0.8):
     g = torch.Generator().manual_seed(seed)
     base = 1000.0 / torch.arange(1, L + 1, dtype=torch.float64) ** s
     return torch.stack([base[torch.randperm(L, generator=g)] for _ in range(layers)])
@@ -225,7 +225,7 @@ def test_large_zipf_constraints_and_gain():
     assert (logcnt.sum(1) == P).all()
     before = balancedness(w, torch.arange(L).repeat(layers, 1), R)  # no replication, contiguous
     after = balancedness(w, phy2log, R)
-    assert (after > before).all() and after.mean() > 0.75, (before.mean(), after.mean())
+    assert (after > 2 * before).all() and after.mean() > 0.75, (before.mean(), after.mean())
     # hierarchical: every replica of a group lives on one node, G/N groups per node
     node_of_slot = torch.arange(P) // (P // N)
     for ly in range(layers):
@@ -268,7 +268,7 @@ def node_locality(phy2log, L, G, P, N):
     (list(range(16, 32)), True),       # two nodes out: 2 nodes x 4 groups
 ])
 def test_active_ranks(failed, hier):
-    layers, L, P, G, N, R = 3, 64, 96, 8, 4, 32
+    layers, L, P, G, N, R = 3, 64, 160, 8, 4, 32
     w = zipf_weights(layers, L, seed=4)
     active = torch.ones(R, dtype=torch.int64)
     active[failed] = 0
@@ -277,8 +277,8 @@ def test_active_ranks(failed, hier):
     assert (logcnt.sum(1) == (R - len(failed)) * (P // R)).all()
     assert node_locality(phy2log, L, G, P, N) == hier
     bal = balancedness(w, phy2log, R, active)
-    assert (bal > balancedness(w, torch.arange(L).repeat(layers, 1).repeat_interleave(P // L, 1)
-                               .masked_fill(~active.bool().repeat_interleave(P // R), -1), R, active)).all()
+    print(f"failed {failed}: balancedness {bal.mean():.3f}")
+    assert (bal > (0.5 if hier else 0.85)).all()  # group locality costs balance on skewed loads
 
 
 def test_too_few_healthy_slots():
@@ -317,15 +317,16 @@ def test_old_placement_kept(groups):
           f"{int(moved_fresh.sum())} without (of {layers * P})")
     assert (moved_sticky <= moved_fresh).all() and moved_sticky.sum() < 0.9 * moved_fresh.sum()
     assert torch.equal(cnt_sticky, cnt_fresh)
-    # same per-rank loads up to a permutation -> same balancedness
-    a = rank_loads(w2, fresh, R).sort(1).values
-    b = rank_loads(w2, sticky, R).sort(1).values
-    assert torch.allclose(a, b, rtol=1e-12)
-    assert torch.allclose(balancedness(w2, fresh, R), balancedness(w2, sticky, R), rtol=1e-12)
+    # Keeping slots never costs balance: same replica counts, max rank load not above the
+    # fresh one (the mean is fixed), so balancedness is equal or better in every layer.
+    assert (rank_loads(w2, sticky, R).amax(1) <= rank_loads(w2, fresh, R).amax(1) * (1 + 1e-12)).all()
+    bal_fresh, bal_sticky = balancedness(w2, fresh, R), balancedness(w2, sticky, R)
+    assert (bal_sticky >= bal_fresh * (1 - 1e-12)).all()
+    print(f"  balancedness {bal_fresh.mean():.6f} -> {bal_sticky.mean():.6f}")
 
 
 def test_old_placement_with_failure():
-    layers, L, P, G, N, R = 4, 64, 96, 8, 4, 32
+    layers, L, P, G, N, R = 4, 64, 160, 8, 4, 32
     w = zipf_weights(layers, L, seed=7)
     active = torch.ones(R, dtype=torch.int64)
     active[16:] = 0
@@ -348,7 +349,7 @@ def test_count_moved_experts():
 # ----------------------------------------------------------------------------- validation, timing
 
 @pytest.mark.parametrize("kwargs,exc,match", [
-    (dict(num_replicas=20), ValueError, "num_replicas"),
+    (dict(num_replicas=22), ValueError, "num_replicas"),
     (dict(num_replicas=12), ValueError, "num_replicas"),          # < L
     (dict(num_gpus=3, num_replicas=18), ValueError, "num_nodes"),
     (dict(num_groups=3, num_nodes=1), ValueError, "num_groups"),  # 16 % 3

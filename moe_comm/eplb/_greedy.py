@@ -44,7 +44,7 @@ def replicate_greedy(weight: torch.Tensor, num_items: int, max_count: int):
 
 
 def pack_greedy(item_expert: torch.Tensor, item_weight: torch.Tensor, num_experts: int,
-                num_packs: int, capacity: int):
+                num_packs: int, capacity: int, *, prefer=None, pull: float = 0.0):
     """Heaviest item first into the lightest pack that has room and lacks that expert.
 
     Every pack ends with exactly ``capacity`` items and no pack holds two items
@@ -58,6 +58,11 @@ def pack_greedy(item_expert: torch.Tensor, item_weight: torch.Tensor, num_expert
         num_experts: number of distinct expert ids.
         num_packs: packs per problem.
         capacity: items per pack.
+        prefer: optional ``[B, num_packs, num_experts]`` bool, pack p would like
+            expert e (it held it before).  Such a pack looks lighter by
+            ``pull * item weight`` when choosing where an item of e goes, a
+            nudge towards keeping placements that costs little balance.
+        pull: strength of that nudge (0 = plain greedy).
 
     Returns:
         slot_expert: ``[B, num_packs, capacity]`` int64 expert id in each pack slot,
@@ -80,7 +85,8 @@ def pack_greedy(item_expert: torch.Tensor, item_weight: torch.Tensor, num_expert
     for i in range(M):
         e, w = exp_sorted[:, i], w_sorted[:, i]
         ok = (fill < capacity) & ~has[rows, :, e]
-        p = torch.where(ok, load, inf).argmin(dim=1)  # lightest eligible, first on ties
+        key = load if prefer is None else load - (pull * w).unsqueeze(1) * prefer[rows, :, e]
+        p = torch.where(ok, key, inf).argmin(dim=1)  # lightest eligible, first on ties
         stuck = ~ok[rows, p]
         r = rows
         if bool(stuck.any()):  # rare: fix those problems one by one in Python
@@ -88,13 +94,18 @@ def pack_greedy(item_expert: torch.Tensor, item_weight: torch.Tensor, num_expert
                 _repair(b, int(e[b]), float(w[b]), slot_expert, slot_weight, load, fill, has)
             r = rows[~stuck]
             e, w, p = e[r], w[r], p[r]
-        pos = fill[r, p]
-        slot_expert[r, p, pos] = e
-        slot_weight[r, p, pos] = w
-        load[r, p] += w
-        fill[r, p] += 1
-        has[r, p, e] = True
+        _put(slot_expert, slot_weight, load, fill, has, r, p, e, w)
     return slot_expert, load
+
+
+def _put(slot_expert, slot_weight, load, fill, has, r, p, e, w):
+    """Append item (expert e, weight w) to pack p of problems r."""
+    pos = fill[r, p]
+    slot_expert[r, p, pos] = e
+    slot_weight[r, p, pos] = w
+    load[r, p] += w
+    fill[r, p] += 1
+    has[r, p, e] = True
 
 
 def _repair(b, e, w, slot_expert, slot_weight, load, fill, has):

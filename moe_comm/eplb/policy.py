@@ -24,14 +24,20 @@ Beyond DeepSeek:
 * ``active_ranks``: failed ranks get no experts.  The hierarchical policy is
   kept only while it stays even: every node that still has a healthy rank must
   have the *same* number of them, the number of such nodes must divide
-  ``num_groups``, and each node must fit its experts without duplicates.  So a
-  whole-node outage can stay hierarchical, but a single failed GPU falls back to
+  ``num_groups``, and each node must fit its experts without duplicates
+  (``L / nodes >= slots per rank``, also checked without failures).  So one
+  failed GPU per node, or whole-node outages leaving a divisor of
+  ``num_groups`` nodes, stay hierarchical; a single failed GPU falls back to
   the global policy over the healthy ranks (an uneven node would either carry
   its full group load on fewer GPUs or need uneven group counts).
-* ``old_phy2log``: the new placement is permuted (nodes, ranks within a node,
-  slots within a rank) to keep as many (slot, expert) pairs as possible.
-  Permutations move whole packs, so per-rank loads and balancedness are exactly
-  those of the run without ``old_phy2log``.
+* ``old_phy2log``: keep as many (slot, expert) pairs as possible without
+  lowering balancedness.  The replica counts are those of the fresh run; packs
+  are matched to old nodes/ranks and entries to old slots, and per node a
+  re-packing nudged towards old ranks is used if its max rank load does not
+  exceed the fresh one (see :func:`_align`).  Balancedness (mean/max rank load,
+  the mean being fixed) is therefore equal to or better than without
+  ``old_phy2log``, and no layer moves more experts than the fresh placement
+  would.
 """
 
 from __future__ import annotations
@@ -55,8 +61,8 @@ def rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus, *,
         num_gpus: ranks; each holds ``P // num_gpus`` consecutive slots.
         active_ranks: optional ``[num_gpus]`` int/bool tensor, 0 = failed rank.
         old_phy2log: optional ``[layers, P]`` int tensor, the current placement
-            (``-1`` = empty slot); the result keeps as many of its slots as it can
-            without changing balance.
+            (``-1`` = empty slot); the result keeps as many of its slots as it
+            can with the same replica counts and no lower balancedness.
 
     Returns:
         phy2log: ``[layers, P]`` int64, ``-1`` on failed ranks.
@@ -95,8 +101,8 @@ def rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus, *,
         raise ValueError(f"active_ranks leaves {H} healthy slots for {L} logical experts: "
                          f"{L - H} slots missing")
     if S > L:
-        raise ValueError(f"{S} slots per rank but only {L} logical experts: some rank would "
-                         f"hold two replicas of one expert")
+        raise ValueError(f"num_replicas / num_gpus = {S} slots per rank but only {L} logical "
+                         f"experts: some rank would hold two replicas of one expert")
 
     # Node layout: a list of nodes, each with the same number h of healthy ranks.
     node_count = active.view(num_nodes, per_node).sum(1)
@@ -108,23 +114,23 @@ def rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus, *,
                         and h * S >= L // U and S <= L // U)
     if hierarchical:
         rank_table = torch.stack([healthy[(healthy // per_node) == n] for n in used.tolist()])
-        assign = _hierarchical(w, num_groups, U, h, S)
+        assign, packing = _hierarchical(w, num_groups, U, h, S)
     else:
         rank_table = healthy.view(1, -1)
-        assign = _place_node(w, torch.arange(L).expand(layers, 1, L), healthy.numel(), S)
+        assign, packing = _place_node(w, torch.arange(L).expand(layers, 1, L), healthy.numel(), S)
 
     if old is None:  # canonical: pack p of node n on the n-th used node's p-th healthy rank
         phy2log = _materialize(assign, rank_table.expand(layers, -1, -1), S, P, None)
     else:  # experts on failed ranks cannot stay; hide them so they never count as kept
         old = old.masked_fill(~active.bool().repeat_interleave(S).expand(layers, P), -1)
-        phy2log = _align(assign, rank_table, S, P, old, L)
+        phy2log = _align(assign, packing, rank_table, S, P, old, L)
     log2phy, logcnt = _build_log2phy(phy2log, L, P - L + 1)
     dev = weight.device
     return phy2log.to(dev), log2phy.to(dev), logcnt.to(dev)
 
 
 def _hierarchical(w, G, U, h, S):
-    """Groups -> nodes -> ranks.  Returns ``[layers, U, h, S]`` logical ids."""
+    """Groups -> nodes -> ranks.  Returns what :func:`_place_node` returns."""
     layers, L = w.shape
     gs = L // G
     group_load = w.view(layers, G, gs).sum(-1)
@@ -137,15 +143,18 @@ def _place_node(w, node_experts, h, S):
     """Replicate each node's experts over ``h*S`` slots and pack them on ``h`` ranks.
 
     Args: w ``[layers, L]`` float64; node_experts ``[layers, U, n]`` logical ids per node.
-    Returns: ``[layers, U, h, S]`` int64 logical id per (node, rank, slot).
+    Returns: ``[layers, U, h, S]`` int64 logical id per (node, rank, slot), and a
+    dict with the packing inputs and pack loads (rows = layers x nodes) so that
+    :func:`_align` can re-pack the same replicas.
     """
     layers, U, n = node_experts.shape
     flat = node_experts.reshape(layers * U, n)
     wn = w.repeat_interleave(U, dim=0).gather(1, flat)
     count, items = replicate_greedy(wn, h * S, max_count=h)
     item_w = wn.gather(1, items) / count.gather(1, items)
-    slots, _ = pack_greedy(items, item_w, n, h, S)
-    return flat.gather(1, slots.view(layers * U, h * S)).view(layers, U, h, S)
+    slots, load = pack_greedy(items, item_w, n, h, S)
+    assign = flat.gather(1, slots.view(layers * U, h * S)).view(layers, U, h, S)
+    return assign, dict(experts=flat, items=items, item_w=item_w, load=load)
 
 
 def _materialize(assign, rank_of, S, P, old):
@@ -189,11 +198,27 @@ def _slot_match(new, old):
     return torch.where(unmatched, free_first.gather(1, k), pos)
 
 
-def _align(assign, rank_table, S, P, old, L):
-    """Permute nodes and ranks (greedy max overlap with ``old``) and keep slots.
+# How strongly the sticky re-packing favours a replica's old rank (fraction of its load).
+_STICKY_PULL = 0.2
 
-    Returns the better (more kept slots) per layer of the aligned placement and
-    the canonical one, so keeping ``old_phy2log`` never moves more experts.
+
+def _align(assign, packing, rank_table, S, P, old, L):
+    """Placement with the most slots kept from ``old`` and no worse balance, per layer.
+
+    Candidates, all with the greedy replica counts:
+
+    A. the greedy packs, nodes and ranks permuted (greedy max overlap with ``old``);
+    B. the greedy packs in canonical order;
+    C. per node, a *sticky* re-packing on the ranks chosen in A: the greedy rule,
+       but a rank that held the replica's expert looks lighter by
+       ``_STICKY_PULL x`` the replica's load.  A node takes C instead of A only
+       if C keeps more slots and its max rank load stays <= the greedy max
+       rank load of the layer.
+
+    Balancedness is mean/max of rank load and the mean is fixed, so A and B have
+    exactly the greedy balancedness and A+C at least that.  The layer gets A+C
+    or B, whichever keeps more; every candidate keeps entries on their old slot
+    within a rank (see :func:`_slot_match`).
     """
     layers, U, h, _ = assign.shape
     R = P // S
@@ -208,12 +233,30 @@ def _align(assign, rank_table, S, P, old, L):
     old_cand = old_rank.gather(1, cand.view(layers, -1, 1).expand(-1, -1, L)).view(layers, U, h, L)
     overlap = new_pack @ old_cand.transpose(2, 3)  # [layers, U, h, h]
     perm = greedy_match(overlap.view(-1, h, h)).view(layers, U, h)
-    aligned = _materialize(assign, cand.gather(2, perm), S, P, old)
-    canon = _materialize(assign, rank_table.expand(layers, U, h), S, P, old)
+    a = _materialize(assign, cand.gather(2, perm), S, P, old)
+    b = _materialize(assign, rank_table.expand(layers, U, h), S, P, old)
+
+    experts, n = packing["experts"], packing["experts"].shape[1]
+    prefer = old_cand.view(layers * U, h, L).gather(2, experts.unsqueeze(1).expand(-1, h, n)) > 0
+    slots, load = pack_greedy(packing["items"], packing["item_w"], n, h, S,
+                              prefer=prefer, pull=_STICKY_PULL)
+    sticky = experts.gather(1, slots.view(layers * U, h * S)).view(layers, U, h, S)
+    c = _materialize(sticky, cand, S, P, old)
+    bound = packing["load"].view(layers, U * h).amax(1, keepdim=True)  # greedy max rank load
+    fits = load.view(layers, U, h).amax(2) <= bound  # [layers, U]
+
+    node_slots = (cand.unsqueeze(-1) * S + torch.arange(S)).view(layers, U, h * S)
+
+    def kept_per_node(x):  # A and C put node u on the same slots, so compare them per node
+        return ((x == old) & (x >= 0)).gather(1, node_slots.view(layers, -1)).view(layers, U, -1).sum(2)
+    use_c = fits & (kept_per_node(c) > kept_per_node(a))
+    slot_use_c = torch.zeros(layers, P, dtype=torch.bool).scatter_(
+        1, node_slots.view(layers, -1), use_c.unsqueeze(2).expand(-1, -1, h * S).reshape(layers, -1))
+    ac = torch.where(slot_use_c, c, a)
 
     def kept(x):
-        return ((x == old) & (x >= 0)).sum(1)
-    return torch.where((kept(aligned) >= kept(canon)).unsqueeze(1), aligned, canon)
+        return ((x == old) & (x >= 0)).sum(1, keepdim=True)
+    return torch.where(kept(ac) >= kept(b), ac, b)
 
 
 def _build_log2phy(phy2log, L, width):
