@@ -11,10 +11,13 @@ import torch.distributed as dist
 
 from . import validate as check
 from .config import Config, normal_buffer_size_hint
-from .event import EventOverlap, capture_event
-from .handle import DispatchHandle
+from .errors import BufferTooSmallError
+from .event import EventOverlap, RecvHook, capture_event
+from .handle import DispatchHandle, LowLatencyHandle
 from .layout import aligned_expert_counts, dispatch_layout
+from .host import ll as host_ll
 from .host import normal as host_normal
+from .wire import LL_MAX_TOPK, LL_NUM_BUFFERS, LLLayout
 from .host.comm import HostComm
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -63,6 +66,10 @@ class Buffer:
         self.explicitly_destroy = explicitly_destroy
         self._comm = HostComm(self.group, self.num_nvl_bytes, num_rdma_bytes, self.timeout_s)
         self._key = (id(self), self._comm.job)
+        # per LL kind, the receive hook still pending on each of the two buffers
+        self._ll_pending = {"dispatch": [None] * LL_NUM_BUFFERS,
+                            "combine": [None] * LL_NUM_BUFFERS}
+        self._zero_copy = [None] * LL_NUM_BUFFERS
 
     # -- static helpers (DeepEP) ----------------------------------------------------------
     @staticmethod
@@ -268,6 +275,208 @@ class Buffer:
         if num_tokens is not None and num_tokens != handle.num_tokens:
             raise ValueError(f"x has {num_tokens} tokens but handle was made for "
                              f"{handle.num_tokens}")
+
+    # -- low-latency mode -------------------------------------------------------------------
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                       num_ranks: int, num_experts: int) -> int:
+        """``num_rdma_bytes`` a low-latency buffer needs for these shapes (both buffers)."""
+        return LLLayout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts).nbytes
+
+    def _ll_layout(self, comm, max_tokens, hidden, num_experts) -> LLLayout:
+        if not self.low_latency_mode:
+            raise ValueError("low-latency calls need Buffer(..., low_latency_mode=True)")
+        if not isinstance(max_tokens, int) or max_tokens <= 0:
+            raise ValueError(f"num_max_dispatch_tokens_per_rank must be a positive int, got "
+                             f"{max_tokens!r}")
+        check.num_experts(num_experts, self.group_size)
+        if hidden % 128:
+            raise ValueError(f"hidden size {hidden} must be a multiple of 128 in low-latency "
+                             "mode (one fp8 scale per 128 channels)")
+        lay = LLLayout(max_tokens, hidden, self.group_size, num_experts)
+        if lay.nbytes > comm.ll_bytes:
+            raise BufferTooSmallError("low-latency mode", lay.nbytes, comm.ll_bytes,
+                                      argument="num_rdma_bytes")
+        return lay
+
+    def _ll_reserve(self, kind: str, seq: int):
+        """Refuse a third call in flight: buffer ``seq % 2`` must have no pending hook."""
+        buf = seq % LL_NUM_BUFFERS
+        pending = self._ll_pending[kind][buf]
+        if pending is not None and not pending.done:
+            raise RuntimeError(f"two low-latency {kind} calls are already in flight; call the "
+                               f"receive hook of the earlier one before starting another")
+        return buf
+
+    def _ll_finish(self, kind, buf, receive, return_recv_hook):
+        if not return_recv_hook:
+            receive()
+            return lambda: None
+        hook = RecvHook(receive)
+        self._ll_pending[kind][buf] = hook
+        return hook
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                             num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                             cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+                             use_fp8: bool = True, round_scale: bool = False,
+                             use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False):
+        """Low-latency dispatch: one message per (token, expert), no count exchange first.
+
+        Args:
+            x: bf16 [T, H], T <= num_max_dispatch_tokens_per_rank, H % 128 == 0.
+            topk_idx: int64 [T, K] expert ids (-1 = unused slot), K <= 16.
+            num_max_dispatch_tokens_per_rank: the most tokens any rank dispatches (M).
+            num_experts: total experts E; rank r owns [r*E/R, (r+1)*E/R).
+            cumulative_local_expert_recv_stats: int32 [E/R] or None; received counts are
+                added to it (for EPLB).
+            use_fp8: cast to float8_e4m3fn with one float32 scale per 128 channels before
+                sending; round_scale: scales rounded up to powers of two; use_ue8m0: scales
+                packed as UE8M0 bytes, four per int32 (needs round_scale, H % 512 == 0).
+            return_recv_hook: only send; the returned ``hook()`` receives. At most two calls
+                may await their hook at once.
+        Returns:
+            recv_x: bf16 [E/R, R*M, H], or (float8_e4m3fn [E/R, R*M, H], scales float32
+                [E/R, R*M, H/128] or int32 [E/R, R*M, H/512] with use_ue8m0); rows of expert
+                le past recv_count[le] are undefined;
+            recv_count: int32 [E/R] rows received per local expert;
+            handle: for low_latency_combine; event: EventOverlap; hook: the receive half (a
+                no-op when return_recv_hook is False).
+        """
+        comm = self._live()
+        check.tensor("x", x, ndim=2, dtypes=(torch.bfloat16,))
+        num_tokens, hidden = x.shape
+        lay = self._ll_layout(comm, num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        if num_tokens > num_max_dispatch_tokens_per_rank:
+            raise ValueError(f"x has {num_tokens} tokens, more than "
+                             f"num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}")
+        check.topk_idx(topk_idx, num_experts, num_tokens)
+        if topk_idx.shape[1] > LL_MAX_TOPK:
+            raise ValueError(f"topk_idx has {topk_idx.shape[1]} columns; low-latency mode "
+                             f"supports top-k <= {LL_MAX_TOPK}")
+        if use_ue8m0 and not (use_fp8 and round_scale):
+            raise ValueError("use_ue8m0 needs use_fp8=True and round_scale=True (UE8M0 holds "
+                             "powers of two)")
+        if use_ue8m0 and hidden % 512:
+            raise ValueError(f"use_ue8m0 packs 4 scales per int32: hidden {hidden} must be a "
+                             "multiple of 512")
+        stats = cumulative_local_expert_recv_stats
+        num_local = num_experts // self.group_size
+        if stats is not None:
+            check.tensor("cumulative_local_expert_recv_stats", stats, ndim=1,
+                         dtypes=(torch.int32, torch.int64))
+            if stats.shape[0] != num_local:
+                raise ValueError(f"cumulative_local_expert_recv_stats must have {num_local} "
+                                 f"entries, got {stats.shape[0]}")
+        buf = self._ll_reserve("dispatch", comm.ll_seq["dispatch"] + 1)
+        x = x.contiguous()
+        handle = host_ll.dispatch_send(comm, x=x, topk_idx=topk_idx, lay=lay, use_fp8=use_fp8,
+                                       round_scale=round_scale, buffer_key=self._key)
+        rows = self.group_size * num_max_dispatch_tokens_per_rank
+        recv_x = torch.empty(num_local, rows, hidden,
+                             dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16)
+        recv_scales = None
+        if use_ue8m0:
+            recv_scales = torch.empty(num_local, rows, hidden // 512, dtype=torch.int32)
+        elif use_fp8:
+            recv_scales = torch.empty(num_local, rows, hidden // 128, dtype=torch.float32)
+        recv_count = torch.zeros(num_local, dtype=torch.int32)
+
+        def receive():
+            host_ll.dispatch_recv(comm, handle, lay, recv_x=recv_x, recv_scales=recv_scales,
+                                  recv_count=recv_count, use_fp8=use_fp8, use_ue8m0=use_ue8m0,
+                                  stats=stats)
+
+        hook = self._ll_finish("dispatch", buf, receive, return_recv_hook)
+        out_x = (recv_x, recv_scales) if use_fp8 else recv_x
+        return out_x, recv_count, handle, EventOverlap(), hook
+
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        """bf16 [E/R, R*M, H]: write expert outputs here and call
+        ``low_latency_combine(..., zero_copy=True)`` to send them without another copy."""
+        comm = self._live()
+        self._check_ll_handle(handle)
+        buf = (comm.ll_seq["combine"] + 1) % LL_NUM_BUFFERS
+        shape = (handle.num_experts // self.group_size, self.group_size * handle.max_tokens,
+                 handle.hidden)
+        t = self._zero_copy[buf]
+        if t is None or tuple(t.shape) != shape:
+            t = self._zero_copy[buf] = torch.empty(shape, dtype=torch.bfloat16)
+        return t
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                            topk_weights: torch.Tensor, handle: LowLatencyHandle,
+                            zero_copy: bool = False, async_finish: bool = False,
+                            return_recv_hook: bool = False, out: torch.Tensor | None = None):
+        """Send expert outputs back and take each token's top-k weighted sum.
+
+        Args:
+            x: bf16 [E/R, R*M, H] expert outputs in the layout low_latency_dispatch returned
+                (ignored with zero_copy=True: the combine buffer is read instead).
+            topk_idx: int64 [T, K], the ids passed to the dispatch of ``handle``.
+            topk_weights: float32 [T, K]; -1 slots contribute nothing.
+            handle: the dispatch handle (its receive hook must have run).
+            zero_copy: x was written into get_next_low_latency_combine_buffer(handle).
+            return_recv_hook: only send; ``hook()`` receives and fills the output.
+            out: optional bf16 [T, H] to write the result into.
+        Returns:
+            combined_x bf16 [T, H], event, hook.
+        """
+        comm = self._live()
+        self._check_ll_handle(handle)
+        if not handle.received:
+            raise RuntimeError("the dispatch of this handle has not received yet: call its "
+                               "receive hook before low_latency_combine")
+        lay = self._ll_layout(comm, handle.max_tokens, handle.hidden, handle.num_experts)
+        shape = (lay.num_local, self.group_size * handle.max_tokens, handle.hidden)
+        if zero_copy:
+            x = self.get_next_low_latency_combine_buffer(handle)
+        check.tensor("x", x, ndim=3, dtypes=(torch.bfloat16,))
+        if tuple(x.shape) != shape:
+            raise ValueError(f"x must have shape {shape}, got {tuple(x.shape)}")
+        check.tensor("topk_idx", topk_idx, ndim=2, dtypes=(torch.int64,))
+        if tuple(topk_idx.shape) != (handle.num_tokens, handle.topk):
+            raise ValueError(f"topk_idx must be the dispatched ids, shape "
+                             f"{(handle.num_tokens, handle.topk)}, got {tuple(topk_idx.shape)}")
+        check.topk_weights(topk_weights, topk_idx)
+        if out is None:
+            out = torch.empty(handle.num_tokens, handle.hidden, dtype=torch.bfloat16)
+        else:
+            check.tensor("out", out, ndim=2, dtypes=(torch.bfloat16,))
+            if tuple(out.shape) != (handle.num_tokens, handle.hidden):
+                raise ValueError(f"out must have shape {(handle.num_tokens, handle.hidden)}, "
+                                 f"got {tuple(out.shape)}")
+        buf = self._ll_reserve("combine", comm.ll_seq["combine"] + 1)
+        seq, buf = host_ll.combine_send(comm, x=x.contiguous(), handle=handle, lay=lay)
+
+        def receive():
+            host_ll.combine_recv(comm, seq, buf, lay, topk_idx=topk_idx,
+                                 topk_weights=topk_weights, out=out)
+
+        hook = self._ll_finish("combine", buf, receive, return_recv_hook)
+        return out, EventOverlap(), hook
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                 num_experts: int) -> None:
+        """Reset the low-latency buffers (collective: every rank calls it; no LL call may be
+        in flight). Normal-mode calls never touch them, so interleaving needs no cleaning;
+        this is for starting LL over, e.g. after an aborted call."""
+        comm = self._live()
+        self._ll_layout(comm, num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        for kind, hooks in self._ll_pending.items():
+            if any(h is not None and not h.done for h in hooks):
+                raise RuntimeError(f"a low-latency {kind} still awaits its receive hook")
+        dist.barrier(group=self.group)
+        comm.reset_ll()
+        dist.barrier(group=self.group)
+
+    def _check_ll_handle(self, handle):
+        if not isinstance(handle, LowLatencyHandle):
+            raise TypeError(f"handle must be the handle returned by low_latency_dispatch, got "
+                            f"{type(handle).__name__}")
+        if handle.buffer_key != self._key:
+            raise ValueError("handle comes from another Buffer")
 
     # -- lifetime ---------------------------------------------------------------------------
     def destroy(self) -> None:

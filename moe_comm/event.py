@@ -32,3 +32,21 @@ def capture_event() -> EventOverlap:
         ev.record(torch.cuda.current_stream())
         return EventOverlap(ev)
     return EventOverlap()
+
+
+class RecvHook:
+    """The receive half of a low-latency call (``return_recv_hook=True``): calling it waits
+    for the data and fills the tensors the call returned. It runs exactly once."""
+
+    def __init__(self, receive, on_done=None):
+        self._receive, self._on_done, self.done = receive, on_done, False
+
+    def __call__(self):
+        if self.done:
+            raise RuntimeError("this receive hook already ran; each hook runs once")
+        self.done = True
+        try:
+            self._receive()
+        finally:
+            if self._on_done is not None:
+                self._on_done()

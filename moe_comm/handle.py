@@ -27,3 +27,23 @@ class DispatchHandle:
 
     def rows_from(self, rank: int) -> int:
         return int(self.count_matrix[:, rank].sum())
+
+
+@dataclass(eq=False)
+class LowLatencyHandle:
+    """Opaque; pass to ``low_latency_combine``. Filled by the dispatch receive (the hook).
+
+    ``recv_meta[le, i]`` = ``token << 8 | topk_slot`` of packed row i of local expert le;
+    ``recv_ranges[le, src]`` = (first packed row, count) of the rows src sent to le."""
+
+    buffer_key: tuple
+    seq: int
+    buf: int
+    max_tokens: int
+    hidden: int
+    num_experts: int
+    num_tokens: int
+    topk: int
+    recv_meta: torch.Tensor = None
+    recv_ranges: torch.Tensor = None
+    received: bool = False

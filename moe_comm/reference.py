@@ -70,3 +70,47 @@ def reference_combine(recv_ys, dispatched, num_tokens, out_dtype=None, bias=None
             for b in (bias[r] if isinstance(bias[r], (tuple, list)) else (bias[r],)):
                 acc[r] += b.float()
     return [a.to(dtype) for a in acc]
+
+
+def reference_ll_dispatch(xs, topk_idxs, num_experts, max_tokens):
+    """Low-latency dispatch: one row per (token, expert), packed per local expert.
+
+    Returns per destination rank a dict with ``recv_x`` [E_local, R*max_tokens, H] (rows past
+    the count are zero), ``recv_count`` int32 [E_local], and ``recv_src`` int64
+    [E_local, R*max_tokens, 3] of (source rank, token, top-k slot), -1 past the count. Rows of
+    one expert are ordered by source rank, then token index."""
+    num_ranks = len(xs)
+    num_local = num_experts // num_ranks
+    hidden = xs[0].shape[1]
+    outs = []
+    for dst in range(num_ranks):
+        recv = torch.zeros(num_local, num_ranks * max_tokens, hidden, dtype=xs[0].dtype)
+        src = torch.full((num_local, num_ranks * max_tokens, 3), -1, dtype=torch.int64)
+        count = torch.zeros(num_local, dtype=torch.int32)
+        for le in range(num_local):
+            e = dst * num_local + le
+            for s in range(num_ranks):
+                hits = (topk_idxs[s] == e).nonzero()          # (token, slot), token-sorted
+                for t, k in hits.tolist():
+                    i = int(count[le])
+                    recv[le, i] = xs[s][t]
+                    src[le, i] = torch.tensor([s, t, k])
+                    count[le] += 1
+        outs.append(dict(recv_x=recv, recv_count=count, recv_src=src))
+    return outs
+
+
+def reference_ll_combine(recv_ys, dispatched, topk_idxs, topk_weights):
+    """``recv_ys[d]`` [E_local, R*max_tokens, H]: expert outputs in the received layout.
+    Returns per rank [T, H] bf16: sum over k of weight[t, k] * output of expert k for token t
+    (float32 accumulation; -1 slots contribute nothing)."""
+    num_ranks = len(recv_ys)
+    hidden = recv_ys[0].shape[-1]
+    acc = [torch.zeros(t.shape[0], hidden) for t in topk_idxs]
+    for d in range(num_ranks):
+        src, count = dispatched[d]["recv_src"], dispatched[d]["recv_count"]
+        for le in range(src.shape[0]):
+            for i in range(int(count[le])):
+                s, t, k = src[le, i].tolist()
+                acc[s][t] += topk_weights[s][t, k] * recv_ys[d][le, i].float()
+    return [a.bfloat16() for a in acc]

@@ -14,6 +14,15 @@ Header (int64 words). Each signal slot is written by exactly one peer and read b
 - ``GRANT``: the owner's answer "receive region for op ``epoch`` starts at heap page ``v``"
   (``GRANT_FAILED`` = it could not allocate; senders skip it and raise too).
 - ``DONE[src]``: source ``src`` finished writing its payload for op ``epoch``.
+- ``LL_DISPATCH_FREE[buf]`` / ``LL_COMBINE_FREE[buf]``: the owner finished reading its
+  low-latency receive buffer ``buf`` for LL call number ``epoch`` (senders of call s wait for
+  s-2 on the same buffer before overwriting it: flow control of the double buffers).
+- ``LL_COMBINE_DONE[buf][src]``: src finished writing its LL combine rows (value = rows).
+
+The low-latency region (after the heap) is laid out by :class:`LLLayout`; its dispatch count
+words ``[src][local_expert]`` carry the number of tokens src sent to that expert, written
+after the rows (one message per (token, expert), so 0 is a real count and "not yet" is a
+stale epoch).
 
 Signal encoding ("tagged word"): ``(epoch << 32) | value`` with ``epoch >= 1``, so a word of
 0 means "nothing arrived yet", and a stale word from an older op never matches the epoch the
@@ -77,9 +86,18 @@ class HeaderLayout:
     def done(self, src: int) -> int:
         return self.grant + LINE_WORDS * (1 + src)
 
+    def ll_dispatch_free(self, buf: int) -> int:
+        return self.done(self.num_ranks) + LINE_WORDS * buf
+
+    def ll_combine_free(self, buf: int) -> int:
+        return self.ll_dispatch_free(LL_NUM_BUFFERS) + LINE_WORDS * buf
+
+    def ll_combine_done(self, buf: int, src: int) -> int:
+        return self.ll_combine_free(LL_NUM_BUFFERS) + LINE_WORDS * (buf * self.num_ranks + src)
+
     @property
     def num_words(self) -> int:
-        return self.done(self.num_ranks)
+        return self.ll_combine_done(LL_NUM_BUFFERS, 0)
 
     @property
     def nbytes(self) -> int:
@@ -124,3 +142,62 @@ class SlabLayout:
     @property
     def num_pages(self) -> int:
         return max(1, self.nbytes // PAGE)
+
+
+LL_MAX_TOPK = 16                     # combine slots per token in the LL receive region
+
+
+@dataclass(frozen=True)
+class LLLayout:
+    """Byte layout of one rank's low-latency region for ``max_tokens`` tokens per rank.
+
+    Per buffer ``buf`` (two, alternating):
+
+    - dispatch payload ``[local_expert][src][max_tokens]`` messages of ``msg_bytes``: the
+      token (fp8 bytes then float32 scales, or bf16), written by src at row = the token's
+      rank among src's tokens routed to that expert;
+    - dispatch meta ``[local_expert][src][max_tokens]`` int64: ``token_index << 8 | topk_slot``
+      so combine can send the expert output back to the right (token, slot);
+    - dispatch counts ``[src][local_expert]`` tagged words (line-aligned rows);
+    - combine slots ``[max_tokens][LL_MAX_TOPK]`` rows of ``hidden`` bf16: expert outputs for
+      this rank's tokens, one per (token, top-k slot).
+    """
+
+    max_tokens: int
+    hidden: int
+    num_ranks: int
+    num_experts: int
+
+    @property
+    def num_local(self) -> int:
+        return self.num_experts // self.num_ranks
+
+    @property
+    def msg_bytes(self) -> int:
+        return round_up(max(2 * self.hidden, self.hidden + self.hidden // 128 * 4), 64)
+
+    @property
+    def count_row_words(self) -> int:
+        return round_up(self.num_local, LINE_WORDS)
+
+    def _sizes(self):
+        slots = self.num_local * self.num_ranks * self.max_tokens
+        return (slots * self.msg_bytes, slots * 8, self.num_ranks * self.count_row_words * 8,
+                self.max_tokens * LL_MAX_TOPK * self.hidden * 2)
+
+    @property
+    def buffer_bytes(self) -> int:
+        return round_up(sum(round_up(s, PAGE) for s in self._sizes()), PAGE)
+
+    def offset(self, buf: int, part: str) -> int:
+        """Byte offset of ``part`` in {"payload", "meta", "counts", "combine"} of ``buf``."""
+        at = buf * self.buffer_bytes
+        for name, size in zip(("payload", "meta", "counts", "combine"), self._sizes()):
+            if name == part:
+                return at
+            at += round_up(size, PAGE)
+        raise KeyError(part)
+
+    @property
+    def nbytes(self) -> int:
+        return LL_NUM_BUFFERS * self.buffer_bytes

@@ -71,6 +71,8 @@ class HostComm:
         self._heaps = [torch.from_numpy(s.bytes[self.heap_offset:self.ll_offset])
                        for s in self.segments]
         self._ll = [torch.from_numpy(s.bytes[self.ll_offset:size]) for s in self.segments]
+        self._ll_words = [s.bytes[self.ll_offset:size].view(np.int64) for s in self.segments]
+        self.ll_seq = {"dispatch": 0, "combine": 0}
         self.heap = PageHeap(self._own.bytes, self.heap_offset, self.heap_bytes)
 
     # -- primitives -----------------------------------------------------------------------
@@ -97,7 +99,24 @@ class HostComm:
         return self._heaps[rank]
 
     def peer_ll(self, rank: int) -> torch.Tensor:
+        """Byte tensor over ``rank``'s low-latency region."""
         return self._ll[rank]
+
+    def ll_slot(self, rank: int, byte_offset: int, n: int) -> np.ndarray:
+        """``n`` int64 words of ``rank``'s low-latency region at ``byte_offset``."""
+        w = byte_offset // 8
+        return self._ll_words[rank][w:w + n]
+
+    def ll_signal(self, rank: int, byte_offset: int, epoch: int, values) -> None:
+        vals = np.asarray(values, dtype=np.int64)
+        atomics.store_words(self.ll_slot(rank, byte_offset, vals.size), (epoch << 32) | vals)
+
+    def reset_ll(self) -> None:
+        """Zero this rank's low-latency region and LL header slots (callers barrier around)."""
+        self._ll[self.rank].zero_()
+        lay = self.layout
+        self.words[self.rank][lay.ll_dispatch_free(0):lay.num_words] = 0
+        self.ll_seq = {"dispatch": 0, "combine": 0}
 
     def poison_free_heap(self, byte: int = 0xFF) -> None:
         """Fill every free heap page with ``byte`` (tests: unwritten output rows show up)."""
@@ -106,7 +125,7 @@ class HostComm:
             self.heap.view(start, length * PAGE)[:] = byte
 
     def destroy(self) -> None:
-        self._heaps = self._ll = self.words = None
+        self._heaps = self._ll = self._ll_words = self.words = None
         self.heap = None
         for s in self.segments:
             s.close()

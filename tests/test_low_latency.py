@@ -1,0 +1,293 @@
+"""Low-latency mode on real processes against the reference: ragged counts (0 and exactly
+max_tokens), -1 slots, skew, hidden 128-7168, bf16 and fp8 (round_scale, UE8M0 checked bit by
+bit), zero-copy and out= combine, receive hooks, stats, long runs, interleaving with normal
+mode. The LL region is poisoned (0xFF) between calls so stale rows cannot pass for new ones."""
+from __future__ import annotations
+
+import resource
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import moe_comm
+from moe_comm.quant import dequantize_fp8, quantize_fp8
+from moe_comm.reference import reference_ll_combine, reference_ll_dispatch
+from inputs import routing
+from ranks import run_ranks
+
+
+def _inputs(case, rank):
+    gen = torch.Generator().manual_seed(case["seed"] * 7919 + rank)
+    t = case["tokens"][rank]
+    x = torch.randn(t, case["hidden"], generator=gen).bfloat16()
+    idx = routing(case["routing"], t, case["experts"], case["topk"], gen)
+    w = torch.rand(t, case["topk"], generator=gen)
+    return x, idx, w
+
+
+def _buffer(case, n):
+    return moe_comm.Buffer(None, 1 << 20, moe_comm.Buffer.get_low_latency_rdma_size_hint(
+        case["max_tokens"], case["hidden"], n, case["experts"]), low_latency_mode=True,
+        timeout_s=30)
+
+
+def _poison(buf):
+    dist.barrier()
+    buf._comm.peer_ll(buf.rank).fill_(0xFF)
+    dist.barrier()
+
+
+def _expert(rx, rank):
+    """bf16 expert output from what was received (dequantised for fp8)."""
+    if isinstance(rx, tuple):
+        data, s = rx
+        if s.dtype == torch.int32:
+            s = moe_comm.quant.unpack_ue8m0(s)
+        return (dequantize_fp8(data, s) * (rank + 1)).bfloat16()
+    return (rx.float() * (rank + 1)).bfloat16()
+
+
+def _run(rank, n, cases):
+    out = []
+    for i, case in enumerate(cases):
+        buf = _buffer(case, n)
+        x, idx, w = _inputs(case, rank)
+        stats = torch.full((case["experts"] // n,), 5, dtype=torch.int32)
+        _poison(buf)
+        rx, cnt, handle, ev, hook = buf.low_latency_dispatch(
+            x, idx, case["max_tokens"], case["experts"],
+            cumulative_local_expert_recv_stats=stats, use_fp8=case["fp8"],
+            round_scale=case["round_scale"], use_ue8m0=case["ue8m0"],
+            return_recv_hook=case["hook"])
+        if case["hook"]:
+            busy = torch.randn(64, 64) @ torch.randn(64, 64)     # overlap: work before hook
+            hook()
+        y = _expert(rx, rank)
+        _poison(buf)
+        if case["zero_copy"]:
+            buf.get_next_low_latency_combine_buffer(handle).copy_(y)
+            combined, _, hook = buf.low_latency_combine(torch.empty(0), idx, w, handle,
+                                                        zero_copy=True,
+                                                        return_recv_hook=case["hook"])
+        else:
+            dest = torch.full((x.shape[0], x.shape[1]), float("nan")).bfloat16()
+            combined, _, hook = buf.low_latency_combine(y, idx, w, handle, out=dest,
+                                                        return_recv_hook=case["hook"])
+            assert combined is dest
+        hook()
+        out.append(dict(rx=tuple(t.clone() for t in rx) if isinstance(rx, tuple)
+                        else rx.clone(), cnt=cnt, stats=stats, y=y, combined=combined))
+        buf.destroy()
+    return out
+
+
+def _cases(n):
+    M = 24
+    cases = []
+    specs = [  # (hidden, fp8, round_scale, ue8m0, hook, zero_copy, routing)
+        (128, False, False, False, False, False, "random"),
+        (256, True, False, False, True, False, "holes"),
+        (512, True, True, False, False, True, "skewed"),
+        (512, True, True, True, True, True, "random"),
+        (7168, True, True, True, True, False, "skewed"),
+        (7168, False, False, False, False, True, "holes"),
+    ]
+    for s, (h, fp8, rs, ue, hook, zc, rt) in enumerate(specs):
+        tokens = [M if r == 0 else (0 if r == 1 else 3 + 5 * r % M) for r in range(n)]
+        cases.append(dict(seed=s, hidden=h, fp8=fp8, round_scale=rs, ue8m0=ue, hook=hook,
+                          zero_copy=zc, routing=rt, max_tokens=M, tokens=tokens,
+                          experts=4 * n if h < 7168 else 8 * n, topk=min(4, 4 * n)))
+    return cases
+
+
+def _check(n, cases, results):
+    for ci, case in enumerate(cases):
+        ins = [_inputs(case, r) for r in range(n)]
+        ref = reference_ll_dispatch([i[0] for i in ins], [i[1] for i in ins], case["experts"],
+                                    case["max_tokens"])
+        for d in range(n):
+            got, exp = results[d][ci], ref[d]
+            cnt = exp["recv_count"]
+            assert torch.equal(got["cnt"], cnt), (case, d)
+            assert torch.equal(got["stats"], cnt + 5)
+            for le in range(cnt.shape[0]):
+                c = int(cnt[le])
+                want = exp["recv_x"][le, :c]
+                if case["fp8"]:
+                    data, scales = got["rx"]
+                    q, s = quantize_fp8(want, case["round_scale"])
+                    assert torch.equal(data[le, :c].view(torch.uint8), q.view(torch.uint8))
+                    if case["ue8m0"]:
+                        # UE8M0 byte = the float32 exponent field of the power-of-two scale
+                        expo = ((s.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+                        assert torch.equal(scales[le, :c].view(torch.uint8).view(c, expo.shape[1]), expo)
+                    else:
+                        assert torch.equal(scales[le, :c], s)
+                        if case["round_scale"]:
+                            assert torch.equal(torch.exp2(torch.log2(s).round()), s)
+                    deq = dequantize_fp8(q, s)
+                    # e4m3: 3 mantissa bits -> relative error <= 2^-4, plus the subnormal step
+                    bound = want.float().abs() * 2.0 ** -4 + s.repeat_interleave(128, 1) * 2 ** -9
+                    assert ((deq - want.float()).abs() <= bound).all(), (case, d, le)
+                else:
+                    assert torch.equal(got["rx"][le, :c], want), (case, d, le)
+        comb = reference_ll_combine([results[d][ci]["y"] for d in range(n)], ref,
+                                    [i[1] for i in ins], [i[2] for i in ins])
+        for r in range(n):
+            torch.testing.assert_close(results[r][ci]["combined"].float(), comb[r].float(),
+                                       rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+def test_low_latency_matches_reference(n):
+    cases = _cases(n)
+    if n == 8:
+        cases = cases[:4]
+    results = run_ranks(_run, n, cases, timeout=300)
+    _check(n, cases, results)
+
+
+CASE = dict(seed=99, hidden=256, max_tokens=8, experts=8, topk=2, routing="random",
+            tokens=[8, 5])
+
+
+def _hooks(rank, n):
+    buf = _buffer(CASE, n)
+    x, idx, w = _inputs(CASE, rank)
+    errors = []
+    a = buf.low_latency_dispatch(x, idx, 8, 8, use_fp8=False, return_recv_hook=True)
+    b = buf.low_latency_dispatch(x * 2, idx, 8, 8, use_fp8=False, return_recv_hook=True)
+    try:
+        buf.low_latency_dispatch(x, idx, 8, 8, use_fp8=False, return_recv_hook=True)
+    except RuntimeError as e:
+        errors.append(str(e))
+    try:
+        buf.low_latency_combine(a[0], idx, w, a[2])
+    except RuntimeError as e:
+        errors.append(str(e))
+    a[4]()
+    try:
+        a[4]()
+    except RuntimeError as e:
+        errors.append(str(e))
+    b[4]()
+    # both results intact: b is exactly twice a
+    ok = all(torch.equal(b[0][le, :c].float(), 2 * a[0][le, :c].float())
+             for le, c in enumerate(a[1].tolist()))
+    buf.destroy()
+    return errors, ok, a[1]
+
+
+def test_hooks_two_in_flight_and_misuse_errors():
+    results = run_ranks(_hooks, 2, timeout=60)
+    for errors, ok, _ in results:
+        assert ok
+        assert "two low-latency dispatch calls are already in flight" in errors[0]
+        assert "has not received yet" in errors[1]
+        assert "already ran" in errors[2]
+
+
+def _long_run(rank, n, iters):
+    buf = _buffer(CASE, n)
+    x, idx, w = _inputs(CASE, rank)
+    first = None
+    rss0 = None
+    for i in range(iters):
+        hook_mode = i % 2 == 0
+        rx, cnt, h, _, hook = buf.low_latency_dispatch(x, idx, 8, 8, use_fp8=i % 3 == 0,
+                                                       return_recv_hook=hook_mode)
+        hook()
+        y = _expert(rx, rank) if not isinstance(rx, tuple) else _expert(
+            (rx[0], rx[1]), rank)
+        out, _, hook = buf.low_latency_combine(y, idx, w, h, return_recv_hook=not hook_mode)
+        hook()
+        if i % 3 == 1:
+            if first is None:
+                first = out.clone()
+            assert torch.equal(out, first), f"drift at call {i}"
+        if i == 50:
+            rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    growth_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0
+    buf.destroy()
+    return growth_kb
+
+
+def test_thousand_alternating_calls_without_drift_or_leak():
+    growth = run_ranks(_long_run, 2, 1000, timeout=300)
+    assert max(growth) < 20_000, growth       # KiB
+
+
+def _interleave(rank, n):
+    M, H, E = 8, 256, 8
+    buf = moe_comm.Buffer(None, 4 << 20,
+                          moe_comm.Buffer.get_low_latency_rdma_size_hint(M, H, n, E),
+                          low_latency_mode=True, timeout_s=30)
+    x, idx, w = _inputs(CASE, rank)
+    outs = []
+    for step in range(3):
+        ntr, _, nte, itr, _ = buf.get_dispatch_layout(idx, E)
+        rx, _, _, _, h, _ = buf.dispatch(x, num_tokens_per_rank=ntr, is_token_in_rank=itr,
+                                         num_tokens_per_expert=nte, topk_idx=idx)
+        normal, _, _ = buf.combine(rx, h)
+        lrx, cnt, lh, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+        ll, _, _ = buf.low_latency_combine(lrx, idx, w, lh)
+        outs.append((normal, ll))
+        if step == 1:
+            buf.clean_low_latency_buffer(M, H, E)
+    buf.destroy()
+    return outs
+
+
+def test_normal_and_low_latency_interleave_with_clean():
+    results = run_ranks(_interleave, 2, timeout=60)
+    for r, outs in enumerate(results):
+        x, idx, w = _inputs(CASE, r)
+        hits = torch.tensor([len({int(e) // 4 for e in row if e >= 0}) for row in idx])
+        wsum = torch.where(idx >= 0, w, 0.0).sum(1)
+        for normal, ll in outs:
+            torch.testing.assert_close(normal.float(), x.float() * hits[:, None], rtol=1e-2,
+                                       atol=1e-2)
+            torch.testing.assert_close(ll.float(), x.float() * wsum[:, None], rtol=2e-2,
+                                       atol=2e-2)
+
+
+def _ll_bad(rank, n):
+    buf = _buffer(CASE, n)
+    plain = moe_comm.Buffer(None, 1 << 20, timeout_s=10)
+    x, idx, w = _inputs(CASE, rank)
+    bad = [
+        (lambda: plain.low_latency_dispatch(x, idx, 8, 8), ValueError, "low_latency_mode=True"),
+        (lambda: buf.low_latency_dispatch(torch.cat([x, x]), torch.cat([idx, idx]), 8, 8),
+         ValueError, "more than num_max_dispatch_tokens_per_rank=8"),
+        (lambda: buf.low_latency_dispatch(x, idx, 8, 8, use_ue8m0=True), ValueError,
+         "use_ue8m0 needs"),
+        (lambda: buf.low_latency_dispatch(x, idx, 64, 8), moe_comm.BufferTooSmallError,
+         "num_rdma_bytes too small"),
+        (lambda: buf.low_latency_dispatch(x.float(), idx, 8, 8), TypeError, "torch.bfloat16"),
+        (lambda: buf.low_latency_dispatch(x, torch.randint(0, 8, (x.shape[0], 17)), 8, 8),
+         ValueError, "top-k <= 16"),
+        (lambda: buf.low_latency_dispatch(x, idx + 100, 8, 8), ValueError, "expert id"),
+    ]
+    msgs = []
+    for call, exc, text in bad:
+        try:
+            call()
+            msgs.append("no error")
+        except exc as e:
+            msgs.append(text if text in str(e) else str(e))
+    rx, cnt, h, _, _ = buf.low_latency_dispatch(x, idx, 8, 8, use_fp8=False)
+    out, _, _ = buf.low_latency_combine(rx, idx, w, h)
+    buf.destroy()
+    plain.destroy()
+    return msgs, [t for _, _, t in bad], out
+
+
+def test_low_latency_bad_input_is_named_and_buffer_survives():
+    results = run_ranks(_ll_bad, 2, timeout=60)
+    for r, (msgs, want, out) in enumerate(results):
+        assert msgs == want
+        x, idx, w = _inputs(CASE, r)
+        wsum = torch.where(idx >= 0, w, 0.0).sum(1)
+        torch.testing.assert_close(out.float(), x.float() * wsum[:, None], rtol=2e-2,
+                                   atol=2e-2)
