@@ -2,8 +2,13 @@
 """bench_all_to_all: moe_comm dispatch/combine against torch.distributed all_to_all_single
 doing the same exchange, and against the machine's copy bandwidth, all in one run.
 
-    python bench/bench_all_to_all.py                     # 4 local CPU ranks, defaults
-    python bench/bench_all_to_all.py --ranks 2,4 --tokens 256,1024 --json out.json
+    python bench/bench_all_to_all.py                     # 4 local CPU ranks, both modes
+    python bench/bench_all_to_all.py --mode normal --ranks 2,4 --tokens 256,1024 --json out.json
+
+Normal mode's baseline is all_to_all_single doing the same exchange (permute, exchange counts,
+exchange payloads, unpermute). Low-latency mode's baseline is the plain padded exchange a
+fixed-shape all_to_all needs without a count exchange: every rank sends each destination
+max_tokens x min(top-k, experts per rank) message slots, as pplx-kernels compares.
 
 GB/s follow DeepEP's convention: real payload bytes a rank receives in dispatch (and sends
 back in combine) divided by the call's time. ``copy_gbps`` is what one process copies per
@@ -104,7 +109,102 @@ def _copy_gbps(nbytes, iters):
     return nbytes / _timed(lambda: dst.copy_(src), iters) / 1e9
 
 
-def _run_case(rank, n, case, iters):
+def _ll_baseline(x, idx, w, num_experts, max_tokens, use_fp8):
+    """Padded exchange: fixed [R, slots] message arrays through all_to_all_single."""
+    R = dist.get_world_size()
+    num_local = num_experts // R
+    slots = max_tokens * min(idx.shape[1], num_local)
+    valid = idx >= 0
+    tok, k = valid.nonzero(as_tuple=True)
+    expert = idx[tok, k]
+    order = torch.sort(expert, stable=True).indices
+    tok, k, expert = tok[order], k[order], expert[order]
+    dst = expert // num_local
+    pos = torch.arange(tok.numel()) - torch.searchsorted(dst, dst)     # slot within dst
+    state = {}
+
+    def dispatch():
+        if use_fp8:
+            data, scales = moe_comm.quant.quantize_fp8(x)
+            msgs = torch.cat([data.view(torch.uint8), scales.view(torch.uint8)], 1)
+        else:
+            msgs = x.view(torch.uint8)
+        send = torch.zeros(R, slots, msgs.shape[1], dtype=torch.uint8)
+        meta = torch.full((R, slots, 2), -1, dtype=torch.int64)
+        send[dst, pos] = msgs[tok]
+        meta[dst, pos, 0] = expert % num_local
+        meta[dst, pos, 1] = tok
+        recv, rmeta = torch.empty_like(send), torch.empty_like(meta)
+        dist.all_to_all_single(recv, send)
+        dist.all_to_all_single(rmeta, meta)
+        le = rmeta[..., 0].flatten()
+        flat = recv.view(R * slots, -1)
+        out = torch.empty(num_local, R * max_tokens, msgs.shape[1], dtype=torch.uint8)
+        for e in range(num_local):
+            rows = (le == e).nonzero().flatten()
+            out[e, :rows.numel()] = flat[rows]
+        state["rmeta"] = rmeta
+
+    def combine(y):
+        # expert outputs go back in the slots they came in, padded the same way
+        le = state["rmeta"][..., 0]
+        back = torch.zeros(R, slots, y.shape[-1], dtype=torch.bfloat16)
+        fill = torch.zeros(num_local, dtype=torch.int64)
+        for e in range(num_local):
+            rows = (le.flatten() == e).nonzero().flatten()
+            back.view(R * slots, -1)[rows] = y[e, :rows.numel()]
+        recv = torch.empty_like(back)
+        dist.all_to_all_single(recv, back)
+        out = torch.zeros(x.shape[0], y.shape[-1])
+        out.index_add_(0, tok, recv[dst, pos].float() * w[tok, k, None])
+        return out.bfloat16()
+
+    return dispatch, combine
+
+
+def _run_ll(rank, n, case, iters):
+    e, t, h = case["experts"], case["tokens"], case["hidden"]
+    fp8 = case["dtype"] == "fp8"
+    buf = moe_comm.Buffer(None, 1 << 20, moe_comm.Buffer.get_low_latency_rdma_size_hint(
+        t, h, n, e), low_latency_mode=True, timeout_s=120)
+    gen = torch.Generator().manual_seed(99 + rank)
+    x = torch.randn(t, h, generator=gen).bfloat16()
+    idx = torch.rand(t, e, generator=gen).topk(case["topk"], dim=1).indices
+    w = torch.rand(t, case["topk"], generator=gen)
+    state = {}
+
+    def dispatch():
+        state["out"] = buf.low_latency_dispatch(x, idx, t, e, use_fp8=fp8)
+
+    t_dispatch = _timed(dispatch, iters)
+    recv_x, recv_count, handle, _, _ = state["out"]
+    y = torch.randn(e // n, n * t, h).bfloat16()
+    t_combine = _timed(lambda: buf.low_latency_combine(y, idx, w, handle), iters)
+    msgs = int(recv_count.sum())
+    recv_bytes = msgs * (h + h // 128 * 4 if fp8 else 2 * h)
+    combine_bytes = msgs * 2 * h
+    b_dispatch, b_combine = _ll_baseline(x, idx, w, e, t, fp8)
+    t_b_dispatch = _timed(b_dispatch, iters)
+    t_b_combine = _timed(lambda: b_combine(y), iters)
+    copy = _copy_gbps(max(recv_bytes, 1 << 20), iters)
+    buf.destroy()
+    return _row("ll", n, case, t_dispatch, t_combine, t_b_dispatch, t_b_combine,
+                (recv_bytes, combine_bytes, copy))
+
+
+def _row(mode, n, case, t_dispatch, t_combine, t_b_dispatch, t_b_combine, mine):
+    stats = [None] * n
+    dist.all_gather_object(stats, mine)
+    mean = lambda i: sum(s[i] for s in stats) / n  # noqa: E731
+    return dict(mode=mode, ranks=n, tokens=case["tokens"], hidden=case["hidden"],
+                topk=case["topk"], experts=case["experts"], dtype=case["dtype"],
+                dispatch_us=t_dispatch * 1e6, combine_us=t_combine * 1e6,
+                dispatch_gbps=mean(0) / t_dispatch / 1e9, combine_gbps=mean(1) / t_combine / 1e9,
+                baseline_dispatch_us=t_b_dispatch * 1e6, baseline_combine_us=t_b_combine * 1e6,
+                copy_gbps=mean(2))
+
+
+def _run_normal(rank, n, case, iters):
     e = case["experts"]
     buf = moe_comm.Buffer(None, case["nvl_bytes"], timeout_s=120)
     x, idx, w = _inputs(case, rank)
@@ -129,15 +229,8 @@ def _run_case(rank, n, case, iters):
     t_b_combine = _timed(lambda: b_combine(y), iters)
     copy = _copy_gbps(max(recv_bytes, 1 << 20), iters)
     buf.destroy()
-    stats = [None] * n
-    dist.all_gather_object(stats, (recv_bytes, combine_bytes, copy))
-    mean = lambda i: sum(s[i] for s in stats) / n  # noqa: E731
-    return dict(mode="normal", ranks=n, tokens=case["tokens"], hidden=case["hidden"],
-                topk=case["topk"], experts=e, dtype=case["dtype"],
-                dispatch_us=t_dispatch * 1e6, combine_us=t_combine * 1e6,
-                dispatch_gbps=mean(0) / t_dispatch / 1e9, combine_gbps=mean(1) / t_combine / 1e9,
-                baseline_dispatch_us=t_b_dispatch * 1e6, baseline_combine_us=t_b_combine * 1e6,
-                copy_gbps=mean(2))
+    return _row("normal", n, case, t_dispatch, t_combine, t_b_dispatch, t_b_combine,
+                (recv_bytes, combine_bytes, copy))
 
 
 def _ints(s):
@@ -146,33 +239,41 @@ def _ints(s):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--mode", default="normal", choices=["normal"])
+    p.add_argument("--mode", default="both", choices=["normal", "ll", "both"])
     p.add_argument("--ranks", type=_ints, default=[4], help="comma list, e.g. 2,4")
-    p.add_argument("--tokens", type=_ints, default=[1024], help="tokens per rank, comma list")
+    p.add_argument("--tokens", type=_ints, default=None,
+                   help="tokens per rank, comma list (default: normal 1024, ll 128)")
     p.add_argument("--hidden", type=_ints, default=[7168])
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "fp8"])
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float32", "fp8"],
+                   help="dispatch dtype (default: normal bfloat16, ll fp8; ll combine is bf16)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     args = p.parse_args(argv)
 
     rows = []
     print(" ".join(f"{c:>10}" for c in COLUMNS))
-    for n in args.ranks:
-        for t in args.tokens:
-            for h in args.hidden:
-                row_bytes = h * (1 if args.dtype == "fp8" else 4 if args.dtype == "float32"
-                                 else 2)
-                case = dict(tokens=t, hidden=h, topk=args.topk, experts=args.experts,
-                            dtype=args.dtype,
-                            nvl_bytes=moe_comm.Buffer.get_normal_buffer_size_hint(
-                                t, h, n, args.topk, elem_size=row_bytes // h,
-                                fp8=args.dtype == "fp8", keep_alive=2))
-                row = run_ranks(_run_case, n, case, args.iters, timeout=600)[0]
-                rows.append(row)
-                print(" ".join(f"{row[c]:>10.1f}" if isinstance(row[c], float) else
-                               f"{row[c]:>10}" for c in COLUMNS), flush=True)
+    modes = ["normal", "ll"] if args.mode == "both" else [args.mode]
+    for mode in modes:
+        dtype = args.dtype or ("fp8" if mode == "ll" else "bfloat16")
+        if mode == "ll" and dtype == "float32":
+            p.error("low-latency mode dispatches bfloat16 or fp8")
+        for n in args.ranks:
+            for t in args.tokens or ([128] if mode == "ll" else [1024]):
+                for h in args.hidden:
+                    case = dict(tokens=t, hidden=h, topk=args.topk, experts=args.experts,
+                                dtype=dtype)
+                    if mode == "normal":
+                        elem = 1 if dtype == "fp8" else 4 if dtype == "float32" else 2
+                        case["nvl_bytes"] = moe_comm.Buffer.get_normal_buffer_size_hint(
+                            t, h, n, args.topk, elem_size=elem, fp8=dtype == "fp8",
+                            keep_alive=2)
+                    fn = _run_normal if mode == "normal" else _run_ll
+                    row = run_ranks(fn, n, case, args.iters, timeout=600)[0]
+                    rows.append(row)
+                    print(" ".join(f"{row[c]:>10.1f}" if isinstance(row[c], float) else
+                                   f"{row[c]:>10}" for c in COLUMNS), flush=True)
     for row in rows:
         print(f"summary {row['mode']} ranks={row['ranks']} tokens={row['tokens']}: dispatch "
               f"{row['baseline_dispatch_us'] / row['dispatch_us']:.1f}x / combine "

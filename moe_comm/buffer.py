@@ -19,6 +19,7 @@ from .host import ll as host_ll
 from .host import normal as host_normal
 from .wire import LL_MAX_TOPK, LL_NUM_BUFFERS, LLLayout
 from .host.comm import HostComm
+from .host.pool import OutputPool
 
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_NVL_BYTES = 256 << 20
@@ -70,6 +71,7 @@ class Buffer:
         self._ll_pending = {"dispatch": [None] * LL_NUM_BUFFERS,
                             "combine": [None] * LL_NUM_BUFFERS}
         self._zero_copy = [None] * LL_NUM_BUFFERS
+        self._outputs = OutputPool()
 
     # -- static helpers (DeepEP) ----------------------------------------------------------
     @staticmethod
@@ -374,13 +376,16 @@ class Buffer:
         handle = host_ll.dispatch_send(comm, x=x, topk_idx=topk_idx, lay=lay, use_fp8=use_fp8,
                                        round_scale=round_scale, buffer_key=self._key)
         rows = self.group_size * num_max_dispatch_tokens_per_rank
-        recv_x = torch.empty(num_local, rows, hidden,
-                             dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16)
+        pool = self._outputs
+        recv_x = pool.empty(("ll_x", buf), (num_local, rows, hidden),
+                            torch.float8_e4m3fn if use_fp8 else torch.bfloat16)
         recv_scales = None
         if use_ue8m0:
-            recv_scales = torch.empty(num_local, rows, hidden // 512, dtype=torch.int32)
+            recv_scales = pool.empty(("ll_s", buf), (num_local, rows, hidden // 512),
+                                     torch.int32)
         elif use_fp8:
-            recv_scales = torch.empty(num_local, rows, hidden // 128, dtype=torch.float32)
+            recv_scales = pool.empty(("ll_s", buf), (num_local, rows, hidden // 128),
+                                     torch.float32)
         recv_count = torch.zeros(num_local, dtype=torch.int32)
 
         def receive():
@@ -441,7 +446,8 @@ class Buffer:
                              f"{(handle.num_tokens, handle.topk)}, got {tuple(topk_idx.shape)}")
         check.topk_weights(topk_weights, topk_idx)
         if out is None:
-            out = torch.empty(handle.num_tokens, handle.hidden, dtype=torch.bfloat16)
+            out = self._outputs.empty(("ll_out", comm.ll_seq["combine"] % LL_NUM_BUFFERS),
+                                      (handle.num_tokens, handle.hidden), torch.bfloat16)
         else:
             check.tensor("out", out, ndim=2, dtypes=(torch.bfloat16,))
             if tuple(out.shape) != (handle.num_tokens, handle.hidden):

@@ -13,15 +13,23 @@ FP8_MAX = 448.0
 BLOCK = 128
 
 
-def quantize_fp8(x: torch.Tensor, round_scale: bool = False):
+def quantize_fp8(x: torch.Tensor, round_scale: bool = False, chunk_tokens: int = 32):
     """``x`` [T, H] (H % 128 == 0) -> (float8_e4m3fn [T, H], float32 scales [T, H/128])."""
     t, h = x.shape
-    blocks = x.float().view(t, h // BLOCK, BLOCK)
-    scale = blocks.abs().amax(-1).clamp(min=1e-4) / FP8_MAX
-    if round_scale:
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
-    data = (blocks / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).view(t, h)
-    return data.to(torch.float8_e4m3fn), scale
+    data = torch.empty(t, h, dtype=torch.float8_e4m3fn)
+    scales = torch.empty(t, h // BLOCK, dtype=torch.float32)
+    # chunks of tokens, everything in place: the float32 temporary stays small and cached
+    for t0 in range(0, t, chunk_tokens):
+        t1 = min(t0 + chunk_tokens, t)
+        blocks = x[t0:t1].float().view(t1 - t0, h // BLOCK, BLOCK)
+        scale = torch.maximum(blocks.amax(-1), blocks.amin(-1).neg_()).clamp_(min=1e-4)
+        scale.div_(FP8_MAX)
+        if round_scale:
+            scale = torch.exp2(torch.ceil(torch.log2(scale)))
+        blocks.div_(scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX)
+        data[t0:t1] = blocks.view(t1 - t0, h)
+        scales[t0:t1] = scale
+    return data, scales
 
 
 def dequantize_fp8(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
