@@ -457,7 +457,7 @@ class Buffer:
         seq, buf = host_ll.combine_send(comm, x=x.contiguous(), handle=handle, lay=lay)
 
         def receive():
-            host_ll.combine_recv(comm, seq, buf, lay, topk_idx=topk_idx,
+            host_ll.combine_recv(comm, seq, buf, lay, handle=handle, topk_idx=topk_idx,
                                  topk_weights=topk_weights, out=out)
 
         hook = self._ll_finish("combine", buf, receive, return_recv_hook)

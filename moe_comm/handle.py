@@ -34,7 +34,9 @@ class LowLatencyHandle:
     """Opaque; pass to ``low_latency_combine``. Filled by the dispatch receive (the hook).
 
     ``recv_meta[le, i]`` = ``token << 8 | topk_slot`` of packed row i of local expert le;
-    ``recv_ranges[le, src]`` = (first packed row, count) of the rows src sent to le."""
+    ``recv_ranges[le, src]`` = (first packed row, count) of the rows src sent to le;
+    ``return_base[src]`` = where src's messages to this rank start in src's message order;
+    ``send_tok``/``send_slot``: this rank's messages (token, top-k slot) in that order."""
 
     buffer_key: tuple
     seq: int
@@ -46,4 +48,7 @@ class LowLatencyHandle:
     topk: int
     recv_meta: torch.Tensor = None
     recv_ranges: torch.Tensor = None
+    return_base: torch.Tensor = None
+    send_tok: torch.Tensor = None
+    send_slot: torch.Tensor = None
     received: bool = False

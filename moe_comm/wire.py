@@ -158,9 +158,12 @@ class LLLayout:
       rank among src's tokens routed to that expert;
     - dispatch meta ``[local_expert][src][max_tokens]`` int64: ``token_index << 8 | topk_slot``
       so combine can send the expert output back to the right (token, slot);
-    - dispatch counts ``[src][local_expert]`` tagged words (line-aligned rows);
-    - combine slots ``[max_tokens][LL_MAX_TOPK]`` rows of ``hidden`` bf16: expert outputs for
-      this rank's tokens, one per (token, top-k slot).
+    - dispatch counts ``[src]``: a line-aligned row of tagged words, one count per local
+      expert, then ``base``: where src's messages to this rank start in src's own message
+      order (src sorts its (token, slot) messages by expert, then token);
+    - combine rows ``[max_tokens * LL_MAX_TOPK]`` of ``hidden`` bf16 in this rank's message
+      order: an expert rank returns the rows of its block at ``base`` + packed position, so
+      every return is a contiguous copy and the owner finds (token, slot) from its own sort.
     """
 
     max_tokens: int
@@ -177,8 +180,8 @@ class LLLayout:
         return round_up(max(2 * self.hidden, self.hidden + self.hidden // 128 * 4), 64)
 
     @property
-    def count_row_words(self) -> int:
-        return round_up(self.num_local, LINE_WORDS)
+    def count_row_words(self) -> int:        # counts per local expert + the base word
+        return round_up(self.num_local + 1, LINE_WORDS)
 
     def _sizes(self):
         slots = self.num_local * self.num_ranks * self.max_tokens

@@ -10,9 +10,11 @@ dispatch call s (buffer b = s % 2):
   receive - wait for every source's count row; pack each expert's rows (source order) into
             recv_x [E_local, R*max_tokens, H]; publish LL_DISPATCH_FREE[b].
 combine call c (buffer b = c % 2):
-  send    - wait until the owner has read its buffer b from call c-2; copy each row back into
-            the owner's slot (token, top-k slot); signal LL_COMBINE_DONE[b][me].
-  receive - wait for every rank's DONE; weighted sum over the top-k slots in float32.
+  send    - wait until the owner has read its buffer b from call c-2; copy this rank's rows
+            for the owner, expert by expert, as one contiguous run at the owner's base offset
+            (the owner's messages to this rank, in the owner's order); signal
+            LL_COMBINE_DONE[b][me].
+  receive - wait for every rank's DONE; sum weight(token, slot) * row per token in float32.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from ..quant import pack_ue8m0, quantize_fp8
 from ..wire import LL_MAX_TOPK, LL_NUM_BUFFERS, LLLayout, round_up, tag_value
 
 
-COMBINE_CHUNK_TOKENS = 8          # float32 copy of 8 tokens' top-k rows stays in cache
+COMBINE_CHUNK_ROWS = 64           # float32 copy of 64 returned rows stays in cache
 
 
 def msg_stride(hidden: int, fp8: bool) -> int:
@@ -75,25 +77,30 @@ def dispatch_send(comm, *, x, topk_idx, lay: LLLayout, use_fp8, round_scale, buf
     payload, meta_off = lay.offset(buf, "payload"), lay.offset(buf, "meta")
     count_off = lay.offset(buf, "counts") + me * lay.count_row_words * 8
     slots = num_local * R * lay.max_tokens
-    # message j (expert e, i-th token of this rank for e) lands in row (le*R + me)*M + i
-    rank_in_expert = torch.arange(tok.numel()) - torch.tensor(starts)[expert]
-    dst_row = ((expert % num_local) * R + me) * lay.max_tokens + rank_in_expert
+    # this rank's messages to expert e land in rows [(le*R + me)*M, +count) of its owner
     bounds = [starts[d * num_local] if d < R else tok.numel() for d in range(R + 1)]
 
+    msg_words, meta_rows = _words(msgs), meta.view(-1, 1)
+    M = lay.max_tokens
+
     def send(dst, _grant):
-        lo, hi = bounds[dst], bounds[dst + 1]
-        if hi > lo:
-            region = comm.peer_ll(dst)
-            rows = region[payload:payload + slots * stride].view(slots, stride)
-            _words(rows).index_copy_(0, dst_row[lo:hi], _words(msgs).index_select(0, tok[lo:hi]))
-            region[meta_off:meta_off + slots * 8].view(torch.int64).index_copy_(
-                0, dst_row[lo:hi], meta[lo:hi])
-        comm.ll_signal(dst, count_off, seq, counts_l[dst * num_local:(dst + 1) * num_local])
+        region = comm.peer_ll(dst)
+        rows = _words(region[payload:payload + slots * stride].view(slots, stride))
+        metas = region[meta_off:meta_off + slots * 8].view(torch.int64).view(slots, 1)
+        for le in range(num_local):
+            e = dst * num_local + le
+            lo, c = starts[e], counts_l[e]
+            if c:            # one block [le][me]: a single copy straight into the peer
+                at = (le * R + me) * M
+                torch.index_select(msg_words, 0, tok[lo:lo + c], out=rows[at:at + c])
+                metas[at:at + c] = meta_rows[lo:lo + c]
+        comm.ll_signal(dst, count_off, seq,
+                       counts_l[dst * num_local:(dst + 1) * num_local] + [bounds[dst]])
 
     _wait_free(comm, comm.layout.ll_dispatch_free(buf), seq, "low_latency_dispatch/free",
                comm.deadline(), send)
     return LowLatencyHandle(buffer_key, seq, buf, lay.max_tokens, hidden, lay.num_experts,
-                            num_tokens, topk_idx.shape[1])
+                            num_tokens, topk_idx.shape[1], send_tok=tok, send_slot=slot)
 
 
 def dispatch_recv(comm, handle: LowLatencyHandle, lay: LLLayout, *, recv_x, recv_scales,
@@ -104,11 +111,12 @@ def dispatch_recv(comm, handle: LowLatencyHandle, lay: LLLayout, *, recv_x, recv
     hidden, M = handle.hidden, lay.max_tokens
     stride = msg_stride(hidden, use_fp8)
     count_off = lay.offset(buf, "counts")
-    waits = {s: comm.ll_slot(me, count_off + s * lay.count_row_words * 8, num_local)
+    waits = {s: comm.ll_slot(me, count_off + s * lay.count_row_words * 8, num_local + 1)
              for s in range(R)}
     comm.wait(waits, handle.seq, "low_latency_dispatch/recv", comm.deadline())
-    counts = torch.from_numpy(np.stack([tag_value(waits[s]) for s in range(R)]).astype(
-        np.int64))                                          # [src, local expert]
+    rows_in = torch.from_numpy(np.stack([tag_value(waits[s]) for s in range(R)]).astype(
+        np.int64))
+    counts, return_base = rows_in[:, :num_local], rows_in[:, num_local]   # [src, le], [src]
     region = comm.peer_ll(me)
     payload, meta_off = lay.offset(buf, "payload"), lay.offset(buf, "meta")
     slots = num_local * R * M
@@ -137,6 +145,7 @@ def dispatch_recv(comm, handle: LowLatencyHandle, lay: LLLayout, *, recv_x, recv
     if stats is not None:
         stats += per_expert.to(stats.dtype)
     handle.recv_meta, handle.recv_ranges, handle.received = recv_meta, ranges, True
+    handle.return_base = return_base
     comm.signal(me, comm.layout.ll_dispatch_free(buf), handle.seq, 0)
 
 
@@ -147,33 +156,21 @@ def combine_send(comm, *, x, handle: LowLatencyHandle, lay: LLLayout):
     buf = seq % LL_NUM_BUFFERS
     me, R, num_local, M = comm.rank, comm.num_ranks, lay.num_local, lay.max_tokens
     hidden = x.shape[-1]
-    flat = x.reshape(num_local * R * M, hidden)
     ranges = handle.recv_ranges
     comb_off = lay.offset(buf, "combine")
 
-    # every received row, grouped by the rank that owns its token
-    counts = ranges[:, :, 1]                                # [le, src]
-    owner_of = torch.arange(R).expand(num_local, R)
-    order = torch.argsort(owner_of.flatten(), stable=True)  # (le, src) blocks by owner
-    flat_c = counts.flatten()[order]
-    block = order.repeat_interleave(flat_c)
-    i = torch.arange(block.numel()) - (torch.cumsum(flat_c, 0) - flat_c).repeat_interleave(flat_c)
-    le = block // R
-    packed = ranges[:, :, 0].flatten()[block] + i
-    pos = le * R * M + packed                               # row in x
-    meta = handle.recv_meta[le, packed]
-    slot = (meta >> 8) * LL_MAX_TOPK + (meta & 0xFF)        # row in the owner's slots
-    per_owner = counts.sum(0).tolist()
-    bounds = [0] + torch.cumsum(torch.tensor(per_owner), 0).tolist()
+    starts, counts = ranges[:, :, 0].tolist(), ranges[:, :, 1].tolist()   # [le][src]
+    bases = handle.return_base.tolist()
 
     def send(owner, _grant):
-        lo, hi = bounds[owner], bounds[owner + 1]
-        n = hi - lo
+        # this rank's rows for `owner`, expert by expert, are one run of the owner's messages
+        blocks = [x[le, starts[le][owner]:starts[le][owner] + counts[le][owner]]
+                  for le in range(num_local) if counts[le][owner]]
+        n = sum(b.shape[0] for b in blocks)
         if n:
-            region = comm.peer_ll(owner)
-            dst = region[comb_off:comb_off + M * LL_MAX_TOPK * hidden * 2].view(
-                torch.bfloat16).view(M * LL_MAX_TOPK, hidden)
-            _words(dst).index_copy_(0, slot[lo:hi], _words(flat).index_select(0, pos[lo:hi]))
+            at = comb_off + bases[owner] * hidden * 2
+            dst = comm.peer_ll(owner)[at:at + n * hidden * 2].view(torch.bfloat16).view(n, hidden)
+            torch.cat(blocks, out=dst)
         comm.signal(owner, comm.layout.ll_combine_done(buf, me), seq, n)
 
     _wait_free(comm, comm.layout.ll_combine_free(buf), seq, "low_latency_combine/free",
@@ -181,7 +178,7 @@ def combine_send(comm, *, x, handle: LowLatencyHandle, lay: LLLayout):
     return seq, buf
 
 
-def combine_recv(comm, seq, buf, lay: LLLayout, *, topk_idx, topk_weights, out):
+def combine_recv(comm, seq, buf, lay: LLLayout, *, handle, topk_idx, topk_weights, out):
     """Wait for every rank's rows; ``out`` [T, H] = sum_k w[t, k] * row(t, k) (float32)."""
     me, R = comm.rank, comm.num_ranks
     waits = {s: comm.slot(me, comm.layout.ll_combine_done(buf, s)) for s in range(R)}
@@ -189,14 +186,15 @@ def combine_recv(comm, seq, buf, lay: LLLayout, *, topk_idx, topk_weights, out):
     num_tokens, topk = topk_idx.shape
     hidden = out.shape[1]
     comb_off = lay.offset(buf, "combine")
-    slots = comm.peer_ll(me)[comb_off:comb_off + lay.max_tokens * LL_MAX_TOPK * hidden * 2].view(
-        torch.bfloat16).view(lay.max_tokens, LL_MAX_TOPK, hidden)[:num_tokens, :topk]
-    # slots of -1 entries were never written: zero them (0 * garbage could be NaN)
-    unused = (topk_idx < 0).nonzero(as_tuple=True)
-    slots[unused] = 0
-    w = torch.where(topk_idx >= 0, topk_weights, 0.0).unsqueeze(1)       # [T, 1, K]
-    for t0 in range(0, num_tokens, COMBINE_CHUNK_TOKENS):
-        t1 = min(t0 + COMBINE_CHUNK_TOKENS, num_tokens)
-        out[t0:t1] = torch.bmm(w[t0:t1], slots[t0:t1].float()).squeeze(1)
+    tok, slot = handle.send_tok, handle.send_slot          # my messages, in return order
+    n = tok.numel()
+    rows = comm.peer_ll(me)[comb_off:comb_off + n * hidden * 2].view(torch.bfloat16).view(
+        n, hidden)
+    w = topk_weights[tok, slot].unsqueeze(1)
+    acc = torch.zeros(num_tokens, hidden, dtype=torch.float32)
+    for m0 in range(0, n, COMBINE_CHUNK_ROWS):
+        m1 = min(m0 + COMBINE_CHUNK_ROWS, n)
+        acc.index_add_(0, tok[m0:m1], rows[m0:m1].float().mul_(w[m0:m1]))
+    out.copy_(acc)
     comm.signal(me, comm.layout.ll_combine_free(buf), seq, 0)
     return out
