@@ -99,7 +99,7 @@ def _baseline(x, idx, w, is_token_in_rank, num_tokens_per_rank):
         out.index_add_(0, send_ids, recv.float())
         return out.to(y.dtype)
 
-    return dispatch, combine, state
+    return dispatch, combine
 
 
 def _copy_gbps(nbytes, iters):
@@ -149,7 +149,6 @@ def _ll_baseline(x, idx, w, num_experts, max_tokens, use_fp8):
         # expert outputs go back in the slots they came in, padded the same way
         le = state["rmeta"][..., 0]
         back = torch.zeros(R, slots, y.shape[-1], dtype=torch.bfloat16)
-        fill = torch.zeros(num_local, dtype=torch.int64)
         for e in range(num_local):
             rows = (le.flatten() == e).nonzero().flatten()
             back.view(R * slots, -1)[rows] = y[e, :rows.numel()]
@@ -183,18 +182,20 @@ def _run_ll(rank, n, case, iters):
     msgs = int(recv_count.sum())
     recv_bytes = msgs * (h + h // 128 * 4 if fp8 else 2 * h)
     combine_bytes = msgs * 2 * h
-    b_dispatch, b_combine = _ll_baseline(x, idx, w, e, t, fp8)
+    buf.destroy()
+    return _row("ll", n, case, iters, t_dispatch, t_combine, _ll_baseline(x, idx, w, e, t, fp8),
+                y, recv_bytes, combine_bytes)
+
+
+def _row(mode, n, case, iters, t_dispatch, t_combine, baseline, y, recv_bytes, combine_bytes):
+    """Time the baseline and the copy bandwidth in the same run, then build the table row
+    (bytes averaged over ranks, times of the slowest rank)."""
+    b_dispatch, b_combine = baseline
     t_b_dispatch = _timed(b_dispatch, iters)
     t_b_combine = _timed(lambda: b_combine(y), iters)
     copy = _copy_gbps(max(recv_bytes, 1 << 20), iters)
-    buf.destroy()
-    return _row("ll", n, case, t_dispatch, t_combine, t_b_dispatch, t_b_combine,
-                (recv_bytes, combine_bytes, copy))
-
-
-def _row(mode, n, case, t_dispatch, t_combine, t_b_dispatch, t_b_combine, mine):
     stats = [None] * n
-    dist.all_gather_object(stats, mine)
+    dist.all_gather_object(stats, (recv_bytes, combine_bytes, copy))
     mean = lambda i: sum(s[i] for s in stats) / n  # noqa: E731
     return dict(mode=mode, ranks=n, tokens=case["tokens"], hidden=case["hidden"],
                 topk=case["topk"], experts=case["experts"], dtype=case["dtype"],
@@ -223,14 +224,9 @@ def _run_normal(rank, n, case, iters):
                      for t in (recv_x if isinstance(recv_x, tuple) else (recv_x,)))
     combine_bytes = y.numel() * y.element_size()
     del state["out"], recv_x, recv_w
-
-    b_dispatch, b_combine, b_state = _baseline(x, idx, w, itr, ntr)
-    t_b_dispatch = _timed(b_dispatch, iters)
-    t_b_combine = _timed(lambda: b_combine(y), iters)
-    copy = _copy_gbps(max(recv_bytes, 1 << 20), iters)
     buf.destroy()
-    return _row("normal", n, case, t_dispatch, t_combine, t_b_dispatch, t_b_combine,
-                (recv_bytes, combine_bytes, copy))
+    return _row("normal", n, case, iters, t_dispatch, t_combine,
+                _baseline(x, idx, w, itr, ntr), y, recv_bytes, combine_bytes)
 
 
 def _ints(s):
