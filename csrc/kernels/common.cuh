@@ -1,0 +1,149 @@
+// common.cuh: integer types, lane helpers, dtype conversions and the warp copy used by every
+// moe_comm kernel.
+//
+// No CUDA or C++ standard header is included anywhere in csrc/kernels: NVRTC compiles these
+// files with only this folder on the include path, so the same sources build on a CPU-only CI
+// machine (no toolkit headers needed) and on the GPU machine. Conversions are inline PTX
+// (cvt.*), which is also what cuda_bf16.h / cuda_fp8.h would emit on sm_90 and sm_100.
+#pragma once
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef int i32;
+typedef unsigned int u32;
+typedef long long i64;
+typedef unsigned long long u64;
+
+#define MOE_DEVICE __device__ __forceinline__
+
+// Kernel parameters are all 8 bytes wide (pointers, i64 scalars): the Python launcher then
+// passes every argument as one numpy 64-bit scalar without a per-kernel signature table.
+#define MOE_KERNEL extern "C" __global__
+
+constexpr int kWarpSize = 32;
+constexpr u32 kFullMask = 0xffffffffu;
+
+MOE_DEVICE int lane_id() { return threadIdx.x & (kWarpSize - 1); }
+MOE_DEVICE int warp_id() { return threadIdx.x / kWarpSize; }
+MOE_DEVICE int warps_per_block() { return blockDim.x / kWarpSize; }
+
+template <typename T>
+MOE_DEVICE T min_of(T a, T b) { return a < b ? a : b; }
+
+MOE_DEVICE u64 round_up(u64 n, u64 m) { return (n + m - 1) / m * m; }
+
+// ---- dtype conversions (round to nearest even, like torch's casts) --------------------------
+MOE_DEVICE float bf16_to_f32(u16 b) { return __uint_as_float(((u32)b) << 16); }
+MOE_DEVICE u16 f32_to_bf16(float f) {
+    u16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+}
+MOE_DEVICE float f16_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+MOE_DEVICE u16 f32_to_f16(float f) {
+    u16 r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+}
+// Two floats -> two e4m3 bytes, `lo` in the low byte (element order in memory). satfinite
+// clamps to +-448 like the clamp in moe_comm/quant.py (inputs are clamped already anyway).
+MOE_DEVICE u16 f32x2_to_e4m3x2(float lo, float hi) {
+    u16 r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// Element types of combine inputs/outputs: storage type + float conversion.
+struct Bf16 {
+    typedef u16 Storage;
+    static MOE_DEVICE float to_f32(Storage v) { return bf16_to_f32(v); }
+    static MOE_DEVICE Storage from_f32(float f) { return f32_to_bf16(f); }
+};
+struct F16 {
+    typedef u16 Storage;
+    static MOE_DEVICE float to_f32(Storage v) { return f16_to_f32(v); }
+    static MOE_DEVICE Storage from_f32(float f) { return f32_to_f16(f); }
+};
+struct F32 {
+    typedef float Storage;
+    static MOE_DEVICE float to_f32(Storage v) { return v; }
+    static MOE_DEVICE Storage from_f32(float f) { return f; }
+};
+
+// ---- warp reductions ---------------------------------------------------------------------
+MOE_DEVICE float warp_max(float v) {
+#pragma unroll
+    for (int o = kWarpSize / 2; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));
+    return v;
+}
+
+// ---- warp copy ---------------------------------------------------------------------------
+// Copies `bytes` from `src` to `dst` with the 32 lanes of one warp: 16-byte accesses when both
+// addresses and the size allow (every row of a bf16/fp8 hidden size that is a multiple of 16
+// bytes does), else 4-byte, else 1-byte. Four loads are issued before their stores so each lane
+// keeps several requests in flight (the copy is latency bound over NVLink otherwise).
+// `src` must not change while the kernel runs (it may be read through the read-only path).
+MOE_DEVICE void warp_copy(void* dst, const void* src, u64 bytes) {
+    const int lane = lane_id();
+    const u64 bits = (u64)dst | (u64)src | bytes;
+    if ((bits & 15) == 0) {
+        uint4* d = (uint4*)dst;
+        const uint4* s = (const uint4*)src;
+        const u64 n = bytes / 16;
+        u64 i = lane;
+        for (; i + 3 * kWarpSize < n; i += 4 * kWarpSize) {
+            uint4 v0 = s[i], v1 = s[i + kWarpSize], v2 = s[i + 2 * kWarpSize],
+                  v3 = s[i + 3 * kWarpSize];
+            d[i] = v0;
+            d[i + kWarpSize] = v1;
+            d[i + 2 * kWarpSize] = v2;
+            d[i + 3 * kWarpSize] = v3;
+        }
+        for (; i < n; i += kWarpSize) d[i] = s[i];
+    } else if ((bits & 3) == 0) {
+        u32* d = (u32*)dst;
+        const u32* s = (const u32*)src;
+        for (u64 i = lane; i < bytes / 4; i += kWarpSize) d[i] = s[i];
+    } else {
+        u8* d = (u8*)dst;
+        const u8* s = (const u8*)src;
+        for (u64 i = lane; i < bytes; i += kWarpSize) d[i] = s[i];
+    }
+}
+
+// Fill `bytes` at `dst` with the byte `value` (padding rows), one warp.
+MOE_DEVICE void warp_fill(void* dst, u8 value, u64 bytes) {
+    const int lane = lane_id();
+    const u32 word = value * 0x01010101u;
+    if ((((u64)dst | bytes) & 3) == 0) {
+        u32* d = (u32*)dst;
+        for (u64 i = lane; i < bytes / 4; i += kWarpSize) d[i] = word;
+    } else {
+        u8* d = (u8*)dst;
+        for (u64 i = lane; i < bytes; i += kWarpSize) d[i] = value;
+    }
+}
+
+// ---- block-wide exclusive scan of per-thread flags (0/1) ------------------------------------
+// Returns the number of set flags in threads below this one; *total gets the block's count.
+// `warp_counts` is shared scratch of at least 32 ints. All threads of the block must call it.
+MOE_DEVICE int block_scan_flags(bool flag, int* warp_counts, int* total) {
+    const int lane = lane_id(), warp = warp_id(), nwarps = warps_per_block();
+    const u32 ballot = __ballot_sync(kFullMask, flag);
+    const int in_warp = __popc(ballot & ((1u << lane) - 1u));
+    if (lane == 0) warp_counts[warp] = __popc(ballot);
+    __syncthreads();
+    int before = 0, sum = 0;
+    for (int w = 0; w < nwarps; ++w) {
+        const int c = warp_counts[w];
+        before += w < warp ? c : 0;
+        sum += c;
+    }
+    __syncthreads();  // warp_counts may be rewritten by the next call
+    *total = sum;
+    return before + in_warp;
+}

@@ -1,0 +1,40 @@
+// ll_dispatch_recv.cu: low-latency dispatch, receive half (the hook). Specialised with
+// MOE_HIDDEN (0 = run time), MOE_FP8 (messages carry e4m3 + f32 scales) and MOE_UE8M0 (scales
+// handed out as packed UE8M0 bytes, four per int32).
+#include "low_latency.cuh"
+
+#ifndef MOE_FP8
+#error "MOE_FP8 must be defined (0 or 1)"
+#endif
+#ifndef MOE_UE8M0
+#define MOE_UE8M0 0
+#endif
+static_assert(MOE_FP8 || !MOE_UE8M0, "UE8M0 scales need fp8");
+static_assert(kHidden % 128 == 0, "specialised hidden sizes are multiples of 128");
+
+// grid: (num_local, SPLIT), block: a multiple of 32 threads, >= num_ranks. Runs after
+// moe_ll_wait has seen every source's count row.
+MOE_KERNEL void moe_ll_dispatch_recv(const u64* bases, i64 rank, i64 num_ranks, i64 timeout_ns,
+                                     i32* err_host, i32* err_dev, i64 op, i64 payload_off,
+                                     i64 meta_off, i64 counts_off, i64 count_row_words,
+                                     i64 stride, i64 max_tokens, i64 hidden, i64 num_local,
+                                     i64 free_off, i64 seq, u8* recv_x, void* recv_scales,
+                                     i32* recv_count, i32* stats, i64* recv_meta,
+                                     i64* recv_ranges, i64* return_base, i32* counter) {
+    const LLGroup g{bases, rank, num_ranks, timeout_ns};
+    const LLBuffer lb{(u64)payload_off, (u64)meta_off, (u64)counts_off, 0, count_row_words,
+                      stride, max_tokens};
+    ll_dispatch_recv_body<MOE_FP8 != 0, MOE_UE8M0 != 0>(
+        g, ErrorSink{err_host, err_dev, (i32)op}, lb, hidden, num_local, (u64)free_off,
+        (u32)seq, recv_x, recv_scales, recv_count, stats, recv_meta, recv_ranges, return_base,
+        counter);
+}
+
+// grid 1, block 32: see ll_wait_body (remote != 0: flow-control word in every peer; else this
+// rank's count rows / DONE slots)
+MOE_KERNEL void moe_ll_wait(const u64* bases, i64 rank, i64 num_ranks, i64 timeout_ns,
+                            i32* err_host, i32* err_dev, i64 op, i64 offset, i64 src_stride,
+                            i64 words, i64 epoch, i64 remote) {
+    ll_wait_body(LLGroup{bases, rank, num_ranks, timeout_ns}, ErrorSink{err_host, err_dev, (i32)op},
+                 (u64)offset, (u64)src_stride, words, (u32)epoch, remote != 0);
+}

@@ -1,0 +1,367 @@
+// low_latency.cuh: low-latency mode, the CUDA twin of moe_comm/host/ll.py. Same wire layout
+// (wire.LLLayout, offsets computed on the host and passed in) and the same output order.
+//
+// Only one-block `wait` kernels ever spin (one thread per rank); the data kernels that follow
+// on the same stream start once the awaited words are there, so a large grid never occupies
+// SMs while a peer (possibly a stream of the same GPU) still needs them to make progress.
+// Stream order carries the acquire: the wait kernel's acquire loads happen before the next
+// kernel's plain loads.
+//
+// dispatch call s (buffer b = s % 2), split so the caller can separate send and receive
+// (return_recv_hook):
+//   send  [s > 2: wait until every rank d has finished reading its buffer b of call s-2
+//         (LL_DISPATCH_FREE[b] in d's header carries s-2): flow control of the two buffers]
+//         one block per global expert e (owned by rank d = e / L, local id le = e % L):
+//         - count this rank's (token, slot) pairs routed to experts below e: where e's
+//           messages start in this rank's message order (pairs sorted by expert, then token,
+//           then slot) - the host backend's order;
+//         - find the pairs routed to e in (token, slot) order with a block-wide scan (rows keep
+//           the host order without atomics); one warp per pair writes the message straight
+//           into d's block payload[le][me][row] (fp8 cast + per-128 scales in registers, or the
+//           bf16 row) and meta[le][me][row] = token << 8 | slot, and records the pair's message
+//           index locally (send_index[t][k], where combine finds its returned row);
+//         - after a system fence and a barrier, release stores of the count word
+//           counts[me][le] = (s << 32) | rows in d's region ("rows are there"); the block of
+//           le = 0 also stores the row's base word counts[me][L] = where this rank's messages
+//           to d start in its message order.
+//   recv  wait for every source's count row (L counts + base), then one block per local
+//         expert (x SPLIT blocks for bandwidth) packs the rows source by source into recv_x
+//         [L, R*M, H] (and the scales, UE8M0-packed if asked), writes recv_count, the handle's
+//         meta/ranges/return_base, adds to the stats; the last block to finish publishes
+//         LL_DISPATCH_FREE[b] = s (release: after all its reads).
+// combine call c (buffer b = c % 2):
+//   send  [c > 2: wait for every owner's LL_COMBINE_FREE[b] = c-2] (L x SPLIT blocks) one warp
+//         per received row writes it into the owner's combine rows at return_base[owner] +
+//         (rows of lower local experts from that owner) + position: the owner's own message
+//         order, so each owner's rows form one contiguous run. The last block signals
+//         LL_COMBINE_DONE[b][me] = (c << 32) | rows in every owner.
+//   recv  wait for every rank's DONE, then out[t] = sum_k w[t,k] * row[send_index[t][k]] in
+//         fp32 (k with id -1 skipped), cast to bf16; the last block publishes
+//         LL_COMBINE_FREE[b] = c.
+//
+// MOE_HIDDEN > 0 makes the hidden size a compile-time constant (loops over 128-channel blocks
+// unroll); 0 is the generic variant that reads it from the arguments.
+#pragma once
+#include "fp8.cuh"
+#include "transport.cuh"
+
+#ifndef MOE_HIDDEN
+#define MOE_HIDDEN 0
+#endif
+constexpr i64 kHidden = MOE_HIDDEN;
+MOE_DEVICE i64 hidden_size(i64 runtime_hidden) { return kHidden > 0 ? kHidden : runtime_hidden; }
+
+constexpr int kMaxRanks = 8;  // intranode groups; the host checks
+
+// One rank's view of the group for LL kernels. All offsets are bytes from a buffer's base.
+struct LLGroup {
+    const u64* bases;
+    i64 rank;
+    i64 num_ranks;
+    i64 timeout_ns;
+    MOE_DEVICE u8* own(u64 offset) const { return (u8*)bases[rank] + offset; }
+};
+
+// Offsets of one LL buffer (wire.LLLayout.offset(buf, ...) + the LL region's offset).
+struct LLBuffer {
+    u64 payload, meta, counts, combine;  // byte offsets in every rank's buffer
+    i64 count_row_words;                 // LLLayout.count_row_words
+    i64 stride;                          // bytes of one message row
+    i64 max_tokens;                      // M
+};
+
+// ---- wait ----------------------------------------------------------------------------------
+// One block, one thread per rank s: remote (flow control): the word at `offset` of rank s's
+// buffer carries `epoch`; local: the `words` words at offset + s * src_stride of this rank's
+// buffer (s's count row, or s's DONE slot) all carry `epoch`. Timeouts name s.
+__device__ void ll_wait_body(const LLGroup g, const ErrorSink err, u64 offset, u64 src_stride,
+                             i64 words, u32 epoch, bool remote) {
+    const Transport t{g.bases, err};
+    const int s = threadIdx.x;
+    if (err.aborted() || s >= g.num_ranks) return;
+    if (remote) {
+        wait_peer_tag(t, s, offset, epoch, g.timeout_ns);
+        return;
+    }
+    const u64* row = (const u64*)g.own(offset + s * src_stride);
+    for (i64 j = 0; j < words; ++j)
+        if (wait_tag(row + j, epoch, g.timeout_ns, err, s) < 0) return;
+}
+
+// ---- dispatch send -----------------------------------------------------------------------
+template <bool kFp8, bool kRoundScale>
+MOE_DEVICE void ll_write_message(const Transport& t, int dst, u64 offset, const u16* x_row,
+                                 i64 hidden) {
+    if (kFp8) {
+        // Built in place in the destination's memory (a remote transport would hand back a
+        // local staging row here and send it at commit).
+        u8* row = t.row_for_write(dst, offset, nullptr);
+        if (!row) return;
+        float* scales = (float*)(row + hidden);
+#pragma unroll 4
+        for (i64 blk = 0; blk < hidden / kFp8Block; ++blk) {
+            const float s = quantize_block_e4m3<kRoundScale>(x_row + blk * kFp8Block,
+                                                             row + blk * kFp8Block);
+            if (lane_id() == 0) scales[blk] = s;
+        }
+        __syncwarp();
+        t.commit_row_warp(dst, offset, row, hidden + hidden / kFp8Block * 4);
+    } else {
+        t.put_warp(dst, offset, x_row, hidden * 2);
+    }
+}
+
+// x bf16 [T, H]; topk_idx i64 [T, K]; send_index i32 [T, K] out (message index of each
+// routed pair in this rank's message order; slots with id -1 are left untouched). Grid: any
+// number of blocks, block b handles experts b, b + gridDim.x, ...; blockDim.x <= 1024 (the
+// shared list holds one entry per thread).
+template <bool kFp8, bool kRoundScale>
+__device__ void ll_dispatch_send_body(const LLGroup g, const ErrorSink err, const LLBuffer lb,
+                                      const u16* x, i64 num_tokens, i64 hidden_rt,
+                                      const i64* topk_idx, i64 topk, i64 num_experts,
+                                      i32* send_index, u32 seq) {
+    __shared__ int warp_counts[32];
+    __shared__ int selected[1024];
+    const Transport t{g.bases, err};
+    if (err.aborted()) return;
+    const i64 hidden = hidden_size(hidden_rt);
+    const i64 R = g.num_ranks, M = lb.max_tokens;
+    const i64 num_local = num_experts / R;
+    const i64 pairs = num_tokens * topk;
+    for (i64 e = blockIdx.x; e < num_experts; e += gridDim.x) {
+        const int dst = (int)(e / num_local);
+        const i64 le = e % num_local;
+        // Messages to experts below e come first in this rank's message order.
+        int lower = 0;
+        for (i64 base = 0; base < pairs; base += blockDim.x) {
+            const i64 i = base + threadIdx.x;
+            const i64 id = i < pairs ? topk_idx[i] : -1;
+            lower += __syncthreads_count(id >= 0 && id < e);
+        }
+        const u64 block = (u64)(le * R + g.rank) * M;  // first message of block [le][me]
+        int running = 0;
+        for (i64 base = 0; base < pairs; base += blockDim.x) {
+            const i64 i = base + threadIdx.x;
+            const bool match = i < pairs && topk_idx[i] == e;
+            int total;
+            const int pos = block_scan_flags(match, warp_counts, &total);
+            if (match) selected[pos] = (int)(i - base);
+            __syncthreads();
+            for (int j = warp_id(); j < total; j += warps_per_block()) {
+                const i64 pair = base + selected[j];
+                const i64 row = running + j;
+                if (row >= M) {  // a token listed the same expert twice: more rows than M
+                    if (lane_id() == 0) err.report(kErrOverflow, seq, dst, (i32)row);
+                    continue;
+                }
+                const i64 tok = pair / topk, slot = pair % topk;
+                ll_write_message<kFp8, kRoundScale>(t, dst, lb.payload + (block + row) * lb.stride,
+                                                    x + tok * hidden, hidden);
+                if (lane_id() == 0) {
+                    i64* meta = (i64*)t.row_for_write(dst, lb.meta + (block + row) * 8, nullptr);
+                    if (meta) *meta = (tok << 8) | slot;
+                    send_index[pair] = (i32)(lower + row);
+                }
+            }
+            running += total;
+            __syncthreads();  // `selected` is rewritten by the next chunk
+        }
+        // The count words go after the rows: every writer fences, the block meets, release
+        // stores publish (see sync.cuh). Each word carries the tag, so order among them is free.
+        __threadfence_system();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            const u64 row_off = lb.counts + (u64)(g.rank * lb.count_row_words) * 8;
+            const u32 rows = (u32)min_of<i64>(running, M);
+            t.signal(dst, row_off + (u64)le * 8, tag(seq, rows));
+            if (le == 0) t.signal(dst, row_off + (u64)num_local * 8, tag(seq, (u32)lower));
+        }
+    }
+}
+
+// ---- dispatch recv -----------------------------------------------------------------------
+// Grid (L, SPLIT). recv_x [L, R*M, H] (fp8 bytes or bf16), recv_scales f32 [L, R*M, H/128] or
+// int32 [L, R*M, H/512] (UE8M0) or null, recv_count i32 [L], stats i32 [L] or null,
+// recv_meta i64 [L, R*M] (-1 past the count), recv_ranges i64 [L, R, 2] (first row, rows),
+// return_base i64 [R] (where each source's messages to this rank start in its message order).
+template <bool kFp8, bool kUe8m0>
+__device__ void ll_dispatch_recv_body(const LLGroup g, const ErrorSink err, const LLBuffer lb,
+                                      i64 hidden_rt, i64 num_local, u64 free_off, u32 seq,
+                                      u8* recv_x, void* recv_scales, i32* recv_count, i32* stats,
+                                      i64* recv_meta, i64* recv_ranges, i64* return_base,
+                                      i32* counter) {
+    __shared__ i64 count[kMaxRanks];
+    __shared__ i64 start[kMaxRanks + 1];
+    __shared__ int last;
+    const Transport t{g.bases, err};
+    if (err.aborted()) return;
+    const i64 hidden = hidden_size(hidden_rt);
+    const i64 R = g.num_ranks, M = lb.max_tokens;
+    const i64 le = blockIdx.x;
+    if (threadIdx.x < R) {  // the count rows arrived: the wait kernel before this one saw them
+        const int s = threadIdx.x;
+        const u64* row = (const u64*)g.own(lb.counts + (u64)(s * lb.count_row_words) * 8);
+        count[s] = min_of<i64>(tag_value(ld_acquire_sys(row + le)), M);
+        if (le == 0 && blockIdx.y == 0)
+            return_base[s] = tag_value(ld_acquire_sys(row + num_local));
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        start[0] = 0;
+        for (int s = 0; s < R; ++s) start[s + 1] = start[s] + count[s];
+    }
+    __syncthreads();
+    const i64 n = start[R];
+    const i64 row_bytes = kFp8 ? hidden : hidden * 2;
+    const i64 scale_cols = hidden / kFp8Block;
+    const i64 part = blockIdx.y, parts = gridDim.y;
+    for (i64 i = part * warps_per_block() + warp_id(); i < n; i += parts * warps_per_block()) {
+        int s = 0;
+        while (i >= start[s + 1]) ++s;
+        const u64 msg = (u64)(le * R + s) * M + (u64)(i - start[s]);
+        const u8* src = g.own(lb.payload + msg * lb.stride);
+        const i64 out_row = le * R * M + i;
+        warp_copy(recv_x + out_row * row_bytes, src, row_bytes);
+        if (kFp8 && recv_scales) {
+            const float* sc = (const float*)(src + hidden);
+            if (kUe8m0) {
+                i32* packed = (i32*)recv_scales + out_row * (scale_cols / 4);
+                for (i64 w = lane_id(); w < scale_cols / 4; w += kWarpSize) {
+                    const u32 b = ue8m0_byte(sc[4 * w]) | (ue8m0_byte(sc[4 * w + 1]) << 8) |
+                                  (ue8m0_byte(sc[4 * w + 2]) << 16) |
+                                  (ue8m0_byte(sc[4 * w + 3]) << 24);
+                    packed[w] = (i32)b;
+                }
+            } else {
+                warp_copy((float*)recv_scales + out_row * scale_cols, sc, scale_cols * 4);
+            }
+        }
+        if (lane_id() == 0) recv_meta[out_row] = *(const i64*)g.own(lb.meta + msg * 8);
+    }
+    for (i64 i = n + part * blockDim.x + threadIdx.x; i < R * M; i += parts * blockDim.x)
+        recv_meta[le * R * M + i] = -1;
+    if (part == 0) {
+        if (threadIdx.x == 0) {
+            recv_count[le] = (i32)n;
+            if (stats) stats[le] += (i32)n;
+        }
+        if (threadIdx.x < R) {
+            recv_ranges[(le * R + threadIdx.x) * 2] = start[threadIdx.x];
+            recv_ranges[(le * R + threadIdx.x) * 2 + 1] = count[threadIdx.x];
+        }
+    }
+    // Release after the reads above: no sender of call s+2 overwrites rows still being read.
+    if (last_block_arrives(counter, &last) && threadIdx.x == 0)
+        t.signal((int)g.rank, free_off, tag(seq, 0));
+}
+
+// ---- combine send ------------------------------------------------------------------------
+// Grid (L, SPLIT). x bf16 [L, R*M, H]: expert outputs in the layout dispatch returned;
+// recv_ranges / return_base from the dispatch handle; rows_cap = rows of a combine region
+// (M * wire.LL_MAX_TOPK).
+__device__ void ll_combine_send_body(const LLGroup g, const ErrorSink err, const LLBuffer lb,
+                                     const u16* x, i64 hidden_rt, i64 num_local, i64 rows_cap,
+                                     const i64* recv_ranges, const i64* return_base,
+                                     u64 done_off, u64 done_stride, u32 seq, i32* counter) {
+    __shared__ i64 start[kMaxRanks + 1];
+    __shared__ i64 dest[kMaxRanks];  // owner row of this block's first row from each source
+    __shared__ int last;
+    const Transport t{g.bases, err};
+    if (err.aborted()) return;
+    const i64 hidden = hidden_size(hidden_rt);
+    const i64 R = g.num_ranks, M = lb.max_tokens;
+    const i64 le = blockIdx.x;
+    if (threadIdx.x < R) {
+        const int s = threadIdx.x;
+        // The owner's messages to this rank are sorted by expert: rows of lower local experts
+        // come first in its run.
+        i64 before = 0;
+        for (i64 l = 0; l < le; ++l) before += recv_ranges[(l * R + s) * 2 + 1];
+        dest[s] = return_base[s] + before;
+    }
+    if (threadIdx.x == 0) {
+        start[0] = 0;
+        for (int s = 0; s < R; ++s) start[s + 1] = start[s] + recv_ranges[(le * R + s) * 2 + 1];
+    }
+    __syncthreads();
+    const i64 n = start[R];
+    const i64 part = blockIdx.y, parts = gridDim.y;
+    for (i64 i = part * warps_per_block() + warp_id(); i < n; i += parts * warps_per_block()) {
+        int s = 0;
+        while (i >= start[s + 1]) ++s;
+        const i64 row = dest[s] + (i - start[s]);
+        if (row < 0 || row >= rows_cap) {
+            if (lane_id() == 0) err.report(kErrOverflow, seq, s, (i32)row);
+            continue;
+        }
+        t.put_warp(s, lb.combine + (u64)row * hidden * 2, x + (le * R * M + i) * hidden,
+                   hidden * 2);
+    }
+    if (last_block_arrives(counter, &last)) {
+        for (int s = threadIdx.x; s < R; s += blockDim.x) {
+            i64 rows = 0;
+            for (i64 l = 0; l < num_local; ++l) rows += recv_ranges[(l * R + s) * 2 + 1];
+            t.signal(s, done_off + g.rank * done_stride, tag(seq, (u32)rows));
+        }
+    }
+}
+
+// ---- combine recv ------------------------------------------------------------------------
+// Grid: any; block b handles tokens b, b + gridDim.x, ... topk_idx i64 [T, K], topk_w f32
+// [T, K], send_index i32 [T, K] from this call's dispatch, out bf16 [T, H].
+__device__ void ll_combine_recv_body(const LLGroup g, const ErrorSink err, const LLBuffer lb,
+                                     i64 hidden_rt, i64 num_tokens, i64 topk, i64 rows_cap,
+                                     const i64* topk_idx, const float* topk_w,
+                                     const i32* send_index, u64 free_off, u32 seq, u16* out,
+                                     i32* counter) {
+    __shared__ float weight[32];
+    __shared__ i64 row_of[32];  // returned row of slot k, -1 = slot unused
+    __shared__ int last;
+    const Transport t{g.bases, err};
+    if (err.aborted()) return;
+    const i64 hidden = hidden_size(hidden_rt);
+    const u16* rows = (const u16*)g.own(lb.combine);
+    const bool vec = (hidden % 8) == 0;
+    for (i64 tok = blockIdx.x; tok < num_tokens; tok += gridDim.x) {
+        if (threadIdx.x < topk) {
+            const i64 k = threadIdx.x;
+            const bool used = topk_idx[tok * topk + k] >= 0;
+            const i64 r = used ? (i64)send_index[tok * topk + k] : -1;
+            row_of[k] = r >= 0 && r < rows_cap ? r : -1;
+            weight[k] = used ? topk_w[tok * topk + k] : 0.0f;
+        }
+        __syncthreads();
+        u16* dst = out + tok * hidden;
+        if (vec) {
+            for (i64 c = threadIdx.x; c < hidden / 8; c += blockDim.x) {
+                float acc[8];
+#pragma unroll
+                for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
+                for (i64 k = 0; k < topk; ++k) {
+                    if (row_of[k] < 0) continue;
+                    const uint4 raw = *(const uint4*)(rows + row_of[k] * hidden + c * 8);
+                    const u16* v = (const u16*)&raw;
+                    const float w = weight[k];
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) acc[j] += w * bf16_to_f32(v[j]);
+                }
+                uint4 packed;
+                u16* o = (u16*)&packed;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) o[j] = f32_to_bf16(acc[j]);
+                *(uint4*)(dst + c * 8) = packed;
+            }
+        } else {
+            for (i64 c = threadIdx.x; c < hidden; c += blockDim.x) {
+                float acc = 0.0f;
+                for (i64 k = 0; k < topk; ++k)
+                    if (row_of[k] >= 0)
+                        acc += weight[k] * bf16_to_f32(rows[row_of[k] * hidden + c]);
+                dst[c] = f32_to_bf16(acc);
+            }
+        }
+        __syncthreads();  // `weight` / `row_of` are rewritten for the next token
+    }
+    if (last_block_arrives(counter, &last) && threadIdx.x == 0)
+        t.signal((int)g.rank, free_off, tag(seq, 0));
+}

@@ -1,0 +1,352 @@
+// normal.cuh: normal (high-throughput) mode between ranks of one node, the CUDA twin of
+// moe_comm/host/normal.py. Same semantics and output order; R = number of ranks is a template
+// parameter (loops over destinations unroll, per-rank tables live in shared memory).
+//
+// One operation (dispatch or combine, epoch e) is a sequence of kernels on the caller's stream:
+//
+//   notify      1 block: write my row of R counts, tagged e, into NOTIFY[e's parity][me] of
+//               every rank; wait for every rank's row in my header. Gives the R x R count
+//               matrix m[s][d] (dispatch) and doubles as the flow-control barrier of every
+//               operation (combine and cached dispatch send zeros): a rank writes its row
+//               only after the previous kernels on its stream, which read its data region,
+//               have finished, so no peer overwrites a region still being read.
+//   send        grid: rows written straight into each destination's data region (Transport),
+//               then the last block to finish signals DONE[me] = e in every rank.
+//   wait_done   1 block: wait for DONE[s] = e from every rank s.
+//   copy_out /  grid: dispatch copies the received region into the output tensors (rows past
+//   reduce      the real count padded for num_worst_tokens); combine sums rows per token in fp32.
+//
+// The data region of every rank starts at `data_off` of its buffer and holds one SlabLayout
+// (moe_comm/wire.py): payload [rows, row_bytes], scales [rows, S] f32, top-k ids [rows, K]
+// i64, weights [rows, K] f32, each 64-byte aligned. Dispatch: rows ordered by source rank then
+// source token index; source s owns rows [sum_{s'<s} m[s'][d], ...). Combine staging at the
+// token owner: rows ordered by expert rank d then token, d's rows start at sum_{d'<d} m[me][d'].
+//
+// Why two parities for NOTIFY and one slot for DONE: see docs/ARCHITECTURE.md ("Why the slots
+// are safe without resets"); the per-operation notify barrier gives the same guarantees here.
+#pragma once
+#include "transport.cuh"
+
+constexpr u64 kSlabAlign = 64;
+constexpr u64 kPage = 4096;
+
+// wire.SlabLayout on the device.
+struct Slab {
+    u64 x, scales, idx, w, nbytes;
+
+    static MOE_DEVICE Slab make(u64 rows, u64 row_bytes, u64 scale_cols, u64 topk) {
+        Slab s;
+        s.x = 0;
+        s.scales = round_up(s.x + rows * row_bytes, kSlabAlign);
+        s.idx = round_up(s.scales + rows * scale_cols * 4, kSlabAlign);
+        s.w = round_up(s.idx + rows * topk * 8, kSlabAlign);
+        s.nbytes = round_up(s.w + rows * topk * 4, kPage);
+        return s;
+    }
+};
+
+// Common kernel arguments of one rank's view of the group.
+struct Group {
+    const u64* bases;  // [R] every rank's buffer base in this process
+    i64 rank;
+    u64 data_off;      // byte offset of the data region in every buffer
+    u64 capacity;      // bytes of the data region
+    i64 timeout_ns;
+
+    MOE_DEVICE u8* own(u64 offset) const { return (u8*)bases[rank] + offset; }
+};
+
+// ---- notify ------------------------------------------------------------------------------
+// One warp. Thread p writes this rank's row into rank p and then reads rank p's row here.
+// counts: int32 [R] or null (zeros: a pure barrier). matrix: int32 [R, R] out, or null.
+template <int R>
+__device__ void notify_body(const Group g, const ErrorSink err, u64 notify_off, i64 row_words,
+                            u32 epoch, const i32* counts, i32* matrix) {
+    const Transport t{g.bases, err};
+    const int p = threadIdx.x;
+    if (err.aborted() || p >= R) return;
+    // Each word carries its own tag, so a reader never needs an extra "row complete" flag.
+    for (int d = 0; d < R; ++d) {
+        const u32 c = counts ? (u32)counts[d] : 0u;
+        t.signal(p, notify_off + (u64)(g.rank * row_words + d) * 8, tag(epoch, c));
+    }
+    const u64* row = (const u64*)g.own(notify_off + (u64)(p * row_words) * 8);
+    for (int d = 0; d < R; ++d) {
+        const i64 v = wait_tag(row + d, epoch, g.timeout_ns, err, p);
+        if (v < 0) return;  // rank p is silent; reported
+        if (matrix) matrix[p * R + d] = (i32)v;
+    }
+}
+
+// ---- wait_done ---------------------------------------------------------------------------
+template <int R>
+__device__ void wait_done_body(const Group g, const ErrorSink err, u64 done_off, u64 done_stride,
+                               u32 epoch) {
+    const int s = threadIdx.x;
+    if (err.aborted() || s >= R) return;
+    wait_tag((const u64*)g.own(done_off + s * done_stride), epoch, g.timeout_ns, err, s);
+}
+
+// Signal DONE[me] = epoch in every rank (run by the last block of a send kernel).
+template <int R>
+MOE_DEVICE void signal_done_all(const Transport& t, const Group& g, u64 done_off,
+                                u64 done_stride, u32 epoch) {
+    for (int d = threadIdx.x; d < R; d += blockDim.x)
+        t.signal(d, done_off + g.rank * done_stride, tag(epoch, 1));
+}
+
+// ---- dispatch send -----------------------------------------------------------------------
+// x: [T, row_bytes] bytes; scales f32 [T, S] or null; topk_idx i64 [T, K] / topk_w f32 [T, K]
+// or null (cached dispatch sends neither); send_pos i32 [T, R] from the layout; matrix i32
+// [R, R] from notify. worst > 0 (num_worst_tokens): every destination's slab has exactly
+// `worst` rows, so no host ever needs the matrix; rows past it are dropped and reported.
+template <int R>
+__device__ void dispatch_send_body(const Group g, const ErrorSink err, const u8* x,
+                                   i64 num_tokens, i64 row_bytes, const float* scales,
+                                   i64 scale_cols, const i64* topk_idx, const float* topk_w,
+                                   i64 topk, i64 num_local, const i32* send_pos,
+                                   const i32* matrix, i64 worst, u64 done_off, u64 done_stride,
+                                   u32 epoch, i32* counter) {
+    __shared__ u64 row0[R];     // first row of this rank's block at destination d
+    __shared__ u64 limit[R];    // rows of d's slab (writes at or past it would overflow)
+    __shared__ Slab slab[R];
+    __shared__ int last;
+    const Transport t{g.bases, err};
+    if (err.aborted()) return;
+    if (threadIdx.x < R) {
+        const int d = threadIdx.x;
+        u64 before = 0, rows = 0;
+        for (int s = 0; s < R; ++s) {
+            const u64 c = (u64)matrix[s * R + d];
+            before += s < g.rank ? c : 0;
+            rows += c;
+        }
+        const u64 slab_rows = worst > 0 ? (u64)worst : rows;
+        row0[d] = before;
+        slab[d] = Slab::make(slab_rows, row_bytes, scale_cols, topk);
+        limit[d] = slab[d].nbytes <= g.capacity ? slab_rows : 0;
+        if (slab[d].nbytes > g.capacity || rows > slab_rows)
+            err.report(kErrOverflow, epoch, d, (i32)rows);
+    }
+    __syncthreads();
+    const int lane = lane_id();
+    const i64 warp0 = (i64)blockIdx.x * warps_per_block() + warp_id();
+    const i64 nwarps = (i64)gridDim.x * warps_per_block();
+    for (i64 tok = warp0; tok < num_tokens; tok += nwarps) {
+#pragma unroll
+        for (int d = 0; d < R; ++d) {
+            const i32 pos = send_pos[tok * R + d];
+            if (pos < 0) continue;
+            const u64 row = row0[d] + (u64)pos;
+            if (row >= limit[d]) continue;  // overflow, reported above
+            const Slab& s = slab[d];
+            const u64 base = g.data_off;
+            t.put_warp(d, base + s.x + row * row_bytes, x + tok * row_bytes, row_bytes);
+            if (scales)
+                t.put_warp(d, base + s.scales + row * scale_cols * 4, scales + tok * scale_cols,
+                           scale_cols * 4);
+            if (topk > 0) {
+                // Top-k ids as seen by d: local ids, -1 where the expert lives elsewhere; the
+                // weights are zeroed there so summing them back in combine restores the input.
+                i64* ids = (i64*)t.row_for_write(d, base + s.idx + row * topk * 8, nullptr);
+                float* ws = (float*)t.row_for_write(d, base + s.w + row * topk * 4, nullptr);
+                for (i64 k = lane; k < topk; k += kWarpSize) {
+                    const i64 e = topk_idx[tok * topk + k];
+                    const i64 local = e - d * num_local;
+                    const bool mine = e >= 0 && local >= 0 && local < num_local;
+                    ids[k] = mine ? local : -1;
+                    ws[k] = mine && topk_w ? topk_w[tok * topk + k] : 0.0f;
+                }
+                __syncwarp();
+                t.commit_row_warp(d, base + s.idx + row * topk * 8, (const u8*)ids, topk * 8);
+                t.commit_row_warp(d, base + s.w + row * topk * 4, (const u8*)ws, topk * 4);
+            }
+        }
+    }
+    if (last_block_arrives(counter, &last)) signal_done_all<R>(t, g, done_off, done_stride, epoch);
+}
+
+// ---- dispatch copy-out -------------------------------------------------------------------
+// Copies this rank's received slab into the output tensors: rows_out rows (the real count, or
+// num_worst_tokens with padding: x 0, scales 0, ids -1, weights 0). expert_counts int32
+// [num_local] (zeroed by the host) or null: rows per local expert, for the aligned count list.
+template <int R>
+__device__ void dispatch_copy_out_body(const Group g, i64 row_bytes, i64 scale_cols, i64 topk,
+                                       const i32* matrix, i64 worst, i64 rows_out, u8* recv_x,
+                                       float* recv_scales, i64* recv_idx, float* recv_w,
+                                       i32* expert_counts) {
+    __shared__ i64 received;
+    __shared__ Slab slab;
+    if (threadIdx.x == 0) {
+        i64 n = 0;
+        for (int s = 0; s < R; ++s) n += matrix[s * R + g.rank];
+        const u64 slab_rows = worst > 0 ? (u64)worst : (u64)n;
+        slab = Slab::make(slab_rows, row_bytes, scale_cols, topk);
+        received = min_of<i64>(n, rows_out);
+    }
+    __syncthreads();
+    const u8* region = g.own(g.data_off);
+    const int lane = lane_id();
+    const i64 warp0 = (i64)blockIdx.x * warps_per_block() + warp_id();
+    const i64 nwarps = (i64)gridDim.x * warps_per_block();
+    for (i64 r = warp0; r < rows_out; r += nwarps) {
+        if (r < received) {
+            warp_copy(recv_x + r * row_bytes, region + slab.x + r * row_bytes, row_bytes);
+            if (recv_scales)
+                warp_copy(recv_scales + r * scale_cols, region + slab.scales + r * scale_cols * 4,
+                          scale_cols * 4);
+            if (topk > 0) {
+                const i64* ids = (const i64*)(region + slab.idx) + r * topk;
+                const float* ws = (const float*)(region + slab.w) + r * topk;
+                for (i64 k = lane; k < topk; k += kWarpSize) {
+                    const i64 e = ids[k];
+                    recv_idx[r * topk + k] = e;
+                    recv_w[r * topk + k] = ws[k];
+                    if (expert_counts && e >= 0) atomicAdd(expert_counts + e, 1);
+                }
+            }
+        } else {
+            warp_fill(recv_x + r * row_bytes, 0, row_bytes);
+            if (recv_scales) warp_fill(recv_scales + r * scale_cols, 0, scale_cols * 4);
+            for (i64 k = lane; k < topk; k += kWarpSize) {
+                recv_idx[r * topk + k] = -1;
+                recv_w[r * topk + k] = 0.0f;
+            }
+        }
+    }
+}
+
+// ---- combine send ------------------------------------------------------------------------
+// x: [>= N, row_bytes] this rank's expert outputs in received order (N = sum_s m[s][me], the
+// real count even when x has num_worst_tokens rows); topk_w f32 [>= N, K] or null. Each row
+// goes back to its source rank's staging slab.
+template <int R>
+__device__ void combine_send_body(const Group g, const ErrorSink err, const u8* x, i64 row_bytes,
+                                  const float* topk_w, i64 topk, const i32* matrix, u64 done_off,
+                                  u64 done_stride, u32 epoch, i32* counter) {
+    __shared__ i64 src_start[R + 1];  // my received rows from source s: [src_start[s], ...)
+    __shared__ u64 row0[R];           // where my rows start in s's staging slab
+    __shared__ bool fits[R];
+    __shared__ Slab slab[R];
+    __shared__ int last;
+    const Transport t{g.bases, err};
+    if (err.aborted()) return;
+    if (threadIdx.x == 0) {
+        src_start[0] = 0;
+        for (int s = 0; s < R; ++s) src_start[s + 1] = src_start[s] + matrix[s * R + g.rank];
+    }
+    if (threadIdx.x < R) {
+        const int s = threadIdx.x;
+        u64 before = 0, rows = 0;
+        for (int d = 0; d < R; ++d) {
+            const u64 c = (u64)matrix[s * R + d];
+            before += d < g.rank ? c : 0;
+            rows += c;
+        }
+        row0[s] = before;
+        slab[s] = Slab::make(rows, row_bytes, 0, topk);
+        fits[s] = slab[s].nbytes <= g.capacity;
+        if (!fits[s]) err.report(kErrOverflow, epoch, s, (i32)rows);
+    }
+    __syncthreads();
+    const i64 total = src_start[R];
+    const i64 warp0 = (i64)blockIdx.x * warps_per_block() + warp_id();
+    const i64 nwarps = (i64)gridDim.x * warps_per_block();
+    for (i64 i = warp0; i < total; i += nwarps) {
+        int s = 0;
+        while (i >= src_start[s + 1]) ++s;
+        if (!fits[s]) continue;
+        const u64 row = row0[s] + (u64)(i - src_start[s]);
+        const Slab& sl = slab[s];
+        t.put_warp(s, g.data_off + sl.x + row * row_bytes, x + i * row_bytes, row_bytes);
+        if (topk_w) t.put_warp(s, g.data_off + sl.w + row * topk * 4, topk_w + i * topk, topk * 4);
+    }
+    if (last_block_arrives(counter, &last)) signal_done_all<R>(t, g, done_off, done_stride, epoch);
+}
+
+// ---- combine reduce ----------------------------------------------------------------------
+// out[t] = sum over ranks d that t was sent to of staging row (d, send_pos[t][d]), in fp32 and
+// in rank order (like moe_comm/host/reduce.py), plus up to two fp32 biases [T, H]; written in
+// Elem. w_out f32 [T, K] or null: the returned top-k weights summed the same way.
+// One block per token (grid-stride); 16-byte vectors when the row size allows.
+template <int R, typename Elem>
+__device__ void combine_reduce_body(const Group g, i64 hidden, i64 topk, const i32* matrix,
+                                    const i32* send_pos, i64 num_tokens, const float* bias0,
+                                    const float* bias1, typename Elem::Storage* out,
+                                    float* w_out) {
+    typedef typename Elem::Storage S;
+    constexpr int V = 16 / sizeof(S);  // elements per 16-byte vector
+    __shared__ u64 seg_start[R];
+    __shared__ Slab slab;
+    __shared__ i32 pos[R];
+    const u64 row_bytes = hidden * sizeof(S);
+    if (threadIdx.x == 0) {
+        u64 at = 0;
+        for (int d = 0; d < R; ++d) {
+            seg_start[d] = at;
+            at += (u64)matrix[g.rank * R + d];
+        }
+        slab = Slab::make(at, row_bytes, 0, topk);
+    }
+    const u8* region = g.own(g.data_off);
+    const bool vec = (row_bytes % 16) == 0;
+    for (i64 tok = blockIdx.x; tok < num_tokens; tok += gridDim.x) {
+        __syncthreads();  // slab ready / previous token's pos no longer read
+        if (threadIdx.x < R) pos[threadIdx.x] = send_pos[tok * R + threadIdx.x];
+        __syncthreads();
+        S* dst = out + tok * hidden;
+        if (vec) {
+            for (i64 c = threadIdx.x; c < hidden / V; c += blockDim.x) {
+                float acc[V];
+#pragma unroll
+                for (int j = 0; j < V; ++j) acc[j] = 0.0f;
+#pragma unroll
+                for (int d = 0; d < R; ++d) {
+                    if (pos[d] < 0) continue;
+                    const u64 row = seg_start[d] + (u64)pos[d];
+                    const uint4 raw = *(const uint4*)(region + slab.x + row * row_bytes + c * 16);
+                    const S* v = (const S*)&raw;
+#pragma unroll
+                    for (int j = 0; j < V; ++j) acc[j] += Elem::to_f32(v[j]);
+                }
+                const float* biases[2] = {bias0, bias1};
+#pragma unroll
+                for (int b = 0; b < 2; ++b) {
+                    if (!biases[b]) continue;
+                    const float* bp = biases[b] + tok * hidden + c * V;
+#pragma unroll
+                    for (int j = 0; j < V; ++j) acc[j] += bp[j];
+                }
+                uint4 packed;
+                S* o = (S*)&packed;
+#pragma unroll
+                for (int j = 0; j < V; ++j) o[j] = Elem::from_f32(acc[j]);
+                *(uint4*)(dst + c * V) = packed;
+            }
+        } else {
+            for (i64 c = threadIdx.x; c < hidden; c += blockDim.x) {
+                float acc = 0.0f;
+#pragma unroll
+                for (int d = 0; d < R; ++d) {
+                    if (pos[d] < 0) continue;
+                    const u64 row = seg_start[d] + (u64)pos[d];
+                    acc += Elem::to_f32(((const S*)(region + slab.x + row * row_bytes))[c]);
+                }
+                if (bias0) acc += bias0[tok * hidden + c];
+                if (bias1) acc += bias1[tok * hidden + c];
+                dst[c] = Elem::from_f32(acc);
+            }
+        }
+        if (w_out) {
+            for (i64 k = threadIdx.x; k < topk; k += blockDim.x) {
+                float acc = 0.0f;
+                for (int d = 0; d < R; ++d) {
+                    if (pos[d] < 0) continue;
+                    const u64 row = seg_start[d] + (u64)pos[d];
+                    acc += ((const float*)(region + slab.w))[row * topk + k];
+                }
+                w_out[tok * topk + k] = acc;
+            }
+        }
+    }
+}

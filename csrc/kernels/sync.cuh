@@ -1,0 +1,128 @@
+// sync.cuh: memory ordering between GPUs, tagged signal words, deadline-bounded waits and the
+// error word the host turns into moe_comm.CommTimeoutError.
+//
+// Memory model (PTX ISA "Memory Consistency Model"), as used by every kernel:
+//
+//  * A writer makes its payload visible before the signal that announces it. The payload is
+//    written with ordinary stores (to a peer's memory through a CUDA IPC mapping, i.e. over
+//    NVLink/PCIe); then
+//      - the threads that wrote it execute `fence.sc.sys` (__threadfence_system) and meet at a
+//        barrier (__syncthreads), or, across blocks, increment a block counter after that fence
+//        (see `last_block_arrives`);
+//      - one thread then stores the signal word with `st.release.sys`.
+//    The release store at system scope is cumulative: every write that precedes it in causality
+//    order (own writes, and writes of other threads ordered before it by barrier + fence) is
+//    visible to any thread of any GPU that observes the signal with an acquire load.
+//  * A reader polls the signal word with `ld.acquire.sys`; once it sees the awaited epoch, its
+//    later loads (in this thread, and in threads that synchronise with it through a barrier or
+//    a later kernel on the same stream) see the payload.
+//  * Scope is `.sys`, not `.gpu`: writers and readers are on different devices (or different
+//    processes sharing one device through IPC mappings); `.gpu` would only order accesses as
+//    observed from the writer's own GPU.
+//  * A release also orders the writer's earlier *loads*: a rank that publishes "my region is
+//    free" (notify rows, LL *_FREE words) with a release store has finished reading the region
+//    before any peer that acquires the word can overwrite it.
+//
+// Signal words are tagged (moe_comm/wire.py): `(epoch << 32) | value`, epoch >= 1. A reader
+// waits until the epoch field equals the epoch of the current operation, so slots are never
+// reset and a word left by an older operation can never be mistaken for a new one.
+//
+// Deadlines: every spin reads %globaltimer (nanoseconds, the same clock on every SM) and gives
+// up when the operation's deadline passes. The silent rank is written to the error word in
+// pinned host memory (the host reads it without a device sync and raises CommTimeoutError
+// naming it) and to a device copy that later kernels check at entry, so a failed operation
+// does not make every following kernel wait out its own timeout too. No kernel traps.
+#pragma once
+#include "common.cuh"
+
+// ---- ordered accesses --------------------------------------------------------------------
+MOE_DEVICE u64 globaltimer_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+MOE_DEVICE void st_release_sys(u64* p, u64 v) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+MOE_DEVICE u64 ld_acquire_sys(const u64* p) {
+    u64 v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+MOE_DEVICE void st_volatile_i32(i32* p, i32 v) { *(volatile i32*)p = v; }
+MOE_DEVICE i32 ld_volatile_i32(const i32* p) { return *(const volatile i32*)p; }
+
+// ---- tagged words (wire.tag / tag_epoch / tag_value) --------------------------------------
+MOE_DEVICE u64 tag(u32 epoch, u32 value) { return ((u64)epoch << 32) | (u64)value; }
+MOE_DEVICE u32 tag_epoch(u64 word) { return (u32)(word >> 32); }
+MOE_DEVICE u32 tag_value(u64 word) { return (u32)(word & 0xffffffffull); }
+
+// ---- errors ------------------------------------------------------------------------------
+// Codes, mirrored in moe_comm/cuda/comm.py.
+constexpr i32 kErrTimeout = 1;      // a peer's signal did not arrive before the deadline
+constexpr i32 kErrOverflow = 2;     // more rows than the receive region / num_worst_tokens hold
+constexpr i32 kErrNoTransport = 3;  // a rank is neither mapped nor served by a transport
+
+// Host error word layout (int32): [0] code, [1] op id, [2] epoch, [3] detail,
+// [4 + r] = 1 if rank r is silent. kMaxErrorRanks bounds r.
+constexpr int kErrorHeader = 4;
+constexpr int kMaxErrorRanks = 64;
+
+struct ErrorSink {
+    i32* host;  // pinned, mapped host memory (same address on host and device under UVA)
+    i32* dev;   // device copy of the code: cheap to test at kernel entry
+    i32 op;     // which phase is running (moe_comm/cuda/comm.py OPS)
+
+    // Ranks and details first, the code last (after a system fence): a host that sees the
+    // code sees the rest. Racing reporters write the same kind of values; any wins.
+    MOE_DEVICE void report(i32 code, u32 epoch, int rank, i32 detail) const {
+        if (rank >= 0 && rank < kMaxErrorRanks) st_volatile_i32(host + kErrorHeader + rank, 1);
+        st_volatile_i32(host + 1, op);
+        st_volatile_i32(host + 2, (i32)epoch);
+        st_volatile_i32(host + 3, detail);
+        __threadfence_system();
+        st_volatile_i32(host + 0, code);
+        st_volatile_i32(dev, code);
+    }
+    MOE_DEVICE bool aborted() const { return ld_volatile_i32(dev) != 0; }
+};
+
+// Spin until the word at `p` carries `epoch`; returns its value, or -1 after `timeout_ns`
+// (reporting `rank` as silent). The acquire load orders everything the thread reads after.
+MOE_DEVICE i64 wait_tag(const u64* p, u32 epoch, u64 timeout_ns, const ErrorSink& err,
+                        int rank) {
+    const u64 deadline = globaltimer_ns() + timeout_ns;
+    for (;;) {
+        const u64 w = ld_acquire_sys(p);
+        if (tag_epoch(w) == epoch) return (i64)tag_value(w);
+        if (globaltimer_ns() > deadline) {
+            err.report(kErrTimeout, epoch, rank, 0);
+            return -1;
+        }
+    }
+}
+
+// Cross-block completion: every thread of every block calls this after its last write of
+// the kernel's payload. Returns true in exactly one block, the last to arrive, which may then
+// publish signals covering all blocks' writes. Each thread's fence.sc.sys orders its payload
+// before the barrier; thread 0's atomic then carries the block's writes to the last block,
+// which fences again before its release stores. The last block resets the counter, so the
+// next kernel on the stream (which starts only after this one ends) finds it at 0.
+MOE_DEVICE bool last_block_arrives(i32* counter, int* shared_flag) {
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const i32 blocks = (i32)(gridDim.x * gridDim.y * gridDim.z);  // 2-D grids too
+        const i32 prev = atomicAdd(counter, 1);
+        *shared_flag = prev == blocks - 1;
+        if (*shared_flag) {
+            *counter = 0;
+            __threadfence_system();
+        }
+    }
+    __syncthreads();
+    return *shared_flag != 0;
+}

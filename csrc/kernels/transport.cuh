@@ -1,0 +1,83 @@
+// transport.cuh: how bytes and signals reach another rank's buffer.
+//
+// Every write a kernel makes into another rank's memory goes through `Transport`, never
+// through a raw pointer, so a transport for ranks that are not reachable by pointer can be
+// slotted in without touching the mode kernels:
+//
+//   row = t.row_for_write(rank, offset, staging)   // where to build a message for `rank`
+//   ... write the message into `row` ...
+//   t.commit_row_warp(rank, offset, row, bytes)    // make it travel (no-op for peer stores)
+//   t.put_warp(rank, offset, src, bytes)           // copy existing bytes (= the three above)
+//   t.signal(rank, offset, tagged_word)            // release-ordered signal word
+//   t.read_signal(rank, offset)                    // acquire load of a word in rank's memory
+//
+// Implemented now: peers in this node through CUDA IPC mappings (`bases[rank] != 0`): the row
+// *is* the peer's memory, commit does nothing, a signal is one st.release.sys. Not implemented:
+// remote ranks (`bases[rank] == 0`). Their branch is where an IBGDA put (nvshmemi put + signal)
+// or a host-proxy ring command (write the message into a local staging slot, push
+// {rank, offset, bytes, slot} to a GPU->CPU ring) belongs; today it records kErrNoTransport and
+// drops the write, and the host never maps a group with such ranks (moe_comm/cuda/comm.py).
+#pragma once
+#include "sync.cuh"
+
+struct Transport {
+    const u64* bases;  // [num_ranks] base address of each rank's comm buffer in this process
+    ErrorSink err;
+
+    MOE_DEVICE bool by_pointer(int rank) const { return bases[rank] != 0; }
+    MOE_DEVICE u8* peer(int rank, u64 offset) const { return (u8*)bases[rank] + offset; }
+
+    // Where to write a message of `rank` that must land at `offset` of its buffer. `staging`
+    // (a local slot the caller owns, may be null) is what a remote transport would return.
+    MOE_DEVICE u8* row_for_write(int rank, u64 offset, u8* staging) const {
+        return by_pointer(rank) ? peer(rank, offset) : staging;
+    }
+
+    MOE_DEVICE void commit_row_warp(int rank, u64 offset, const u8* row, u64 bytes) const {
+        if (by_pointer(rank)) return;  // the stores went straight to the peer
+        remote_put_warp(rank, offset, row, bytes);
+    }
+
+    MOE_DEVICE void put_warp(int rank, u64 offset, const void* src, u64 bytes) const {
+        if (by_pointer(rank))
+            warp_copy(peer(rank, offset), src, bytes);
+        else
+            remote_put_warp(rank, offset, (const u8*)src, bytes);
+    }
+
+    MOE_DEVICE void signal(int rank, u64 offset, u64 word) const {
+        if (by_pointer(rank))
+            st_release_sys((u64*)peer(rank, offset), word);
+        else
+            remote_signal(rank, offset, word);
+    }
+
+    MOE_DEVICE u64 read_signal(int rank, u64 offset) const {
+        if (by_pointer(rank)) return ld_acquire_sys((const u64*)peer(rank, offset));
+        remote_signal(rank, offset, 0);  // no remote read path: report, return "nothing yet"
+        return 0;
+    }
+
+    // Remote hooks: the only place a network transport plugs in.
+    MOE_DEVICE void remote_put_warp(int rank, u64, const u8*, u64) const {
+        if (lane_id() == 0) err.report(kErrNoTransport, 0, rank, 0);
+    }
+    MOE_DEVICE void remote_signal(int rank, u64, u64) const {
+        err.report(kErrNoTransport, 0, rank, 0);
+    }
+};
+
+// Deadline-bounded wait for a tagged word in another rank's memory (flow control: "has that
+// rank finished reading the buffer I am about to overwrite"). Waits that run side by side do
+// not give up early when one of them reports: each silent rank gets named.
+MOE_DEVICE bool wait_peer_tag(const Transport& t, int rank, u64 offset, u32 epoch,
+                              u64 timeout_ns) {
+    const u64 deadline = globaltimer_ns() + timeout_ns;
+    for (;;) {
+        if (tag_epoch(t.read_signal(rank, offset)) == epoch) return true;
+        if (globaltimer_ns() > deadline) {
+            t.err.report(kErrTimeout, epoch, rank, 1);
+            return false;
+        }
+    }
+}

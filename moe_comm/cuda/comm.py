@@ -1,0 +1,288 @@
+"""``CudaComm``: one rank's view of the CUDA communication buffers of a group.
+
+Every rank owns one device allocation ``[header | data region | low-latency region]`` laid out
+by moe_comm/wire.py (``HeaderLayout`` for the signal slots, a normal-mode data region of
+``heap_bytes``, an ``LLLayout`` region of ``ll_bytes``), zeroed at creation. Each rank maps
+every peer's allocation into its address space (CUDA IPC, ``cuIpcOpenMemHandle``) and hands
+the kernels a device array ``bases[R]`` of those addresses, so a kernel writes a peer's buffer
+with plain stores (NVLink/PCIe peer access).
+
+Two ways to build a group:
+
+* :meth:`CudaComm.from_group` - one process per rank (the real deployment): allocations are
+  exchanged as IPC handles over the torch.distributed group (``all_gather_object``).
+* :meth:`CudaComm.local_group` - all ranks in one process, each driven by its own thread and
+  CUDA stream (tests and the single-GPU benchmark): the same kernels, pointers shared
+  directly. Kernels of different streams run concurrently on one GPU, whereas kernels of
+  different processes on one GPU time-slice (no MPS), which makes spinning peers slow.
+
+Errors: kernels never trap. A wait that passes its deadline writes the silent rank into an
+error word in pinned host memory; :meth:`CudaComm.check` (called at the start of every
+operation and after every host synchronisation) raises ``moe_comm.CommTimeoutError`` naming the
+silent ranks. After an error the group is out of step: destroy it.
+"""
+from __future__ import annotations
+
+import ctypes
+import socket
+
+import numpy as np
+import torch
+
+from ..errors import CommTimeoutError
+from ..wire import LINE_WORDS, MAX_EPOCH, PAGE, HeaderLayout, round_up
+from .variants import MAX_RANKS
+
+IPC_HANDLE_BYTES = 64
+ERROR_HEADER = 4                 # csrc/kernels/sync.cuh: kErrorHeader
+MAX_ERROR_RANKS = 64             # ... kMaxErrorRanks
+ERR_TIMEOUT, ERR_OVERFLOW, ERR_NO_TRANSPORT = 1, 2, 3
+
+# Phase ids passed to kernels (the `op` argument) and the names errors report.
+OPS = ("", "dispatch/notify", "dispatch/send", "dispatch/payload", "combine/notify",
+       "combine/send", "combine/payload", "low_latency_dispatch/send",
+       "low_latency_dispatch/recv", "low_latency_combine/send", "low_latency_combine/recv")
+OP = {name: i for i, name in enumerate(OPS)}
+
+# Block counters (csrc/kernels/sync.cuh last_block_arrives), one per kernel that uses one, so
+# kernels that may run on different streams (LL send vs. a later receive hook) never share.
+SIGNAL_STRIDE = LINE_WORDS * 8   # bytes between one-per-rank signal slots (one line each)
+
+COUNTER = {"dispatch_send": 0, "combine_send": 1, "ll_dispatch_recv": 2, "ll_combine_send": 3,
+           "ll_combine_recv": 4}
+
+
+class CudaCommError(RuntimeError):
+    """A device-side failure other than a timeout (receive overflow, missing transport)."""
+
+
+def _cu(result, what: str):
+    """Unwrap a cuda.bindings ``(CUresult, *values)`` tuple."""
+    from cuda.bindings import driver as cu
+    err = result[0]
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{what} failed: {err}")
+    return result[1] if len(result) == 2 else result[1:]
+
+
+def _set_current(device: torch.device) -> None:
+    from .compiler import cuda_core
+    cuda_core().Device(device.index).set_current()
+
+
+def _alloc_zeroed(nbytes: int) -> int:
+    from cuda.bindings import driver as cu
+    ptr = int(_cu(cu.cuMemAlloc(nbytes), "cuMemAlloc"))
+    _cu(cu.cuMemsetD8(ptr, 0, nbytes), "cuMemsetD8")
+    _cu(cu.cuCtxSynchronize(), "cuCtxSynchronize")
+    return ptr
+
+
+class CudaComm:
+    """One rank of a CUDA group. Use :meth:`from_group` or :meth:`local_group`.
+
+    Attributes the mode modules use: ``rank``, ``num_ranks``, ``device``, ``layout``
+    (HeaderLayout), ``heap_offset``/``heap_bytes`` (data region), ``ll_offset``/``ll_bytes``,
+    ``bases`` (int64 [R] device tensor of buffer addresses), ``timeout_ns``, ``ll_seq``.
+    """
+
+    def __init__(self, *, rank: int, num_ranks: int, device: torch.device, pointers: list,
+                 heap_bytes: int, ll_bytes: int, timeout_s: float, own_allocation: bool,
+                 opened: list, group=None):
+        if not 1 <= num_ranks <= MAX_RANKS:
+            raise ValueError(f"the CUDA backend maps groups of 1..{MAX_RANKS} ranks, got "
+                             f"{num_ranks}")
+        self.rank, self.num_ranks, self.group = rank, num_ranks, group
+        self.device = torch.device(device)
+        self.layout = HeaderLayout(num_ranks)
+        self.heap_offset = self.layout.nbytes
+        self.heap_bytes = heap_bytes
+        self.ll_offset = self.heap_offset + heap_bytes
+        self.ll_bytes = ll_bytes
+        self.timeout_s = float(timeout_s)
+        self.timeout_ns = int(timeout_s * 1e9)
+        self.pointers = list(pointers)
+        self.bases = torch.tensor(self.pointers, dtype=torch.int64, device=device)
+        # pinned: the kernels write it through its UVA address, the host reads it any time
+        # (a CPU "device" only serves argument checks in CI: nothing runs there)
+        self.err_host = torch.zeros(ERROR_HEADER + MAX_ERROR_RANKS, dtype=torch.int32,
+                                    pin_memory=self.device.type == "cuda")
+        self._err = self.err_host.numpy()
+        self.err_dev = torch.zeros(4, dtype=torch.int32, device=device)
+        self.counters = torch.zeros(8, dtype=torch.int32, device=device)
+        self.epoch = 0
+        self.notify_seq = 0
+        self.ll_seq = {"dispatch": 0, "combine": 0}
+        self._own_allocation = own_allocation
+        self._opened = opened                       # peer pointers from cuIpcOpenMemHandle
+        self._alive = True
+
+    # -- construction ------------------------------------------------------------------------
+    @staticmethod
+    def buffer_bytes(num_ranks: int, heap_bytes: int, ll_bytes: int) -> int:
+        return HeaderLayout(num_ranks).nbytes + round_up(heap_bytes, PAGE) + round_up(ll_bytes,
+                                                                                     PAGE)
+
+    @classmethod
+    def from_group(cls, group, heap_bytes: int, ll_bytes: int, timeout_s: float,
+                   device=None) -> "CudaComm":
+        """Collective over ``group`` (one process per rank, one node): allocate this rank's
+        buffer on ``device`` (default: torch's current device), exchange CUDA IPC handles,
+        map every peer. All ranks must pass the same sizes."""
+        import torch.distributed as dist
+        from cuda.bindings import driver as cu
+        device = torch.device("cuda", torch.cuda.current_device()) if device is None else \
+            torch.device(device)
+        group = group if group is not None else dist.group.WORLD
+        rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
+        heap_bytes, ll_bytes = round_up(heap_bytes, PAGE), round_up(ll_bytes, PAGE)
+        total = cls.buffer_bytes(num_ranks, heap_bytes, ll_bytes)
+        _set_current(device)
+        ptr = _alloc_zeroed(total)
+        handle = _cu(cu.cuIpcGetMemHandle(ptr), "cuIpcGetMemHandle")
+        blob = ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES)
+        infos = [None] * num_ranks
+        dist.all_gather_object(infos, (socket.gethostname(), total, blob), group=group)
+        opened = []
+        try:
+            hosts = sorted({i[0] for i in infos})
+            if len(hosts) != 1:
+                raise ValueError("the CUDA backend maps peers through CUDA IPC: every rank of "
+                                 f"`group` must be on one node, got {hosts}")
+            if len({i[1] for i in infos}) != 1:
+                raise ValueError("num_nvl_bytes/num_rdma_bytes must be equal on every rank; "
+                                 f"buffer sizes differ: {[i[1] for i in infos]}")
+            pointers = []
+            for r, (_, _, peer_blob) in enumerate(infos):
+                if r == rank:
+                    pointers.append(ptr)
+                    continue
+                h = cu.CUipcMemHandle()
+                ctypes.memmove(h.getPtr(), peer_blob, IPC_HANDLE_BYTES)
+                peer = int(_cu(cu.cuIpcOpenMemHandle(
+                    h, cu.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
+                    f"cuIpcOpenMemHandle(rank {r})"))
+                opened.append(peer)
+                pointers.append(peer)
+        except BaseException:
+            for p in opened:
+                cu.cuIpcCloseMemHandle(p)
+            cu.cuMemFree(ptr)
+            raise
+        comm = cls(rank=rank, num_ranks=num_ranks, device=device, pointers=pointers,
+                   heap_bytes=heap_bytes, ll_bytes=ll_bytes, timeout_s=timeout_s,
+                   own_allocation=True, opened=opened, group=group)
+        torch.cuda.synchronize(device)
+        dist.barrier(group=group)      # every buffer zeroed and mapped before any signal
+        return comm
+
+    @classmethod
+    def local_group(cls, num_ranks: int, heap_bytes: int, ll_bytes: int, timeout_s: float,
+                    device=None) -> list:
+        """All ``num_ranks`` ranks in this process on one device; returns their comms. Drive
+        rank r from its own thread with its own current stream (see moe_comm/cuda/local.py)."""
+        device = torch.device("cuda", torch.cuda.current_device()) if device is None else \
+            torch.device(device)
+        heap_bytes, ll_bytes = round_up(heap_bytes, PAGE), round_up(ll_bytes, PAGE)
+        total = cls.buffer_bytes(num_ranks, heap_bytes, ll_bytes)
+        _set_current(device)
+        pointers = [_alloc_zeroed(total) for _ in range(num_ranks)]
+        return [cls(rank=r, num_ranks=num_ranks, device=device, pointers=pointers,
+                    heap_bytes=heap_bytes, ll_bytes=ll_bytes, timeout_s=timeout_s,
+                    own_allocation=True, opened=[]) for r in range(num_ranks)]
+
+    # -- per-operation state -----------------------------------------------------------------
+    def next_epoch(self) -> int:
+        self.epoch = self.epoch % MAX_EPOCH + 1
+        return self.epoch
+
+    def next_notify_offset(self) -> int:
+        """Byte offset of NOTIFY[parity][0] for the next notify (parities alternate)."""
+        parity = self.notify_seq % 2
+        self.notify_seq += 1
+        return self.layout.notify(parity, 0) * 8
+
+    def done_offset(self) -> int:
+        return self.layout.done(0) * 8
+
+    def group_args(self):
+        """(bases, rank, data offset, data bytes, timeout) - the kernels' first arguments."""
+        return (self.bases, self.rank, self.heap_offset, self.heap_bytes, self.timeout_ns)
+
+    def error_args(self, op: str):
+        return (self.err_host, self.err_dev, OP[op])
+
+    def counter(self, name: str) -> torch.Tensor:
+        return self.counters[COUNTER[name]:COUNTER[name] + 1]
+
+    # -- errors --------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise if a kernel of this rank reported an error (reads pinned memory, no sync)."""
+        if not self._alive:
+            raise RuntimeError("this CUDA communicator was destroyed")
+        code = int(self._err[0])
+        if code == 0:
+            return
+        op = OPS[int(self._err[1])] if 0 <= int(self._err[1]) < len(OPS) else "?"
+        ranks = np.nonzero(self._err[ERROR_HEADER:ERROR_HEADER + self.num_ranks])[0].tolist()
+        if code == ERR_TIMEOUT:
+            raise CommTimeoutError(op, ranks, self.timeout_s)
+        if code == ERR_OVERFLOW:
+            raise CudaCommError(f"{op}: more rows than the receive region holds at rank(s) "
+                                f"{ranks} (num_worst_tokens or the buffer too small; "
+                                f"rows={int(self._err[3])})")
+        raise CudaCommError(f"{op}: rank(s) {ranks} are not reachable by pointer and no "
+                            "network transport is configured")
+
+    def synchronize(self) -> None:
+        """Wait for this rank's current stream, then :meth:`check`."""
+        torch.cuda.current_stream(self.device).synchronize()
+        self.check()
+
+    # -- tests ---------------------------------------------------------------------------------
+    def poison_data(self, byte: int = 0xFF) -> None:
+        """Fill this rank's normal-mode data region with ``byte`` on the current stream
+        (tests: a row nobody wrote shows up as NaN / -1). Safe between operations: peers write
+        there only after this rank's next notify, which the stream runs after the fill. (The
+        LL region has no such barrier: a peer may already be writing the next call there.)"""
+        from cuda.bindings import driver as cu
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        _cu(cu.cuMemsetD8Async(self.pointers[self.rank] + self.heap_offset, byte,
+                               self.heap_bytes, cu.CUstream(stream)), "cuMemsetD8Async")
+
+    def reset_ll(self) -> None:
+        """Zero this rank's low-latency region and LL header slots and restart the LL call
+        numbers (Buffer.clean_low_latency_buffer: collective, barriers around it, nothing in
+        flight). Waits for the memset, so the caller's second barrier means "all clean"."""
+        from cuda.bindings import driver as cu
+        stream = torch.cuda.current_stream(self.device)
+        handle = cu.CUstream(stream.cuda_stream)
+        base = self.pointers[self.rank]
+        first = self.layout.ll_dispatch_free(0) * 8
+        _cu(cu.cuMemsetD8Async(base + first, 0, self.layout.num_words * 8 - first, handle),
+            "cuMemsetD8Async")
+        _cu(cu.cuMemsetD8Async(base + self.ll_offset, 0, self.ll_bytes, handle),
+            "cuMemsetD8Async")
+        stream.synchronize()
+        self.ll_seq = {"dispatch": 0, "combine": 0}
+
+    # -- lifetime ------------------------------------------------------------------------------
+    def destroy(self, barrier: bool = True) -> None:
+        """Unmap peers and free this rank's buffer once the device is idle. With
+        :meth:`from_group` it is collective (``barrier``): every rank unmaps its peers, meets
+        the others, then frees its own buffer, so no allocation is freed while a peer still
+        maps it. Pass ``barrier=False`` when peers are gone (teardown after a failure)."""
+        if not self._alive:
+            return
+        from cuda.bindings import driver as cu
+        self._alive = False
+        torch.cuda.synchronize(self.device)
+        for p in self._opened:
+            cu.cuIpcCloseMemHandle(p)
+        self._opened = []
+        if barrier and self.group is not None:
+            import torch.distributed as dist
+            if dist.is_initialized():
+                dist.barrier(group=self.group)
+        if self._own_allocation:
+            cu.cuMemFree(self.pointers[self.rank])

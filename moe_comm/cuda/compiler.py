@@ -1,0 +1,195 @@
+"""Run-time compilation of csrc/kernels with NVRTC (cuda.core), cached on disk.
+
+``compile_cubin(variant, arch)`` returns cubin bytes. It works without a GPU or driver
+(CI compiles every variant this way), because it only ever touches ``ObjectCode.code``. On a
+CPU-only machine never call ``load_kernels`` (``ObjectCode.get_kernel`` needs a driver, and a
+failed attempt leaves a cuda.core lock held: later driver calls hang) and never print/repr an
+``ObjectCode``.
+
+Cache key = sha256 over every file of the kernel folder (names and bytes), the variant's source
+and macros, the target architecture, the NVRTC version and this module's compile options, so
+editing any header invalidates every cubin that might include it. Cubins live in
+``$MOE_COMM_CACHE_DIR`` (default ``~/.cache/moe_comm/kernels``), written atomically (temporary
+file + rename), so ranks that compile the same variant at once do not corrupt each other.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import tempfile
+import threading
+from pathlib import Path
+
+from .variants import Variant
+
+# Bump when the options below change in a way the key would not see.
+OPTIONS_VERSION = "1"
+_STD = "c++17"
+
+
+class KernelCompileError(RuntimeError):
+    """NVRTC rejected a kernel variant (or, in strict mode, warned about it)."""
+
+
+def cuda_core():
+    """The cuda.core namespace: ``cuda.core`` (>= 0.5), else ``cuda.core.experimental``
+    (older images name the same classes there)."""
+    try:
+        import cuda.core as cc
+        cc.Program  # noqa: B018 - present from 0.5 on
+        return cc
+    except (ImportError, AttributeError):
+        import cuda.core.experimental as cc
+        return cc
+
+
+def kernel_dir() -> Path:
+    """The folder of the device sources: ``$MOE_COMM_KERNEL_DIR`` or the repository's
+    ``csrc/kernels`` (moe_comm/cuda/compiler.py -> ../../csrc/kernels)."""
+    env = os.environ.get("MOE_COMM_KERNEL_DIR")
+    path = Path(env) if env else Path(__file__).resolve().parents[2] / "csrc" / "kernels"
+    if not path.is_dir():
+        raise FileNotFoundError(f"kernel sources not found at {path} (set MOE_COMM_KERNEL_DIR)")
+    return path
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("MOE_COMM_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "moe_comm" / "kernels"
+
+
+def _sources_digest(folder: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(folder.iterdir()):
+        if f.suffix in (".cu", ".cuh", ".h") and f.is_file():
+            h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def _nvrtc_version() -> str:
+    from cuda.bindings import nvrtc
+    _, major, minor = nvrtc.nvrtcVersion()
+    return f"{major}.{minor}"
+
+
+def cache_key(variant: Variant, arch: str, folder: Path | None = None) -> str:
+    folder = folder or kernel_dir()
+    h = hashlib.sha256()
+    for part in (OPTIONS_VERSION, _STD, _sources_digest(folder), arch, variant.source,
+                 repr(variant.defines), _nvrtc_version()):
+        h.update(str(part).encode() + b"\0")
+    return h.hexdigest()
+
+
+def _program_options(variant: Variant, arch: str, folder: Path):
+    ProgramOptions = cuda_core().ProgramOptions
+    defines = [(name, str(value)) for name, value in variant.defines]
+    return ProgramOptions(name=variant.source, arch=arch, std=_STD,
+                          include_path=[str(folder)], define_macro=defines or None)
+
+
+def _clean_log(text: str) -> str:
+    return text.replace("\x00", "").strip()
+
+
+def compile_cubin(variant: Variant, arch: str, *, strict: bool = False, use_cache: bool = True,
+                  log_sink: list | None = None) -> bytes:
+    """Cubin bytes of ``variant`` for ``arch`` (``"sm_90"``, ``"sm_100"``, ...).
+
+    ``strict``: treat any compiler warning as an error (the CI test does). ``log_sink``: a list
+    that receives the compiler log of a fresh compile. Raises :class:`KernelCompileError`.
+    """
+    folder = kernel_dir()
+    key = cache_key(variant, arch, folder)
+    path = cache_dir() / f"{variant.source.rsplit('.', 1)[0]}-{arch}-{key[:40]}.cubin"
+    if use_cache and path.is_file():
+        return path.read_bytes()
+    source = (folder / variant.source).read_text()
+    log = io.StringIO()
+    program = cuda_core().Program(source, "c++", _program_options(variant, arch, folder))
+    try:
+        obj = program.compile("cubin", logs=log)
+    except Exception as e:  # noqa: BLE001 - cuda.core raises NVRTCError (its module moved)
+        if type(e).__name__ != "NVRTCError":
+            raise
+        raise KernelCompileError(f"{variant.label} for {arch}: {e}") from None
+    text = _clean_log(log.getvalue())
+    if log_sink is not None:
+        log_sink.append(text)
+    if strict and text:
+        raise KernelCompileError(f"{variant.label} for {arch} compiled with diagnostics "
+                                 f"(warnings are errors here):\n{text}")
+    data = bytes(obj.code)          # only .code: see the module docstring
+    if use_cache:
+        _write_atomic(path, data)
+    return data
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError:
+        pass                        # a read-only cache only costs a recompile next time
+
+
+# ---- loading (GPU only) ---------------------------------------------------------------------
+_loaded: dict = {}
+_lock = threading.Lock()
+
+
+def device_arch(device) -> str:
+    """``sm_XY`` of a torch CUDA device."""
+    import torch
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+def load_kernels(variant: Variant, device) -> dict:
+    """``{kernel name: cuda.core Kernel}`` of ``variant`` for torch ``device`` (compiled or
+    taken from the cache on first use, then kept for the process).
+
+    Every kernel is loaded into the device's context *here*, not lazily at its first launch:
+    with CUDA lazy loading a first launch may synchronise the context, and a context
+    synchronisation while a peer's kernel spins waiting for this rank (ranks as streams of one
+    process) would deadlock until the deadline."""
+    import torch
+    from .launcher import make_current
+    device = torch.device(device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    arch = device_arch(device)
+    with _lock:
+        hit = _loaded.get((variant, arch, device.index))
+        if hit is None:
+            make_current(device)
+            cubin = compile_cubin(variant, arch)
+            obj = cuda_core().ObjectCode.from_cubin(cubin, name=variant.label)
+            hit = {name: obj.get_kernel(name) for name in variant.kernels}
+            for kernel in hit.values():
+                _force_load(kernel)
+            hit["__object__"] = obj             # keeps the library loaded
+            _loaded[(variant, arch, device.index)] = hit
+        return hit
+
+
+def _force_load(kernel) -> None:
+    """Resolve the kernel's function in the current context now (see load_kernels)."""
+    from cuda.bindings import driver as cu
+    try:
+        err, _ = cu.cuKernelGetFunction(kernel.handle)  # a CUkernel: load into this context
+        if err == cu.CUresult.CUDA_SUCCESS:
+            return
+    except (TypeError, AttributeError):                 # older cuda.core: a CUfunction handle
+        pass
+    kernel.attributes.num_regs()                        # also resolves the function
+
+
+def preload(variant_list, device) -> None:
+    """Load ``variant_list`` on ``device`` now (before ranks start spinning on each other)."""
+    for v in variant_list:
+        load_kernels(v, device)

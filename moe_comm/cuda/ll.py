@@ -1,0 +1,193 @@
+"""Low-latency mode on the CUDA backend.
+
+Same calls, inputs and outputs as moe_comm/host/ll.py (``dispatch_send``/``dispatch_recv``/
+``combine_send``/``combine_recv``), for CUDA tensors. Each half is a one-block wait kernel
+(flow control or arrival; the only kernels that spin) followed by one data kernel on the
+current stream, with no host synchronisation, so send and receive can be split
+(return_recv_hook).
+
+Wire layout: moe_comm/wire.py ``LLLayout`` (two buffers, alternating by call number), message
+rows packed at ``msg_stride`` inside each [local expert][source] block, count rows ending in
+the return-base word, combine rows in the owner's message order - exactly like the host
+backend. Device code and memory ordering: csrc/kernels/low_latency.cuh.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import BufferTooSmallError
+from ..handle import LowLatencyHandle
+from ..host.ll import msg_stride
+from ..wire import LL_MAX_TOPK, LL_NUM_BUFFERS, LLLayout
+from . import variants
+from .comm import SIGNAL_STRIDE, CudaComm
+from .compiler import load_kernels
+from .launcher import launch
+
+SEND_BLOCK = 512        # dispatch send: one block per expert, one warp per (token, slot)
+BLOCK = 256             # the other LL data kernels
+WAIT_BLOCK = 32         # wait kernels: one thread per rank
+MAX_SPLIT = 8           # blocks per local expert in recv / combine send
+
+
+@dataclass(eq=False)
+class CudaLowLatencyHandle(LowLatencyHandle):
+    """LowLatencyHandle with device tables: ``send_index`` int32 [T, K] (message index of
+    each routed (token, slot) in this rank's message order: where combine finds its returned
+    row), ``return_base`` int64 [R], ``recv_meta`` int64 [E/R, R*M], ``recv_ranges`` int64
+    [E/R, R, 2]. ``send_tok``/``send_slot`` (the host backend's form) stay None."""
+
+    send_index: torch.Tensor = None
+
+
+def _offsets(comm: CudaComm, lay: LLLayout, buf: int):
+    return {part: comm.ll_offset + lay.offset(buf, part)
+            for part in ("payload", "meta", "counts", "combine")}
+
+
+def _contiguous(**tensors) -> None:
+    """Kernels write outputs in place: they must be dense."""
+    for name, t in tensors.items():
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+
+
+def _split(num_local: int) -> int:
+    return max(1, min(MAX_SPLIT, 128 // max(1, num_local)))
+
+
+def _check(comm: CudaComm, lay: LLLayout, hidden: int, num_tokens: int, topk: int,
+           use_fp8: bool) -> None:
+    if lay.nbytes > comm.ll_bytes:
+        raise BufferTooSmallError("low-latency mode", lay.nbytes, comm.ll_bytes,
+                                  argument="num_rdma_bytes")
+    if lay.num_experts % comm.num_ranks:
+        raise ValueError(f"num_experts={lay.num_experts} must be divisible by the group size "
+                         f"{comm.num_ranks}")
+    if num_tokens > lay.max_tokens:
+        raise ValueError(f"{num_tokens} tokens exceed num_max_dispatch_tokens_per_rank="
+                         f"{lay.max_tokens}")
+    if topk > LL_MAX_TOPK:
+        raise ValueError(f"low-latency mode supports top-k <= {LL_MAX_TOPK}, got {topk}")
+    if use_fp8 and hidden % 128:
+        raise ValueError(f"fp8 low-latency dispatch needs hidden % 128 == 0, got {hidden}")
+
+
+def _wait(comm: CudaComm, kernels, op: str, offset: int, src_stride: int, words: int,
+          epoch: int, remote: bool) -> None:
+    """One-block wait (csrc/kernels/low_latency.cuh ll_wait_body)."""
+    launch(kernels["moe_ll_wait"], 1, WAIT_BLOCK, comm.bases, comm.rank, comm.num_ranks,
+           comm.timeout_ns, *comm.error_args(op), offset, src_stride, words, epoch, remote,
+           device=comm.device)
+
+
+def dispatch_send(comm: CudaComm, *, x, topk_idx, lay: LLLayout, use_fp8: bool,
+                  round_scale: bool, buffer_key) -> CudaLowLatencyHandle:
+    """Post this rank's messages: ``x`` bf16 [T, H], ``topk_idx`` int64 [T, K] (-1 = unused).
+    Returns the handle (completed by :func:`dispatch_recv`)."""
+    comm.check()
+    num_tokens, hidden = x.shape
+    topk = topk_idx.shape[1]
+    _check(comm, lay, hidden, num_tokens, topk, use_fp8)
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"low-latency dispatch takes bf16 x, got {x.dtype}")
+    comm.ll_seq["dispatch"] += 1
+    seq = comm.ll_seq["dispatch"]
+    buf = seq % LL_NUM_BUFFERS
+    off = _offsets(comm, lay, buf)
+    send_index = torch.empty(num_tokens, topk, dtype=torch.int32, device=comm.device)
+    k = load_kernels(variants.ll_dispatch_send(hidden, use_fp8, round_scale), comm.device)
+    if seq > LL_NUM_BUFFERS:     # every rank has read its buffer `buf` of call seq - 2
+        _wait(comm, k, "low_latency_dispatch/send", comm.layout.ll_dispatch_free(buf) * 8, 0,
+              1, seq - LL_NUM_BUFFERS, True)
+    launch(k["moe_ll_dispatch_send"], max(1, lay.num_experts), SEND_BLOCK, comm.bases,
+           comm.rank, comm.num_ranks, comm.timeout_ns,
+           *comm.error_args("low_latency_dispatch/send"), off["payload"], off["meta"],
+           off["counts"], lay.count_row_words, msg_stride(hidden, use_fp8), lay.max_tokens,
+           x.contiguous(), num_tokens, hidden, topk_idx.contiguous(), topk, lay.num_experts,
+           send_index, seq, device=comm.device)
+    return CudaLowLatencyHandle(buffer_key, seq, buf, lay.max_tokens, hidden, lay.num_experts,
+                                num_tokens, topk, send_index=send_index)
+
+
+def dispatch_recv(comm: CudaComm, handle: LowLatencyHandle, lay: LLLayout, *, recv_x,
+                  recv_scales, recv_count, use_fp8: bool, use_ue8m0: bool, stats) -> None:
+    """Receive call ``handle.seq``: fills ``recv_x`` [E/R, R*M, H] (float8_e4m3fn or bf16),
+    ``recv_scales`` (float32 [E/R, R*M, H/128], or int32 [E/R, R*M, H/512] with UE8M0),
+    ``recv_count`` int32 [E/R], adds to ``stats`` (int32/int64 [E/R] or None), and the
+    handle's ``recv_meta`` int64 [E/R, R*M], ``recv_ranges`` int64 [E/R, R, 2] and
+    ``return_base`` int64 [R] (device tensors)."""
+    comm.check()
+    if use_ue8m0 and handle.hidden % 512:
+        raise ValueError(f"UE8M0 scales pack four per int32: hidden % 512 == 0 needed, got "
+                         f"{handle.hidden}")
+    _contiguous(recv_x=recv_x, recv_scales=recv_scales, recv_count=recv_count, stats=stats)
+    R, M, num_local, dev = comm.num_ranks, lay.max_tokens, lay.num_local, comm.device
+    wide_stats = stats is not None and stats.dtype != torch.int32
+    stats32 = torch.zeros(num_local, dtype=torch.int32, device=dev) if wide_stats else stats
+    handle.recv_meta = torch.empty(num_local, R * M, dtype=torch.int64, device=dev)
+    handle.recv_ranges = torch.empty(num_local, R, 2, dtype=torch.int64, device=dev)
+    handle.return_base = torch.empty(R, dtype=torch.int64, device=dev)
+    off = _offsets(comm, lay, handle.buf)
+    k = load_kernels(variants.ll_dispatch_recv(handle.hidden, use_fp8, use_ue8m0), dev)
+    # every source's count row: num_local counts + the base word
+    _wait(comm, k, "low_latency_dispatch/recv", off["counts"], lay.count_row_words * 8,
+          num_local + 1, handle.seq, False)
+    launch(k["moe_ll_dispatch_recv"], (num_local, _split(num_local)), BLOCK, comm.bases,
+           comm.rank, R, comm.timeout_ns, *comm.error_args("low_latency_dispatch/recv"),
+           off["payload"], off["meta"], off["counts"], lay.count_row_words,
+           msg_stride(handle.hidden, use_fp8), M, handle.hidden, num_local,
+           comm.layout.ll_dispatch_free(handle.buf) * 8, handle.seq, recv_x,
+           recv_scales if use_fp8 else None, recv_count, stats32, handle.recv_meta,
+           handle.recv_ranges, handle.return_base, comm.counter("ll_dispatch_recv"),
+           device=dev)
+    if wide_stats:                              # the kernel adds int32; int64 stats allowed
+        stats += stats32
+    handle.received = True
+
+
+def combine_send(comm: CudaComm, *, x, handle: CudaLowLatencyHandle, lay: LLLayout):
+    """Send every received row of ``x`` bf16 [E/R, R*M, H] back to its owner's combine rows,
+    in the owner's message order (one contiguous run per owner). Returns ``(seq, buf)`` for
+    :func:`combine_recv`."""
+    comm.check()
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"low-latency combine takes bf16 x, got {x.dtype}")
+    comm.ll_seq["combine"] += 1
+    seq = comm.ll_seq["combine"]
+    buf = seq % LL_NUM_BUFFERS
+    hidden, num_local = x.shape[-1], lay.num_local
+    k = load_kernels(variants.ll_combine(hidden), comm.device)
+    if seq > LL_NUM_BUFFERS:     # every owner has summed its combine rows of call seq - 2
+        _wait(comm, k, "low_latency_combine/send", comm.layout.ll_combine_free(buf) * 8, 0, 1,
+              seq - LL_NUM_BUFFERS, True)
+    launch(k["moe_ll_combine_send"], (num_local, _split(num_local)), BLOCK, comm.bases,
+           comm.rank, comm.num_ranks, comm.timeout_ns,
+           *comm.error_args("low_latency_combine/send"), _offsets(comm, lay, buf)["combine"],
+           lay.max_tokens, x.contiguous(), hidden, num_local, lay.max_tokens * LL_MAX_TOPK,
+           handle.recv_ranges, handle.return_base, comm.layout.ll_combine_done(buf, 0) * 8,
+           SIGNAL_STRIDE, seq, comm.counter("ll_combine_send"), device=comm.device)
+    return seq, buf
+
+
+def combine_recv(comm: CudaComm, seq: int, buf: int, lay: LLLayout, *, handle, topk_idx,
+                 topk_weights, out):
+    """Wait for every rank's rows; ``out`` bf16 [T, H] = sum_k w[t, k] * row(t, k) in float32
+    (slots with id -1 skipped). ``handle``: this call's dispatch handle (its send_index);
+    ``topk_idx`` int64 / ``topk_weights`` float32 [T, K], as dispatched."""
+    comm.check()
+    _contiguous(out=out)
+    num_tokens, topk = topk_idx.shape
+    hidden = out.shape[1]
+    k = load_kernels(variants.ll_combine(hidden), comm.device)
+    _wait(comm, k, "low_latency_combine/recv", comm.layout.ll_combine_done(buf, 0) * 8,
+          SIGNAL_STRIDE, 1, seq, False)
+    launch(k["moe_ll_combine_recv"], max(1, min(num_tokens, 64)), BLOCK, comm.bases,
+           comm.rank, comm.num_ranks, comm.timeout_ns,
+           *comm.error_args("low_latency_combine/recv"), _offsets(comm, lay, buf)["combine"],
+           hidden, num_tokens, topk, lay.max_tokens * LL_MAX_TOPK, topk_idx.contiguous(),
+           topk_weights.contiguous(), handle.send_index, comm.layout.ll_combine_free(buf) * 8,
+           seq, out, comm.counter("ll_combine_recv"), device=comm.device)
+    return out

@@ -1,0 +1,91 @@
+"""Every kernel variant the CUDA backend can request, and which one a call needs.
+
+A variant is one NVRTC program: a source file of ``csrc/kernels`` compiled with a set of
+``-D`` specialisation macros; it holds one or more ``extern "C"`` kernels. The host picks the
+variant from the call's shape, so the device code stays free of run-time branching on those
+parameters:
+
+=====================  ==========================================  ========================
+source                 macros                                      kernels
+=====================  ==========================================  ========================
+intranode.cu           MOE_NUM_RANKS in 1..8                       layout, notify, wait,
+                                                                   normal dispatch/combine
+ll_dispatch_send.cu    MOE_HIDDEN, MOE_FP8, MOE_ROUND_SCALE         LL dispatch send, wait
+ll_dispatch_recv.cu    MOE_HIDDEN, MOE_FP8, MOE_UE8M0               LL dispatch receive, wait
+ll_combine.cu          MOE_HIDDEN                                  LL combine send/receive,
+                                                                   wait
+=====================  ==========================================  ========================
+
+``MOE_HIDDEN`` is the hidden size for the sizes models use (:data:`SPECIALISED_HIDDEN`, the
+128-channel loops unroll), and ``0`` for every other hidden size (read at run time). So the set
+of variants is finite and :func:`all_variants` lists all of it: CI compiles each one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_RANKS = 8                       # CUDA IPC groups: the GPUs of one node
+SPECIALISED_HIDDEN = (1024, 2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
+GENERIC_HIDDEN = 0
+
+INTRANODE_KERNELS = ("moe_layout", "moe_notify", "moe_wait_done", "moe_dispatch_send",
+                     "moe_dispatch_copy_out", "moe_combine_send", "moe_combine_reduce_bf16",
+                     "moe_combine_reduce_f16", "moe_combine_reduce_f32")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One program: ``source`` compiled with ``defines`` (sorted ``(name, value)`` pairs)."""
+
+    source: str
+    defines: tuple
+    kernels: tuple
+
+    @property
+    def label(self) -> str:
+        macros = ",".join(f"{k[4:].lower()}={v}" for k, v in self.defines)
+        return f"{self.source}[{macros}]"
+
+
+def _variant(source, kernels, **defines) -> Variant:
+    return Variant(source, tuple(sorted((f"MOE_{k.upper()}", int(v))
+                                        for k, v in defines.items())), tuple(kernels))
+
+
+def hidden_key(hidden: int) -> int:
+    """The MOE_HIDDEN a call with ``hidden`` channels uses."""
+    return hidden if hidden in SPECIALISED_HIDDEN else GENERIC_HIDDEN
+
+
+def intranode(num_ranks: int) -> Variant:
+    if not 1 <= num_ranks <= MAX_RANKS:
+        raise ValueError(f"the CUDA backend supports groups of 1..{MAX_RANKS} ranks (one "
+                         f"node), got {num_ranks}")
+    return _variant("intranode.cu", INTRANODE_KERNELS, num_ranks=num_ranks)
+
+
+def ll_dispatch_send(hidden: int, use_fp8: bool, round_scale: bool) -> Variant:
+    return _variant("ll_dispatch_send.cu", ("moe_ll_dispatch_send", "moe_ll_wait"),
+                    hidden=hidden_key(hidden), fp8=use_fp8, round_scale=use_fp8 and round_scale)
+
+
+def ll_dispatch_recv(hidden: int, use_fp8: bool, use_ue8m0: bool) -> Variant:
+    return _variant("ll_dispatch_recv.cu", ("moe_ll_dispatch_recv", "moe_ll_wait"),
+                    hidden=hidden_key(hidden), fp8=use_fp8, ue8m0=use_fp8 and use_ue8m0)
+
+
+def ll_combine(hidden: int) -> Variant:
+    return _variant("ll_combine.cu", ("moe_ll_combine_send", "moe_ll_combine_recv",
+                                      "moe_ll_wait"), hidden=hidden_key(hidden))
+
+
+def all_variants() -> list:
+    """Every variant any call can request: 8 intranode + 10 hidden keys x 7 LL programs."""
+    out = [intranode(r) for r in range(1, MAX_RANKS + 1)]
+    for hidden in (GENERIC_HIDDEN,) + SPECIALISED_HIDDEN:
+        for fp8, round_scale in ((False, False), (True, False), (True, True)):
+            out.append(ll_dispatch_send(hidden, fp8, round_scale))
+        for fp8, ue8m0 in ((False, False), (True, False), (True, True)):
+            out.append(ll_dispatch_recv(hidden, fp8, ue8m0))
+        out.append(ll_combine(hidden))
+    return out
