@@ -189,7 +189,6 @@ class Buffer:
             check.num_experts(num_experts, R)
             check.topk_idx(topk_idx, num_experts, num_tokens)
             check.topk_weights(topk_weights, topk_idx)
-            computed = dispatch_layout(topk_idx, num_experts, R)
             if num_tokens_per_rank is not None:
                 check.tensor("num_tokens_per_rank", num_tokens_per_rank, ndim=1)
                 if num_tokens_per_rank.shape[0] != R:
@@ -201,7 +200,9 @@ class Buffer:
                 if tuple(is_token_in_rank.shape) != (num_tokens, R):
                     raise ValueError(f"is_token_in_rank must have shape {(num_tokens, R)}, "
                                      f"got {tuple(is_token_in_rank.shape)}")
-            num_tokens_per_rank, is_token_in_rank = computed[0], computed[2]
+            if num_tokens_per_rank is None or is_token_in_rank is None:
+                num_tokens_per_rank, _, is_token_in_rank = dispatch_layout(topk_idx,
+                                                                           num_experts, R)
         recv_x, recv_s, recv_i, recv_w, handle = host_normal.dispatch(
             comm, x_bytes=data.view(torch.uint8), dtype=data.dtype, hidden=hidden,
             scales=scales, topk_idx=topk_idx, topk_weights=topk_weights,
@@ -236,7 +237,8 @@ class Buffer:
         self._check_handle(handle, None)
         check.tensor("x", x, ndim=2, dtypes=check.FLOAT_DTYPES)
         n = handle.num_recv_tokens
-        if x.shape[0] not in (n, handle.num_worst_tokens) or (x.shape[0] < n):
+        if x.shape[0] != n and not (handle.num_worst_tokens and
+                                    x.shape[0] == handle.num_worst_tokens):
             raise ValueError(f"x must have the {n} rows this rank received"
                              + (f" (or num_worst_tokens={handle.num_worst_tokens})"
                                 if handle.num_worst_tokens else "") + f", got {x.shape[0]}")
