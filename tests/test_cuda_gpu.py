@@ -27,11 +27,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import moe_comm  # noqa: E402
-from moe_comm.layout import dispatch_layout  # noqa: E402
-from moe_comm.quant import dequantize_fp8  # noqa: E402
-from moe_comm.reference import reference_ll_combine, reference_ll_dispatch  # noqa: E402
 from moe_comm.wire import LLLayout  # noqa: E402
-from inputs import expert_fn, make_inputs, routing  # noqa: E402
+from checks import check_ll, check_normal, expert_ll, ll_inputs  # noqa: E402
+from inputs import expert_fn, make_inputs  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -140,60 +138,13 @@ def _normal_rank(comm, cases, barrier):
     return out
 
 
-def _as_list(rx):
-    return list(rx) if isinstance(rx, tuple) else [rx]
-
-
-def _check_normal(n, cases, results):
-    for ci, case in enumerate(cases):
-        ins = [make_inputs(case, r) for r in range(n)]
-        fp8 = case["dtype"] == "fp8"
-        for r in range(n):
-            want = dispatch_layout(ins[r][1], case["experts"], n)
-            got = results[r][ci]["layout"]
-            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and \
-                torch.equal(got[2], want[2]), (case, r, "layout")
-        ref = moe_comm.reference_dispatch(
-            [i[0][0] if fp8 else i[0] for i in ins], [i[1] for i in ins], case["experts"],
-            [i[2] for i in ins], scales=[i[0][1] for i in ins] if fp8 else None)
-        for d in range(n):
-            got, exp = results[d][ci], ref[d]
-            rows = exp["recv_x"].shape[0]
-            want = [exp["recv_x"]] + ([exp["recv_scales"]] if fp8 else [])
-            for g, e in zip(_as_list(got["rx"]), want):
-                assert g.shape[0] == max(rows, case["worst"]), (case, d)
-                assert torch.equal(g[:rows].view(torch.uint8), e.view(torch.uint8)), (case, d)
-                if case["worst"]:
-                    assert (g[rows:].view(torch.uint8) == 0).all(), (case, d, "padding")
-            for g, e in zip(_as_list(got["rx2"]), want):
-                assert torch.equal(g[:rows].view(torch.uint8), e.view(torch.uint8)), (case, d)
-            assert torch.equal(got["ri"][:rows], exp["recv_topk_idx"]), (case, d)
-            assert torch.equal(got["rw"][:rows], exp["recv_topk_weights"]), (case, d)
-            if case["worst"]:
-                assert (got["ri"][rows:] == -1).all() and (got["rw"][rows:] == 0).all()
-            a = case["alignment"]
-            assert got["counts"] == [(c + a - 1) // a * a
-                                     for c in exp["num_recv_tokens_per_expert"]], (case, d)
-            assert got["ri2"] is None and got["same_handle"]
-        ys = [results[d][ci]["y"][:ref[d]["recv_x"].shape[0]] for d in range(n)]
-        bias = [i[3] for i in ins] if case["bias"] else None
-        comb = moe_comm.reference_combine(ys, ref, case["tokens"], bias=bias)
-        for r in range(n):
-            got = results[r][ci]
-            assert got["comb"].dtype == comb[r].dtype
-            torch.testing.assert_close(got["comb"].float(), comb[r].float(), rtol=1e-2,
-                                       atol=1e-2)
-            sent = ins[r][1] >= 0
-            torch.testing.assert_close(got["comb_w"], torch.where(sent, ins[r][2], 0.0))
-
-
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
 def test_normal_dispatch_combine_match_reference(n):
     cases = _normal_cases(n)
     _preload(n)
     barrier = threading.Barrier(n)
     results = _run(_normal_rank, _group(n), cases, barrier.wait)
-    _check_normal(n, cases, results)
+    check_normal(n, cases, results)
 
 
 # ---- low-latency mode ------------------------------------------------------------------------
@@ -223,15 +174,6 @@ def _ll_bytes(cases, n):
     return max(LLLayout(c["max_tokens"], c["hidden"], n, c["experts"]).nbytes for c in cases)
 
 
-def _ll_inputs(case, rank):
-    gen = torch.Generator().manual_seed(case["seed"] * 7919 + rank)
-    t = case["tokens"][rank]
-    x = torch.randn(t, case["hidden"], generator=gen).bfloat16()
-    idx = routing(case["routing"], t, case["experts"], case["topk"], gen)
-    w = torch.rand(t, case["topk"], generator=gen)
-    return x, idx, w
-
-
 def _ll_outputs(case, n, dev):
     L, rows, h = case["experts"] // n, n * case["max_tokens"], case["hidden"]
     recv_x = torch.empty(L, rows, h, dtype=torch.float8_e4m3fn if case["fp8"] else
@@ -244,15 +186,6 @@ def _ll_outputs(case, n, dev):
     return recv_x, recv_scales, torch.zeros(L, dtype=torch.int32, device=dev)
 
 
-def _expert_ll(rx, rank):
-    if isinstance(rx, tuple):
-        data, s = rx
-        if s.dtype == torch.int32:
-            s = moe_comm.quant.unpack_ue8m0(s)
-        return (dequantize_fp8(data, s) * (rank + 1)).bfloat16()
-    return (rx.float() * (rank + 1)).bfloat16()
-
-
 def _ll_rank(comm, cases, barrier):
     from moe_comm.cuda import ll as cll
     dev, n, out = comm.device, comm.num_ranks, []
@@ -261,7 +194,7 @@ def _ll_rank(comm, cases, barrier):
         comm.reset_ll()              # shapes change between cases: start the LL region over
         barrier()
         lay = LLLayout(case["max_tokens"], case["hidden"], n, case["experts"])
-        x, idx, w = (t.to(dev) for t in _ll_inputs(case, comm.rank))
+        x, idx, w = (t.to(dev) for t in ll_inputs(case, comm.rank))
         recv_x, recv_scales, recv_count = _ll_outputs(case, n, dev)
         stats = torch.full((case["experts"] // n,), 5, dtype=torch.int32, device=dev)
         handle = cll.dispatch_send(comm, x=x, topk_idx=idx, lay=lay, use_fp8=case["fp8"],
@@ -270,7 +203,7 @@ def _ll_rank(comm, cases, barrier):
                           recv_count=recv_count, use_fp8=case["fp8"], use_ue8m0=case["ue8m0"],
                           stats=stats)
         rx = (recv_x, recv_scales) if case["fp8"] else recv_x
-        y = _expert_ll(rx, comm.rank)
+        y = expert_ll(rx, comm.rank)
         seq, buf = cll.combine_send(comm, x=y, handle=handle, lay=lay)
         combined = torch.full(tuple(x.shape), float("nan"), dtype=torch.bfloat16, device=dev)
         cll.combine_recv(comm, seq, buf, lay, handle=handle, topk_idx=idx, topk_weights=w,
@@ -294,49 +227,13 @@ def _kernel_quantize(x, round_scale):
     return q, scale
 
 
-def _check_ll(n, cases, results):
-    for ci, case in enumerate(cases):
-        ins = [_ll_inputs(case, r) for r in range(n)]
-        ref = reference_ll_dispatch([i[0] for i in ins], [i[1] for i in ins], case["experts"],
-                                    case["max_tokens"])
-        for d in range(n):
-            got, exp = results[d][ci], ref[d]
-            cnt = exp["recv_count"]
-            assert torch.equal(got["cnt"], cnt), (case, d)
-            assert torch.equal(got["stats"], cnt + 5), (case, d)
-            for le in range(cnt.shape[0]):
-                c = int(cnt[le])
-                want = exp["recv_x"][le, :c]
-                if not case["fp8"]:
-                    assert torch.equal(got["rx"][le, :c], want), (case, d, le)
-                    continue
-                data, scales = got["rx"]
-                q, s = _kernel_quantize(want, case["round_scale"])
-                assert torch.equal(data[le, :c].view(torch.uint8), q.view(torch.uint8)), \
-                    (case, d, le)
-                if case["ue8m0"]:
-                    expo = ((s.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
-                    assert torch.equal(scales[le, :c].contiguous().view(torch.uint8).view(
-                        c, expo.shape[1]), expo), (case, d, le)
-                else:
-                    assert torch.equal(scales[le, :c], s), (case, d, le)
-                deq = dequantize_fp8(q, s)
-                bound = want.float().abs() * 2.0 ** -4 + s.repeat_interleave(128, 1) * 2 ** -9
-                assert ((deq - want.float()).abs() <= bound).all(), (case, d, le)
-        comb = reference_ll_combine([results[d][ci]["y"] for d in range(n)], ref,
-                                    [i[1] for i in ins], [i[2] for i in ins])
-        for r in range(n):
-            torch.testing.assert_close(results[r][ci]["combined"].float(), comb[r].float(),
-                                       rtol=2e-2, atol=2e-2)
-
-
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
 def test_low_latency_matches_reference(n):
     cases = _ll_cases(n)
     _preload(n, {c["hidden"] for c in cases}, ll=True)
     barrier = threading.Barrier(n)
     results = _run(_ll_rank, _group(n, _ll_bytes(cases, n)), cases, barrier.wait)
-    _check_ll(n, cases, results)
+    check_ll(n, cases, results, _kernel_quantize)
 
 
 def _ll_in_flight(comm, case, iters):
@@ -345,7 +242,7 @@ def _ll_in_flight(comm, case, iters):
     from moe_comm.cuda import ll as cll
     dev, n = comm.device, comm.num_ranks
     lay = LLLayout(case["max_tokens"], case["hidden"], n, case["experts"])
-    x, idx, w = (t.to(dev) for t in _ll_inputs(case, comm.rank))
+    x, idx, w = (t.to(dev) for t in ll_inputs(case, comm.rank))
     ok = []
     for i in range(iters):
         outs = [_ll_outputs(case, n, dev) for _ in range(2)]
@@ -471,5 +368,5 @@ def test_two_processes_through_cuda_ipc():
         assert ok, f"rank {rank} failed:\n{val}"
         results[rank] = torch.load(io.BytesIO(val), weights_only=False)
     assert sorted(results) == [0, 1]
-    _check_normal(n, normal_cases, [results[r][0] for r in range(n)])
-    _check_ll(n, ll_cases, [results[r][1] for r in range(n)])
+    check_normal(n, normal_cases, [results[r][0] for r in range(n)])
+    check_ll(n, ll_cases, [results[r][1] for r in range(n)], _kernel_quantize)

@@ -11,19 +11,9 @@ import torch
 import torch.distributed as dist
 
 import moe_comm
-from moe_comm.quant import dequantize_fp8, quantize_fp8
-from moe_comm.reference import reference_ll_combine, reference_ll_dispatch
-from inputs import routing
+from moe_comm.quant import quantize_fp8
+from checks import check_ll, expert_ll, ll_inputs
 from ranks import run_ranks
-
-
-def _inputs(case, rank):
-    gen = torch.Generator().manual_seed(case["seed"] * 7919 + rank)
-    t = case["tokens"][rank]
-    x = torch.randn(t, case["hidden"], generator=gen).bfloat16()
-    idx = routing(case["routing"], t, case["experts"], case["topk"], gen)
-    w = torch.rand(t, case["topk"], generator=gen)
-    return x, idx, w
 
 
 def _buffer(case, n):
@@ -38,21 +28,11 @@ def _poison(buf):
     dist.barrier()
 
 
-def _expert(rx, rank):
-    """bf16 expert output from what was received (dequantised for fp8)."""
-    if isinstance(rx, tuple):
-        data, s = rx
-        if s.dtype == torch.int32:
-            s = moe_comm.quant.unpack_ue8m0(s)
-        return (dequantize_fp8(data, s) * (rank + 1)).bfloat16()
-    return (rx.float() * (rank + 1)).bfloat16()
-
-
 def _run(rank, n, cases):
     out = []
     for i, case in enumerate(cases):
         buf = _buffer(case, n)
-        x, idx, w = _inputs(case, rank)
+        x, idx, w = ll_inputs(case, rank)
         stats = torch.full((case["experts"] // n,), 5, dtype=torch.int32)
         _poison(buf)
         rx, cnt, handle, ev, hook = buf.low_latency_dispatch(
@@ -63,7 +43,7 @@ def _run(rank, n, cases):
         if case["hook"]:
             busy = torch.randn(64, 64) @ torch.randn(64, 64)     # overlap: work before hook
             hook()
-        y = _expert(rx, rank)
+        y = expert_ll(rx, rank)
         _poison(buf)
         if case["zero_copy"]:
             buf.get_next_low_latency_combine_buffer(handle).copy_(y)
@@ -101,51 +81,13 @@ def _cases(n):
     return cases
 
 
-def _check(n, cases, results):
-    for ci, case in enumerate(cases):
-        ins = [_inputs(case, r) for r in range(n)]
-        ref = reference_ll_dispatch([i[0] for i in ins], [i[1] for i in ins], case["experts"],
-                                    case["max_tokens"])
-        for d in range(n):
-            got, exp = results[d][ci], ref[d]
-            cnt = exp["recv_count"]
-            assert torch.equal(got["cnt"], cnt), (case, d)
-            assert torch.equal(got["stats"], cnt + 5)
-            for le in range(cnt.shape[0]):
-                c = int(cnt[le])
-                want = exp["recv_x"][le, :c]
-                if case["fp8"]:
-                    data, scales = got["rx"]
-                    q, s = quantize_fp8(want, case["round_scale"])
-                    assert torch.equal(data[le, :c].view(torch.uint8), q.view(torch.uint8))
-                    if case["ue8m0"]:
-                        # UE8M0 byte = the float32 exponent field of the power-of-two scale
-                        expo = ((s.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
-                        assert torch.equal(scales[le, :c].view(torch.uint8).view(c, expo.shape[1]), expo)
-                    else:
-                        assert torch.equal(scales[le, :c], s)
-                        if case["round_scale"]:
-                            assert torch.equal(torch.exp2(torch.log2(s).round()), s)
-                    deq = dequantize_fp8(q, s)
-                    # e4m3: 3 mantissa bits -> relative error <= 2^-4, plus the subnormal step
-                    bound = want.float().abs() * 2.0 ** -4 + s.repeat_interleave(128, 1) * 2 ** -9
-                    assert ((deq - want.float()).abs() <= bound).all(), (case, d, le)
-                else:
-                    assert torch.equal(got["rx"][le, :c], want), (case, d, le)
-        comb = reference_ll_combine([results[d][ci]["y"] for d in range(n)], ref,
-                                    [i[1] for i in ins], [i[2] for i in ins])
-        for r in range(n):
-            torch.testing.assert_close(results[r][ci]["combined"].float(), comb[r].float(),
-                                       rtol=2e-2, atol=2e-2)
-
-
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
 def test_low_latency_matches_reference(n):
     cases = _cases(n)
     if n == 8:
         cases = cases[:4]
     results = run_ranks(_run, n, cases, timeout=300)
-    _check(n, cases, results)
+    check_ll(n, cases, results, quantize_fp8)
 
 
 CASE = dict(seed=99, hidden=256, max_tokens=8, experts=8, topk=2, routing="random",
@@ -154,7 +96,7 @@ CASE = dict(seed=99, hidden=256, max_tokens=8, experts=8, topk=2, routing="rando
 
 def _hooks(rank, n):
     buf = _buffer(CASE, n)
-    x, idx, w = _inputs(CASE, rank)
+    x, idx, w = ll_inputs(CASE, rank)
     errors = []
     a = buf.low_latency_dispatch(x, idx, 8, 8, use_fp8=False, return_recv_hook=True)
     b = buf.low_latency_dispatch(x * 2, idx, 8, 8, use_fp8=False, return_recv_hook=True)
@@ -190,7 +132,7 @@ def test_hooks_two_in_flight_and_misuse_errors():
 
 def _long_run(rank, n, iters):
     buf = _buffer(CASE, n)
-    x, idx, w = _inputs(CASE, rank)
+    x, idx, w = ll_inputs(CASE, rank)
     first = None
     rss0 = None
     for i in range(iters):
@@ -198,7 +140,7 @@ def _long_run(rank, n, iters):
         rx, cnt, h, _, hook = buf.low_latency_dispatch(x, idx, 8, 8, use_fp8=i % 3 == 0,
                                                        return_recv_hook=hook_mode)
         hook()
-        y = _expert(rx, rank) if not isinstance(rx, tuple) else _expert(
+        y = expert_ll(rx, rank) if not isinstance(rx, tuple) else expert_ll(
             (rx[0], rx[1]), rank)
         out, _, hook = buf.low_latency_combine(y, idx, w, h, return_recv_hook=not hook_mode)
         hook()
@@ -223,7 +165,7 @@ def _interleave(rank, n):
     buf = moe_comm.Buffer(None, 4 << 20,
                           moe_comm.Buffer.get_low_latency_rdma_size_hint(M, H, n, E),
                           low_latency_mode=True, timeout_s=30)
-    x, idx, w = _inputs(CASE, rank)
+    x, idx, w = ll_inputs(CASE, rank)
     outs = []
     for step in range(3):
         ntr, _, nte, itr, _ = buf.get_dispatch_layout(idx, E)
@@ -242,7 +184,7 @@ def _interleave(rank, n):
 def test_normal_and_low_latency_interleave_with_clean():
     results = run_ranks(_interleave, 2, timeout=60)
     for r, outs in enumerate(results):
-        x, idx, w = _inputs(CASE, r)
+        x, idx, w = ll_inputs(CASE, r)
         hits = torch.tensor([len({int(e) // 4 for e in row if e >= 0}) for row in idx])
         wsum = torch.where(idx >= 0, w, 0.0).sum(1)
         for normal, ll in outs:
@@ -255,7 +197,7 @@ def test_normal_and_low_latency_interleave_with_clean():
 def _ll_bad(rank, n):
     buf = _buffer(CASE, n)
     plain = moe_comm.Buffer(None, 1 << 20, timeout_s=10)
-    x, idx, w = _inputs(CASE, rank)
+    x, idx, w = ll_inputs(CASE, rank)
     bad = [
         (lambda: plain.low_latency_dispatch(x, idx, 8, 8), ValueError, "low_latency_mode=True"),
         (lambda: buf.low_latency_dispatch(torch.cat([x, x]), torch.cat([idx, idx]), 8, 8),
@@ -287,7 +229,7 @@ def test_low_latency_bad_input_is_named_and_buffer_survives():
     results = run_ranks(_ll_bad, 2, timeout=60)
     for r, (msgs, want, out) in enumerate(results):
         assert msgs == want
-        x, idx, w = _inputs(CASE, r)
+        x, idx, w = ll_inputs(CASE, r)
         wsum = torch.where(idx >= 0, w, 0.0).sum(1)
         torch.testing.assert_close(out.float(), x.float() * wsum[:, None], rtol=2e-2,
                                    atol=2e-2)

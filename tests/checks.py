@@ -1,0 +1,124 @@
+"""Checks of backend results against moe_comm.reference, shared by the host (CPU) tests and the
+CUDA tests: one definition of "correct" for every backend."""
+from __future__ import annotations
+
+import torch
+
+import moe_comm
+from moe_comm.layout import dispatch_layout
+from moe_comm.quant import dequantize_fp8, unpack_ue8m0
+from moe_comm.reference import reference_ll_combine, reference_ll_dispatch
+from inputs import make_inputs, routing
+
+
+def _as_list(rx):
+    return list(rx) if isinstance(rx, tuple) else [rx]
+
+
+def check_normal(n, cases, results):
+    """``results[rank][case]``: dict with rx, ri, rw, counts, y, comb, comb_w, rx2 (cached
+    handle dispatch), ri2, same_handle; optionally layout and counts2."""
+    for ci, case in enumerate(cases):
+        ins = [make_inputs(case, r) for r in range(n)]
+        fp8 = case["dtype"] == "fp8"
+        for r in range(n):
+            if "layout" in results[r][ci]:
+                want = dispatch_layout(ins[r][1], case["experts"], n)
+                got = results[r][ci]["layout"]
+                assert all(torch.equal(g, w) for g, w in zip(got, want)), (case, r, "layout")
+        ref = moe_comm.reference_dispatch(
+            [i[0][0] if fp8 else i[0] for i in ins], [i[1] for i in ins], case["experts"],
+            [i[2] for i in ins], scales=[i[0][1] for i in ins] if fp8 else None)
+        for d in range(n):
+            got, exp = results[d][ci], ref[d]
+            rows = exp["recv_x"].shape[0]
+            want = [exp["recv_x"]] + ([exp["recv_scales"]] if fp8 else [])
+            for g, e in zip(_as_list(got["rx"]), want):
+                assert g.shape[0] == max(rows, case["worst"]), (case, d)
+                assert torch.equal(g[:rows].view(torch.uint8), e.view(torch.uint8)), (case, d)
+                if case["worst"]:
+                    assert (g[rows:].view(torch.uint8) == 0).all(), (case, d, "padding")
+            for g, e in zip(_as_list(got["rx2"]), want):
+                assert torch.equal(g[:rows].view(torch.uint8), e.view(torch.uint8)), (case, d)
+            assert torch.equal(got["ri"][:rows], exp["recv_topk_idx"]), (case, d)
+            assert torch.equal(got["rw"][:rows], exp["recv_topk_weights"]), (case, d)
+            if case["worst"]:
+                assert (got["ri"][rows:] == -1).all() and (got["rw"][rows:] == 0).all()
+            a = case["alignment"]
+            assert got["counts"] == [(c + a - 1) // a * a
+                                     for c in exp["num_recv_tokens_per_expert"]], (case, d)
+            assert got["ri2"] is None and got["same_handle"]
+            assert got.get("counts2", []) == []
+        ys = [results[d][ci]["y"][:ref[d]["recv_x"].shape[0]] for d in range(n)]
+        bias = [i[3] for i in ins] if case["bias"] else None
+        comb = moe_comm.reference_combine(ys, ref, case["tokens"], bias=bias)
+        for r in range(n):
+            got = results[r][ci]
+            assert got["comb"].dtype == comb[r].dtype
+            torch.testing.assert_close(got["comb"].float(), comb[r].float(), rtol=1e-2,
+                                       atol=1e-2)
+            # every token's weights come back whole: sum over ranks of zero-padded weights
+            sent = ins[r][1] >= 0
+            torch.testing.assert_close(got["comb_w"], torch.where(sent, ins[r][2], 0.0))
+
+
+def ll_inputs(case, rank):
+    """bf16 x [T, H], topk_idx [T, K], topk_weights [T, K] of ``rank`` for an LL case."""
+    gen = torch.Generator().manual_seed(case["seed"] * 7919 + rank)
+    t = case["tokens"][rank]
+    x = torch.randn(t, case["hidden"], generator=gen).bfloat16()
+    idx = routing(case["routing"], t, case["experts"], case["topk"], gen)
+    w = torch.rand(t, case["topk"], generator=gen)
+    return x, idx, w
+
+
+def expert_ll(rx, rank):
+    """bf16 expert output from what LL dispatch delivered (dequantised for fp8)."""
+    if isinstance(rx, tuple):
+        data, s = rx
+        if s.dtype == torch.int32:
+            s = unpack_ue8m0(s)
+        return (dequantize_fp8(data, s) * (rank + 1)).bfloat16()
+    return (rx.float() * (rank + 1)).bfloat16()
+
+
+def check_ll(n, cases, results, quantize):
+    """``results[rank][case]``: dict with rx, cnt, stats (started at 5), y, combined.
+    ``quantize(x, round_scale) -> (fp8, scales)`` is the backend's cast, checked bit by bit."""
+    for ci, case in enumerate(cases):
+        ins = [ll_inputs(case, r) for r in range(n)]
+        ref = reference_ll_dispatch([i[0] for i in ins], [i[1] for i in ins], case["experts"],
+                                    case["max_tokens"])
+        for d in range(n):
+            got, exp = results[d][ci], ref[d]
+            cnt = exp["recv_count"]
+            assert torch.equal(got["cnt"], cnt), (case, d)
+            assert torch.equal(got["stats"], cnt + 5), (case, d)
+            for le in range(cnt.shape[0]):
+                c = int(cnt[le])
+                want = exp["recv_x"][le, :c]
+                if not case["fp8"]:
+                    assert torch.equal(got["rx"][le, :c], want), (case, d, le)
+                    continue
+                data, scales = got["rx"]
+                q, s = quantize(want, case["round_scale"])
+                assert torch.equal(data[le, :c].view(torch.uint8), q.view(torch.uint8)), \
+                    (case, d, le)
+                if case["ue8m0"]:
+                    # UE8M0 byte = the float32 exponent field of the power-of-two scale
+                    expo = ((s.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+                    assert torch.equal(scales[le, :c].contiguous().view(torch.uint8).view(
+                        c, expo.shape[1]), expo), (case, d, le)
+                else:
+                    assert torch.equal(scales[le, :c], s), (case, d, le)
+                if case["round_scale"]:
+                    assert torch.equal(torch.exp2(torch.log2(s).round()), s)
+                # e4m3: 3 mantissa bits -> relative error <= 2^-4, plus the subnormal step
+                deq = dequantize_fp8(q, s)
+                bound = want.float().abs() * 2.0 ** -4 + s.repeat_interleave(128, 1) * 2 ** -9
+                assert ((deq - want.float()).abs() <= bound).all(), (case, d, le)
+        comb = reference_ll_combine([results[d][ci]["y"] for d in range(n)], ref,
+                                    [i[1] for i in ins], [i[2] for i in ins])
+        for r in range(n):
+            torch.testing.assert_close(results[r][ci]["combined"].float(), comb[r].float(),
+                                       rtol=2e-2, atol=2e-2)
