@@ -40,7 +40,18 @@ class Buffer:
         num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy:
             accepted for DeepEP compatibility (the host backend needs none of them).
         timeout_s: deadline of every wait on a peer; a missed deadline raises
-            :class:`moe_comm.CommTimeoutError` naming the silent ranks.
+            :class:`moe_comm.CommTimeoutError` naming the silent ranks (or, with
+            ``elastic=True``, masks them).
+        elastic: survive failed ranks: a peer that misses a deadline in any call is marked 0
+            in :attr:`active_ranks` and the call completes with what the healthy ranks sent
+            (nothing is sent to or awaited from a masked rank afterwards; combine sums only
+            healthy contributions). The survivors end every call with the same mask, at the
+            cost of one extra round of signal words per call (two for a dispatch with
+            notify). Every rank must issue calls (and receive hooks) in the same order.
+
+    Every call also takes ``active_ranks=``: an int32 [R] tensor (1 = active) that is read
+    (ranks it marks 0 are masked first) and updated in place with the mask after the call,
+    Mooncake EP's convention.
     """
 
     num_sms: int = 20
@@ -48,7 +59,8 @@ class Buffer:
     def __init__(self, group=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
-                 explicitly_destroy: bool = False, *, timeout_s: float = DEFAULT_TIMEOUT_S):
+                 explicitly_destroy: bool = False, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 elastic: bool = False):
         for name, v in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {v!r}")
@@ -65,7 +77,9 @@ class Buffer:
         self.low_latency_mode = low_latency_mode
         self.timeout_s = float(timeout_s)
         self.explicitly_destroy = explicitly_destroy
-        self._comm = HostComm(self.group, self.num_nvl_bytes, num_rdma_bytes, self.timeout_s)
+        self.elastic = bool(elastic)
+        self._comm = HostComm(self.group, self.num_nvl_bytes, num_rdma_bytes, self.timeout_s,
+                              elastic=self.elastic)
         self._key = (id(self), self._comm.job)
         # per LL kind, the receive hook still pending on each of the two buffers
         self._ll_pending = {"dispatch": [None] * LL_NUM_BUFFERS,
@@ -104,6 +118,44 @@ class Buffer:
         return normal_buffer_size_hint(num_max_tokens_per_rank, row, num_ranks, topk,
                                        hidden // 128 * 4 if fp8 else 0, keep_alive)
 
+    # -- rank health -------------------------------------------------------------------------
+    @property
+    def active_ranks(self) -> torch.Tensor:
+        """int32 [R]: 1 for ranks taking part, 0 for masked ones (a copy)."""
+        return torch.from_numpy(self._live().active.astype("int32"))
+
+    def set_active_ranks(self, mask) -> None:
+        """Mask ranks a controller knows are gone (entries 0); a mask never re-activates a
+        rank (a rank that left needs a new Buffer). Call it with the same mask on every
+        surviving rank before their next call."""
+        comm = self._live()
+        gone = self._mask_arg("mask", mask)
+        comm.mask(gone, "set_active_ranks")
+
+    def _mask_arg(self, name, mask) -> list:
+        if not isinstance(mask, torch.Tensor):
+            mask = torch.as_tensor(mask)
+        if mask.dim() != 1 or mask.shape[0] != self.group_size or mask.is_floating_point():
+            raise ValueError(f"{name} must be an integer or bool tensor of shape "
+                             f"[{self.group_size}] (1 = active), got {mask.dtype} "
+                             f"{tuple(mask.shape)}")
+        return (mask.cpu() == 0).nonzero().flatten().tolist()
+
+    def _enter(self, active_ranks):
+        """Start a call: apply a caller's ``active_ranks`` tensor; returns the comm."""
+        comm = self._live()
+        if active_ranks is not None:
+            if active_ranks.dtype not in (torch.int32, torch.int64, torch.bool):
+                raise ValueError(f"active_ranks must be int32/int64/bool, got "
+                                 f"{active_ranks.dtype}")
+            comm.mask(self._mask_arg("active_ranks", active_ranks), "active_ranks argument")
+        return comm
+
+    def _leave(self, active_ranks) -> None:
+        """Write the mask after a call back into the caller's ``active_ranks`` tensor."""
+        if active_ranks is not None and self._comm is not None:
+            active_ranks.copy_(torch.from_numpy(self._comm.active).to(active_ranks.dtype))
+
     # -- normal mode ----------------------------------------------------------------------
     def _live(self):
         if self._comm is None:
@@ -112,8 +164,10 @@ class Buffer:
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
                             previous_event: EventOverlap | None = None,
-                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
-        """Where each token goes.
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False,
+                            active_ranks: torch.Tensor | None = None):
+        """Where each token goes (tokens are not sent to masked ranks: their experts count
+        no tokens).
 
         Args:
             topk_idx: int64 [T, K], expert ids in [0, num_experts) or -1 for an unused slot.
@@ -122,10 +176,16 @@ class Buffer:
             num_tokens_per_rank int32 [R], num_tokens_per_rdma_rank (None: single node),
             num_tokens_per_expert int32 [E], is_token_in_rank bool [T, R], EventOverlap.
         """
-        self._live()
         check.num_experts(num_experts, self.group_size)
         check.topk_idx(topk_idx, num_experts)
+        comm = self._enter(active_ranks)
         per_rank, per_expert, in_rank = dispatch_layout(topk_idx, num_experts, self.group_size)
+        if not comm.active.all():
+            gone = torch.from_numpy(~comm.active)
+            per_rank[gone] = 0
+            in_rank[:, gone] = False
+            per_expert.view(self.group_size, -1)[gone] = 0
+        self._leave(active_ranks)
         return per_rank, None, per_expert, in_rank, EventOverlap()
 
     def dispatch(self, x, handle: DispatchHandle | None = None,
@@ -136,7 +196,8 @@ class Buffer:
                  topk_idx: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
                  expert_alignment: int = 1, num_worst_tokens: int = 0,
                  config: Config | None = None, previous_event: EventOverlap | None = None,
-                 async_finish: bool = False, allocate_on_comm_stream: bool = False):
+                 async_finish: bool = False, allocate_on_comm_stream: bool = False,
+                 active_ranks: torch.Tensor | None = None):
         """Send each token once to every rank owning one of its top-k experts.
 
         Args:
@@ -153,10 +214,11 @@ class Buffer:
                 rows have topk ids -1 and zero weights); must be >= the rows received.
             config, previous_event, async_finish, allocate_on_comm_stream: DeepEP
                 compatibility; host-backend calls are complete when they return.
+            active_ranks: int32 [R] or None, read and updated in place (see the class).
         Returns:
             recv_x: [N, H] (or (fp8 [N, H], float32 scales [N, H/128])), rows ordered by
                 source rank then source token index; it lives in the buffer's memory until
-                you drop it;
+                you drop it. Masked ranks send and receive nothing;
             recv_topk_idx: int64 [N, K] local expert ids (-1 = not on this rank), or None
                 with a cached handle;
             recv_topk_weights: float32 [N, K] (0 where the id is -1) or None;
@@ -203,12 +265,14 @@ class Buffer:
             if num_tokens_per_rank is None or is_token_in_rank is None:
                 num_tokens_per_rank, _, is_token_in_rank = dispatch_layout(topk_idx,
                                                                            num_experts, R)
+        self._enter(active_ranks)
         recv_x, recv_s, recv_i, recv_w, handle = host_normal.dispatch(
             comm, x_bytes=data.view(torch.uint8), dtype=data.dtype, hidden=hidden,
             scales=scales, topk_idx=topk_idx, topk_weights=topk_weights,
             is_token_in_rank=is_token_in_rank, num_tokens_per_rank=num_tokens_per_rank,
             handle=handle, num_experts=num_experts, num_worst_tokens=num_worst_tokens,
             buffer_key=self._key)
+        self._leave(active_ranks)
         counts = [] if recv_i is None else aligned_expert_counts(
             recv_i, num_experts // R, expert_alignment)
         out_x = recv_x if recv_s is None else (recv_x, recv_s)
@@ -217,8 +281,10 @@ class Buffer:
     def combine(self, x: torch.Tensor, handle: DispatchHandle,
                 topk_weights: torch.Tensor | None = None, bias=None,
                 config: Config | None = None, previous_event: EventOverlap | None = None,
-                async_finish: bool = False, allocate_on_comm_stream: bool = False):
-        """Send expert outputs back to the tokens' ranks and sum them per token.
+                async_finish: bool = False, allocate_on_comm_stream: bool = False,
+                active_ranks: torch.Tensor | None = None):
+        """Send expert outputs back to the tokens' ranks and sum them per token (rows of
+        masked ranks are left out).
 
         Args:
             x: [N, H] bf16/fp16/fp32, this rank's rows in the order dispatch returned them
@@ -226,6 +292,7 @@ class Buffer:
             handle: the dispatch handle.
             topk_weights: float32 [N, K] or None; summed per token the same way.
             bias: None, a [T, H] tensor or a tuple of up to two, added to the result.
+            active_ranks: int32 [R] or None, read and updated in place (see the class).
         Returns:
             combined_x [T, H] in x's dtype (summed in float32), combined_topk_weights
             float32 [T, K] or None, EventOverlap.
@@ -252,8 +319,10 @@ class Buffer:
                                  f"{topk_weights.shape[0]}")
             topk_weights = topk_weights[:n].contiguous()
         biases = self._biases(bias, handle)
+        self._enter(active_ranks)
         out, w = host_normal.combine(comm, x=x[:n].contiguous(), handle=handle,
                                      topk_weights=topk_weights, bias=biases)
+        self._leave(active_ranks)
         return out, w, EventOverlap()
 
     def _biases(self, bias, handle):
@@ -325,7 +394,8 @@ class Buffer:
                              cumulative_local_expert_recv_stats: torch.Tensor | None = None,
                              use_fp8: bool = True, round_scale: bool = False,
                              use_ue8m0: bool = False, async_finish: bool = False,
-                             return_recv_hook: bool = False):
+                             return_recv_hook: bool = False,
+                             active_ranks: torch.Tensor | None = None):
         """Low-latency dispatch: one message per (token, expert), no count exchange first.
 
         Args:
@@ -340,6 +410,8 @@ class Buffer:
                 packed as UE8M0 bytes, four per int32 (needs round_scale, H % 512 == 0).
             return_recv_hook: only send; the returned ``hook()`` receives. At most two calls
                 may await their hook at once.
+            active_ranks: int32 [R] or None, read and updated in place (see the class; with a
+                hook, updated again when the hook has received).
         Returns:
             recv_x: bf16 [E/R, R*M, H], or (float8_e4m3fn [E/R, R*M, H], scales float32
                 [E/R, R*M, H/128] or int32 [E/R, R*M, H/512] with use_ue8m0); rows of expert
@@ -374,6 +446,7 @@ class Buffer:
                 raise ValueError(f"cumulative_local_expert_recv_stats must have {num_local} "
                                  f"entries, got {stats.shape[0]}")
         buf = self._ll_reserve("dispatch", comm.ll_seq["dispatch"] + 1)
+        self._enter(active_ranks)
         x = x.contiguous()
         handle = host_ll.dispatch_send(comm, x=x, topk_idx=topk_idx, lay=lay, use_fp8=use_fp8,
                                        round_scale=round_scale, buffer_key=self._key)
@@ -394,7 +467,9 @@ class Buffer:
             host_ll.dispatch_recv(comm, handle, lay, recv_x=recv_x, recv_scales=recv_scales,
                                   recv_count=recv_count, use_fp8=use_fp8, use_ue8m0=use_ue8m0,
                                   stats=stats)
+            self._leave(active_ranks)
 
+        self._leave(active_ranks)
         hook = self._ll_finish("dispatch", buf, receive, return_recv_hook)
         out_x = (recv_x, recv_scales) if use_fp8 else recv_x
         return out_x, recv_count, handle, EventOverlap(), hook
@@ -415,7 +490,8 @@ class Buffer:
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor,
                             topk_weights: torch.Tensor, handle: LowLatencyHandle,
                             zero_copy: bool = False, async_finish: bool = False,
-                            return_recv_hook: bool = False, out: torch.Tensor | None = None):
+                            return_recv_hook: bool = False, out: torch.Tensor | None = None,
+                            active_ranks: torch.Tensor | None = None):
         """Send expert outputs back and take each token's top-k weighted sum.
 
         Args:
@@ -427,6 +503,7 @@ class Buffer:
             zero_copy: x was written into get_next_low_latency_combine_buffer(handle).
             return_recv_hook: only send; ``hook()`` receives and fills the output.
             out: optional bf16 [T, H] to write the result into.
+            active_ranks: int32 [R] or None, read and updated in place (see the class).
         Returns:
             combined_x bf16 [T, H], event, hook.
         """
@@ -456,11 +533,14 @@ class Buffer:
                 raise ValueError(f"out must have shape {(handle.num_tokens, handle.hidden)}, "
                                  f"got {tuple(out.shape)}")
         buf = self._ll_reserve("combine", comm.ll_seq["combine"] + 1)
+        self._enter(active_ranks)
         seq, buf = host_ll.combine_send(comm, x=x.contiguous(), handle=handle, lay=lay)
+        self._leave(active_ranks)
 
         def receive():
             host_ll.combine_recv(comm, seq, buf, lay, handle=handle, topk_idx=topk_idx,
                                  topk_weights=topk_weights, out=out)
+            self._leave(active_ranks)
 
         hook = self._ll_finish("combine", buf, receive, return_recv_hook)
         return out, EventOverlap(), hook

@@ -1,7 +1,7 @@
 """The handle of a normal-mode dispatch: everything combine (and a cached dispatch) needs."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -27,6 +27,21 @@ class DispatchHandle:
 
     def rows_from(self, rank: int) -> int:
         return int(self.count_matrix[:, rank].sum())
+
+    def without_inactive(self, active: np.ndarray, rank: int) -> "DispatchHandle":
+        """This handle with the rows and columns of inactive ranks dropped: nothing is sent
+        to or expected from them. ``self`` when every rank it involves is active."""
+        gone = ~np.asarray(active, dtype=bool)
+        m = self.count_matrix
+        if not (m[gone].any() or m[:, gone].any()):
+            return self
+        m = m.copy()
+        m[gone], m[:, gone] = 0, 0
+        in_rank = self.is_token_in_rank.clone()
+        in_rank[:, torch.from_numpy(gone)] = False
+        ids = [t[:0] if gone[d] else t for d, t in enumerate(self.send_token_ids)]
+        return replace(self, count_matrix=m, is_token_in_rank=in_rank, send_token_ids=ids,
+                       num_recv_tokens=int(m[:, rank].sum()))
 
 
 @dataclass(eq=False)

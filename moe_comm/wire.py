@@ -4,19 +4,24 @@ offset.
 
 A rank's segment = ``[header | heap]``.
 
-Header (int64 words). Each signal slot is written by exactly one peer and read by the owner
-(or the reverse for GRANT), and sits on its own 64-byte line so peers never false-share:
+Header (int64 words). Every signal slot is written by exactly one peer and read only by the
+owner of the header: waits are always on local memory and a peer *pushes* what it has to say
+(what a one-sided transport such as RDMA can do cheaply; a remote read would be a round trip).
+Each slot sits on its own 64-byte line so peers never false-share:
 
 - ``NOTIFY[parity][src]``: one line-aligned row of ``R`` tagged counts per source rank: row
   ``src`` holds ``src``'s token count for every destination. Every rank writes its row into
   every peer, so after the notify phase each rank knows the whole ``R x R`` count matrix.
   Two parities (by notify sequence number): a rank can run at most one notify ahead of a peer.
-- ``GRANT``: the owner's answer "receive region for op ``epoch`` starts at heap page ``v``"
-  (``GRANT_FAILED`` = it could not allocate; senders skip it and raise too).
+- ``GRANT[dst]``: receiver ``dst`` tells this sender "your rows for op ``epoch`` go to my heap
+  page ``v``" (``GRANT_FAILED`` = it could not allocate; senders skip it and raise too).
 - ``DONE[src]``: source ``src`` finished writing its payload for op ``epoch``.
-- ``LL_DISPATCH_FREE[buf]`` / ``LL_COMBINE_FREE[buf]``: the owner finished reading its
-  low-latency receive buffer ``buf`` for LL call number ``epoch`` (senders of call s wait for
-  s-2 on the same buffer before overwriting it: flow control of the double buffers).
+- ``MASK[parity][src]``: elastic mode's agreement round: ``src``'s view of the active ranks
+  (bit r of word r // 32), two parities like NOTIFY.
+- ``LL_DISPATCH_FREE[buf][src]`` / ``LL_COMBINE_FREE[buf][src]``: rank ``src`` finished
+  reading its low-latency receive buffer ``buf`` for LL call number ``epoch`` (a sender of call
+  s waits for s-2 from every destination before overwriting: flow control of the double
+  buffers).
 - ``LL_COMBINE_DONE[buf][src]``: src finished writing its LL combine rows (value = rows).
 
 The low-latency region (after the heap) is laid out by :class:`LLLayout`; its dispatch count
@@ -38,12 +43,13 @@ from dataclasses import dataclass
 PAGE = 4096
 LINE_WORDS = 8                       # 64-byte cache line / 8-byte words
 MAGIC = 0x6D6F655F636F6D6D           # "moe_comm"
-VERSION = 1
+VERSION = 2
 VALUE_BITS = 32
 VALUE_MASK = (1 << VALUE_BITS) - 1
 MAX_EPOCH = (1 << 31) - 1
 GRANT_FAILED = VALUE_MASK            # grant value meaning "receiver could not allocate"
 LL_NUM_BUFFERS = 2                   # low-latency double buffering
+MASK_BITS = 32                       # rank bits per MASK word (the value field of a tag)
 
 
 def tag(epoch: int, value: int) -> int:
@@ -75,25 +81,38 @@ class HeaderLayout:
     def row_words(self) -> int:            # one NOTIFY row, line aligned
         return round_up(self.num_ranks, LINE_WORDS)
 
+    @property
+    def mask_words(self) -> int:           # words of one MASK row (32 rank bits per word)
+        return -(-self.num_ranks // MASK_BITS)
+
     # word 0: magic, word 1: version, word 2: num_ranks, word 3: heap offset (bytes)
     def notify(self, parity: int, src: int) -> int:
         return LINE_WORDS + (parity * self.num_ranks + src) * self.row_words
 
-    @property
-    def grant(self) -> int:
-        return self.notify(2, 0)
+    def grant(self, dst: int) -> int:
+        return self.notify(2, 0) + LINE_WORDS * dst
 
     def done(self, src: int) -> int:
-        return self.grant + LINE_WORDS * (1 + src)
+        return self.grant(self.num_ranks) + LINE_WORDS * src
 
-    def ll_dispatch_free(self, buf: int) -> int:
-        return self.done(self.num_ranks) + LINE_WORDS * buf
+    def mask(self, parity: int, src: int) -> int:
+        row = round_up(self.mask_words, LINE_WORDS)
+        return self.done(self.num_ranks) + row * (parity * self.num_ranks + src)
 
-    def ll_combine_free(self, buf: int) -> int:
-        return self.ll_dispatch_free(LL_NUM_BUFFERS) + LINE_WORDS * buf
+    def ll_dispatch_free(self, buf: int, src: int) -> int:
+        return self.mask(2, 0) + LINE_WORDS * (buf * self.num_ranks + src)
+
+    def ll_combine_free(self, buf: int, src: int) -> int:
+        return self.ll_dispatch_free(LL_NUM_BUFFERS, 0) + LINE_WORDS * (buf * self.num_ranks
+                                                                        + src)
 
     def ll_combine_done(self, buf: int, src: int) -> int:
-        return self.ll_combine_free(LL_NUM_BUFFERS) + LINE_WORDS * (buf * self.num_ranks + src)
+        return self.ll_combine_free(LL_NUM_BUFFERS, 0) + LINE_WORDS * (buf * self.num_ranks + src)
+
+    @property
+    def ll_first(self) -> int:
+        """First word of the low-latency slots (zeroed by a low-latency reset)."""
+        return self.ll_dispatch_free(0, 0)
 
     @property
     def num_words(self) -> int:

@@ -79,10 +79,21 @@ def test_variant_list_covers_every_request():
         variants.intranode(variants.MAX_RANKS + 1)
 
 
+def _with_includes(path, seen=None) -> str:
+    """A source's text followed by the text of the local headers it includes, recursively."""
+    seen = set() if seen is None else seen
+    seen.add(path.name)
+    text = path.read_text()
+    for name in re.findall(r'#include "([\w.]+)"', text):
+        if name not in seen and (path.parent / name).exists():
+            text += _with_includes(path.parent / name, seen)
+    return text
+
+
 def test_every_listed_kernel_is_defined_in_its_source():
     from moe_comm.cuda.compiler import kernel_dir
     for v in set(variants.all_variants()):
-        text = (kernel_dir() / v.source).read_text()
+        text = _with_includes(kernel_dir() / v.source)
         defined = set(re.findall(r"MOE_KERNEL void (\w+)\(", text)) | set(
             re.findall(r"MOE_REDUCE_KERNEL\((\w+),", text))
         assert set(v.kernels) <= defined, (v.label, set(v.kernels) - defined)

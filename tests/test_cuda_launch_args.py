@@ -21,9 +21,9 @@ from moe_comm.wire import LLLayout
 
 
 def _signatures() -> dict:
-    """{kernel: ["ptr" | "int", ...]} from the extern "C" kernels of every .cu file."""
+    """{kernel: ["ptr" | "int", ...]} from the extern "C" kernels of every .cu/.cuh file."""
     sigs = {}
-    for f in kernel_dir().glob("*.cu"):
+    for f in [*kernel_dir().glob("*.cu"), *kernel_dir().glob("*.cuh")]:
         text = f.read_text().replace("\\\n", " ")
         defines = dict(re.findall(r"#define (MOE_\w+_ARGS) ([^\n]*)", text))
 

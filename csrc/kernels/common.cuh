@@ -22,6 +22,7 @@ typedef unsigned long long u64;
 
 constexpr int kWarpSize = 32;
 constexpr u32 kFullMask = 0xffffffffu;
+constexpr u64 kSignalStride = 64;  // bytes between one-per-rank signal slots (wire.LINE_WORDS * 8)
 
 MOE_DEVICE int lane_id() { return threadIdx.x & (kWarpSize - 1); }
 MOE_DEVICE int warp_id() { return threadIdx.x / kWarpSize; }

@@ -26,12 +26,3 @@ MOE_KERNEL void moe_ll_dispatch_send(const u64* bases, i64 rank, i64 num_ranks, 
         g, ErrorSink{err_host, err_dev, (i32)op}, lb, x, num_tokens, hidden, topk_idx, topk,
         num_experts, send_index, (u32)seq);
 }
-
-// grid 1, block 32: see ll_wait_body (remote != 0: flow-control word in every peer; else this
-// rank's count rows / DONE slots)
-MOE_KERNEL void moe_ll_wait(const u64* bases, i64 rank, i64 num_ranks, i64 timeout_ns,
-                            i32* err_host, i32* err_dev, i64 op, i64 offset, i64 src_stride,
-                            i64 words, i64 epoch, i64 remote) {
-    ll_wait_body(LLGroup{bases, rank, num_ranks, timeout_ns}, ErrorSink{err_host, err_dev, (i32)op},
-                 (u64)offset, (u64)src_stride, words, (u32)epoch, remote != 0);
-}

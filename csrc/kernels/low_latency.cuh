@@ -10,7 +10,8 @@
 // dispatch call s (buffer b = s % 2), split so the caller can separate send and receive
 // (return_recv_hook):
 //   send  [s > 2: wait until every rank d has finished reading its buffer b of call s-2
-//         (LL_DISPATCH_FREE[b] in d's header carries s-2): flow control of the two buffers]
+//         (d pushed LL_DISPATCH_FREE[b][d] = s-2 into this rank's header): flow control of
+//         the two buffers]
 //         one block per global expert e (owned by rank d = e / L, local id le = e % L):
 //         - count this rank's (token, slot) pairs routed to experts below e: where e's
 //           messages start in this rank's message order (pairs sorted by expert, then token,
@@ -27,17 +28,20 @@
 //   recv  wait for every source's count row (L counts + base), then one block per local
 //         expert (x SPLIT blocks for bandwidth) packs the rows source by source into recv_x
 //         [L, R*M, H] (and the scales, UE8M0-packed if asked), writes recv_count, the handle's
-//         meta/ranges/return_base, adds to the stats; the last block to finish publishes
-//         LL_DISPATCH_FREE[b] = s (release: after all its reads).
+//         meta/ranges/return_base, adds to the stats; the last block to finish pushes
+//         LL_DISPATCH_FREE[b][me] = s into every rank (release: after all its reads).
 // combine call c (buffer b = c % 2):
-//   send  [c > 2: wait for every owner's LL_COMBINE_FREE[b] = c-2] (L x SPLIT blocks) one warp
+//   send  [c > 2: wait for every owner's LL_COMBINE_FREE[b][owner] = c-2] (L x SPLIT) one warp
 //         per received row writes it into the owner's combine rows at return_base[owner] +
 //         (rows of lower local experts from that owner) + position: the owner's own message
 //         order, so each owner's rows form one contiguous run. The last block signals
 //         LL_COMBINE_DONE[b][me] = (c << 32) | rows in every owner.
 //   recv  wait for every rank's DONE, then out[t] = sum_k w[t,k] * row[send_index[t][k]] in
-//         fp32 (k with id -1 skipped), cast to bf16; the last block publishes
-//         LL_COMBINE_FREE[b] = c.
+//         fp32 (k with id -1 skipped), cast to bf16; the last block pushes
+//         LL_COMBINE_FREE[b][me] = c into every rank.
+//
+// Every wait is on this rank's own memory (peers push their signals), so a transport that
+// can only write to remote ranks (RDMA) serves the same protocol.
 //
 // MOE_HIDDEN > 0 makes the hidden size a compile-time constant (loops over 128-channel blocks
 // unroll); 0 is the generic variant that reads it from the arguments.
@@ -71,21 +75,26 @@ struct LLBuffer {
 };
 
 // ---- wait ----------------------------------------------------------------------------------
-// One block, one thread per rank s: remote (flow control): the word at `offset` of rank s's
-// buffer carries `epoch`; local: the `words` words at offset + s * src_stride of this rank's
-// buffer (s's count row, or s's DONE slot) all carry `epoch`. Timeouts name s.
-__device__ void ll_wait_body(const LLGroup g, const ErrorSink err, u64 offset, u64 src_stride,
-                             i64 words, u32 epoch, bool remote) {
-    const Transport t{g.bases, err};
+// grid 1, one thread per rank s: the `words` words at offset + s * src_stride of this rank's
+// buffer (s's count row, DONE slot or FREE slot) all carry `epoch`. Timeouts name s. Every
+// LL module carries this kernel (each .cu is its own compiled program).
+MOE_KERNEL void moe_ll_wait(const u64* bases, i64 rank, i64 num_ranks, i64 timeout_ns,
+                            i32* err_host, i32* err_dev, i64 op, i64 offset, i64 src_stride,
+                            i64 words, i64 epoch) {
+    const LLGroup g{bases, rank, num_ranks, timeout_ns};
+    const ErrorSink err{err_host, err_dev, (i32)op};
     const int s = threadIdx.x;
     if (err.aborted() || s >= g.num_ranks) return;
-    if (remote) {
-        wait_peer_tag(t, s, offset, epoch, g.timeout_ns);
-        return;
-    }
-    const u64* row = (const u64*)g.own(offset + s * src_stride);
+    const u64* row = (const u64*)g.own((u64)offset + s * (u64)src_stride);
     for (i64 j = 0; j < words; ++j)
-        if (wait_tag(row + j, epoch, g.timeout_ns, err, s) < 0) return;
+        if (wait_tag(row + j, (u32)epoch, g.timeout_ns, err, s) < 0) return;
+}
+
+// Push "this rank finished reading buffer b of call seq" into every rank's FREE[b][me] slot
+// (`free_off` = FREE[b][0]); release: ordered after this rank's earlier reads.
+MOE_DEVICE void ll_publish_free(const Transport& t, const LLGroup& g, u64 free_off, u32 seq) {
+    for (int p = 0; p < g.num_ranks; ++p)
+        t.signal(p, free_off + (u64)g.rank * kSignalStride, tag(seq, 0));
 }
 
 // ---- dispatch send -----------------------------------------------------------------------
@@ -252,7 +261,7 @@ __device__ void ll_dispatch_recv_body(const LLGroup g, const ErrorSink err, cons
     }
     // Release after the reads above: no sender of call s+2 overwrites rows still being read.
     if (last_block_arrives(counter, &last) && threadIdx.x == 0)
-        t.signal((int)g.rank, free_off, tag(seq, 0));
+        ll_publish_free(t, g, free_off, seq);
 }
 
 // ---- combine send ------------------------------------------------------------------------
@@ -363,5 +372,5 @@ __device__ void ll_combine_recv_body(const LLGroup g, const ErrorSink err, const
         __syncthreads();  // `weight` / `row_of` are rewritten for the next token
     }
     if (last_block_arrives(counter, &last) && threadIdx.x == 0)
-        t.signal((int)g.rank, free_off, tag(seq, 0));
+        ll_publish_free(t, g, free_off, seq);
 }

@@ -258,7 +258,7 @@ class CudaComm:
         stream = torch.cuda.current_stream(self.device)
         handle = cu.CUstream(stream.cuda_stream)
         base = self.pointers[self.rank]
-        first = self.layout.ll_dispatch_free(0) * 8
+        first = self.layout.ll_first * 8
         _cu(cu.cuMemsetD8Async(base + first, 0, self.layout.num_words * 8 - first, handle),
             "cuMemsetD8Async")
         _cu(cu.cuMemsetD8Async(base + self.ll_offset, 0, self.ll_bytes, handle),

@@ -76,10 +76,10 @@ def _check(comm: CudaComm, lay: LLLayout, hidden: int, num_tokens: int, topk: in
 
 
 def _wait(comm: CudaComm, kernels, op: str, offset: int, src_stride: int, words: int,
-          epoch: int, remote: bool) -> None:
-    """One-block wait (csrc/kernels/low_latency.cuh ll_wait_body)."""
+          epoch: int) -> None:
+    """One-block wait on this rank's own slots, one row per source (low_latency.cuh)."""
     launch(kernels["moe_ll_wait"], 1, WAIT_BLOCK, comm.bases, comm.rank, comm.num_ranks,
-           comm.timeout_ns, *comm.error_args(op), offset, src_stride, words, epoch, remote,
+           comm.timeout_ns, *comm.error_args(op), offset, src_stride, words, epoch,
            device=comm.device)
 
 
@@ -100,8 +100,8 @@ def dispatch_send(comm: CudaComm, *, x, topk_idx, lay: LLLayout, use_fp8: bool,
     send_index = torch.empty(num_tokens, topk, dtype=torch.int32, device=comm.device)
     k = load_kernels(variants.ll_dispatch_send(hidden, use_fp8, round_scale), comm.device)
     if seq > LL_NUM_BUFFERS:     # every rank has read its buffer `buf` of call seq - 2
-        _wait(comm, k, "low_latency_dispatch/send", comm.layout.ll_dispatch_free(buf) * 8, 0,
-              1, seq - LL_NUM_BUFFERS, True)
+        _wait(comm, k, "low_latency_dispatch/send", comm.layout.ll_dispatch_free(buf, 0) * 8,
+              SIGNAL_STRIDE, 1, seq - LL_NUM_BUFFERS)
     launch(k["moe_ll_dispatch_send"], max(1, lay.num_experts), SEND_BLOCK, comm.bases,
            comm.rank, comm.num_ranks, comm.timeout_ns,
            *comm.error_args("low_latency_dispatch/send"), off["payload"], off["meta"],
@@ -134,12 +134,12 @@ def dispatch_recv(comm: CudaComm, handle: LowLatencyHandle, lay: LLLayout, *, re
     k = load_kernels(variants.ll_dispatch_recv(handle.hidden, use_fp8, use_ue8m0), dev)
     # every source's count row: num_local counts + the base word
     _wait(comm, k, "low_latency_dispatch/recv", off["counts"], lay.count_row_words * 8,
-          num_local + 1, handle.seq, False)
+          num_local + 1, handle.seq)
     launch(k["moe_ll_dispatch_recv"], (num_local, _split(num_local)), BLOCK, comm.bases,
            comm.rank, R, comm.timeout_ns, *comm.error_args("low_latency_dispatch/recv"),
            off["payload"], off["meta"], off["counts"], lay.count_row_words,
            msg_stride(handle.hidden, use_fp8), M, handle.hidden, num_local,
-           comm.layout.ll_dispatch_free(handle.buf) * 8, handle.seq, recv_x,
+           comm.layout.ll_dispatch_free(handle.buf, 0) * 8, handle.seq, recv_x,
            recv_scales if use_fp8 else None, recv_count, stats32, handle.recv_meta,
            handle.recv_ranges, handle.return_base, comm.counter("ll_dispatch_recv"),
            device=dev)
@@ -161,8 +161,8 @@ def combine_send(comm: CudaComm, *, x, handle: CudaLowLatencyHandle, lay: LLLayo
     hidden, num_local = x.shape[-1], lay.num_local
     k = load_kernels(variants.ll_combine(hidden), comm.device)
     if seq > LL_NUM_BUFFERS:     # every owner has summed its combine rows of call seq - 2
-        _wait(comm, k, "low_latency_combine/send", comm.layout.ll_combine_free(buf) * 8, 0, 1,
-              seq - LL_NUM_BUFFERS, True)
+        _wait(comm, k, "low_latency_combine/send", comm.layout.ll_combine_free(buf, 0) * 8,
+              SIGNAL_STRIDE, 1, seq - LL_NUM_BUFFERS)
     launch(k["moe_ll_combine_send"], (num_local, _split(num_local)), BLOCK, comm.bases,
            comm.rank, comm.num_ranks, comm.timeout_ns,
            *comm.error_args("low_latency_combine/send"), _offsets(comm, lay, buf)["combine"],
@@ -183,11 +183,12 @@ def combine_recv(comm: CudaComm, seq: int, buf: int, lay: LLLayout, *, handle, t
     hidden = out.shape[1]
     k = load_kernels(variants.ll_combine(hidden), comm.device)
     _wait(comm, k, "low_latency_combine/recv", comm.layout.ll_combine_done(buf, 0) * 8,
-          SIGNAL_STRIDE, 1, seq, False)
+          SIGNAL_STRIDE, 1, seq)
     launch(k["moe_ll_combine_recv"], max(1, min(num_tokens, 64)), BLOCK, comm.bases,
            comm.rank, comm.num_ranks, comm.timeout_ns,
            *comm.error_args("low_latency_combine/recv"), _offsets(comm, lay, buf)["combine"],
            hidden, num_tokens, topk, lay.max_tokens * LL_MAX_TOPK, topk_idx.contiguous(),
-           topk_weights.contiguous(), handle.send_index, comm.layout.ll_combine_free(buf) * 8,
+           topk_weights.contiguous(), handle.send_index,
+           comm.layout.ll_combine_free(buf, 0) * 8,
            seq, out, comm.counter("ll_combine_recv"), device=comm.device)
     return out

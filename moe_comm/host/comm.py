@@ -1,13 +1,21 @@
-"""The host backend's communicator: every rank's segment mapped, signal slots, deadlines.
+"""The host backend's communicator: every rank's segment mapped, signal slots, deadlines,
+and the set of active ranks.
 
 It knows nothing about dispatch or combine; the mode modules (``normal.py``, ``ll.py``) build
 their protocols from three primitives: :meth:`HostComm.signal` (release-store a tagged word
-into a peer's header), :meth:`HostComm.wait` (deadline-bounded wait for tagged words in a
-header) and :meth:`HostComm.peer_heap` (a byte tensor over a peer's heap, written directly:
-the CPU analog of a CUDA IPC pointer).
+into a peer's header), :meth:`HostComm.wait` (deadline-bounded wait for tagged words in this
+rank's own header: peers push, nobody polls remote memory) and :meth:`HostComm.peer_heap` (a
+byte tensor over a peer's heap, written directly: the CPU analog of a CUDA IPC pointer).
+
+Rank health: ``active`` (bool [R]) holds the ranks still taking part. Waits skip inactive
+ranks and the modes send nothing to them. In elastic mode a rank that misses a deadline is
+marked inactive instead of raising, and :meth:`HostComm.agree` makes the survivors leave each
+call with the same mask (one all-to-all round of mask words: the AND of every survivor's
+view, and a survivor silent in that round is dropped too).
 """
 from __future__ import annotations
 
+import logging
 import secrets
 import socket
 import time
@@ -16,18 +24,31 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..wire import MAGIC, PAGE, VERSION, HeaderLayout, MAX_EPOCH, round_up, tag
+from ..wire import (MAGIC, MASK_BITS, PAGE, VERSION, HeaderLayout, MAX_EPOCH, round_up,
+                    tag_value)
 from . import atomics
 from .heap import PageHeap
 from .segment import Segment, reclaim_stale_segments, segment_name
 
 
+log = logging.getLogger("moe_comm")
+
+
+class RankMaskedError(RuntimeError):
+    """This rank was masked out (by ``set_active_ranks`` or by its peers' deadlines)."""
+
+
 class HostComm:
-    def __init__(self, group, heap_bytes: int, ll_bytes: int, timeout_s: float):
+    def __init__(self, group, heap_bytes: int, ll_bytes: int, timeout_s: float,
+                 elastic: bool = False):
         self.group = group
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
         self.timeout_s = float(timeout_s)
+        self.elastic = bool(elastic)
+        self.active = np.ones(self.num_ranks, dtype=bool)
+        self.agree_seq = 0
+        self._deadline = 0.0
         self.layout = HeaderLayout(self.num_ranks)
         self.heap_offset = self.layout.nbytes
         self.heap_bytes = round_up(int(heap_bytes), PAGE)
@@ -80,8 +101,12 @@ class HostComm:
         self.epoch = self.epoch % MAX_EPOCH + 1
         return self.epoch
 
-    def deadline(self) -> float:
-        return time.monotonic() + self.timeout_s
+    def start_call(self) -> None:
+        """Start the deadline of one call (or one half of a low-latency call)."""
+        if not self.active[self.rank]:
+            raise RankMaskedError(f"rank {self.rank} is masked out of this Buffer "
+                                  "(active_ranks[rank] == 0); a new Buffer is needed to rejoin")
+        self._deadline = time.monotonic() + self.timeout_s
 
     def slot(self, rank: int, word: int, n: int = 1) -> np.ndarray:
         """``n`` header words of ``rank``'s segment starting at ``word`` (a live view)."""
@@ -92,8 +117,57 @@ class HostComm:
         vals = np.asarray(values, dtype=np.int64)
         atomics.store_words(self.slot(rank, word, vals.size), (epoch << 32) | vals)
 
-    def wait(self, waits: dict, epoch: int, op: str, deadline: float, on_ready=None):
-        return atomics.wait_words(waits, epoch, deadline, op, self.timeout_s, on_ready)
+    def wait(self, waits: dict, epoch: int, op: str, on_ready=None) -> set:
+        """Wait for the tagged words ``waits`` (rank -> view of *this* rank's header) of the
+        active ranks until the call's deadline. Returns the ranks that missed it (elastic
+        mode: now masked) or raises :class:`CommTimeoutError` naming them."""
+        waits = {r: w for r, w in waits.items() if self.active[r]}
+        silent = atomics.wait_words(waits, epoch, self._deadline, op, self.timeout_s,
+                                    on_ready, raise_on_timeout=not self.elastic)
+        if silent:
+            self.mask(silent, op)
+            # Healthy peers may have been held up by the same silent rank: they get a fresh
+            # deadline for the rest of this call instead of being masked behind it.
+            self._deadline = time.monotonic() + self.timeout_s
+        return silent
+
+    def mask(self, ranks, why: str) -> None:
+        ranks = sorted(r for r in ranks if self.active[r])
+        if ranks:
+            self.active[ranks] = False
+            log.warning("moe_comm rank %d: masking rank(s) %s (%s)", self.rank, ranks, why)
+
+    def agree(self, op: str) -> None:
+        """Elastic mode: leave the call with the same ``active`` mask as every survivor.
+
+        Each active rank pushes its mask into every active peer's MASK row and ANDs what it
+        reads; a rank silent here is masked as well. The round waits up to a full timeout
+        past the call's deadline: a healthy peer may reach it only after timing out on a dead
+        rank itself, and must not be mistaken for dead."""
+        lay, me = self.layout, self.rank
+        self.agree_seq = self.agree_seq % MAX_EPOCH + 1
+        parity = self.agree_seq % 2
+        bits = np.zeros(lay.mask_words * MASK_BITS, dtype=np.int64)
+        bits[:self.num_ranks] = self.active
+        words = (bits.reshape(-1, MASK_BITS) << np.arange(MASK_BITS)).sum(1)
+        peers = np.flatnonzero(self.active).tolist()
+        for p in peers:
+            self.signal(p, lay.mask(parity, me), self.agree_seq, words)
+        self._deadline = max(self._deadline, time.monotonic()) + self.timeout_s
+        waits = {s: self.slot(me, lay.mask(parity, s), lay.mask_words) for s in peers}
+        silent = atomics.wait_words(waits, self.agree_seq, self._deadline, op + "/agree",
+                                    self.timeout_s, raise_on_timeout=False)
+        agreed = self.active.copy()
+        agreed[list(silent)] = False
+        for s in peers:
+            if s not in silent:
+                v = tag_value(waits[s])
+                heard = ((v[:, None] >> np.arange(MASK_BITS)) & 1).reshape(-1)
+                agreed &= heard[:self.num_ranks].astype(bool)
+        self.mask(np.flatnonzero(~agreed & self.active).tolist(), op + ": agreed by survivors")
+        if not self.active[me]:
+            raise RankMaskedError(f"{op}: rank {me} was masked out by its peers (it missed "
+                                  "their deadline); a new Buffer is needed to rejoin")
 
     def peer_heap(self, rank: int) -> torch.Tensor:
         return self._heaps[rank]
@@ -115,7 +189,7 @@ class HostComm:
         """Zero this rank's low-latency region and LL header slots (callers barrier around)."""
         self._ll[self.rank].zero_()
         lay = self.layout
-        self.words[self.rank][lay.ll_dispatch_free(0):lay.num_words] = 0
+        self.words[self.rank][lay.ll_first:lay.num_words] = 0
         self.ll_seq = {"dispatch": 0, "combine": 0}
 
     def poison_free_heap(self, byte: int = 0xFF) -> None:

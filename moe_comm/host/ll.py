@@ -3,18 +3,23 @@ receive blocks, counts travel with the data, send and receive as separate phases
 
 dispatch call s (buffer b = s % 2):
   send    - cast to fp8 once per token (optional); wait until each destination has read its
-            buffer b from call s-2 (LL_DISPATCH_FREE, normally already true); for every local
+            buffer b from call s-2 (its LL_DISPATCH_FREE push, normally already there); for every local
             expert of the destination, write this rank's tokens routed to it as one message per
             (token, expert) into block [expert][me] (index_select into the peer's memory), the
             (token, slot) meta beside them, then release-store the row of counts [me][*].
   receive - wait for every source's count row; pack each expert's rows (source order) into
-            recv_x [E_local, R*max_tokens, H]; publish LL_DISPATCH_FREE[b].
+            recv_x [E_local, R*max_tokens, H]; push LL_DISPATCH_FREE[b][me] to every peer.
 combine call c (buffer b = c % 2):
   send    - wait until the owner has read its buffer b from call c-2; copy this rank's rows
             for the owner, expert by expert, as one contiguous run at the owner's base offset
             (the owner's messages to this rank, in the owner's order); signal
             LL_COMBINE_DONE[b][me].
   receive - wait for every rank's DONE; sum weight(token, slot) * row per token in float32.
+
+Inactive ranks get no messages and are not awaited; a source masked by a receive's deadline
+counts as having sent nothing, and rows from expert ranks masked before a combine receive
+are left out of the sums. In elastic mode each receive half ends with the survivors agreeing
+on the mask (one extra round of signal words).
 """
 from __future__ import annotations
 
@@ -40,18 +45,27 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8).view(torch.int64)
 
 
-def _wait_free(comm, slot_of, seq, op, deadline, on_ready):
-    """Run ``on_ready(rank)`` for every rank once its buffer is free for call ``seq``."""
+def _wait_free(comm, slot_of, seq, op, on_ready):
+    """Run ``on_ready(rank)`` for every active rank once its buffer is free for call ``seq``
+    (it pushed ``slot_of(rank)`` = seq - 2 into this rank's header)."""
+    me = comm.rank
     if seq <= LL_NUM_BUFFERS:
-        for r in range(comm.num_ranks):
+        for r in np.flatnonzero(comm.active).tolist():
             on_ready(r, None)
         return
-    waits = {r: comm.slot(r, slot_of) for r in range(comm.num_ranks)}
-    comm.wait(waits, seq - LL_NUM_BUFFERS, op, deadline, on_ready)
+    waits = {r: comm.slot(me, slot_of(r)) for r in range(comm.num_ranks)}
+    comm.wait(waits, seq - LL_NUM_BUFFERS, op, on_ready)
+
+
+def _publish_free(comm, slot, seq):
+    """Tell every active peer this rank finished reading a buffer for call ``seq``."""
+    for p in np.flatnonzero(comm.active).tolist():
+        comm.signal(p, slot, seq, 0)
 
 
 def dispatch_send(comm, *, x, topk_idx, lay: LLLayout, use_fp8, round_scale, buffer_key):
     """Post this rank's messages. Returns the handle (completed by :func:`dispatch_recv`)."""
+    comm.start_call()
     comm.ll_seq["dispatch"] += 1
     seq = comm.ll_seq["dispatch"]
     buf = seq % LL_NUM_BUFFERS
@@ -97,8 +111,8 @@ def dispatch_send(comm, *, x, topk_idx, lay: LLLayout, use_fp8, round_scale, buf
         comm.ll_signal(dst, count_off, seq,
                        counts_l[dst * num_local:(dst + 1) * num_local] + [bounds[dst]])
 
-    _wait_free(comm, comm.layout.ll_dispatch_free(buf), seq, "low_latency_dispatch/free",
-               comm.deadline(), send)
+    _wait_free(comm, lambda r: comm.layout.ll_dispatch_free(buf, r), seq,
+               "low_latency_dispatch/free", send)
     return LowLatencyHandle(buffer_key, seq, buf, lay.max_tokens, hidden, lay.num_experts,
                             num_tokens, topk_idx.shape[1], send_tok=tok, send_slot=slot)
 
@@ -111,11 +125,15 @@ def dispatch_recv(comm, handle: LowLatencyHandle, lay: LLLayout, *, recv_x, recv
     hidden, M = handle.hidden, lay.max_tokens
     stride = msg_stride(hidden, use_fp8)
     count_off = lay.offset(buf, "counts")
+    comm.start_call()
     waits = {s: comm.ll_slot(me, count_off + s * lay.count_row_words * 8, num_local + 1)
              for s in range(R)}
-    comm.wait(waits, handle.seq, "low_latency_dispatch/recv", comm.deadline())
-    rows_in = torch.from_numpy(np.stack([tag_value(waits[s]) for s in range(R)]).astype(
-        np.int64))
+    comm.wait(waits, handle.seq, "low_latency_dispatch/recv")
+    if comm.elastic:
+        comm.agree("low_latency_dispatch")
+    zeros = np.zeros(num_local + 1, np.int64)        # inactive sources sent nothing
+    rows_in = torch.from_numpy(np.stack([tag_value(waits[s]) if comm.active[s] else zeros
+                                         for s in range(R)]).astype(np.int64))
     counts, return_base = rows_in[:, :num_local], rows_in[:, num_local]   # [src, le], [src]
     region = comm.peer_ll(me)
     payload, meta_off = lay.offset(buf, "payload"), lay.offset(buf, "meta")
@@ -146,11 +164,12 @@ def dispatch_recv(comm, handle: LowLatencyHandle, lay: LLLayout, *, recv_x, recv
         stats += per_expert.to(stats.dtype)
     handle.recv_meta, handle.recv_ranges, handle.received = recv_meta, ranges, True
     handle.return_base = return_base
-    comm.signal(me, comm.layout.ll_dispatch_free(buf), handle.seq, 0)
+    _publish_free(comm, comm.layout.ll_dispatch_free(buf, me), handle.seq)
 
 
 def combine_send(comm, *, x, handle: LowLatencyHandle, lay: LLLayout):
     """Send every packed row back to its (token, slot) in the owner's combine region."""
+    comm.start_call()
     comm.ll_seq["combine"] += 1
     seq = comm.ll_seq["combine"]
     buf = seq % LL_NUM_BUFFERS
@@ -173,16 +192,19 @@ def combine_send(comm, *, x, handle: LowLatencyHandle, lay: LLLayout):
             torch.cat(blocks, out=dst)
         comm.signal(owner, comm.layout.ll_combine_done(buf, me), seq, n)
 
-    _wait_free(comm, comm.layout.ll_combine_free(buf), seq, "low_latency_combine/free",
-               comm.deadline(), send)
+    _wait_free(comm, lambda r: comm.layout.ll_combine_free(buf, r), seq,
+               "low_latency_combine/free", send)
     return seq, buf
 
 
 def combine_recv(comm, seq, buf, lay: LLLayout, *, handle, topk_idx, topk_weights, out):
     """Wait for every rank's rows; ``out`` [T, H] = sum_k w[t, k] * row(t, k) (float32)."""
     me, R = comm.rank, comm.num_ranks
+    comm.start_call()
     waits = {s: comm.slot(me, comm.layout.ll_combine_done(buf, s)) for s in range(R)}
-    comm.wait(waits, seq, "low_latency_combine/recv", comm.deadline())
+    comm.wait(waits, seq, "low_latency_combine/recv")
+    if comm.elastic:
+        comm.agree("low_latency_combine")
     num_tokens, topk = topk_idx.shape
     hidden = out.shape[1]
     comb_off = lay.offset(buf, "combine")
@@ -190,11 +212,15 @@ def combine_recv(comm, seq, buf, lay: LLLayout, *, handle, topk_idx, topk_weight
     n = tok.numel()
     rows = comm.peer_ll(me)[comb_off:comb_off + n * hidden * 2].view(torch.bfloat16).view(
         n, hidden)
+    if not comm.active.all():       # rows of inactive expert ranks never came (or are void)
+        keep = torch.from_numpy(comm.active)[topk_idx[tok, slot] // lay.num_local]
+        tok, slot, rows = tok[keep], slot[keep], rows[keep]
+        n = tok.numel()
     w = topk_weights[tok, slot].unsqueeze(1)
     acc = torch.zeros(num_tokens, hidden, dtype=torch.float32)
     for m0 in range(0, n, COMBINE_CHUNK_ROWS):
         m1 = min(m0 + COMBINE_CHUNK_ROWS, n)
         acc.index_add_(0, tok[m0:m1], rows[m0:m1].float().mul_(w[m0:m1]))
     out.copy_(acc)
-    comm.signal(me, comm.layout.ll_combine_free(buf), seq, 0)
+    _publish_free(comm, comm.layout.ll_combine_free(buf, me), seq)
     return out

@@ -5,7 +5,8 @@ dispatch, one epoch:
                NOTIFY slot; after waiting for all rows every rank knows the R x R matrix.
                (Skipped when a cached handle already holds the matrix.)
   2. grant   - each receiver allocates one region of its heap for exactly the rows it will
-               receive and publishes its page in GRANT. Every rank also checks, from the
+               receive and pushes its page into each sender's GRANT slot. Every rank also
+               checks, from the
                matrix, that no receiver needs more than a heap can hold, so an impossible
                call fails on every rank alike before a payload byte moves.
   3. payload - each sender, as soon as a receiver's grant is visible, writes its tokens
@@ -16,6 +17,12 @@ dispatch, one epoch:
                the caller drops the tensors.
 combine reverses the flow: the token owner grants a staging region, expert ranks write their
 rows back into it, the owner sums them per token in float32.
+
+Inactive ranks (``comm.active``) take no part: they get no rows, none are awaited from them,
+and their rows and columns of the count matrix are zero. In elastic mode a rank that misses a
+deadline becomes inactive mid-call; the survivors agree on the mask (after notify, so their
+count matrices match before any offset is computed, and at the end of the call) and drop
+whatever the newly masked ranks sent, so the result equals the reference over the survivors.
 """
 from __future__ import annotations
 
@@ -39,35 +46,41 @@ def _check_capacity(comm, what: str, layouts) -> None:
         raise BufferTooSmallError(what, need, comm.heap.capacity)
 
 
-def exchange_counts(comm, epoch: int, row: np.ndarray, deadline: float) -> np.ndarray:
-    """Notify phase: returns the R x R matrix, ``m[s, d]`` = tokens s sends to d."""
+def exchange_counts(comm, epoch: int, row: np.ndarray) -> np.ndarray:
+    """Notify phase: returns the R x R matrix, ``m[s, d]`` = tokens s sends to d (zero rows
+    for inactive ranks)."""
     lay, me, R = comm.layout, comm.rank, comm.num_ranks
     parity = comm.notify_seq % 2
     comm.notify_seq += 1
-    for p in range(R):
+    for p in np.flatnonzero(comm.active):
         comm.signal(p, lay.notify(parity, me), epoch, row)
     waits = {s: comm.slot(me, lay.notify(parity, s), R) for s in range(R)}
-    comm.wait(waits, epoch, "dispatch/notify", deadline)
-    return np.stack([tag_value(waits[s]) for s in range(R)]).astype(np.int64)
+    comm.wait(waits, epoch, "dispatch/notify")
+    return np.stack([tag_value(waits[s]) if comm.active[s] else np.zeros(R, np.int64)
+                     for s in range(R)]).astype(np.int64)
 
 
-def _grant(comm, epoch: int, nbytes: int, what: str):
-    """Allocate this rank's receive region and publish it. Returns (page, error)."""
-    page = comm.heap.alloc(max(1, -(-nbytes // PAGE)))
-    if page is None:
-        error = BufferTooSmallError(
-            what + f" (while {comm.heap.bytes_in_use} bytes are held by received tensors "
-            "still alive)", nbytes + comm.heap.bytes_in_use, comm.heap.capacity)
-    else:
-        error = None
-    comm.signal(comm.rank, comm.layout.grant, epoch, GRANT_FAILED if page is None else page)
+def _grant(comm, epoch: int, nbytes: int, what: str, senders, refuse=None):
+    """Allocate this rank's receive region and push its page to every sender.
+    Returns (page, error); ``refuse`` (an error) grants nothing and answers GRANT_FAILED."""
+    page, error = None, refuse
+    if refuse is None:
+        page = comm.heap.alloc(max(1, -(-nbytes // PAGE)))
+        if page is None:
+            error = BufferTooSmallError(
+                what + f" (while {comm.heap.bytes_in_use} bytes are held by received tensors "
+                "still alive)", nbytes + comm.heap.bytes_in_use, comm.heap.capacity)
+    for s in senders:
+        comm.signal(s, comm.layout.grant(comm.rank), epoch,
+                    GRANT_FAILED if page is None else page)
     return page, error
 
 
-def _send_when_granted(comm, epoch, dests, write, op, deadline):
+def _send_when_granted(comm, epoch, dests, write, op):
     """Wait for each destination's grant and call ``write(dst, page)``; returns the ranks
     whose grant said they could not allocate."""
     failed = []
+    me = comm.rank
 
     def on_ready(dst, words):
         page = int(tag_value(words[0]))
@@ -75,19 +88,20 @@ def _send_when_granted(comm, epoch, dests, write, op, deadline):
             failed.append(dst)
             return
         write(dst, page)
-        comm.signal(dst, comm.layout.done(comm.rank), epoch, 1)
+        comm.signal(dst, comm.layout.done(me), epoch, 1)
 
-    comm.wait({d: comm.slot(d, comm.layout.grant) for d in dests}, epoch, op, deadline,
-              on_ready)
+    comm.wait({d: comm.slot(me, comm.layout.grant(d)) for d in dests}, epoch, op, on_ready)
     return failed
 
 
-def _wait_done(comm, epoch, sources, op, deadline):
-    comm.wait({s: comm.slot(comm.rank, comm.layout.done(s)) for s in sources}, epoch, op,
-              deadline)
+def _wait_done(comm, epoch, sources, op):
+    comm.wait({s: comm.slot(comm.rank, comm.layout.done(s)) for s in sources}, epoch, op)
 
 
-def _raise_failures(own_error, failed, op):
+def _finish(comm, op, own_error, failed):
+    """End of a call's exchange: agree on the mask (elastic), then raise what went wrong."""
+    if comm.elastic:
+        comm.agree(op)
     if own_error is not None:
         raise own_error
     if failed:
@@ -101,14 +115,19 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, is
 
     Returns ``(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, handle)``."""
     me, R = comm.rank, comm.num_ranks
-    epoch, deadline = comm.next_epoch(), comm.deadline()
+    epoch = comm.next_epoch()
+    comm.start_call()
     num_tokens, row_bytes = x_bytes.shape
     if handle is None:
-        matrix = exchange_counts(comm, epoch, num_tokens_per_rank.numpy().astype(np.int64),
-                                 deadline)
+        row = num_tokens_per_rank.numpy().astype(np.int64)
+        row[~comm.active] = 0
+        matrix = exchange_counts(comm, epoch, row)
+        if comm.elastic:
+            comm.agree("dispatch/notify")
         send_ids = [is_token_in_rank[:, d].nonzero().flatten() for d in range(R)]
         handle = DispatchHandle(buffer_key, num_tokens, hidden, matrix, is_token_in_rank,
                                 send_ids, int(matrix[:, me].sum()), num_worst_tokens)
+    handle = handle.without_inactive(comm.active, me)
     matrix, send_ids = handle.count_matrix, handle.send_token_ids
     scale_cols = 0 if scales is None else scales.shape[1]
     topk = 0 if topk_idx is None else topk_idx.shape[1]
@@ -120,13 +139,12 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, is
     _check_capacity(comm, "dispatch", [slab(d) for d in range(R)])
     mine = slab(me)
     num_recv = int(recv_rows[me])
+    refuse = None
     if num_worst_tokens and num_recv > num_worst_tokens:
-        own_error = ValueError(f"num_worst_tokens={num_worst_tokens} is smaller than the "
-                               f"{num_recv} tokens rank {me} receives")
-        page = None
-        comm.signal(me, comm.layout.grant, epoch, GRANT_FAILED)
-    else:
-        page, own_error = _grant(comm, epoch, mine.nbytes, "dispatch")
+        refuse = ValueError(f"num_worst_tokens={num_worst_tokens} is smaller than the "
+                            f"{num_recv} tokens rank {me} receives")
+    sources = [s for s in range(R) if matrix[s, me] > 0]
+    page, own_error = _grant(comm, epoch, mine.nbytes, "dispatch", sources, refuse)
 
     num_local = num_experts // R if topk else 0
 
@@ -152,11 +170,15 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, is
             w.copy_(lw) if lw is not None else w.zero_()
 
     dests = [d for d in _rotation(me, R) if matrix[me, d] > 0]
-    failed = _send_when_granted(comm, epoch, dests, write, "dispatch/grant", deadline)
+    failed = _send_when_granted(comm, epoch, dests, write, "dispatch/grant")
     if page is not None:
-        _wait_done(comm, epoch, [s for s in range(R) if matrix[s, me] > 0],
-                   "dispatch/payload", deadline)
-    _raise_failures(own_error, failed, "dispatch")
+        _wait_done(comm, epoch, sources, "dispatch/payload")
+    try:
+        _finish(comm, "dispatch", own_error, failed)
+    except BaseException:
+        if page is not None:
+            comm.heap.free(page)
+        raise
 
     region = comm.heap.tensor_owning(page, mine.nbytes)
     offs, rows_out = mine.offsets, mine.rows
@@ -165,11 +187,21 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, is
         return region[offs[sub]:offs[sub] + rows_out * width * elem].view(dt).view(rows_out,
                                                                                    width)
 
-    recv_x = out(0, row_bytes, 1, torch.uint8).view(dtype)
-    recv_scales = out(1, scale_cols, 4, torch.float32) if scales is not None else None
-    recv_idx = out(2, topk, 8, torch.int64) if topk else None
-    recv_w = out(3, topk, 4, torch.float32) if topk else None
-    if rows_out > num_recv:                      # num_worst_tokens padding rows
+    recv = [out(0, row_bytes, 1, torch.uint8),
+            out(1, scale_cols, 4, torch.float32) if scales is not None else None,
+            out(2, topk, 8, torch.int64) if topk else None,
+            out(3, topk, 4, torch.float32) if topk else None]
+    survivors = handle.without_inactive(comm.active, me)
+    if survivors is not handle:       # ranks masked during the payload: drop what they sent
+        keep = _rows_of(matrix[:, me], comm.active)
+        recv = [None if t is None else t[keep] for t in recv]
+        if num_worst_tokens:
+            recv = [None if t is None else torch.cat([t, t.new_empty(
+                num_worst_tokens - t.shape[0], t.shape[1])]) for t in recv]
+        handle, num_recv = survivors, survivors.num_recv_tokens
+    recv_x, recv_scales, recv_idx, recv_w = recv
+    recv_x = recv_x.view(dtype)
+    if recv_x.shape[0] > num_recv:                  # num_worst_tokens padding rows
         recv_x[num_recv:].view(torch.uint8).zero_()
         if recv_idx is not None:
             recv_idx[num_recv:] = -1
@@ -177,11 +209,20 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, is
     return recv_x, recv_scales, recv_idx, recv_w, handle
 
 
+def _rows_of(counts: np.ndarray, active: np.ndarray) -> torch.Tensor:
+    """Indices of the rows (grouped by source, ``counts[s]`` each) of active sources."""
+    bounds = np.concatenate([[0], np.cumsum(counts)])
+    return torch.cat([torch.arange(int(bounds[s]), int(bounds[s + 1]))
+                      for s in range(len(counts)) if active[s]] + [torch.zeros(0, dtype=torch.long)])
+
+
 def combine(comm, *, x, handle, topk_weights, bias):
     """Run one normal combine. ``x`` [rows, H] holds this rank's expert outputs in received
-    order. Returns ``(combined_x [T, H], combined_topk_weights or None)``."""
+    order. Returns ``(combined_x [T, H], combined_topk_weights or None)``; rows of ranks that
+    are (or become) inactive are left out of the sums."""
     me, R = comm.rank, comm.num_ranks
-    epoch, deadline = comm.next_epoch(), comm.deadline()
+    epoch = comm.next_epoch()
+    comm.start_call()
     matrix, send_ids = handle.count_matrix, handle.send_token_ids
     hidden, dtype = x.shape[1], x.dtype
     x_bytes = x.view(torch.uint8)
@@ -194,7 +235,8 @@ def combine(comm, *, x, handle, topk_weights, bias):
 
     _check_capacity(comm, "combine", [slab(r) for r in range(R)])
     mine = slab(me)
-    page, own_error = _grant(comm, epoch, mine.nbytes, "combine")
+    experts = [d for d in range(R) if matrix[me, d] > 0 and comm.active[d]]
+    page, own_error = _grant(comm, epoch, mine.nbytes, "combine", experts)
 
     def write(owner, owner_page):
         c = int(matrix[owner, me])
@@ -208,30 +250,32 @@ def combine(comm, *, x, handle, topk_weights, bias):
             heap[base + o[3] + row0 * topk * 4:base + o[3] + (row0 + c) * topk * 4].view(
                 torch.float32).view(c, topk).copy_(topk_weights[src0:src0 + c])
 
-    owners = [s for s in _rotation(me, R) if matrix[s, me] > 0]
-    failed = _send_when_granted(comm, epoch, owners, write, "combine/grant", deadline)
-    if page is not None:
-        try:
-            _wait_done(comm, epoch, [d for d in range(R) if matrix[me, d] > 0],
-                       "combine/payload", deadline)
-        except BaseException:
+    owners = [s for s in _rotation(me, R) if matrix[s, me] > 0 and comm.active[s]]
+    failed = _send_when_granted(comm, epoch, owners, write, "combine/grant")
+    try:
+        if page is not None:
+            _wait_done(comm, epoch, experts, "combine/payload")
+        _finish(comm, "combine", own_error, failed)
+    except BaseException:
+        if page is not None:
             comm.heap.free(page)
-            raise
-    _raise_failures(own_error, failed, "combine")
+        raise
 
     try:
         staging = torch.from_numpy(comm.heap.view(page, mine.nbytes))
         o, n = mine.offsets, mine.rows
         rows = staging[o[0]:o[0] + n * row_bytes].view(dtype).view(n, hidden)
         bounds = np.concatenate([[0], np.cumsum(matrix[me])])
-        segments = [rows[bounds[d]:bounds[d + 1]] for d in range(R)]
-        out = sum_rows_per_token(segments, send_ids, handle.num_tokens, dtype, bias)
+        live = [d for d in range(R) if comm.active[d]]
+        segments = [rows[bounds[d]:bounds[d + 1]] for d in live]
+        ids = [send_ids[d] for d in live]
+        out = sum_rows_per_token(segments, ids, handle.num_tokens, dtype, bias)
         combined_w = None
         if topk:
-            token_ids = torch.cat(send_ids)
             w = staging[o[3]:o[3] + n * topk * 4].view(torch.float32).view(n, topk)
+            keep = _rows_of(matrix[me], comm.active)
             combined_w = torch.zeros(handle.num_tokens, topk, dtype=torch.float32)
-            combined_w.index_add_(0, token_ids, w)
+            combined_w.index_add_(0, torch.cat(send_ids)[keep], w[keep])
     finally:
         comm.heap.free(page)
     return out, combined_w
