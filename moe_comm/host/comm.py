@@ -33,6 +33,8 @@ from .segment import Segment, reclaim_stale_segments, segment_name
 
 log = logging.getLogger("moe_comm")
 
+AGREE_GRACE_S = 1.0   # how long past its deadline a call waits for survivors' masks
+
 
 class RankMaskedError(RuntimeError):
     """This rank was masked out (by ``set_active_ranks`` or by its peers' deadlines)."""
@@ -141,9 +143,14 @@ class HostComm:
         """Elastic mode: leave the call with the same ``active`` mask as every survivor.
 
         Each active rank pushes its mask into every active peer's MASK row and ANDs what it
-        reads; a rank silent here is masked as well. The round waits up to a full timeout
-        past the call's deadline: a healthy peer may reach it only after timing out on a dead
-        rank itself, and must not be mistaken for dead."""
+        reads; a rank silent here is masked as well. The round waits ``AGREE_GRACE_S`` (at
+        most one timeout) past the call's deadline: a healthy peer may reach it only after
+        timing out on a dead rank itself, and must not be mistaken for dead; the grace stays
+        short so survivors still return soon after the deadline.
+
+        One round makes the survivors agree when ranks fail outright (crash, kill, lost
+        host). A rank that is alive but later than the deadline plus the grace may be masked
+        by some survivors and not by others, as with any timeout-based failure detector."""
         lay, me = self.layout, self.rank
         self.agree_seq = self.agree_seq % MAX_EPOCH + 1
         parity = self.agree_seq % 2
@@ -153,7 +160,8 @@ class HostComm:
         peers = np.flatnonzero(self.active).tolist()
         for p in peers:
             self.signal(p, lay.mask(parity, me), self.agree_seq, words)
-        self._deadline = max(self._deadline, time.monotonic()) + self.timeout_s
+        self._deadline = max(self._deadline, time.monotonic()) + min(self.timeout_s,
+                                                                     AGREE_GRACE_S)
         waits = {s: self.slot(me, lay.mask(parity, s), lay.mask_words) for s in peers}
         silent = atomics.wait_words(waits, self.agree_seq, self._deadline, op + "/agree",
                                     self.timeout_s, raise_on_timeout=False)

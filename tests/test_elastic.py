@@ -1,0 +1,260 @@
+"""Elastic mode: a rank killed with SIGKILL mid-step is masked, the survivors finish every call
+within the deadline, agree on the mask, and their results equal the reference over the healthy
+ranks; the next step, with experts re-placed over the survivors, serves every token again.
+
+Experts are identities scaled by the routing weight, so a token's combined output is
+``x * (sum of the weights of its slots that were served)``: exact expectations for "what the
+healthy ranks sent", and for "every expert served" after re-placement.
+"""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import moe_comm
+from moe_comm import eplb
+from moe_comm.launch import run_ranks
+
+R, VICTIM = 4, 2
+LOGICAL, SLOTS_PER_RANK, TOPK, HIDDEN, MAX_TOKENS = 8, 4, 3, 128, 24
+TIMEOUT = 1.5
+
+
+def _inputs(rank, seed=0):
+    gen = torch.Generator().manual_seed(100 * seed + rank)
+    t = [17, 5, 24, 0][rank % 4]                # ragged, and a rank with no tokens
+    x = torch.randn(t, HIDDEN, generator=gen).bfloat16()
+    idx = torch.stack([torch.randperm(LOGICAL, generator=gen)[:TOPK] for _ in range(t)]) \
+        if t else torch.empty(0, TOPK, dtype=torch.int64)
+    if t:
+        idx[torch.rand(idx.shape, generator=gen) < 0.2] = -1       # unused slots
+    w = torch.rand(t, TOPK, generator=gen)
+    return x, idx, w
+
+
+def _slots(buf_or_n):
+    n = buf_or_n if isinstance(buf_or_n, int) else buf_or_n.group_size
+    return SLOTS_PER_RANK * n
+
+
+def _placement(n, active=None):
+    load = torch.ones(1, LOGICAL)
+    _, log2phy, logcnt = eplb.rebalance_experts(load, _slots(n), 1, 1, n, active_ranks=active)
+    return log2phy[0], logcnt[0]
+
+
+def _route(idx, w, n, active=None):
+    log2phy, logcnt = _placement(n, active)
+    phy_active = None if active is None else eplb.active_slot_mask(active, _slots(n))
+    return eplb.map_logical_to_physical(idx, log2phy, logcnt, phy_active=phy_active,
+                                        topk_weights=w)
+
+
+def _normal_step(buf, x, phy, w, kill_between=False):
+    """dispatch -> identity experts weighted by the routing weights -> combine."""
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(phy, _slots(buf))
+    rx, ri, rw, _, handle, _ = buf.dispatch(x, topk_idx=phy, topk_weights=w,
+                                            num_tokens_per_rank=per_rank,
+                                            is_token_in_rank=in_rank,
+                                            num_tokens_per_expert=per_expert)
+    if kill_between:
+        os.kill(os.getpid(), signal.SIGKILL)
+    y = (rx.float() * torch.where(ri >= 0, rw, 0).sum(1, keepdim=True)).bfloat16()
+    t0 = time.monotonic()
+    out, _, _ = buf.combine(y, handle)
+    return rx, out, time.monotonic() - t0
+
+
+def _ll_step(buf, x, phy, w, kill_in_hook=False):
+    """low-latency dispatch with a receive hook -> identity experts -> weighted combine."""
+    rx, count, handle, _, hook = buf.low_latency_dispatch(
+        x, phy, MAX_TOKENS, _slots(buf), use_fp8=False, return_recv_hook=True)
+    if kill_in_hook:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    hook()
+    out, _, _ = buf.low_latency_combine(rx, phy, w, handle)
+    return count.clone(), out, time.monotonic() - t0
+
+
+def _worker(rank, n, point, timeout_s):
+    buf = moe_comm.Buffer(None, 64 << 20, moe_comm.Buffer.get_low_latency_rdma_size_hint(
+        MAX_TOKENS, HIDDEN, n, _slots(n)), low_latency_mode=True, timeout_s=timeout_s,
+        elastic=True)
+    x, idx, w = _inputs(rank)
+    phy, pw = _route(idx, w, n)
+    victim = rank == VICTIM % n
+    if point == "before_dispatch" and victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    if point == "ll_hook":
+        count, out, _ = _ll_step(buf, x, phy, pw, kill_in_hook=victim)
+        first = {"count": count}
+    else:
+        rx, out, _ = _normal_step(buf, x, phy, pw, kill_between=victim and point == "between")
+        first = {"rx": rx}
+    first.update(out=out, elapsed=time.monotonic() - t0)
+    mask = buf.active_ranks
+    # the next step: experts re-placed over the survivors, ids remapped
+    phy2, w2 = _route(idx, w, n, active=mask)
+    step = _ll_step if point == "ll_hook" else _normal_step
+    second = step(buf, x, phy2, w2)
+    arg = torch.ones(n, dtype=torch.int32)
+    buf.get_dispatch_layout(phy2, _slots(n), active_ranks=arg)      # Mooncake-style argument
+    buf.destroy()
+    return {"mask": mask, "first": first, "second_out": second[1], "phy": phy, "arg": arg}
+
+
+def _served_sum(x, phy, w, n, active):
+    """x * the total weight of the slots whose expert lives on an active rank (bf16 path)."""
+    owner = phy.clamp(min=0) // SLOTS_PER_RANK
+    served = (phy >= 0) & active.bool()[owner]
+    return (x.float() * torch.where(served, w, 0).sum(1, keepdim=True))
+
+
+def _check_run(results, n, point):
+    survivors = [r for r in range(n) if r != VICTIM % n]
+    mask = torch.ones(n, dtype=torch.int32)
+    mask[VICTIM % n] = 0
+    for r in survivors:
+        got = results[r]
+        assert torch.equal(got["mask"], mask), (point, r, got["mask"])
+        assert torch.equal(got["arg"], mask), (point, r, "active_ranks argument")
+        assert got["first"]["elapsed"] < TIMEOUT + 2.0, (point, r, got["first"]["elapsed"])
+        x, idx, w = _inputs(r)
+        # step 1: what the healthy ranks served (identity experts, bf16 rows)
+        want = _served_sum(x, got["phy"], _route(idx, w, n)[1], n, mask)
+        torch.testing.assert_close(got["first"]["out"].float(), want, rtol=2e-2, atol=2e-2)
+        # step 2: every expert of every token served again
+        full = x.float() * torch.where(idx >= 0, w, 0).sum(1, keepdim=True)
+        torch.testing.assert_close(got["second_out"].float(), full, rtol=2e-2, atol=2e-2)
+
+
+def _check_dispatch_rows(results, n, point):
+    """Normal-mode recv_x equals the reference over the ranks alive during the dispatch."""
+    alive = [r for r in range(n) if not (point == "before_dispatch" and r == VICTIM % n)]
+    xs, ids = [], []
+    for r in range(n):
+        x, idx, w = _inputs(r)
+        phy, _ = _route(idx, w, n)
+        if r not in alive:
+            x, phy = x[:0], phy[:0]
+        elif len(alive) < n:
+            phy = torch.where(phy // SLOTS_PER_RANK == VICTIM % n, -1, phy)
+        xs.append(x)
+        ids.append(phy)
+    ref = moe_comm.reference_dispatch(xs, ids, _slots(n))
+    for r in alive:
+        if r == VICTIM % n:
+            continue
+        assert torch.equal(results[r]["first"]["rx"], ref[r]["recv_x"]), (point, r)
+
+
+@pytest.mark.parametrize("point", ["before_dispatch", "between", "ll_hook"])
+def test_survivors_mask_the_killed_rank_and_finish(point):
+    results = run_ranks(_worker, R, point, TIMEOUT, timeout=60, expect_exit=(VICTIM,))
+    _check_run(results, R, point)
+    if point != "ll_hook":
+        _check_dispatch_rows(results, R, point)
+
+
+def test_without_elastic_a_dead_rank_raises_naming_it():
+    def worker(rank, n):
+        buf = moe_comm.Buffer(None, 16 << 20, timeout_s=1.0)
+        x, idx, w = _inputs(rank)
+        phy, pw = _route(idx, w, n)
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            _normal_step(buf, x, phy, pw)
+        except moe_comm.CommTimeoutError as e:
+            return sorted(e.silent_ranks)
+        return None
+
+    results = run_ranks(worker, 3, timeout=60, expect_exit=(1,))
+    assert results[0] == [1] and results[2] == [1]
+
+
+def test_set_active_ranks_excludes_a_rank_without_waiting():
+    """A controller masks rank 3 on every rank; rank 3 stays away. No deadline is spent."""
+    def worker(rank, n):
+        buf = moe_comm.Buffer(None, 16 << 20, timeout_s=30.0)
+        gone = torch.tensor([1, 1, 1, 0])
+        buf.set_active_ranks(gone)
+        x, idx, w = _inputs(rank)
+        phy, pw = _route(idx, w, n, active=gone)
+        if rank == 3:
+            try:
+                _normal_step(buf, x, phy, pw)
+            except RuntimeError as e:
+                return str(e)
+        t0 = time.monotonic()
+        _, out, _ = _normal_step(buf, x, phy, pw)
+        return out, time.monotonic() - t0
+
+    results = run_ranks(worker, 4, timeout=60)
+    assert "masked out" in results[3]
+    for r in range(3):
+        x, idx, w = _inputs(r)
+        full = x.float() * torch.where(idx >= 0, w, 0).sum(1, keepdim=True)
+        torch.testing.assert_close(results[r][0].float(), full, rtol=2e-2, atol=2e-2)
+        assert results[r][1] < 10.0
+
+
+def test_bad_active_ranks_is_refused_before_anything_moves():
+    def worker(rank, n):
+        buf = moe_comm.Buffer(None, 16 << 20, timeout_s=10.0, elastic=True)
+        errors = []
+        for bad in (torch.ones(n + 1, dtype=torch.int32), torch.ones(n), [[1, 1]]):
+            try:
+                buf.set_active_ranks(bad)
+            except ValueError as e:
+                errors.append(str(e))
+        x, idx, w = _inputs(rank)
+        phy, pw = _route(idx, w, n)
+        try:
+            buf.get_dispatch_layout(phy, _slots(n), active_ranks=torch.ones(n))
+        except ValueError as e:
+            errors.append(str(e))
+        _, out, _ = _normal_step(buf, x, phy, pw)            # still usable, all ranks active
+        return errors, buf.active_ranks, out
+
+    results = run_ranks(worker, 2, timeout=60)
+    for r, (errors, mask, out) in enumerate(results):
+        assert len(errors) == 4 and all("active_ranks" in e or "mask" in e for e in errors)
+        assert mask.tolist() == [1, 1]
+
+
+def _trial_plan(seed, n):
+    rng = random.Random(seed)
+    return rng.choice(["before_dispatch", "between", "ll_hook"]), rng.randrange(n)
+
+
+def _trial_worker(rank, n, seed):
+    point, victim = _trial_plan(seed, n)
+    buf = moe_comm.Buffer(None, 16 << 20, moe_comm.Buffer.get_low_latency_rdma_size_hint(
+        MAX_TOKENS, HIDDEN, n, _slots(n)), low_latency_mode=True, timeout_s=1.0, elastic=True)
+    x, idx, w = _inputs(rank, seed)
+    phy, pw = _route(idx, w, n)
+    if point == "before_dispatch" and rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if point == "ll_hook":
+        _ll_step(buf, x, phy, pw, kill_in_hook=rank == victim)
+    else:
+        _normal_step(buf, x, phy, pw, kill_between=point == "between" and rank == victim)
+    return buf.active_ranks
+
+
+def test_twenty_kill_trials_never_hang():
+    for seed in range(20):
+        _, v = _trial_plan(seed, 3)
+        results = run_ranks(_trial_worker, 3, seed, timeout=30, expect_exit=(v,))
+        masks = [results[r] for r in range(3) if r != v]
+        assert all(torch.equal(m, masks[0]) for m in masks), (seed, masks)
+        assert masks[0][v] == 0 and int(masks[0].sum()) == 2, (seed, masks)
