@@ -48,6 +48,10 @@ class Buffer:
             healthy contributions). The survivors end every call with the same mask, at the
             cost of one extra round of signal words per call (two for a dispatch with
             notify). Every rank must issue calls (and receive hooks) in the same order.
+        transport: how ranks on other hosts (machines or network namespaces) are reached:
+            "auto" (the ``MOE_COMM_TRANSPORT`` environment variable, else verbs where every
+            rank has an RDMA device, else TCP), "verbs" or "tcp"; the host proxy of
+            moe_comm/transport. Ranks on this host always share memory directly.
 
     Every call also takes ``active_ranks=``: an int32 [R] tensor (1 = active) that is read
     (ranks it marks 0 are masked first) and updated in place with the mask after the call,
@@ -60,7 +64,7 @@ class Buffer:
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  explicitly_destroy: bool = False, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 elastic: bool = False):
+                 elastic: bool = False, transport: str = "auto"):
         for name, v in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {v!r}")
@@ -79,7 +83,7 @@ class Buffer:
         self.explicitly_destroy = explicitly_destroy
         self.elastic = bool(elastic)
         self._comm = HostComm(self.group, self.num_nvl_bytes, num_rdma_bytes, self.timeout_s,
-                              elastic=self.elastic)
+                              elastic=self.elastic, transport=transport)
         self._key = (id(self), self._comm.job)
         # per LL kind, the receive hook still pending on each of the two buffers
         self._ll_pending = {"dispatch": [None] * LL_NUM_BUFFERS,

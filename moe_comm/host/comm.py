@@ -7,6 +7,13 @@ into a peer's header), :meth:`HostComm.wait` (deadline-bounded wait for tagged w
 rank's own header: peers push, nobody polls remote memory) and :meth:`HostComm.peer_heap` (a
 byte tensor over a peer's heap, written directly: the CPU analog of a CUDA IPC pointer).
 
+Ranks on other hosts (another machine, or another network namespace) cannot be mapped: their
+``peer_heap``/``peer_ll`` is a local staging mirror of their segment, and the mode modules
+call :meth:`HostComm.commit` for each range they wrote, which a transport
+(``moe_comm.transport``: host proxy over TCP or verbs) puts into the peer's segment; signals
+to them travel on the same ordered channel, after the data. For ranks on this host
+``commit`` does nothing: the writes already landed.
+
 Rank health: ``active`` (bool [R]) holds the ranks still taking part. Waits skip inactive
 ranks and the modes send nothing to them. In elastic mode a rank that misses a deadline is
 marked inactive instead of raising, and :meth:`HostComm.agree` makes the survivors leave each
@@ -16,6 +23,7 @@ view, and a survivor silent in that round is dropped too).
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import socket
 import time
@@ -40,9 +48,20 @@ class RankMaskedError(RuntimeError):
     """This rank was masked out (by ``set_active_ranks`` or by its peers' deadlines)."""
 
 
+def host_identity() -> str:
+    """Ranks with the same identity share /dev/shm and map each other's segments: the host
+    name plus the network namespace (ranks in different namespaces talk over the network,
+    even on one machine, as on separate hosts)."""
+    try:
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        netns = 0
+    return f"{socket.gethostname()}/{netns}"
+
+
 class HostComm:
     def __init__(self, group, heap_bytes: int, ll_bytes: int, timeout_s: float,
-                 elastic: bool = False):
+                 elastic: bool = False, transport: str = "auto"):
         self.group = group
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
@@ -61,16 +80,14 @@ class HostComm:
         self.notify_seq = 0
         self.segments = []
         self._own = None
+        self.transport = None
 
         reclaim_stale_segments()
-        # Agree on a job id, check all ranks are on this host and sized alike.
-        info = (socket.gethostname(), size, secrets.token_hex(8))
+        # Agree on a job id, find which ranks share this host, check segments are sized alike.
+        info = (host_identity(), size, secrets.token_hex(8))
         infos = [None] * self.num_ranks
         dist.all_gather_object(infos, info, group=group)
-        hosts = {i[0] for i in infos}
-        if len(hosts) != 1:
-            raise ValueError(f"the host backend needs every rank of `group` on one machine, "
-                             f"got hosts {sorted(hosts)}")
+        self.remote_ranks = [r for r in range(self.num_ranks) if infos[r][0] != info[0]]
         if len({i[1] for i in infos}) != 1:
             raise ValueError("num_nvl_bytes/num_rdma_bytes/num_experts must be equal on every "
                              f"rank; segment sizes differ: {[i[1] for i in infos]}")
@@ -81,20 +98,29 @@ class HostComm:
         words[:4] = (MAGIC, VERSION, self.num_ranks, self.heap_offset)
         names = [None] * self.num_ranks
         dist.all_gather_object(names, self._own.name, group=group)
+        remote = set(self.remote_ranks)
         try:
             for r, name in enumerate(names):
-                self.segments.append(self._own if r == self.rank else Segment.open(name))
+                self.segments.append(self._own if r == self.rank else None if r in remote
+                                     else Segment.open(name))
             dist.barrier(group=group)
         finally:
             self._own.unlink()          # mapped by all: the name is no longer needed
-        self.words = [s.bytes[:self.layout.nbytes].view(np.int64) for s in self.segments]
+        # a remote rank's memory here is a staging mirror: written, then committed (put)
+        mem = [np.empty(size, np.uint8) if s is None else s.bytes for s in self.segments]
+        self.words = [None if r in remote else m[:self.layout.nbytes].view(np.int64)
+                      for r, m in enumerate(mem)]
         for r, w in enumerate(self.words):
-            if w[0] != MAGIC or w[1] != VERSION or w[2] != self.num_ranks:
+            if w is not None and (w[0] != MAGIC or w[1] != VERSION or w[2] != self.num_ranks):
                 raise RuntimeError(f"segment of rank {r} has a foreign header")
-        self._heaps = [torch.from_numpy(s.bytes[self.heap_offset:self.ll_offset])
-                       for s in self.segments]
-        self._ll = [torch.from_numpy(s.bytes[self.ll_offset:size]) for s in self.segments]
-        self._ll_words = [s.bytes[self.ll_offset:size].view(np.int64) for s in self.segments]
+        self._heaps = [torch.from_numpy(m[self.heap_offset:self.ll_offset]) for m in mem]
+        self._ll = [torch.from_numpy(m[self.ll_offset:size]) for m in mem]
+        self._ll_words = [m[self.ll_offset:size].view(np.int64) for m in mem]
+        self._mem = mem
+        if self.remote_ranks:
+            from ..transport import open_transport
+            self.transport = open_transport(group, self._own.bytes, self.remote_ranks,
+                                            kind=transport, timeout_s=self.timeout_s)
         self.ll_seq = {"dispatch": 0, "combine": 0}
         self.heap = PageHeap(self._own.bytes, self.heap_offset, self.heap_bytes)
 
@@ -109,6 +135,11 @@ class HostComm:
             raise RankMaskedError(f"rank {self.rank} is masked out of this Buffer "
                                   "(active_ranks[rank] == 0); a new Buffer is needed to rejoin")
         self._deadline = time.monotonic() + self.timeout_s
+        if self.transport is not None:
+            # staging mirrors are about to be rewritten: earlier puts must have left them
+            lost = self.transport.flush(raise_on_timeout=not self.elastic)
+            if lost:
+                self.mask(lost, "transport flush")
 
     def slot(self, rank: int, word: int, n: int = 1) -> np.ndarray:
         """``n`` header words of ``rank``'s segment starting at ``word`` (a live view)."""
@@ -117,7 +148,21 @@ class HostComm:
     def signal(self, rank: int, word: int, epoch: int, values) -> None:
         """Publish tagged ``values`` into ``rank``'s header after all earlier writes."""
         vals = np.asarray(values, dtype=np.int64)
+        if self.words[rank] is None:
+            self._remote_signal(rank, word * 8, (epoch << 32) | vals)
+            return
         atomics.store_words(self.slot(rank, word, vals.size), (epoch << 32) | vals)
+
+    def _remote_signal(self, rank: int, byte_offset: int, words: np.ndarray) -> None:
+        for i, w in enumerate(np.atleast_1d(words).tolist()):
+            self.transport.signal(rank, byte_offset + 8 * i, w)
+
+    def commit(self, rank: int, region: str, start: int, nbytes: int) -> None:
+        """Make ``nbytes`` written at ``start`` of ``rank``'s ``region`` ("heap" or "ll")
+        travel to it (ranks on other hosts; a no-op for mapped peers)."""
+        if self.words[rank] is None and nbytes > 0:
+            at = (self.heap_offset if region == "heap" else self.ll_offset) + start
+            self.transport.put(rank, at, self._mem[rank][at:at + nbytes])
 
     def wait(self, waits: dict, epoch: int, op: str, on_ready=None) -> set:
         """Wait for the tagged words ``waits`` (rank -> view of *this* rank's header) of the
@@ -191,6 +236,9 @@ class HostComm:
 
     def ll_signal(self, rank: int, byte_offset: int, epoch: int, values) -> None:
         vals = np.asarray(values, dtype=np.int64)
+        if self.words[rank] is None:
+            self._remote_signal(rank, self.ll_offset + byte_offset, (epoch << 32) | vals)
+            return
         atomics.store_words(self.ll_slot(rank, byte_offset, vals.size), (epoch << 32) | vals)
 
     def reset_ll(self) -> None:
@@ -207,10 +255,14 @@ class HostComm:
             self.heap.view(start, length * PAGE)[:] = byte
 
     def destroy(self) -> None:
-        self._heaps = self._ll = self._ll_words = self.words = None
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+        self._heaps = self._ll = self._ll_words = self.words = self._mem = None
         self.heap = None
         for s in self.segments:
-            s.close()
+            if s is not None:
+                s.close()
         self.segments = []
         if self._own is not None:
             self._own.close()

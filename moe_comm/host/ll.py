@@ -108,6 +108,8 @@ def dispatch_send(comm, *, x, topk_idx, lay: LLLayout, use_fp8, round_scale, buf
                 at = (le * R + me) * M
                 torch.index_select(msg_words, 0, tok[lo:lo + c], out=rows[at:at + c])
                 metas[at:at + c] = meta_rows[lo:lo + c]
+                comm.commit(dst, "ll", payload + at * stride, c * stride)
+                comm.commit(dst, "ll", meta_off + at * 8, c * 8)
         comm.ll_signal(dst, count_off, seq,
                        counts_l[dst * num_local:(dst + 1) * num_local] + [bounds[dst]])
 
@@ -190,6 +192,7 @@ def combine_send(comm, *, x, handle: LowLatencyHandle, lay: LLLayout):
             at = comb_off + bases[owner] * hidden * 2
             dst = comm.peer_ll(owner)[at:at + n * hidden * 2].view(torch.bfloat16).view(n, hidden)
             torch.cat(blocks, out=dst)
+            comm.commit(owner, "ll", at, n * hidden * 2)
         comm.signal(owner, comm.layout.ll_combine_done(buf, me), seq, n)
 
     _wait_free(comm, lambda r: comm.layout.ll_combine_free(buf, r), seq,

@@ -154,9 +154,11 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, is
         base = dst_page * PAGE
         heap = comm.peer_heap(dst)
         offs = lay.offsets
+        spans = []
 
         def rows(sub, width, elem, dt):
             start = base + offs[sub] + row0 * width * elem
+            spans.append((start, c * width * elem))
             return heap[start:start + c * width * elem].view(dt).view(c, width)
 
         torch.index_select(x_bytes, 0, ids, out=rows(0, row_bytes, 1, torch.uint8))
@@ -168,6 +170,8 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, is
             rows(2, topk, 8, torch.int64).copy_(li)
             w = rows(3, topk, 4, torch.float32)
             w.copy_(lw) if lw is not None else w.zero_()
+        for start, nbytes in spans:
+            comm.commit(dst, "heap", start, nbytes)
 
     dests = [d for d in _rotation(me, R) if matrix[me, d] > 0]
     failed = _send_when_granted(comm, epoch, dests, write, "dispatch/grant")
@@ -244,11 +248,14 @@ def combine(comm, *, x, handle, topk_weights, bias):
         row0 = int(matrix[owner, :me].sum())       # owner's staging rows from me start here
         lay, base, heap = slab(owner), owner_page * PAGE, comm.peer_heap(owner)
         o = lay.offsets
-        heap[base + o[0] + row0 * row_bytes:base + o[0] + (row0 + c) * row_bytes].view(
-            c, row_bytes).copy_(x_bytes[src0:src0 + c])
+        at = base + o[0] + row0 * row_bytes
+        heap[at:at + c * row_bytes].view(c, row_bytes).copy_(x_bytes[src0:src0 + c])
+        comm.commit(owner, "heap", at, c * row_bytes)
         if topk:
-            heap[base + o[3] + row0 * topk * 4:base + o[3] + (row0 + c) * topk * 4].view(
-                torch.float32).view(c, topk).copy_(topk_weights[src0:src0 + c])
+            at = base + o[3] + row0 * topk * 4
+            heap[at:at + c * topk * 4].view(torch.float32).view(c, topk).copy_(
+                topk_weights[src0:src0 + c])
+            comm.commit(owner, "heap", at, c * topk * 4)
 
     owners = [s for s in _rotation(me, R) if matrix[s, me] > 0 and comm.active[s]]
     failed = _send_when_granted(comm, epoch, owners, write, "combine/grant")
