@@ -4,8 +4,11 @@ from .config import Config
 from .errors import BufferTooSmallError, CommTimeoutError
 from .event import EventOverlap
 from .handle import DispatchHandle
+from .hf import replace_moe_blocks
+from .layer import MoELayer
 from .reference import reference_combine, reference_dispatch
 
 __all__ = ["Buffer", "Config", "EventOverlap", "DispatchHandle", "CommTimeoutError",
-           "BufferTooSmallError", "reference_dispatch", "reference_combine"]
+           "BufferTooSmallError", "reference_dispatch", "reference_combine", "MoELayer",
+           "replace_moe_blocks"]
 __version__ = "0.1.0"
