@@ -4,6 +4,14 @@ doing the same exchange, and against the machine's copy bandwidth, all in one ru
 
     python bench/bench_all_to_all.py                     # 4 local CPU ranks, both modes
     python bench/bench_all_to_all.py --mode normal --ranks 2,4 --tokens 256,1024 --json out.json
+    python bench/bench_all_to_all.py --tokens 64,256,1024 --dtype bfloat16,fp8 --plot out.png
+
+Every shape option takes a comma list; the run sweeps the cross product (per mode; a
+combination a mode cannot run, such as low-latency float32, is skipped with a note). Rows go
+to stdout as a table, then one summary line per mode: geometric means over its cases of the
+speed-up over the baseline and of dispatch's share of copy bandwidth, with the best and worst
+case when there are several. A progress line (case i/n, elapsed) goes to stderr when it is a
+terminal.
 
 Normal mode's baseline is all_to_all_single doing the same exchange (permute, exchange counts,
 exchange payloads, unpermute). Low-latency mode's baseline is the plain padded exchange a
@@ -14,14 +22,22 @@ GB/s follow DeepEP's convention: real payload bytes a rank receives in dispatch 
 back in combine) divided by the call's time. ``copy_gbps`` is what one process copies per
 second while all ranks copy at once: a copy-based exchange cannot beat it. Times are the
 median over iterations of the slowest rank, each iteration started after a barrier.
+
+Backends: ``host`` runs CPU tensors over the shared-memory backend (gloo for the baseline);
+``cuda`` puts every tensor on the GPU (rank r on GPU r) and runs the baseline through an NCCL
+group, so it needs one GPU per rank; ``auto`` picks cuda when torch sees a GPU.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import os
+import shutil
 import statistics
 import sys
+import threading
 import time
 
 import torch
@@ -30,30 +46,64 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import moe_comm  # noqa: E402
 from moe_comm.launch import run_ranks  # noqa: E402
+from moe_comm.wire import LL_MAX_TOPK  # noqa: E402
 
 COLUMNS = ("mode", "ranks", "tokens", "hidden", "topk", "experts", "dtype", "dispatch_us",
            "combine_us", "dispatch_gbps", "combine_gbps", "baseline_dispatch_us",
            "baseline_combine_us", "copy_gbps")
+MODES = ("normal", "ll")
+DTYPES = ("bfloat16", "float32", "fp8")
+DEFAULT_TOKENS = {"normal": [1024], "ll": [128]}
+DEFAULT_DTYPE = {"normal": ["bfloat16"], "ll": ["fp8"]}
+BASELINE = {"normal": "all_to_all_single", "ll": "the padded all_to_all_single exchange"}
+CASE_TIMEOUT_S = 600
 
 
-def _timed(fn, iters, repeats=3):
+def _nosync():
+    pass
+
+
+def _timed(fn, iters, repeats=3, sync=_nosync):
     """Seconds per call of ``fn()`` run ``iters`` times back to back on every rank between
     barriers: the slowest rank's time, median over ``repeats``. Back-to-back calls measure what
-    ranks sharing the cores sustain together (per-call timing would let them take turns)."""
+    ranks sharing the cores sustain together (per-call timing would let them take turns).
+    ``sync`` waits for queued device work (torch.cuda.synchronize on the cuda backend; nothing
+    on the host, where every call has finished when it returns)."""
     fn()
     per_call = []
     for _ in range(repeats):
+        sync()
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(iters):
             fn()
+        sync()
         per_call.append((time.perf_counter() - t0) / iters)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, per_call)
     return statistics.median(max(col) for col in zip(*everyone))
 
 
-def _inputs(case, rank):
+class _RankEnv:
+    """Where one rank's tensors live and what its baseline runs over. ``host``: CPU tensors,
+    baseline on the default (gloo) group. ``cuda``: GPU ``LOCAL_RANK`` (else the rank), baseline
+    on an NCCL group of every rank; the Buffer gets the default group either way."""
+
+    def __init__(self, rank, backend):
+        self.backend = backend
+        if backend == "cuda":
+            local = int(os.environ.get("LOCAL_RANK", rank))
+            self.device = torch.device("cuda", local)
+            torch.cuda.set_device(self.device)
+            self.group = dist.new_group(backend="nccl")   # collective: every rank creates it
+            self.sync = torch.cuda.synchronize
+        else:
+            self.device = torch.device("cpu")
+            self.group = None
+            self.sync = _nosync
+
+
+def _inputs(case, rank, device):
     gen = torch.Generator().manual_seed(1234 + rank)
     t, h, e, k = case["tokens"], case["hidden"], case["experts"], case["topk"]
     x = torch.randn(t, h, generator=gen)
@@ -63,17 +113,19 @@ def _inputs(case, rank):
     if case["dtype"] == "fp8":
         blocks = x.view(t, h // 128, 128)
         s = blocks.abs().amax(-1).clamp(min=1e-4) / 448.0
-        x = ((blocks / s.unsqueeze(-1)).view(t, h).to(torch.float8_e4m3fn), s)
+        x = ((blocks / s.unsqueeze(-1)).view(t, h).to(torch.float8_e4m3fn).to(device),
+             s.to(device))
     else:
-        x = x.to(getattr(torch, case["dtype"]))
-    return x, idx, w
+        x = x.to(getattr(torch, case["dtype"])).to(device)
+    return x, idx.to(device), w.to(device)
 
 
-def _baseline(x, idx, w, is_token_in_rank, num_tokens_per_rank):
+def _baseline(x, idx, w, is_token_in_rank, num_tokens_per_rank, group=None):
     """The same exchange with all_to_all_single: permute, exchange counts, exchange payloads
     (x, scales, top-k packed into one byte row), unpermute."""
     R = dist.get_world_size()
     data, scales = x if isinstance(x, tuple) else (x, None)
+    dev = data.device
     parts = [data.view(torch.uint8)] + ([scales.view(torch.uint8)] if scales is not None
                                         else []) + [idx.view(torch.uint8), w.view(torch.uint8)]
     rows = torch.cat(parts, 1)
@@ -84,34 +136,38 @@ def _baseline(x, idx, w, is_token_in_rank, num_tokens_per_rank):
         send = rows.index_select(0, send_ids)
         send_counts = num_tokens_per_rank.long()
         recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts)
-        recv = torch.empty(int(recv_counts.sum()), rows.shape[1], dtype=torch.uint8)
-        dist.all_to_all_single(recv, send, recv_counts.tolist(), send_counts.tolist())
+        dist.all_to_all_single(recv_counts, send_counts, group=group)
+        recv = torch.empty(int(recv_counts.sum()), rows.shape[1], dtype=torch.uint8, device=dev)
+        dist.all_to_all_single(recv, send, recv_counts.tolist(), send_counts.tolist(),
+                               group=group)
         n = data.shape[1] * data.element_size()
         state.update(recv_x=recv[:, :n].contiguous().view(data.dtype),
                      recv_counts=recv_counts, send_counts=send_counts)
 
     def combine(y):
-        recv = torch.empty(int(state["send_counts"].sum()), y.shape[1], dtype=y.dtype)
+        recv = torch.empty(int(state["send_counts"].sum()), y.shape[1], dtype=y.dtype,
+                           device=dev)
         dist.all_to_all_single(recv.view(torch.uint8), y.view(torch.uint8),
-                               state["send_counts"].tolist(), state["recv_counts"].tolist())
-        out = torch.zeros(data.shape[0], y.shape[1], dtype=torch.float32)
+                               state["send_counts"].tolist(), state["recv_counts"].tolist(),
+                               group=group)
+        out = torch.zeros(data.shape[0], y.shape[1], dtype=torch.float32, device=dev)
         out.index_add_(0, send_ids, recv.float())
         return out.to(y.dtype)
 
     return dispatch, combine
 
 
-def _copy_gbps(nbytes, iters):
-    src = torch.empty(nbytes, dtype=torch.uint8).random_()
+def _copy_gbps(nbytes, iters, env):
+    src = torch.empty(nbytes, dtype=torch.uint8, device=env.device).random_()
     dst = torch.empty_like(src)
     dst.copy_(src)
-    return nbytes / _timed(lambda: dst.copy_(src), iters) / 1e9
+    return nbytes / _timed(lambda: dst.copy_(src), iters, sync=env.sync) / 1e9
 
 
-def _ll_baseline(x, idx, w, num_experts, max_tokens, use_fp8):
+def _ll_baseline(x, idx, w, num_experts, max_tokens, use_fp8, group=None):
     """Padded exchange: fixed [R, slots] message arrays through all_to_all_single."""
     R = dist.get_world_size()
+    dev = x.device
     num_local = num_experts // R
     slots = max_tokens * min(idx.shape[1], num_local)
     valid = idx >= 0
@@ -120,7 +176,7 @@ def _ll_baseline(x, idx, w, num_experts, max_tokens, use_fp8):
     order = torch.sort(expert, stable=True).indices
     tok, k, expert = tok[order], k[order], expert[order]
     dst = expert // num_local
-    pos = torch.arange(tok.numel()) - torch.searchsorted(dst, dst)     # slot within dst
+    pos = torch.arange(tok.numel(), device=dev) - torch.searchsorted(dst, dst)  # slot in dst
     state = {}
 
     def dispatch():
@@ -129,17 +185,18 @@ def _ll_baseline(x, idx, w, num_experts, max_tokens, use_fp8):
             msgs = torch.cat([data.view(torch.uint8), scales.view(torch.uint8)], 1)
         else:
             msgs = x.view(torch.uint8)
-        send = torch.zeros(R, slots, msgs.shape[1], dtype=torch.uint8)
-        meta = torch.full((R, slots, 2), -1, dtype=torch.int64)
+        send = torch.zeros(R, slots, msgs.shape[1], dtype=torch.uint8, device=dev)
+        meta = torch.full((R, slots, 2), -1, dtype=torch.int64, device=dev)
         send[dst, pos] = msgs[tok]
         meta[dst, pos, 0] = expert % num_local
         meta[dst, pos, 1] = tok
         recv, rmeta = torch.empty_like(send), torch.empty_like(meta)
-        dist.all_to_all_single(recv, send)
-        dist.all_to_all_single(rmeta, meta)
+        dist.all_to_all_single(recv, send, group=group)
+        dist.all_to_all_single(rmeta, meta, group=group)
         le = rmeta[..., 0].flatten()
         flat = recv.view(R * slots, -1)
-        out = torch.empty(num_local, R * max_tokens, msgs.shape[1], dtype=torch.uint8)
+        out = torch.empty(num_local, R * max_tokens, msgs.shape[1], dtype=torch.uint8,
+                          device=dev)
         for e in range(num_local):
             rows = (le == e).nonzero().flatten()
             out[e, :rows.numel()] = flat[rows]
@@ -148,52 +205,53 @@ def _ll_baseline(x, idx, w, num_experts, max_tokens, use_fp8):
     def combine(y):
         # expert outputs go back in the slots they came in, padded the same way
         le = state["rmeta"][..., 0]
-        back = torch.zeros(R, slots, y.shape[-1], dtype=torch.bfloat16)
+        back = torch.zeros(R, slots, y.shape[-1], dtype=torch.bfloat16, device=dev)
         for e in range(num_local):
             rows = (le.flatten() == e).nonzero().flatten()
             back.view(R * slots, -1)[rows] = y[e, :rows.numel()]
         recv = torch.empty_like(back)
-        dist.all_to_all_single(recv, back)
-        out = torch.zeros(x.shape[0], y.shape[-1])
+        dist.all_to_all_single(recv, back, group=group)
+        out = torch.zeros(x.shape[0], y.shape[-1], device=dev)
         out.index_add_(0, tok, recv[dst, pos].float() * w[tok, k, None])
         return out.bfloat16()
 
     return dispatch, combine
 
 
-def _run_ll(rank, n, case, iters):
+def _run_ll(rank, n, case, iters, env):
     e, t, h = case["experts"], case["tokens"], case["hidden"]
     fp8 = case["dtype"] == "fp8"
     buf = moe_comm.Buffer(None, 1 << 20, moe_comm.Buffer.get_low_latency_rdma_size_hint(
         t, h, n, e), low_latency_mode=True, timeout_s=120)
     gen = torch.Generator().manual_seed(99 + rank)
-    x = torch.randn(t, h, generator=gen).bfloat16()
-    idx = torch.rand(t, e, generator=gen).topk(case["topk"], dim=1).indices
-    w = torch.rand(t, case["topk"], generator=gen)
+    x = torch.randn(t, h, generator=gen).bfloat16().to(env.device)
+    idx = torch.rand(t, e, generator=gen).topk(case["topk"], dim=1).indices.to(env.device)
+    w = torch.rand(t, case["topk"], generator=gen).to(env.device)
     state = {}
 
     def dispatch():
         state["out"] = buf.low_latency_dispatch(x, idx, t, e, use_fp8=fp8)
 
-    t_dispatch = _timed(dispatch, iters)
+    t_dispatch = _timed(dispatch, iters, sync=env.sync)
     recv_x, recv_count, handle, _, _ = state["out"]
-    y = torch.randn(e // n, n * t, h).bfloat16()
-    t_combine = _timed(lambda: buf.low_latency_combine(y, idx, w, handle), iters)
+    y = torch.randn(e // n, n * t, h).bfloat16().to(env.device)
+    t_combine = _timed(lambda: buf.low_latency_combine(y, idx, w, handle), iters, sync=env.sync)
     msgs = int(recv_count.sum())
     recv_bytes = msgs * (h + h // 128 * 4 if fp8 else 2 * h)
     combine_bytes = msgs * 2 * h
     buf.destroy()
-    return _row("ll", n, case, iters, t_dispatch, t_combine, _ll_baseline(x, idx, w, e, t, fp8),
-                y, recv_bytes, combine_bytes)
+    return _row("ll", n, case, iters, env, t_dispatch, t_combine,
+                _ll_baseline(x, idx, w, e, t, fp8, env.group), y, recv_bytes, combine_bytes)
 
 
-def _row(mode, n, case, iters, t_dispatch, t_combine, baseline, y, recv_bytes, combine_bytes):
+def _row(mode, n, case, iters, env, t_dispatch, t_combine, baseline, y, recv_bytes,
+         combine_bytes):
     """Time the baseline and the copy bandwidth in the same run, then build the table row
     (bytes averaged over ranks, times of the slowest rank)."""
     b_dispatch, b_combine = baseline
-    t_b_dispatch = _timed(b_dispatch, iters)
-    t_b_combine = _timed(lambda: b_combine(y), iters)
-    copy = _copy_gbps(max(recv_bytes, 1 << 20), iters)
+    t_b_dispatch = _timed(b_dispatch, iters, sync=env.sync)
+    t_b_combine = _timed(lambda: b_combine(y), iters, sync=env.sync)
+    copy = _copy_gbps(max(recv_bytes, 1 << 20), iters, env)
     stats = [None] * n
     dist.all_gather_object(stats, (recv_bytes, combine_bytes, copy))
     mean = lambda i: sum(s[i] for s in stats) / n  # noqa: E731
@@ -205,10 +263,10 @@ def _row(mode, n, case, iters, t_dispatch, t_combine, baseline, y, recv_bytes, c
                 copy_gbps=mean(2))
 
 
-def _run_normal(rank, n, case, iters):
+def _run_normal(rank, n, case, iters, env):
     e = case["experts"]
     buf = moe_comm.Buffer(None, case["nvl_bytes"], timeout_s=120)
-    x, idx, w = _inputs(case, rank)
+    x, idx, w = _inputs(case, rank, env.device)
     ntr, _, nte, itr, _ = buf.get_dispatch_layout(idx, e)
     state = {}
 
@@ -216,69 +274,423 @@ def _run_normal(rank, n, case, iters):
         state["out"] = buf.dispatch(x, num_tokens_per_rank=ntr, is_token_in_rank=itr,
                                     num_tokens_per_expert=nte, topk_idx=idx, topk_weights=w)
 
-    t_dispatch = _timed(dispatch, iters)
+    t_dispatch = _timed(dispatch, iters, sync=env.sync)
     recv_x, _, recv_w, _, handle, _ = state["out"]
     y = (recv_x[0].float() if isinstance(recv_x, tuple) else recv_x.float()).bfloat16()
-    t_combine = _timed(lambda: buf.combine(y, handle), iters)
+    t_combine = _timed(lambda: buf.combine(y, handle), iters, sync=env.sync)
     recv_bytes = sum(t.numel() * t.element_size()
                      for t in (recv_x if isinstance(recv_x, tuple) else (recv_x,)))
     combine_bytes = y.numel() * y.element_size()
     del state["out"], recv_x, recv_w
     buf.destroy()
-    return _row("normal", n, case, iters, t_dispatch, t_combine,
-                _baseline(x, idx, w, itr, ntr), y, recv_bytes, combine_bytes)
+    return _row("normal", n, case, iters, env, t_dispatch, t_combine,
+                _baseline(x, idx, w, itr, ntr, env.group), y, recv_bytes, combine_bytes)
 
 
-def _ints(s):
-    return [int(v) for v in s.split(",")]
+def run_rank(rank, n, case, iters, backend="host"):
+    """One rank's part of one case; needs torch.distributed initialised (default group of
+    ``n`` ranks, gloo). Every rank returns the same row."""
+    env = _RankEnv(rank, backend)
+    return (_run_normal if case["mode"] == "normal" else _run_ll)(rank, n, case, iters, env)
+
+
+# ---- cases --------------------------------------------------------------------------------
+def case_problem(case):
+    """Why ``case`` cannot run (a sentence), or None."""
+    mode, n, t, h, k, e, dt = (case[c] for c in COLUMNS[:7])
+    if min(n, t, h, k, e) < 1:
+        return "ranks, tokens, hidden, topk and experts must be positive"
+    if e % n:
+        return f"{e} experts do not divide evenly over {n} ranks"
+    if k > e:
+        return f"top-{k} needs at least {k} experts, got {e}"
+    if mode == "ll" and dt == "float32":
+        return "low-latency mode dispatches bfloat16 or fp8"
+    if mode == "ll" and k > LL_MAX_TOPK:
+        return f"low-latency mode takes top-k <= {LL_MAX_TOPK}, got {k}"
+    if (mode == "ll" or dt == "fp8") and h % 128:
+        return f"hidden {h} must be a multiple of 128 (fp8 scales per 128 channels)"
+    return None
+
+
+def build_cases(modes, ranks, tokens=None, hidden=(7168,), topk=(8,), experts=(64,),
+                dtypes=None):
+    """The cross product per mode, in table order. ``tokens``/``dtypes`` None: each mode's
+    default (normal 1024 tokens bf16, ll 128 tokens fp8). Returns every combination, runnable
+    or not (see case_problem)."""
+    cases = []
+    for mode in modes:
+        for n, t, h, k, e, dt in itertools.product(
+                ranks, tokens or DEFAULT_TOKENS[mode], hidden, topk, experts,
+                dtypes or DEFAULT_DTYPE[mode]):
+            case = dict(mode=mode, ranks=n, tokens=t, hidden=h, topk=k, experts=e, dtype=dt)
+            if mode == "normal":
+                elem = 1 if dt == "fp8" else 4 if dt == "float32" else 2
+                case["nvl_bytes"] = moe_comm.Buffer.get_normal_buffer_size_hint(
+                    t, h, n, k, elem_size=elem, fp8=dt == "fp8", keep_alive=2)
+            cases.append(case)
+    return cases
+
+
+def case_label(case, keys=("ranks", "tokens", "hidden", "topk", "experts", "dtype")):
+    return " ".join(f"{k}={case[k]}" for k in keys)
+
+
+def run_cases(cases, iters, backend="host", *, launcher=run_ranks, on_row=None,
+              progress=None):
+    """Run ``cases`` (dicts from build_cases) one after another and return their rows, in
+    order. ``launcher(fn, n, *args, timeout=...)`` runs ``fn(rank, n, *args)`` on ``n`` ranks
+    joined by a default process group and returns the per-rank results; the default,
+    moe_comm.launch.run_ranks, forks local processes. A runner over several machines passes
+    its own. ``on_row(row)`` sees each row as soon as it is done; ``progress``: a Progress."""
+    rows = []
+    for i, case in enumerate(cases):
+        if progress is not None:
+            progress.start(i, "{mode} R={ranks} T={tokens} H={hidden} K={topk} E={experts} "
+                              "{dtype}".format(**case))
+        row = launcher(run_rank, case["ranks"], case, iters, backend, timeout=CASE_TIMEOUT_S)[0]
+        row["backend"] = backend
+        rows.append(row)
+        if progress is not None:
+            progress.finish(i)
+        if on_row is not None:
+            on_row(row)
+    return rows
+
+
+# ---- output -------------------------------------------------------------------------------
+def format_header():
+    return " ".join(f"{c:>10}" for c in COLUMNS)
+
+
+def format_row(row):
+    return " ".join(f"{row[c]:>10.1f}" if isinstance(row[c], float) else f"{row[c]:>10}"
+                    for c in COLUMNS)
+
+
+def _geomean(values):
+    if min(values) <= 0:
+        return 0.0
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def _pct(v):
+    return f"{v:.0%}" if v >= 0.1 else f"{v * 100:.2g}%"
+
+
+def _varying(rows, keys=("ranks", "tokens", "hidden", "topk", "experts", "dtype")):
+    return [k for k in keys if len({r[k] for r in rows}) > 1]
+
+
+def summarize(rows):
+    """One line per mode: speed-ups over the baseline and dispatch's share of copy bandwidth
+    (geometric means over the mode's cases; best and worst case when there are several)."""
+    lines = []
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        rs = [r for r in rows if r["mode"] == mode]
+        ratios = {
+            "dispatch": [r["baseline_dispatch_us"] / r["dispatch_us"] for r in rs],
+            "combine": [r["baseline_combine_us"] / r["combine_us"] for r in rs],
+            "copy": [r["dispatch_gbps"] / r["copy_gbps"] for r in rs]}
+        g = {k: _geomean(v) for k, v in ratios.items()}
+        head = (f"dispatch {g['dispatch']:.1f}x / combine {g['combine']:.1f}x speed-up over "
+                f"{BASELINE[mode]}; dispatch at {_pct(g['copy'])} of copy bandwidth")
+        if len(rs) == 1:
+            lines.append(f"summary {mode} {case_label(rs[0], ('ranks', 'tokens'))}: {head}")
+            continue
+        keys = _varying(rs)
+        parts = []
+        for what, fmt in (("dispatch", "{:.1f}x".format), ("combine", "{:.1f}x".format),
+                          ("copy", _pct)):
+            v = ratios[what]
+            hi, lo = max(range(len(rs)), key=v.__getitem__), min(range(len(rs)), key=v.__getitem__)
+            name = "dispatch vs copy" if what == "copy" else what
+            parts.append(f"{name} {fmt(v[hi])} ({case_label(rs[hi], keys) or hi + 1}) / "
+                         f"{fmt(v[lo])} ({case_label(rs[lo], keys) or lo + 1})")
+        lines.append(f"summary {mode}, geometric mean of {len(rs)} cases: {head}. "
+                     f"Best / worst: " + ", ".join(parts))
+    return lines
+
+
+def _check_matplotlib():
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SystemExit("bench_all_to_all: --plot needs matplotlib, which is not installed. "
+                         f"Install it with: {sys.executable} -m pip install matplotlib") from None
+
+
+def plot(rows, path):
+    """PNG at ``path``: for each mode and op (dispatch, combine) a column of two panels, time
+    per call and GB/s against tokens per rank, moe_comm solid, baseline dashed, copy
+    bandwidth dotted; one colour per combination of the other swept options."""
+    _check_matplotlib()
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(m, op) for m in dict.fromkeys(r["mode"] for r in rows)
+              for op in ("dispatch", "combine")]
+    fig, axes = plt.subplots(2, len(panels), figsize=(4.6 * len(panels), 8), squeeze=False)
+    for j, (mode, op) in enumerate(panels):
+        rs = [r for r in rows if r["mode"] == mode]
+        keys = _varying(rs, ("ranks", "hidden", "topk", "experts", "dtype"))
+        groups = {}
+        for r in rs:
+            groups.setdefault(tuple(r[k] for k in keys), []).append(r)
+        t_ax, bw_ax = axes[0][j], axes[1][j]
+        for gi, (key, grs) in enumerate(groups.items()):
+            grs.sort(key=lambda r: r["tokens"])
+            x = [r["tokens"] for r in grs]
+            tag = " ".join(f"{k}={v}" for k, v in zip(keys, key))
+            tag = f" ({tag})" if tag else ""
+            c = f"C{gi % 10}"
+            ours = [r[f"{op}_us"] for r in grs]
+            base = [r[f"baseline_{op}_us"] for r in grs]
+            t_ax.plot(x, ours, "o-", color=c, label=f"moe_comm{tag}")
+            t_ax.plot(x, base, "s--", color=c, label=f"baseline{tag}")
+            gbps = [r[f"{op}_gbps"] for r in grs]
+            bw_ax.plot(x, gbps, "o-", color=c, label=f"moe_comm{tag}")
+            bw_ax.plot(x, [g * t / b for g, t, b in zip(gbps, ours, base)], "s--", color=c,
+                       label=f"baseline{tag}")
+            bw_ax.plot(x, [r["copy_gbps"] for r in grs], ":", color=c, label=f"copy{tag}")
+        tokens = sorted({r["tokens"] for r in rs})
+        for ax in (t_ax, bw_ax):
+            if len(tokens) > 1 and tokens[-1] >= 4 * tokens[0]:
+                ax.set_xscale("log", base=2)
+            ax.set_xticks(tokens, [str(t) for t in tokens])
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=7)
+            ax.set_xlabel("tokens per rank")
+        t_ax.set_yscale("log")
+        bw_ax.set_yscale("log")
+        t_ax.set_ylabel("time per call (µs)")
+        bw_ax.set_ylabel("GB/s per rank")
+        t_ax.set_title(f"{mode} {op} vs {BASELINE[mode]}", fontsize=9)
+    backend = rows[0].get("backend", "host")
+    fig.suptitle(f"bench_all_to_all ({backend} backend): moe_comm vs baseline")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ---- progress -----------------------------------------------------------------------------
+# One lock around every progress write. run_ranks forks while the ticker thread may be
+# writing; holding the lock across fork() means no child starts with stderr's buffer locked.
+_DRAW_LOCK = threading.Lock()
+os.register_at_fork(before=_DRAW_LOCK.acquire, after_in_parent=_DRAW_LOCK.release,
+                    after_in_child=_DRAW_LOCK.release)
+
+
+class Progress:
+    """``[#####-----] case 3/8  0:42 elapsed  normal ranks=4 ...`` on one line of ``stream``,
+    redrawn every ``interval`` s by a daemon thread. Does nothing unless ``enabled`` and
+    ``stream`` is a terminal."""
+
+    def __init__(self, total, stream=None, enabled=True, interval=0.5, width=20):
+        self.stream = stream if stream is not None else sys.stderr
+        self.on = bool(enabled) and hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.total, self.interval, self.width = total, interval, width
+        self.done = 0
+        self.current, self.label = 0, ""
+        self.t0 = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = None
+
+    def _line(self):
+        fill = self.width * self.done // max(self.total, 1)
+        el = int(time.monotonic() - self.t0)
+        line = (f"[{'#' * fill}{'-' * (self.width - fill)}] case {self.current}/{self.total}"
+                f"  {el // 60}:{el % 60:02d} elapsed  {self.label}")
+        return line[:max(shutil.get_terminal_size((100, 20)).columns - 1, 20)]
+
+    def _draw(self):
+        self.stream.write("\r" + self._line() + "\033[K")
+        self.stream.flush()
+
+    def _clear(self):
+        self.stream.write("\r\033[K")
+        self.stream.flush()
+
+    def _tick(self):
+        while not self._stop.wait(self.interval):
+            with _DRAW_LOCK:
+                self._draw()
+
+    def start(self, index, label=""):
+        if not self.on:
+            return
+        with _DRAW_LOCK:
+            self.current, self.label = index + 1, label
+            self._draw()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._tick, daemon=True)
+            self._thread.start()
+
+    def finish(self, index):
+        self.done = index + 1
+
+    def print(self, text, file=None):
+        """Print a line of output (stdout by default) without tearing the progress line."""
+        file = file if file is not None else sys.stdout
+        if not self.on:
+            print(text, file=file, flush=True)
+            return
+        with _DRAW_LOCK:
+            self._clear()
+            print(text, file=file, flush=True)
+            if self.current:
+                self._draw()
+
+    def close(self):
+        if not self.on:
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        with _DRAW_LOCK:
+            self._clear()
+
+
+# ---- command line -------------------------------------------------------------------------
+def _list(kind, choices=None):
+    def parse(s):
+        try:
+            vals = [kind(v.strip()) for v in s.split(",") if v.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma list of {kind.__name__}s, "
+                                             f"got {s!r}") from None
+        if not vals:
+            raise argparse.ArgumentTypeError("empty list")
+        if choices is not None:
+            bad = [v for v in vals if v not in choices]
+            if bad:
+                raise argparse.ArgumentTypeError(f"invalid choice {bad[0]!r} (choose from "
+                                                 f"{', '.join(choices)})")
+        return list(dict.fromkeys(vals))
+    return parse
+
+
+def _modes(s):
+    vals = _list(str, ("normal", "ll", "both"))(s)
+    return list(dict.fromkeys(m for v in vals for m in (MODES if v == "both" else (v,))))
+
+
+def resolve_backend(name, max_ranks=1):
+    """``auto``/``host``/``cuda`` -> ``host`` or ``cuda``; ``auto`` takes cuda only with a GPU
+    for each of ``max_ranks`` ranks. Raises ValueError for cuda without a GPU. Never
+    initialises CUDA in this process (the ranks are forked from it)."""
+    if name == "host":
+        return "host"
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")   # keeps fork() safe
+    have = torch.cuda.is_available()
+    if name == "auto":
+        if have and torch.cuda.device_count() < max_ranks:
+            print(f"--backend auto: {max_ranks} ranks but {torch.cuda.device_count()} GPU(s) "
+                  "(one per rank needed), running on the host backend", file=sys.stderr)
+            return "host"
+        return "cuda" if have else "host"
+    if not have:
+        why = ("this torch build has no CUDA" if torch.version.cuda is None
+               else "torch sees no GPU")
+        raise ValueError(f"--backend cuda needs a CUDA GPU, but {why} (torch "
+                         f"{torch.__version__}); use --backend host")
+    return "cuda"
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Lists are comma separated (--ranks 2,4 --tokens 256,1024); the run sweeps their "
+               "cross product for each mode, skipping with a note the combinations a mode "
+               "cannot run. Output: the table on stdout, then one summary line per mode "
+               "(geometric means over its cases of the speed-up over the baseline and of "
+               "dispatch's share of copy bandwidth, with the best and worst case); a progress "
+               "line (case i/n, elapsed) on stderr when it is a terminal.")
+    p.add_argument("--mode", type=_modes, default=list(MODES), metavar="MODE[,MODE]",
+                   help="normal, ll or both (default: both)")
+    p.add_argument("--ranks", type=_list(int), default=[4], metavar="N[,N...]",
+                   help="ranks (local processes; on cuda one GPU each) (default: 4)")
+    p.add_argument("--tokens", type=_list(int), default=None, metavar="T[,T...]",
+                   help="tokens per rank (default: normal 1024, ll 128)")
+    p.add_argument("--hidden", type=_list(int), default=[7168], metavar="H[,H...]",
+                   help="hidden size (default: 7168)")
+    p.add_argument("--topk", type=_list(int), default=[8], metavar="K[,K...]",
+                   help="experts per token (default: 8)")
+    p.add_argument("--experts", type=_list(int), default=[64], metavar="E[,E...]",
+                   help="experts in total, divided evenly over the ranks (default: 64)")
+    p.add_argument("--dtype", type=_list(str, DTYPES), default=None, metavar="D[,D...]",
+                   help=f"dispatch dtype: {', '.join(DTYPES)} (default: normal bfloat16, ll fp8;"
+                        " ll combine is always bfloat16, ll has no float32)")
+    p.add_argument("--backend", default="auto", choices=["auto", "host", "cuda"],
+                   help="host: CPU tensors over shared memory, gloo baseline; cuda: GPU "
+                        "tensors, NCCL baseline, one GPU per rank; auto: cuda if torch sees "
+                        "a GPU, else host (default: auto)")
+    p.add_argument("--iters", type=int, default=10,
+                   help="back-to-back calls per timed repeat (default: 10)")
+    p.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
+    p.add_argument("--plot", metavar="PATH",
+                   help="write a PNG of time and GB/s against tokens, moe_comm vs baseline, "
+                        "one column per mode and op (needs matplotlib)")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress line on stderr (it is off anyway when stderr is not a "
+                        "terminal)")
+    return p
+
+
+def _prepare_output(path):
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--mode", default="both", choices=["normal", "ll", "both"])
-    p.add_argument("--ranks", type=_ints, default=[4], help="comma list, e.g. 2,4")
-    p.add_argument("--tokens", type=_ints, default=None,
-                   help="tokens per rank, comma list (default: normal 1024, ll 128)")
-    p.add_argument("--hidden", type=_ints, default=[7168])
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--dtype", default=None, choices=["bfloat16", "float32", "fp8"],
-                   help="dispatch dtype (default: normal bfloat16, ll fp8; ll combine is bf16)")
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
+    p = build_parser()
     args = p.parse_args(argv)
+    if args.iters < 1:
+        p.error("--iters must be at least 1")
+    try:
+        backend = resolve_backend(args.backend, max(args.ranks))
+    except ValueError as e:
+        p.error(str(e))
+    if args.plot:
+        _check_matplotlib()                     # fail before the sweep, not after it
+    cases = build_cases(args.mode, args.ranks, args.tokens, args.hidden, args.topk,
+                        args.experts, args.dtype)
+    runnable = [c for c in cases if case_problem(c) is None]
+    skipped = [c for c in cases if case_problem(c) is not None]
+    if not runnable:
+        p.error("no case can run: " + "; ".join(
+            f"{c['mode']} {case_label(c)}: {case_problem(c)}" for c in skipped[:3]))
+    for c in skipped:
+        print(f"skipping {c['mode']} {case_label(c)}: {case_problem(c)}",
+              file=sys.stderr)
+    if backend == "cuda":
+        gpus = torch.cuda.device_count()
+        most = max(c["ranks"] for c in runnable)
+        if most > gpus:
+            p.error(f"--backend cuda runs one rank per GPU (NCCL refuses two ranks on one "
+                    f"GPU): {most} ranks asked for, {gpus} GPU(s) visible")
+    for path in (args.json, args.plot):
+        if path:
+            _prepare_output(path)
 
-    rows = []
-    print(" ".join(f"{c:>10}" for c in COLUMNS))
-    modes = ["normal", "ll"] if args.mode == "both" else [args.mode]
-    for mode in modes:
-        dtype = args.dtype or ("fp8" if mode == "ll" else "bfloat16")
-        if mode == "ll" and dtype == "float32":
-            p.error("low-latency mode dispatches bfloat16 or fp8")
-        for n in args.ranks:
-            for t in args.tokens or ([128] if mode == "ll" else [1024]):
-                for h in args.hidden:
-                    case = dict(tokens=t, hidden=h, topk=args.topk, experts=args.experts,
-                                dtype=dtype)
-                    if mode == "normal":
-                        elem = 1 if dtype == "fp8" else 4 if dtype == "float32" else 2
-                        case["nvl_bytes"] = moe_comm.Buffer.get_normal_buffer_size_hint(
-                            t, h, n, args.topk, elem_size=elem, fp8=dtype == "fp8",
-                            keep_alive=2)
-                    fn = _run_normal if mode == "normal" else _run_ll
-                    row = run_ranks(fn, n, case, args.iters, timeout=600)[0]
-                    rows.append(row)
-                    print(" ".join(f"{row[c]:>10.1f}" if isinstance(row[c], float) else
-                                   f"{row[c]:>10}" for c in COLUMNS), flush=True)
-    for row in rows:
-        print(f"summary {row['mode']} ranks={row['ranks']} tokens={row['tokens']}: dispatch "
-              f"{row['baseline_dispatch_us'] / row['dispatch_us']:.1f}x / combine "
-              f"{row['baseline_combine_us'] / row['combine_us']:.1f}x faster than "
-              f"all_to_all_single; dispatch at {row['dispatch_gbps'] / row['copy_gbps']:.0%} "
-              "of copy bandwidth")
+    # Multi-machine runs (a --hosts option) plug in here: same cases, their own launcher
+    # passed to run_cases (see its docstring); everything after it works on the rows.
+    progress = Progress(len(runnable), enabled=not args.quiet)
+    progress.print(format_header())
+    try:
+        rows = run_cases(runnable, args.iters, backend, progress=progress,
+                         on_row=lambda row: progress.print(format_row(row)))
+    finally:
+        progress.close()
+    for line in summarize(rows):
+        print(line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"plot: {args.plot}")
     return rows
 
 

@@ -1,0 +1,151 @@
+"""bench/bench_all_to_all.py as a command: a tiny sweep end to end (2 ranks, both modes, --json,
+--plot when matplotlib is installed), plus the pieces that need no ranks (case list, summary,
+progress line, argument errors)."""
+import importlib.util
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "bench", "bench_all_to_all.py")
+HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("bench_all_to_all", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+bench = _load()
+
+
+def _run(*args, timeout=120):
+    return subprocess.run([sys.executable, BENCH, *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def test_tiny_sweep_end_to_end(tmp_path):
+    out = tmp_path / "sub" / "rows.json"           # the folder does not exist yet
+    png = tmp_path / "plot.png"
+    args = ["--mode", "both", "--ranks", "2", "--tokens", "16,32", "--hidden", "256",
+            "--topk", "4", "--experts", "8", "--iters", "2", "--backend", "host",
+            "--json", str(out)]
+    if HAVE_MPL:
+        args += ["--plot", str(png)]
+    r = _run(*args)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].split() == list(bench.COLUMNS)
+    rows = json.loads(out.read_text())
+    assert [(row["mode"], row["tokens"]) for row in rows] == [
+        ("normal", 16), ("normal", 32), ("ll", 16), ("ll", 32)]
+    for row in rows:
+        assert set(bench.COLUMNS) <= set(row), set(bench.COLUMNS) - set(row)
+        assert (row["ranks"], row["hidden"], row["topk"], row["experts"]) == (2, 256, 4, 8)
+        assert row["dtype"] == ("bfloat16" if row["mode"] == "normal" else "fp8")
+        assert row["backend"] == "host"
+        for c in bench.COLUMNS[7:]:
+            assert isinstance(row[c], float) and row[c] > 0, (c, row)
+    assert len(lines) == 1 + len(rows) + 2 + (1 if HAVE_MPL else 0), r.stdout
+    for mode in ("normal", "ll"):
+        summary = [ln for ln in lines if ln.startswith(f"summary {mode}, geometric mean of 2")]
+        assert len(summary) == 1, r.stdout
+        assert "speed-up over" in summary[0] and "of copy bandwidth" in summary[0]
+        assert "Best / worst" in summary[0]
+    assert r.stderr.strip() == "", r.stderr       # no progress line: stderr is a pipe
+    if HAVE_MPL:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_build_cases_cross_product_and_problems():
+    cases = bench.build_cases(["normal", "ll"], [2, 4], [64, 128], [256], [4], [8, 6],
+                              ["bfloat16", "float32"])
+    assert len(cases) == 2 * 2 * 2 * 2 * 2
+    assert all("nvl_bytes" in c for c in cases if c["mode"] == "normal")
+    problems = {(c["mode"], c["ranks"], c["experts"], c["dtype"]): bench.case_problem(c)
+                for c in cases}
+    assert problems[("normal", 2, 8, "float32")] is None
+    assert "divide" in problems[("normal", 4, 6, "bfloat16")]
+    assert "bfloat16 or fp8" in problems[("ll", 2, 8, "float32")]
+    defaults = bench.build_cases(["normal", "ll"], [4])
+    assert [(c["mode"], c["tokens"], c["hidden"], c["dtype"]) for c in defaults] == [
+        ("normal", 1024, 7168, "bfloat16"), ("ll", 128, 7168, "fp8")]
+
+
+def _row(mode, tokens, speed_d, speed_c, share):
+    return dict(mode=mode, ranks=2, tokens=tokens, hidden=256, topk=4, experts=8,
+                dtype="bfloat16", dispatch_us=100.0, combine_us=100.0, dispatch_gbps=share,
+                combine_gbps=1.0, baseline_dispatch_us=100.0 * speed_d,
+                baseline_combine_us=100.0 * speed_c, copy_gbps=1.0)
+
+
+def test_summary_geometric_mean_best_worst():
+    one = bench.summarize([_row("normal", 64, 8.0, 2.0, 0.5)])
+    assert one == ["summary normal ranks=2 tokens=64: dispatch 8.0x / combine 2.0x speed-up "
+                   "over all_to_all_single; dispatch at 50% of copy bandwidth"]
+    lines = bench.summarize([_row("ll", 64, 2.0, 1.0, 0.02), _row("ll", 128, 8.0, 4.0, 0.5)])
+    assert len(lines) == 1
+    assert lines[0].startswith("summary ll, geometric mean of 2 cases: dispatch 4.0x / combine "
+                               "2.0x speed-up over the padded")
+    assert "dispatch at 10% of copy bandwidth" in lines[0]
+    assert "dispatch 8.0x (tokens=128) / 2.0x (tokens=64)" in lines[0]
+    assert "dispatch vs copy 50% (tokens=128) / 2% (tokens=64)" in lines[0]
+
+
+class _Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_line_only_on_a_terminal():
+    tty = _Tty()
+    p = bench.Progress(3, stream=tty, interval=60)
+    p.start(0, "normal R=2")
+    p.print("row", file=io.StringIO())
+    p.finish(0)
+    p.start(1, "ll R=2")
+    p.close()
+    text = tty.getvalue()
+    assert "case 1/3" in text and "case 2/3" in text and "0:00 elapsed" in text
+    assert "ll R=2" in text and text.endswith("\r\033[K")
+    for stream, enabled in ((io.StringIO(), True), (_Tty(), False)):   # pipe, or --quiet
+        q = bench.Progress(3, stream=stream, enabled=enabled)
+        q.start(0, "x")
+        q.close()
+        assert stream.getvalue() == ""
+
+
+def _error(capsys, *argv):
+    with pytest.raises(SystemExit) as e:
+        bench.main(list(argv))
+    out, err = capsys.readouterr()
+    return e.value.code, f"{e.value.code}\n{err}", out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
+def test_cuda_backend_without_gpu_is_a_clear_error(capsys):
+    code, err, _ = _error(capsys, "--backend", "cuda", "--ranks", "2")
+    assert code == 2 and "--backend cuda needs a CUDA GPU" in err
+
+
+def test_bad_lists_are_rejected(capsys):
+    code, err, _ = _error(capsys, "--ranks", "2,x")
+    assert code == 2 and "comma list of ints" in err
+    code, err, _ = _error(capsys, "--dtype", "int8")
+    assert code == 2 and "invalid choice 'int8'" in err
+    code, err, _ = _error(capsys, "--ranks", "4", "--experts", "6")
+    assert code == 2 and "no case can run" in err
+
+
+def test_plot_without_matplotlib_says_how_to_install(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)       # import matplotlib fails
+    _, err, out = _error(capsys, "--ranks", "2", "--plot", str(tmp_path / "p.png"))
+    assert "--plot needs matplotlib" in err and "pip install matplotlib" in err
+    assert out == ""                                           # refused before the sweep
