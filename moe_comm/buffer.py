@@ -14,12 +14,8 @@ from .config import Config, normal_buffer_size_hint
 from .errors import BufferTooSmallError
 from .event import EventOverlap, RecvHook, capture_event
 from .handle import DispatchHandle, LowLatencyHandle
-from .layout import aligned_expert_counts, dispatch_layout
-from .host import ll as host_ll
-from .host import normal as host_normal
+from .backend import CudaBackend, HostBackend, pick_device
 from .wire import LL_MAX_TOPK, LL_NUM_BUFFERS, LLLayout
-from .host.comm import HostComm
-from .host.pool import OutputPool
 
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_NVL_BYTES = 256 << 20
@@ -52,6 +48,9 @@ class Buffer:
             "auto" (the ``MOE_COMM_TRANSPORT`` environment variable, else verbs where every
             rank has an RDMA device, else TCP), "verbs" or "tcp"; the host proxy of
             moe_comm/transport. Ranks on this host always share memory directly.
+        device: where the tensors live: a CUDA device drives the CUDA backend (kernels,
+            CUDA IPC between the ranks of one node), the CPU the host backend. Default: the
+            current CUDA device for an NCCL group, else the CPU.
 
     Every call also takes ``active_ranks=``: an int32 [R] tensor (1 = active) that is read
     (ranks it marks 0 are masked first) and updated in place with the mask after the call,
@@ -64,7 +63,7 @@ class Buffer:
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  explicitly_destroy: bool = False, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 elastic: bool = False, transport: str = "auto"):
+                 elastic: bool = False, transport: str = "auto", device=None):
         for name, v in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {v!r}")
@@ -82,14 +81,22 @@ class Buffer:
         self.timeout_s = float(timeout_s)
         self.explicitly_destroy = explicitly_destroy
         self.elastic = bool(elastic)
-        self._comm = HostComm(self.group, self.num_nvl_bytes, num_rdma_bytes, self.timeout_s,
-                              elastic=self.elastic, transport=transport)
-        self._key = (id(self), self._comm.job)
+        self.device = pick_device(self.group, device)
+        if self.device.type == "cuda":
+            if self.elastic:
+                raise ValueError("elastic=True is built for the host backend (CPU tensors) "
+                                 "only; the CUDA backend raises CommTimeoutError")
+            self._be = CudaBackend(self.group, self.num_nvl_bytes, num_rdma_bytes,
+                                   self.timeout_s, device=self.device)
+        else:
+            self._be = HostBackend(self.group, self.num_nvl_bytes, num_rdma_bytes,
+                                   self.timeout_s, elastic=self.elastic, transport=transport)
+        self._comm = self._be.comm
+        self._key = (id(self), self._be.job)
         # per LL kind, the receive hook still pending on each of the two buffers
         self._ll_pending = {"dispatch": [None] * LL_NUM_BUFFERS,
                             "combine": [None] * LL_NUM_BUFFERS}
         self._zero_copy = [None] * LL_NUM_BUFFERS
-        self._outputs = OutputPool()
 
     # -- static helpers (DeepEP) ----------------------------------------------------------
     @staticmethod
@@ -133,6 +140,9 @@ class Buffer:
         rank (a rank that left needs a new Buffer). Call it with the same mask on every
         surviving rank before their next call."""
         comm = self._live()
+        if not self._be.masking:
+            raise ValueError("set_active_ranks is supported by the host backend (CPU tensors) "
+                             "only")
         gone = self._mask_arg("mask", mask)
         comm.mask(gone, "set_active_ranks")
 
@@ -148,6 +158,8 @@ class Buffer:
     def _enter(self, active_ranks):
         """Start a call: apply a caller's ``active_ranks`` tensor; returns the comm."""
         comm = self._live()
+        if active_ranks is not None and not self._be.masking:
+            raise ValueError("active_ranks is supported by the host backend (CPU tensors) only")
         if active_ranks is not None:
             if active_ranks.dtype not in (torch.int32, torch.int64, torch.bool):
                 raise ValueError(f"active_ranks must be int32/int64/bool, got "
@@ -159,6 +171,13 @@ class Buffer:
         """Write the mask after a call back into the caller's ``active_ranks`` tensor."""
         if active_ranks is not None and self._comm is not None:
             active_ranks.copy_(torch.from_numpy(self._comm.active).to(active_ranks.dtype))
+
+    def _on_device(self, **tensors) -> None:
+        """Every tensor argument must live where this Buffer's backend works."""
+        for name, t in tensors.items():
+            if isinstance(t, torch.Tensor) and t.device.type != self.device.type:
+                raise ValueError(f"{name} is on {t.device}, but this Buffer works on "
+                                 f"{self.device} (Buffer(device=...) picks the backend)")
 
     # -- normal mode ----------------------------------------------------------------------
     def _live(self):
@@ -183,14 +202,15 @@ class Buffer:
         check.num_experts(num_experts, self.group_size)
         check.topk_idx(topk_idx, num_experts)
         comm = self._enter(active_ranks)
-        per_rank, per_expert, in_rank = dispatch_layout(topk_idx, num_experts, self.group_size)
+        self._on_device(topk_idx=topk_idx)
+        per_rank, per_expert, in_rank = self._be.layout(topk_idx, num_experts, self.group_size)
         if not comm.active.all():
             gone = torch.from_numpy(~comm.active)
             per_rank[gone] = 0
             in_rank[:, gone] = False
             per_expert.view(self.group_size, -1)[gone] = 0
         self._leave(active_ranks)
-        return per_rank, None, per_expert, in_rank, EventOverlap()
+        return per_rank, None, per_expert, in_rank, self._be.event()
 
     def dispatch(self, x, handle: DispatchHandle | None = None,
                  num_tokens_per_rank: torch.Tensor | None = None,
@@ -267,20 +287,21 @@ class Buffer:
                     raise ValueError(f"is_token_in_rank must have shape {(num_tokens, R)}, "
                                      f"got {tuple(is_token_in_rank.shape)}")
             if num_tokens_per_rank is None or is_token_in_rank is None:
-                num_tokens_per_rank, _, is_token_in_rank = dispatch_layout(topk_idx,
+                num_tokens_per_rank, _, is_token_in_rank = self._be.layout(topk_idx,
                                                                            num_experts, R)
         self._enter(active_ranks)
-        recv_x, recv_s, recv_i, recv_w, handle = host_normal.dispatch(
+        self._on_device(x=data, topk_idx=topk_idx, topk_weights=topk_weights)
+        recv_x, recv_s, recv_i, recv_w, handle = self._be.normal.dispatch(
             comm, x_bytes=data.view(torch.uint8), dtype=data.dtype, hidden=hidden,
             scales=scales, topk_idx=topk_idx, topk_weights=topk_weights,
             is_token_in_rank=is_token_in_rank, num_tokens_per_rank=num_tokens_per_rank,
             handle=handle, num_experts=num_experts, num_worst_tokens=num_worst_tokens,
             buffer_key=self._key)
         self._leave(active_ranks)
-        counts = [] if recv_i is None else aligned_expert_counts(
-            recv_i, num_experts // R, expert_alignment)
+        counts = [] if recv_i is None else self._be.expert_counts(
+            recv_i, handle, num_experts // R, expert_alignment)
         out_x = recv_x if recv_s is None else (recv_x, recv_s)
-        return out_x, recv_i, recv_w, counts, handle, EventOverlap()
+        return out_x, recv_i, recv_w, counts, handle, self._be.event()
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle,
                 topk_weights: torch.Tensor | None = None, bias=None,
@@ -324,10 +345,11 @@ class Buffer:
             topk_weights = topk_weights[:n].contiguous()
         biases = self._biases(bias, handle)
         self._enter(active_ranks)
-        out, w = host_normal.combine(comm, x=x[:n].contiguous(), handle=handle,
+        self._on_device(x=x, topk_weights=topk_weights)
+        out, w = self._be.normal.combine(comm, x=x[:n].contiguous(), handle=handle,
                                      topk_weights=topk_weights, bias=biases)
         self._leave(active_ranks)
-        return out, w, EventOverlap()
+        return out, w, self._be.event()
 
     def _biases(self, bias, handle):
         if bias is None:
@@ -452,10 +474,11 @@ class Buffer:
         buf = self._ll_reserve("dispatch", comm.ll_seq["dispatch"] + 1)
         self._enter(active_ranks)
         x = x.contiguous()
-        handle = host_ll.dispatch_send(comm, x=x, topk_idx=topk_idx, lay=lay, use_fp8=use_fp8,
+        self._on_device(x=x, topk_idx=topk_idx, cumulative_local_expert_recv_stats=stats)
+        handle = self._be.ll.dispatch_send(comm, x=x, topk_idx=topk_idx, lay=lay, use_fp8=use_fp8,
                                        round_scale=round_scale, buffer_key=self._key)
         rows = self.group_size * num_max_dispatch_tokens_per_rank
-        pool = self._outputs
+        pool = self._be
         recv_x = pool.empty(("ll_x", buf), (num_local, rows, hidden),
                             torch.float8_e4m3fn if use_fp8 else torch.bfloat16)
         recv_scales = None
@@ -465,10 +488,10 @@ class Buffer:
         elif use_fp8:
             recv_scales = pool.empty(("ll_s", buf), (num_local, rows, hidden // 128),
                                      torch.float32)
-        recv_count = torch.zeros(num_local, dtype=torch.int32)
+        recv_count = torch.zeros(num_local, dtype=torch.int32, device=self.device)
 
         def receive():
-            host_ll.dispatch_recv(comm, handle, lay, recv_x=recv_x, recv_scales=recv_scales,
+            self._be.ll.dispatch_recv(comm, handle, lay, recv_x=recv_x, recv_scales=recv_scales,
                                   recv_count=recv_count, use_fp8=use_fp8, use_ue8m0=use_ue8m0,
                                   stats=stats)
             self._leave(active_ranks)
@@ -476,7 +499,7 @@ class Buffer:
         self._leave(active_ranks)
         hook = self._ll_finish("dispatch", buf, receive, return_recv_hook)
         out_x = (recv_x, recv_scales) if use_fp8 else recv_x
-        return out_x, recv_count, handle, EventOverlap(), hook
+        return out_x, recv_count, handle, self._be.event(), hook
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """bf16 [E/R, R*M, H]: write expert outputs here and call
@@ -488,7 +511,8 @@ class Buffer:
                  handle.hidden)
         t = self._zero_copy[buf]
         if t is None or tuple(t.shape) != shape:
-            t = self._zero_copy[buf] = torch.empty(shape, dtype=torch.bfloat16)
+            t = self._zero_copy[buf] = torch.empty(shape, dtype=torch.bfloat16,
+                                                   device=self.device)
         return t
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor,
@@ -529,7 +553,7 @@ class Buffer:
                              f"{(handle.num_tokens, handle.topk)}, got {tuple(topk_idx.shape)}")
         check.topk_weights(topk_weights, topk_idx)
         if out is None:
-            out = self._outputs.empty(("ll_out", comm.ll_seq["combine"] % LL_NUM_BUFFERS),
+            out = self._be.empty(("ll_out", comm.ll_seq["combine"] % LL_NUM_BUFFERS),
                                       (handle.num_tokens, handle.hidden), torch.bfloat16)
         else:
             check.tensor("out", out, ndim=2, dtypes=(torch.bfloat16,))
@@ -538,16 +562,17 @@ class Buffer:
                                  f"got {tuple(out.shape)}")
         buf = self._ll_reserve("combine", comm.ll_seq["combine"] + 1)
         self._enter(active_ranks)
-        seq, buf = host_ll.combine_send(comm, x=x.contiguous(), handle=handle, lay=lay)
+        self._on_device(x=x, topk_idx=topk_idx, topk_weights=topk_weights, out=out)
+        seq, buf = self._be.ll.combine_send(comm, x=x.contiguous(), handle=handle, lay=lay)
         self._leave(active_ranks)
 
         def receive():
-            host_ll.combine_recv(comm, seq, buf, lay, handle=handle, topk_idx=topk_idx,
+            self._be.ll.combine_recv(comm, seq, buf, lay, handle=handle, topk_idx=topk_idx,
                                  topk_weights=topk_weights, out=out)
             self._leave(active_ranks)
 
         hook = self._ll_finish("combine", buf, receive, return_recv_hook)
-        return out, EventOverlap(), hook
+        return out, self._be.event(), hook
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None:
@@ -575,8 +600,8 @@ class Buffer:
         """Release the shared memory (received tensors still alive keep their pages mapped
         until they are dropped; nothing outlives the process)."""
         if self._comm is not None:
-            self._comm.destroy()
             self._comm = None
+            self._be.destroy()
 
     def __del__(self):
         try:

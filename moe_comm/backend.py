@@ -1,0 +1,90 @@
+"""Which backend a Buffer drives: the host backend for CPU tensors, the CUDA backend for GPU
+tensors. Both expose the same mode modules (``normal``: dispatch/combine; ``ll``: the four
+low-latency halves, same keyword arguments); this module holds the few things that differ
+(how the layout is computed, where outputs are allocated, what an event is).
+"""
+from __future__ import annotations
+
+import secrets
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .event import EventOverlap, capture_event
+from .host.pool import OutputPool
+from .layout import aligned_expert_counts, dispatch_layout
+
+
+def pick_device(group, device) -> torch.device:
+    """``device`` if given; else CUDA (the current device) for an NCCL group, else CPU."""
+    if device is not None:
+        return torch.device(device)
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class HostBackend:
+    """CPU tensors: processes on one machine share memory; other hosts via the transport."""
+
+    masking = True
+
+    def __init__(self, group, num_nvl_bytes, num_rdma_bytes, timeout_s, *, elastic,
+                 transport):
+        from .host import ll, normal
+        from .host.comm import HostComm
+        self.normal, self.ll = normal, ll
+        self.device = torch.device("cpu")
+        self.comm = HostComm(group, num_nvl_bytes, num_rdma_bytes, timeout_s,
+                             elastic=elastic, transport=transport)
+        self.job = self.comm.job
+        self._pool = OutputPool()
+
+    def layout(self, topk_idx, num_experts, num_ranks):
+        return dispatch_layout(topk_idx, num_experts, num_ranks)
+
+    def expert_counts(self, recv_idx, handle, num_local, alignment) -> list:
+        return aligned_expert_counts(recv_idx, num_local, alignment)
+
+    def empty(self, key, shape, dtype) -> torch.Tensor:
+        return self._pool.empty(key, shape, dtype)
+
+    def event(self) -> EventOverlap:
+        return EventOverlap()             # host calls are complete when they return
+
+    def destroy(self) -> None:
+        self.comm.destroy()
+
+
+class CudaBackend:
+    """GPU tensors: kernels on torch's current stream, peers of one node through CUDA IPC."""
+
+    masking = False
+
+    def __init__(self, group, num_nvl_bytes, num_rdma_bytes, timeout_s, *, device):
+        from .cuda import ll, normal
+        from .cuda.comm import CudaComm
+        self.normal, self.ll = normal, ll
+        self.device = device
+        self.comm = CudaComm.from_group(group, num_nvl_bytes, num_rdma_bytes, timeout_s,
+                                        device=device)
+        self.comm.active = np.ones(self.comm.num_ranks, dtype=bool)
+        self.job = secrets.token_hex(8)
+
+    def layout(self, topk_idx, num_experts, num_ranks):
+        return self.normal.get_dispatch_layout(topk_idx, num_experts, num_ranks)
+
+    def expert_counts(self, recv_idx, handle, num_local, alignment) -> list:
+        if recv_idx is None:
+            return []
+        return self.normal.aligned_expert_counts(handle, alignment).tolist()
+
+    def empty(self, key, shape, dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def event(self) -> EventOverlap:
+        return capture_event()            # marks the kernels just queued on this stream
+
+    def destroy(self) -> None:
+        self.comm.destroy(barrier=True)
