@@ -626,6 +626,11 @@ def build_parser():
                    help="host: CPU tensors over shared memory, gloo baseline; cuda: GPU "
                         "tensors, NCCL baseline, one GPU per rank; auto: cuda if torch sees "
                         "a GPU, else host (default: auto)")
+    p.add_argument("--hosts", type=int, default=1,
+                   help="spread the ranks over this many hosts: network namespaces on this "
+                        "machine joined by veth links (needs root); ranks on different hosts "
+                        "talk through the host proxy over TCP, the baseline's gloo over the "
+                        "same links (default: 1)")
     p.add_argument("--iters", type=int, default=10,
                    help="back-to-back calls per timed repeat (default: 10)")
     p.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
@@ -641,6 +646,25 @@ def build_parser():
 def _prepare_output(path):
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
+
+
+def _hosts_launcher(p, hosts, backend, cases):
+    """A run_cases launcher placing ranks on ``hosts`` network namespaces (moe_comm.netns),
+    ranks / hosts on each; ranks on different hosts go through the host proxy over TCP."""
+    from moe_comm import netns
+    why = netns.available()
+    if why is not None:
+        p.error(f"--hosts needs network namespaces: {why}")
+    if backend != "host":
+        p.error("--hosts runs the host backend (CPU tensors) only")
+    bad = sorted({c["ranks"] for c in cases if c["ranks"] % hosts})
+    if bad:
+        p.error(f"--ranks {bad} cannot be spread evenly over {hosts} hosts")
+
+    def launch(fn, n, *args, timeout):
+        return netns.run_on_hosts(fn, hosts, n // hosts, *args, timeout=timeout,
+                                  env={"MOE_COMM_TRANSPORT": "tcp"})
+    return launch
 
 
 def main(argv=None):
@@ -674,12 +698,13 @@ def main(argv=None):
         if path:
             _prepare_output(path)
 
-    # Multi-machine runs (a --hosts option) plug in here: same cases, their own launcher
-    # passed to run_cases (see its docstring); everything after it works on the rows.
+    launcher = run_ranks
+    if args.hosts > 1:
+        launcher = _hosts_launcher(p, args.hosts, backend, runnable)
     progress = Progress(len(runnable), enabled=not args.quiet)
     progress.print(format_header())
     try:
-        rows = run_cases(runnable, args.iters, backend, progress=progress,
+        rows = run_cases(runnable, args.iters, backend, progress=progress, launcher=launcher,
                          on_row=lambda row: progress.print(format_row(row)))
     finally:
         progress.close()

@@ -1,0 +1,135 @@
+"""Open a transport: pick the engine, exchange addresses and the job secret, connect.
+
+Choice of engine (the same on every rank, decided from what all ranks report):
+
+- ``kind`` argument ``"tcp"`` or ``"verbs"`` wins; ``"auto"`` (default) defers to the
+  ``MOE_COMM_TRANSPORT`` environment variable (``auto``/``tcp``/``verbs``);
+- ``auto``: verbs when every rank of the group has an RDMA device with an active port and
+  pyverbs imports, else TCP. A rank that asked for ``verbs`` makes every rank raise if
+  some rank cannot do it (rather than silently running slower than asked).
+
+The chosen engine and why is logged once per process (logger ``moe_comm.transport``).
+
+Exchange: one ``all_gather_object`` over ``group`` carries each rank's listener address,
+region size, remote list and device capability, plus a secret candidate; rank 0's candidate
+becomes the job secret unless ``secret`` is given. The group's own channel is the trust root:
+whoever is in the process group is in the job. Verbs needs a second gather (queue-pair
+numbers, rkeys), then a barrier so no rank posts before every peer's QP is ready.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import secrets as _secrets
+import time
+
+from .addr import local_address
+from .proxy import ProxyTransport
+from .receiver import Region
+from .tcp import TcpEngine, listen
+
+log = logging.getLogger("moe_comm.transport")
+
+KINDS = ("auto", "tcp", "verbs")
+ENV = "MOE_COMM_TRANSPORT"
+_logged = set()
+
+
+def requested_kind(kind: str = "auto") -> str:
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if kind != "auto":
+        return kind
+    env = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if env not in KINDS:
+        raise ValueError(f"{ENV} must be one of {KINDS}, got {env!r}")
+    return env
+
+
+def _log_once(kind: str, why: str) -> None:
+    if kind not in _logged:
+        _logged.add(kind)
+        log.info("moe_comm host proxy transport: %s (%s)", kind, why)
+
+
+def _check_remote(remote_ranks, rank: int, world: int) -> list:
+    try:
+        remote = [int(r) for r in remote_ranks]
+    except (TypeError, ValueError):
+        raise TypeError("remote_ranks must be a list of group ranks") from None
+    if len(set(remote)) != len(remote) or rank in remote or \
+            any(not 0 <= r < world for r in remote):
+        raise ValueError(f"remote_ranks must be distinct ranks in [0, {world}) other than "
+                         f"this rank {rank}, got {remote_ranks}")
+    return remote
+
+
+def open_transport(group, region, remote_ranks, *, kind: str = "auto",
+                   timeout_s: float = 120.0, secret: bytes | None = None,
+                   bind_addr: str | None = None, channels: int | None = None,
+                   depth: int = 1024) -> ProxyTransport:
+    """Collective over ``group``: every rank calls it. See the package docstring."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    reg = Region(region)
+    remote = _check_remote(remote_ranks, rank, world)
+    if secret is not None and (not isinstance(secret, (bytes, bytearray)) or len(secret) < 16):
+        raise ValueError("secret must be bytes, at least 16 of them")
+    want = requested_kind(kind)
+    verbs_ok, verbs_why = False, "not requested"
+    if want in ("auto", "verbs"):
+        from .verbs import probe
+        verbs_ok, verbs_why = probe()
+    listener = None if want == "verbs" else listen(local_address(bind_addr))
+    try:
+        info = dict(want=want, verbs=verbs_ok, why=verbs_why, remote=sorted(remote),
+                    tcp=listener.getsockname() if listener else None, size=reg.size,
+                    secret=None if secret is not None else _secrets.token_bytes(32))
+        infos = [None] * world
+        dist.all_gather_object(infos, info, group=group)
+        for a, ia in enumerate(infos):                 # every rank checks the same matrix
+            for b in ia["remote"]:
+                if a not in infos[b]["remote"]:
+                    raise ValueError(f"remote_ranks must be symmetric: rank {a} lists rank "
+                                     f"{b} but rank {b} does not list rank {a}")
+        lacking = [r for r, i in enumerate(infos) if not i["verbs"]]
+        if any(i["want"] == "verbs" for i in infos) and lacking:
+            raise RuntimeError(f"transport 'verbs' was requested but ranks {lacking} cannot "
+                               f"use it: {infos[lacking[0]]['why']}")
+        chosen = "tcp" if lacking else "verbs"
+        job_secret = bytes(secret) if secret is not None else infos[0]["secret"]
+        sizes = {r: infos[r]["size"] for r in remote}
+        deadline = time.monotonic() + timeout_s
+        if chosen == "tcp":
+            engine = TcpEngine(rank, reg, remote, job_secret, timeout_s, listener)
+            listener = None                              # the engine owns it now
+            try:
+                engine.start({r: infos[r]["tcp"] for r in remote}, deadline)
+            except BaseException:
+                engine.close()
+                raise
+            why = (f"rank {lacking[0]}: {infos[lacking[0]]['why']}"
+                   if want == "auto" else "requested")
+        else:
+            from .verbs import VerbsEngine
+            engine = VerbsEngine(rank, reg, remote, timeout_s)
+            try:
+                local = engine.local_info()
+                all_info = [None] * world
+                dist.all_gather_object(all_info, local, group=group)
+                engine.connect({r: all_info[r] for r in remote})
+                dist.barrier(group=group)
+            except BaseException:
+                engine.close()
+                raise
+            why = "RDMA device on every rank"
+    finally:
+        if listener is not None:
+            listener.close()
+    _log_once(chosen, why)
+    if channels is None:
+        channels = min(4, max(1, len(remote)))
+    t = ProxyTransport(engine, rank, remote, sizes, timeout_s, channels=channels, depth=depth)
+    t.address = getattr(engine, "address", None)
+    return t
