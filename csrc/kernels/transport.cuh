@@ -12,23 +12,49 @@
 //   t.read_signal(rank, offset)                    // acquire load of a word in rank's memory
 //
 // Implemented now: peers in this node through CUDA IPC mappings (`bases[rank] != 0`): the row
-// *is* the peer's memory, commit does nothing, a signal is one st.release.sys. Not implemented:
-// remote ranks (`bases[rank] == 0`). Their branch is where an IBGDA put (nvshmemi put + signal)
-// or a host-proxy ring command (write the message into a local staging slot, push
-// {rank, offset, bytes, slot} to a GPU->CPU ring) belongs; today it records kErrNoTransport and
-// drops the write, and the host never maps a group with such ranks (moe_comm/cuda/comm.py).
+// *is* the peer's memory, commit does nothing, a signal is one st.release.sys. Remote ranks
+// (`bases[rank] == 0`) record kErrNoTransport and drop the write; the host never maps a group
+// with such ranks (moe_comm/cuda/comm.py). A host-proxy ring command (write the message into a
+// local staging slot, push {rank, offset, bytes, slot} to a GPU->CPU ring) belongs there too.
+//
+// Built with -DMOE_WITH_NVSHMEM (nvcc -rdc + libnvshmem_device, moe_comm/ibgda/build.py), the
+// remote branch is NVSHMEM (IBGDA: the GPU posts the RDMA writes itself), and a bases[] word
+// with its low bit set names a network peer (csrc/ibgda/transport_nvshmem.cuh,
+// csrc/ibgda/README.md). Without the macro nothing below changes.
 #pragma once
 #include "sync.cuh"
+#ifdef MOE_WITH_NVSHMEM
+#include "../ibgda/transport_nvshmem.cuh"
+#endif
 
 struct Transport {
     const u64* bases;  // [num_ranks] base address of each rank's comm buffer in this process
     ErrorSink err;
 
+#ifdef MOE_WITH_NVSHMEM
+    MOE_DEVICE bool by_pointer(int rank) const { return moe_ibgda::is_pointer(bases[rank]); }
+#else
     MOE_DEVICE bool by_pointer(int rank) const { return bases[rank] != 0; }
+#endif
     MOE_DEVICE u8* peer(int rank, u64 offset) const { return (u8*)bases[rank] + offset; }
 
     // Where to write a message of `rank` that must land at `offset` of its buffer. `staging`
     // (a local slot the caller owns, may be null) is what a remote transport would return.
+#ifdef MOE_WITH_NVSHMEM
+    // A network rank needs a staging row in NIC-registered memory (the symmetric heap); a
+    // caller that has none (staging == nullptr) gets nullptr and the error word says so
+    // (detail 2), instead of a message silently missing at the receiver.
+    MOE_DEVICE u8* row_for_write(int rank, u64 offset, u8* staging) const {
+        if (by_pointer(rank)) return peer(rank, offset);
+        if (!staging) err.report(kErrNoTransport, 0, rank, 2);
+        return staging;
+    }
+
+    MOE_DEVICE void commit_row_warp(int rank, u64 offset, const u8* row, u64 bytes) const {
+        if (by_pointer(rank) || !row) return;  // stores went to the peer / nothing was staged
+        remote_put_warp(rank, offset, row, bytes);
+    }
+#else
     MOE_DEVICE u8* row_for_write(int rank, u64 offset, u8* staging) const {
         return by_pointer(rank) ? peer(rank, offset) : staging;
     }
@@ -37,6 +63,7 @@ struct Transport {
         if (by_pointer(rank)) return;  // the stores went straight to the peer
         remote_put_warp(rank, offset, row, bytes);
     }
+#endif
 
     MOE_DEVICE void put_warp(int rank, u64 offset, const void* src, u64 bytes) const {
         if (by_pointer(rank))
@@ -54,17 +81,46 @@ struct Transport {
 
     MOE_DEVICE u64 read_signal(int rank, u64 offset) const {
         if (by_pointer(rank)) return ld_acquire_sys((const u64*)peer(rank, offset));
+#ifdef MOE_WITH_NVSHMEM
+        if (moe_ibgda::is_remote(bases[rank]))  // one RDMA read: prefer pushed local words
+            return moe_ibgda::read_remote(bases[rank], rank, offset);
+#endif
         remote_signal(rank, offset, 0);  // no remote read path: report, return "nothing yet"
         return 0;
     }
 
+    // Wait for a tagged word in this rank's own memory that `rank` signals (the push model:
+    // every wait is on local memory). Returns the value, or -1 after the deadline (reported).
+    MOE_DEVICE i64 wait_local(const u64* p, u32 epoch, u64 timeout_ns, int rank) const {
+#ifdef MOE_WITH_NVSHMEM
+        return moe_ibgda::wait_local_tag(p, epoch, timeout_ns, err, rank);
+#else
+        return wait_tag(p, epoch, timeout_ns, err, rank);
+#endif
+    }
+
     // Remote hooks: the only place a network transport plugs in.
+#ifdef MOE_WITH_NVSHMEM
+    MOE_DEVICE void remote_put_warp(int rank, u64 offset, const u8* src, u64 bytes) const {
+        if (moe_ibgda::is_remote(bases[rank]))
+            moe_ibgda::put_warp(bases[rank], rank, offset, src, bytes);
+        else if (lane_id() == 0)
+            err.report(kErrNoTransport, 0, rank, 0);
+    }
+    MOE_DEVICE void remote_signal(int rank, u64 offset, u64 word) const {
+        if (moe_ibgda::is_remote(bases[rank]))
+            moe_ibgda::signal(bases[rank], rank, offset, word);
+        else
+            err.report(kErrNoTransport, 0, rank, 0);
+    }
+#else
     MOE_DEVICE void remote_put_warp(int rank, u64, const u8*, u64) const {
         if (lane_id() == 0) err.report(kErrNoTransport, 0, rank, 0);
     }
     MOE_DEVICE void remote_signal(int rank, u64, u64) const {
         err.report(kErrNoTransport, 0, rank, 0);
     }
+#endif
 };
 
 // Deadline-bounded wait for a tagged word in another rank's memory (flow control: "has that
@@ -79,5 +135,8 @@ MOE_DEVICE bool wait_peer_tag(const Transport& t, int rank, u64 offset, u32 epoc
             t.err.report(kErrTimeout, epoch, rank, 1);
             return false;
         }
+#ifdef MOE_WITH_NVSHMEM
+        if (!t.by_pointer(rank)) __nanosleep(moe_ibgda::kRemotePollNs);  // one RDMA read a poll
+#endif
     }
 }

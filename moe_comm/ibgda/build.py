@@ -1,0 +1,177 @@
+"""Build device code that calls NVSHMEM (IBGDA) into a cubin, cached on disk.
+
+NVRTC cannot link NVSHMEM's signal entry points and compiles IBGDA out (shared/TOOLING.md), so
+this uses nvcc, in two steps, with no GPU or driver involved:
+
+1. ``nvcc -rdc=true -arch=sm_XY -std=c++17 -DMOE_WITH_NVSHMEM -D<macros> -I csrc/kernels
+   -I <nvshmem>/include -c <source> -o prog.o``  (relocatable device code)
+2. ``nvcc -arch=sm_XY -dlink -cubin prog.o -L <nvshmem>/lib -lnvshmem_device -o prog.cubin``
+   (device link against the static device library: a self-contained cubin)
+
+The cubin is loaded with ``cuda.core.ObjectCode.from_cubin`` and must then be registered with
+NVSHMEM (``nvshmem.core.library_init``; see moe_comm/ibgda/runtime.py) before a launch. It must
+run with the host library of the same NVSHMEM version it was built against (the version is in
+the cache key, and runtime.py checks it).
+
+Programs: :func:`selftest_program` (csrc/ibgda/selftest.cu) and :func:`kernel_program`, any
+variant of moe_comm/cuda/variants.py, i.e. the mode kernels with the NVSHMEM remote branch of
+``Transport`` switched on.
+
+Cache key = sha256 over every source file of csrc/kernels and csrc/ibgda (names and bytes), the
+program and its macros, the arch, the NVSHMEM version, the nvcc version and this module's
+options. Files live in ``$MOE_COMM_CACHE_DIR/ibgda`` (default ``~/.cache/moe_comm/ibgda``),
+written atomically (ranks that build the same program at once do not corrupt each other).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import elf
+from .locate import nvcc_path, nvcc_version, nvshmem_install
+
+OPTIONS_VERSION = "1"            # bump when the commands below change
+_STD = "c++17"
+_TIMEOUT_S = 900
+
+
+class IbgdaBuildError(RuntimeError):
+    """nvcc rejected the program (or, in strict mode, warned), or the link left symbols open."""
+
+
+@dataclass(frozen=True)
+class Program:
+    """One translation unit: ``source`` (relative to csrc/) compiled with ``defines`` (sorted
+    ``(name, value)`` pairs, MOE_WITH_NVSHMEM implied); it holds ``kernels``."""
+
+    source: str
+    defines: tuple
+    kernels: tuple
+
+    @property
+    def label(self) -> str:
+        macros = ",".join(f"{k}={v}" for k, v in self.defines)
+        return f"{self.source}[{macros}]"
+
+
+SELFTEST_KERNELS = ("moe_ibgda_test_send", "moe_ibgda_test_wait", "moe_ibgda_test_wait_remote",
+                    "moe_ibgda_test_pingpong")
+
+
+def selftest_program() -> Program:
+    return Program("ibgda/selftest.cu", (), SELFTEST_KERNELS)
+
+
+def kernel_program(variant) -> Program:
+    """The NVSHMEM build of a ``moe_comm.cuda.variants.Variant``."""
+    return Program(f"kernels/{variant.source}", tuple(variant.defines), tuple(variant.kernels))
+
+
+def csrc_dir() -> Path:
+    """``$MOE_COMM_CSRC_DIR`` or the repository's csrc/ (holding kernels/ and ibgda/:
+    transport.cuh includes ../ibgda/transport_nvshmem.cuh, so they stay siblings)."""
+    env = os.environ.get("MOE_COMM_CSRC_DIR")
+    path = Path(env) if env else Path(__file__).resolve().parents[2] / "csrc"
+    if not (path / "kernels").is_dir() or not (path / "ibgda").is_dir():
+        raise FileNotFoundError(f"device sources not found at {path} (expected kernels/ and "
+                                "ibgda/; set MOE_COMM_CSRC_DIR)")
+    return path
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("MOE_COMM_CACHE_DIR")
+    base = Path(env) if env else Path.home() / ".cache" / "moe_comm"
+    return base / "ibgda"
+
+
+def _sources_digest(root: Path) -> str:
+    h = hashlib.sha256()
+    for sub in ("kernels", "ibgda"):
+        for f in sorted((root / sub).iterdir()):
+            if f.suffix in (".cu", ".cuh", ".h") and f.is_file():
+                h.update(f"{sub}/{f.name}".encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def cache_key(program: Program, arch: str, root: Path | None = None) -> str:
+    root = root or csrc_dir()
+    nv = nvshmem_install()
+    h = hashlib.sha256()
+    for part in (OPTIONS_VERSION, _STD, _sources_digest(root), program.source,
+                 repr(program.defines), arch, nv.version, nv.device_lib.stat().st_size,
+                 nvcc_version(nvcc_path())):
+        h.update(str(part).encode() + b"\0")
+    return h.hexdigest()
+
+
+def _commands(program: Program, arch: str, root: Path, obj: Path, cubin: Path):
+    nv, nvcc = nvshmem_install(), nvcc_path()
+    macros = [f"-D{k}={v}" for k, v in program.defines]
+    compile_cmd = [nvcc, "-rdc=true", f"-arch={arch}", f"-std={_STD}", "-DMOE_WITH_NVSHMEM",
+                   *macros, "-I", str(root / "kernels"), "-I", str(nv.include),
+                   "-c", str(root / program.source), "-o", str(obj)]
+    link_cmd = [nvcc, f"-arch={arch}", "-dlink", "-cubin", str(obj), "-L", str(nv.lib),
+                "-lnvshmem_device", "-o", str(cubin)]
+    return compile_cmd, link_cmd
+
+
+def _run(cmd, what: str) -> str:
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise IbgdaBuildError(f"{what}: nvcc ran past {_TIMEOUT_S} s") from None
+    log = (done.stdout + done.stderr).strip()
+    if done.returncode != 0:
+        raise IbgdaBuildError(f"{what} failed (exit {done.returncode}):\n{' '.join(cmd)}\n{log}")
+    return log
+
+
+def build_cubin(program: Program, arch: str, *, strict: bool = False, use_cache: bool = True,
+                log_sink: list | None = None) -> bytes:
+    """Device-linked cubin bytes of ``program`` for ``arch`` (``"sm_90"``, ``"sm_100"``, ...).
+
+    ``strict``: any compiler or linker output (a warning) is an error (the CI test uses it).
+    ``log_sink``: a list that receives the compile and link logs of a fresh build.
+    Raises :class:`IbgdaBuildError`, or ``locate.NvshmemNotFoundError`` when NVSHMEM or nvcc
+    is missing. Needs no GPU.
+    """
+    root = csrc_dir()
+    key = cache_key(program, arch, root)
+    stem = Path(program.source).stem
+    path = cache_dir() / f"{stem}-{arch}-{key[:40]}.cubin"
+    if use_cache and path.is_file():
+        return path.read_bytes()
+    with tempfile.TemporaryDirectory(prefix="moe_ibgda_") as tmp:
+        obj, cubin = Path(tmp) / f"{stem}.o", Path(tmp) / f"{stem}.cubin"
+        compile_cmd, link_cmd = _commands(program, arch, root, obj, cubin)
+        logs = [_run(compile_cmd, f"{program.label} for {arch}: nvcc -rdc compile")]
+        logs.append(_run(link_cmd, f"{program.label} for {arch}: device link"))
+        data = cubin.read_bytes()
+    text = "\n".join(log for log in logs if log)
+    if log_sink is not None:
+        log_sink.append(text)
+    if strict and text:
+        raise IbgdaBuildError(f"{program.label} for {arch} built with diagnostics (warnings "
+                              f"are errors here):\n{text}")
+    missing = elf.unresolved(data)
+    if missing:
+        raise IbgdaBuildError(f"{program.label} for {arch}: device link left symbols "
+                              f"unresolved: {sorted(missing)}")
+    if use_cache:
+        _write_atomic(path, data)
+    return data
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError:
+        pass                        # a read-only cache only costs a rebuild next time
