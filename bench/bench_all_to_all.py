@@ -710,6 +710,16 @@ def main(argv=None):
         progress.close()
     for line in summarize(rows):
         print(line)
+    if args.hosts > 1:
+        # the link itself, same run: a plain socket stream vs the proxy's puts
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from hosts import measure
+        link = measure(total_mb=128, repeat=3)
+        print(f"summary link between 2 hosts: raw TCP {link['raw_tcp_GBps']:.2f} GB/s, "
+              f"proxy put {link['proxy_tcp_GBps']:.2f} GB/s ({link['ratio']:.0%} of raw)")
+        for row in rows:
+            row.update(hosts=args.hosts, raw_tcp_gbps=link["raw_tcp_GBps"],
+                       proxy_tcp_gbps=link["proxy_tcp_GBps"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
