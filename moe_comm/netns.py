@@ -50,6 +50,8 @@ import tempfile
 import time
 import traceback
 
+from .host.segment import pid_alive
+
 PREFIX = "mcns"
 IFNAME = "eth0"
 SUBNET = "10.77.0"
@@ -67,16 +69,6 @@ def _ip(*args, check=True):
     if check and r.returncode != 0:
         raise RuntimeError(f"ip {' '.join(args)} failed: {r.stderr.strip()}")
     return r.stdout
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def available() -> str | None:
@@ -127,13 +119,13 @@ def reclaim_stale_namespaces() -> list:
     tmp = tempfile.gettempdir()
     for entry in os.listdir(tmp):
         pid = _creator(entry) if entry.startswith(PREFIX) else None
-        if pid is not None and not _pid_alive(pid):
+        if pid is not None and not pid_alive(pid):
             shutil.rmtree(os.path.join(tmp, entry), ignore_errors=True)
     removed = []
     for line in _ip("netns", "list", check=False).splitlines():
         name = line.split()[0] if line.split() else ""
         pid = _creator(name) if name.startswith(PREFIX) else None
-        if pid is not None and not _pid_alive(pid):
+        if pid is not None and not pid_alive(pid):
             _kill_ns_processes(name)
             _ip("netns", "del", name, check=False)
             removed.append(name)

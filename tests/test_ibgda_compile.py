@@ -90,7 +90,7 @@ def test_cache_reuses_cubins_and_keys_on_version_arch_macros(built, tmp_path, mo
         pytest.skip("selftest did not build (reported above)")
     monkeypatch.setenv("MOE_COMM_CACHE_DIR", str(tmp_path))
     # Seed a fresh cache from the module build, then prove a hit runs no nvcc.
-    build._write_atomic(build.cache_dir() / f"selftest-sm_90-"
+    build.write_atomic(build.cache_dir() / f"selftest-sm_90-"
                         f"{build.cache_key(*job)[:40]}.cubin", built[job])
 
     def no_nvcc(*a, **k):

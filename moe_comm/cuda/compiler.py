@@ -122,11 +122,12 @@ def compile_cubin(variant: Variant, arch: str, *, strict: bool = False, use_cach
                                  f"(warnings are errors here):\n{text}")
     data = bytes(obj.code)          # only .code: see the module docstring
     if use_cache:
-        _write_atomic(path, data)
+        write_atomic(path, data)
     return data
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write a cache file so readers never see half of it (also used by moe_comm.ibgda)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")

@@ -23,7 +23,7 @@ def segment_name(job: str, rank: int) -> str:
     return f"{PREFIX}{job}.{rank}.{os.getpid()}"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -47,7 +47,7 @@ def reclaim_stale_segments(shm_dir: str = SHM_DIR) -> list:
             pid = int(name.rsplit(".", 1)[1])
         except (IndexError, ValueError):
             continue
-        if not _pid_alive(pid):
+        if not pid_alive(pid):
             try:
                 os.unlink(os.path.join(shm_dir, name))
                 removed.append(name)

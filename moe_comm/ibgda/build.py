@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import elf
+from ..cuda.compiler import write_atomic
 from .locate import nvcc_path, nvcc_version, nvshmem_install
 
 OPTIONS_VERSION = "1"            # bump when the commands below change
@@ -162,16 +163,5 @@ def build_cubin(program: Program, arch: str, *, strict: bool = False, use_cache:
         raise IbgdaBuildError(f"{program.label} for {arch}: device link left symbols "
                               f"unresolved: {sorted(missing)}")
     if use_cache:
-        _write_atomic(path, data)
+        write_atomic(path, data)
     return data
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except OSError:
-        pass                        # a read-only cache only costs a rebuild next time
