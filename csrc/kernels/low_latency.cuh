@@ -83,11 +83,12 @@ MOE_KERNEL void moe_ll_wait(const u64* bases, i64 rank, i64 num_ranks, i64 timeo
                             i64 words, i64 epoch) {
     const LLGroup g{bases, rank, num_ranks, timeout_ns};
     const ErrorSink err{err_host, err_dev, (i32)op};
+    const Transport t{bases, err};
     const int s = threadIdx.x;
     if (err.aborted() || s >= g.num_ranks) return;
     const u64* row = (const u64*)g.own((u64)offset + s * (u64)src_stride);
     for (i64 j = 0; j < words; ++j)
-        if (wait_tag(row + j, (u32)epoch, g.timeout_ns, err, s) < 0) return;
+        if (t.wait_local(row + j, (u32)epoch, g.timeout_ns, s) < 0) return;
 }
 
 // Push "this rank finished reading buffer b of call seq" into every rank's FREE[b][me] slot

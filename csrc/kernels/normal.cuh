@@ -72,7 +72,7 @@ __device__ void notify_body(const Group g, const ErrorSink err, u64 notify_off, 
     }
     const u64* row = (const u64*)g.own(notify_off + (u64)(p * row_words) * 8);
     for (int d = 0; d < R; ++d) {
-        const i64 v = wait_tag(row + d, epoch, g.timeout_ns, err, p);
+        const i64 v = t.wait_local(row + d, epoch, g.timeout_ns, p);
         if (v < 0) return;  // rank p is silent; reported
         if (matrix) matrix[p * R + d] = (i32)v;
     }
@@ -82,9 +82,10 @@ __device__ void notify_body(const Group g, const ErrorSink err, u64 notify_off, 
 template <int R>
 __device__ void wait_done_body(const Group g, const ErrorSink err, u64 done_off, u64 done_stride,
                                u32 epoch) {
+    const Transport t{g.bases, err};
     const int s = threadIdx.x;
     if (err.aborted() || s >= R) return;
-    wait_tag((const u64*)g.own(done_off + s * done_stride), epoch, g.timeout_ns, err, s);
+    t.wait_local((const u64*)g.own(done_off + s * done_stride), epoch, g.timeout_ns, s);
 }
 
 // Signal DONE[me] = epoch in every rank (run by the last block of a send kernel).
