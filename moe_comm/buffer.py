@@ -175,7 +175,7 @@ class Buffer:
     def _on_device(self, **tensors) -> None:
         """Every tensor argument must live where this Buffer's backend works."""
         for name, t in tensors.items():
-            if isinstance(t, torch.Tensor) and t.device.type != self.device.type:
+            if isinstance(t, torch.Tensor) and t.device != self.device:
                 raise ValueError(f"{name} is on {t.device}, but this Buffer works on "
                                  f"{self.device} (Buffer(device=...) picks the backend)")
 
@@ -201,8 +201,8 @@ class Buffer:
         """
         check.num_experts(num_experts, self.group_size)
         check.topk_idx(topk_idx, num_experts)
-        comm = self._enter(active_ranks)
         self._on_device(topk_idx=topk_idx)
+        comm = self._enter(active_ranks)
         per_rank, per_expert, in_rank = self._be.layout(topk_idx, num_experts, self.group_size)
         if not comm.active.all():
             gone = torch.from_numpy(~comm.active)
@@ -289,8 +289,11 @@ class Buffer:
             if num_tokens_per_rank is None or is_token_in_rank is None:
                 num_tokens_per_rank, _, is_token_in_rank = self._be.layout(topk_idx,
                                                                            num_experts, R)
+        self._on_device(x=data, scales=scales, topk_idx=topk_idx, topk_weights=topk_weights,
+                        num_tokens_per_rank=num_tokens_per_rank,
+                        is_token_in_rank=is_token_in_rank,
+                        num_tokens_per_expert=num_tokens_per_expert)
         self._enter(active_ranks)
-        self._on_device(x=data, topk_idx=topk_idx, topk_weights=topk_weights)
         recv_x, recv_s, recv_i, recv_w, handle = self._be.normal.dispatch(
             comm, x_bytes=data.view(torch.uint8), dtype=data.dtype, hidden=hidden,
             scales=scales, topk_idx=topk_idx, topk_weights=topk_weights,
@@ -344,8 +347,9 @@ class Buffer:
                                  f"{topk_weights.shape[0]}")
             topk_weights = topk_weights[:n].contiguous()
         biases = self._biases(bias, handle)
+        self._on_device(x=x, topk_weights=topk_weights,
+                        **{f"bias[{i}]": b for i, b in enumerate(biases)})
         self._enter(active_ranks)
-        self._on_device(x=x, topk_weights=topk_weights)
         out, w = self._be.normal.combine(comm, x=x[:n].contiguous(), handle=handle,
                                      topk_weights=topk_weights, bias=biases)
         self._leave(active_ranks)
@@ -472,9 +476,9 @@ class Buffer:
                 raise ValueError(f"cumulative_local_expert_recv_stats must have {num_local} "
                                  f"entries, got {stats.shape[0]}")
         buf = self._ll_reserve("dispatch", comm.ll_seq["dispatch"] + 1)
+        self._on_device(x=x, topk_idx=topk_idx, cumulative_local_expert_recv_stats=stats)
         self._enter(active_ranks)
         x = x.contiguous()
-        self._on_device(x=x, topk_idx=topk_idx, cumulative_local_expert_recv_stats=stats)
         handle = self._be.ll.dispatch_send(comm, x=x, topk_idx=topk_idx, lay=lay, use_fp8=use_fp8,
                                        round_scale=round_scale, buffer_key=self._key)
         rows = self.group_size * num_max_dispatch_tokens_per_rank
@@ -491,10 +495,12 @@ class Buffer:
         recv_count = torch.zeros(num_local, dtype=torch.int32, device=self.device)
 
         def receive():
-            self._be.ll.dispatch_recv(comm, handle, lay, recv_x=recv_x, recv_scales=recv_scales,
-                                  recv_count=recv_count, use_fp8=use_fp8, use_ue8m0=use_ue8m0,
-                                  stats=stats)
-            self._leave(active_ranks)
+            try:
+                self._be.ll.dispatch_recv(comm, handle, lay, recv_x=recv_x,
+                                          recv_scales=recv_scales, recv_count=recv_count,
+                                          use_fp8=use_fp8, use_ue8m0=use_ue8m0, stats=stats)
+            finally:
+                self._leave(active_ranks)
 
         self._leave(active_ranks)
         hook = self._ll_finish("dispatch", buf, receive, return_recv_hook)
@@ -561,15 +567,17 @@ class Buffer:
                 raise ValueError(f"out must have shape {(handle.num_tokens, handle.hidden)}, "
                                  f"got {tuple(out.shape)}")
         buf = self._ll_reserve("combine", comm.ll_seq["combine"] + 1)
-        self._enter(active_ranks)
         self._on_device(x=x, topk_idx=topk_idx, topk_weights=topk_weights, out=out)
+        self._enter(active_ranks)
         seq, buf = self._be.ll.combine_send(comm, x=x.contiguous(), handle=handle, lay=lay)
         self._leave(active_ranks)
 
         def receive():
-            self._be.ll.combine_recv(comm, seq, buf, lay, handle=handle, topk_idx=topk_idx,
-                                 topk_weights=topk_weights, out=out)
-            self._leave(active_ranks)
+            try:
+                self._be.ll.combine_recv(comm, seq, buf, lay, handle=handle, topk_idx=topk_idx,
+                                         topk_weights=topk_weights, out=out)
+            finally:
+                self._leave(active_ranks)
 
         hook = self._ll_finish("combine", buf, receive, return_recv_hook)
         return out, self._be.event(), hook

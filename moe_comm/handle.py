@@ -33,7 +33,8 @@ class DispatchHandle:
         to or expected from them. ``self`` when every rank it involves is active."""
         gone = ~np.asarray(active, dtype=bool)
         m = self.count_matrix
-        if not (m[gone].any() or m[:, gone].any()):
+        if not (m[gone].any() or m[:, gone].any() or
+                any(len(self.send_token_ids[d]) for d in np.flatnonzero(gone))):
             return self
         m = m.copy()
         m[gone], m[:, gone] = 0, 0

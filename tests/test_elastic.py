@@ -258,3 +258,43 @@ def test_twenty_kill_trials_never_hang():
         masks = [results[r] for r in range(3) if r != v]
         assert all(torch.equal(m, masks[0]) for m in masks), (seed, masks)
         assert masks[0][v] == 0 and int(masks[0].sum()) == 2, (seed, masks)
+
+
+def test_masked_rank_leaves_every_combined_weight_in_place():
+    """Ranks masked before a dispatch that computes its own layout: the combined top-k weights
+    still come back to the right tokens (only the masked rank's slots are missing)."""
+    def worker(rank, n):
+        buf = moe_comm.Buffer(None, 16 << 20, timeout_s=30.0)
+        buf.set_active_ranks(torch.tensor([1, 0, 1]))
+        if rank == 1:
+            return None
+        x, idx, w = _inputs(rank)
+        phy, pw = _route(idx, w, n)
+        rx, ri, rw, _, handle, _ = buf.dispatch(x, topk_idx=phy, topk_weights=pw,
+                                                num_tokens_per_expert=torch.zeros(_slots(n)))
+        _, comb_w, _ = buf.combine(rx, handle, topk_weights=rw)
+        return phy, pw, comb_w
+
+    results = run_ranks(worker, 3, timeout=60)
+    for r in (0, 2):
+        phy, pw, comb_w = results[r]
+        served = (phy >= 0) & (phy // SLOTS_PER_RANK != 1)
+        torch.testing.assert_close(comb_w, torch.where(served, pw, 0.0))
+
+
+def test_a_rank_that_is_only_late_learns_it_was_masked():
+    def worker(rank, n):
+        buf = moe_comm.Buffer(None, 16 << 20, timeout_s=1.0, elastic=True)
+        x, idx, w = _inputs(rank)
+        phy, pw = _route(idx, w, n)
+        if rank == 2:
+            time.sleep(3.0)                 # alive, but past the deadline and the grace
+        try:
+            _normal_step(buf, x, phy, pw)
+        except RuntimeError as e:
+            return type(e).__name__
+        return buf.active_ranks.tolist()
+
+    results = run_ranks(worker, 3, timeout=60)
+    assert results[0] == results[1] == [1, 1, 0]
+    assert results[2] == "RankMaskedError"

@@ -111,3 +111,47 @@ def test_reclaim_spares_live_segments():
     finally:
         seg.close()
     assert seg.name not in _our_segments()
+
+
+def _refuse_then_go_on(rank, n):
+    """Rank 1 keeps every result alive until its heap cannot take the next call's rows: it
+    raises BufferTooSmallError, its senders ReceiverFailed, and the very next call (a combine
+    on an earlier handle) works, even with rank 1 racing ahead while a slow sender is still
+    busy."""
+    import time
+    import torch
+    import moe_comm
+    from moe_comm.host.normal import ReceiverFailed
+    buf = moe_comm.Buffer(None, 1 << 20, timeout_s=20)
+    torch.manual_seed(rank)
+    x = torch.randn(64, 256)
+    idx = torch.stack([torch.randperm(4 * n)[:2] for _ in range(64)])
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, 4 * n)
+    args = dict(topk_idx=idx, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                num_tokens_per_expert=per_expert)
+    rx, _, _, _, handle, _ = buf.dispatch(x, **args)
+    kept, first = [], "no error"
+    for _ in range(64):
+        if rank == 2:
+            time.sleep(0.05)                  # a slow sender
+        try:
+            out = buf.dispatch(x, **args)
+        except (moe_comm.BufferTooSmallError, ReceiverFailed) as e:
+            first = type(e).__name__
+            break
+        if rank == 1:
+            kept.append(out)
+    kept.clear()                              # rank 1 lets its results go
+    out, _, _ = buf.combine(rx, handle)
+    return first, out, x, idx
+
+
+def test_a_refusing_receiver_leaves_the_buffer_usable():
+    results = run_ranks(_refuse_then_go_on, 3, timeout=60)
+    assert results[1][0] == "BufferTooSmallError"
+    assert results[0][0] == results[2][0] == "ReceiverFailed"
+    for first, out, x, idx in results:
+        # identity experts: each token comes back once per destination rank it went to
+        ranks = (idx // 4).sort(1).values
+        copies = 1 + (ranks[:, 1] != ranks[:, 0]).float()
+        torch.testing.assert_close(out, x * copies.unsqueeze(1))

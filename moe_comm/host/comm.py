@@ -122,6 +122,8 @@ class HostComm:
             self.transport = open_transport(group, self._own.bytes, self.remote_ranks,
                                             kind=transport, timeout_s=self.timeout_s)
         self.ll_seq = {"dispatch": 0, "combine": 0}
+        self.ll_base = {"dispatch": 0, "combine": 0}
+        self._call_active = self.active.copy()
         self.heap = PageHeap(self._own.bytes, self.heap_offset, self.heap_bytes)
 
     # -- primitives -----------------------------------------------------------------------
@@ -135,6 +137,7 @@ class HostComm:
             raise RankMaskedError(f"rank {self.rank} is masked out of this Buffer "
                                   "(active_ranks[rank] == 0); a new Buffer is needed to rejoin")
         self._deadline = time.monotonic() + self.timeout_s
+        self._call_active = self.active.copy()
         if self.transport is not None:
             # staging mirrors are about to be rewritten: earlier puts must have left them
             lost = self.transport.flush(raise_on_timeout=not self.elastic)
@@ -203,7 +206,9 @@ class HostComm:
         bits[:self.num_ranks] = self.active
         words = (bits.reshape(-1, MASK_BITS) << np.arange(MASK_BITS)).sum(1)
         peers = np.flatnonzero(self.active).tolist()
-        for p in peers:
+        # also to ranks masked during this call: a rank that is only late learns from these
+        # rows that it was dropped (RankMaskedError) instead of going on alone
+        for p in np.flatnonzero(self._call_active).tolist():
             self.signal(p, lay.mask(parity, me), self.agree_seq, words)
         self._deadline = max(self._deadline, time.monotonic()) + min(self.timeout_s,
                                                                      AGREE_GRACE_S)
@@ -246,7 +251,10 @@ class HostComm:
         self._ll[self.rank].zero_()
         lay = self.layout
         self.words[self.rank][lay.ll_first:lay.num_words] = 0
-        self.ll_seq = {"dispatch": 0, "combine": 0}
+        # Call numbers go on (a signal still in flight from before, e.g. on a transport,
+        # carries an old number and can never match); the next two calls of each kind skip
+        # the flow-control wait, as the first two ever do.
+        self.ll_base = dict(self.ll_seq)
 
     def poison_free_heap(self, byte: int = 0xFF) -> None:
         """Fill every free heap page with ``byte`` (tests: unwritten output rows show up)."""

@@ -45,11 +45,12 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8).view(torch.int64)
 
 
-def _wait_free(comm, slot_of, seq, op, on_ready):
+def _wait_free(comm, kind, slot_of, seq, op, on_ready):
     """Run ``on_ready(rank)`` for every active rank once its buffer is free for call ``seq``
-    (it pushed ``slot_of(rank)`` = seq - 2 into this rank's header)."""
+    (it pushed ``slot_of(rank)`` = seq - 2 into this rank's header); the first two calls
+    after a start or a reset have nothing to wait for."""
     me = comm.rank
-    if seq <= LL_NUM_BUFFERS:
+    if seq <= comm.ll_base[kind] + LL_NUM_BUFFERS:
         for r in np.flatnonzero(comm.active).tolist():
             on_ready(r, None)
         return
@@ -113,7 +114,7 @@ def dispatch_send(comm, *, x, topk_idx, lay: LLLayout, use_fp8, round_scale, buf
         comm.ll_signal(dst, count_off, seq,
                        counts_l[dst * num_local:(dst + 1) * num_local] + [bounds[dst]])
 
-    _wait_free(comm, lambda r: comm.layout.ll_dispatch_free(buf, r), seq,
+    _wait_free(comm, "dispatch", lambda r: comm.layout.ll_dispatch_free(buf, r), seq,
                "low_latency_dispatch/free", send)
     return LowLatencyHandle(buffer_key, seq, buf, lay.max_tokens, hidden, lay.num_experts,
                             num_tokens, topk_idx.shape[1], send_tok=tok, send_slot=slot)
@@ -195,7 +196,7 @@ def combine_send(comm, *, x, handle: LowLatencyHandle, lay: LLLayout):
             comm.commit(owner, "ll", at, n * hidden * 2)
         comm.signal(owner, comm.layout.ll_combine_done(buf, me), seq, n)
 
-    _wait_free(comm, lambda r: comm.layout.ll_combine_free(buf, r), seq,
+    _wait_free(comm, "combine", lambda r: comm.layout.ll_combine_free(buf, r), seq,
                "low_latency_combine/free", send)
     return seq, buf
 

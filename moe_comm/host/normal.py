@@ -85,10 +85,10 @@ def _send_when_granted(comm, epoch, dests, write, op):
     def on_ready(dst, words):
         page = int(tag_value(words[0]))
         if page == GRANT_FAILED:
-            failed.append(dst)
-            return
-        write(dst, page)
-        comm.signal(dst, comm.layout.done(me), epoch, 1)
+            failed.append(dst)         # DONE (0 = nothing sent) all the same: the receiver
+        else:                          # waits for it before granting again
+            write(dst, page)
+        comm.signal(dst, comm.layout.done(me), epoch, int(page != GRANT_FAILED))
 
     comm.wait({d: comm.slot(me, comm.layout.grant(d)) for d in dests}, epoch, op, on_ready)
     return failed
@@ -115,8 +115,8 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, is
 
     Returns ``(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, handle)``."""
     me, R = comm.rank, comm.num_ranks
-    epoch = comm.next_epoch()
     comm.start_call()
+    epoch = comm.next_epoch()
     num_tokens, row_bytes = x_bytes.shape
     if handle is None:
         row = num_tokens_per_rank.numpy().astype(np.int64)
@@ -124,6 +124,8 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, is
         matrix = exchange_counts(comm, epoch, row)
         if comm.elastic:
             comm.agree("dispatch/notify")
+        is_token_in_rank = is_token_in_rank.clone()
+        is_token_in_rank[:, torch.from_numpy(~comm.active)] = False   # nothing to masked ranks
         send_ids = [is_token_in_rank[:, d].nonzero().flatten() for d in range(R)]
         handle = DispatchHandle(buffer_key, num_tokens, hidden, matrix, is_token_in_rank,
                                 send_ids, int(matrix[:, me].sum()), num_worst_tokens)
@@ -174,10 +176,10 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, is
             comm.commit(dst, "heap", start, nbytes)
 
     dests = [d for d in _rotation(me, R) if matrix[me, d] > 0]
-    failed = _send_when_granted(comm, epoch, dests, write, "dispatch/grant")
-    if page is not None:
-        _wait_done(comm, epoch, sources, "dispatch/payload")
     try:
+        failed = _send_when_granted(comm, epoch, dests, write, "dispatch/grant")
+        # even without a region: senders' DONE ends their use of this op's GRANT slot
+        _wait_done(comm, epoch, sources, "dispatch/payload")
         _finish(comm, "dispatch", own_error, failed)
     except BaseException:
         if page is not None:
@@ -225,8 +227,8 @@ def combine(comm, *, x, handle, topk_weights, bias):
     order. Returns ``(combined_x [T, H], combined_topk_weights or None)``; rows of ranks that
     are (or become) inactive are left out of the sums."""
     me, R = comm.rank, comm.num_ranks
-    epoch = comm.next_epoch()
     comm.start_call()
+    epoch = comm.next_epoch()
     matrix, send_ids = handle.count_matrix, handle.send_token_ids
     hidden, dtype = x.shape[1], x.dtype
     x_bytes = x.view(torch.uint8)
@@ -258,10 +260,9 @@ def combine(comm, *, x, handle, topk_weights, bias):
             comm.commit(owner, "heap", at, c * topk * 4)
 
     owners = [s for s in _rotation(me, R) if matrix[s, me] > 0 and comm.active[s]]
-    failed = _send_when_granted(comm, epoch, owners, write, "combine/grant")
     try:
-        if page is not None:
-            _wait_done(comm, epoch, experts, "combine/payload")
+        failed = _send_when_granted(comm, epoch, owners, write, "combine/grant")
+        _wait_done(comm, epoch, experts, "combine/payload")
         _finish(comm, "combine", own_error, failed)
     except BaseException:
         if page is not None:
@@ -280,9 +281,9 @@ def combine(comm, *, x, handle, topk_weights, bias):
         combined_w = None
         if topk:
             w = staging[o[3]:o[3] + n * topk * 4].view(torch.float32).view(n, topk)
-            keep = _rows_of(matrix[me], comm.active)
             combined_w = torch.zeros(handle.num_tokens, topk, dtype=torch.float32)
-            combined_w.index_add_(0, torch.cat(send_ids)[keep], w[keep])
+            for d in live:
+                combined_w.index_add_(0, send_ids[d], w[bounds[d]:bounds[d + 1]])
     finally:
         comm.heap.free(page)
     return out, combined_w
