@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import secrets
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -69,7 +68,6 @@ class CudaBackend:
         self.device = device
         self.comm = CudaComm.from_group(group, num_nvl_bytes, num_rdma_bytes, timeout_s,
                                         device=device)
-        self.comm.active = np.ones(self.comm.num_ranks, dtype=bool)
         self.job = secrets.token_hex(8)
 
     def layout(self, topk_idx, num_experts, num_ranks):

@@ -204,7 +204,7 @@ class Buffer:
         self._on_device(topk_idx=topk_idx)
         comm = self._enter(active_ranks)
         per_rank, per_expert, in_rank = self._be.layout(topk_idx, num_experts, self.group_size)
-        if not comm.active.all():
+        if self._be.masking and not comm.active.all():
             gone = torch.from_numpy(~comm.active)
             per_rank[gone] = 0
             in_rank[:, gone] = False

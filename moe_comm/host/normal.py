@@ -94,19 +94,27 @@ def _send_when_granted(comm, epoch, dests, write, op):
     return failed
 
 
-def _wait_done(comm, epoch, sources, op):
-    comm.wait({s: comm.slot(comm.rank, comm.layout.done(s)) for s in sources}, epoch, op)
-
-
-def _finish(comm, op, own_error, failed):
-    """End of a call's exchange: agree on the mask (elastic), then raise what went wrong."""
-    if comm.elastic:
-        comm.agree(op)
-    if own_error is not None:
-        raise own_error
-    if failed:
-        raise ReceiverFailed(f"{op}: rank(s) {sorted(failed)} could not allocate their receive "
-                             "region (buffer too small there); nothing was sent to them")
+def _exchange(comm, epoch, op, *, page, own_error, dests, sources, write):
+    """The payload phase after this rank's grant: write to each destination once it grants,
+    wait for every source's DONE (even without a region of our own: their DONE ends their use
+    of this op's GRANT slot), agree on the mask (elastic), then raise what went wrong. The
+    granted ``page`` goes back to the heap if anything raises."""
+    try:
+        failed = _send_when_granted(comm, epoch, dests, write, op + "/grant")
+        comm.wait({s: comm.slot(comm.rank, comm.layout.done(s)) for s in sources}, epoch,
+                  op + "/payload")
+        if comm.elastic:
+            comm.agree(op)
+        if own_error is not None:
+            raise own_error
+        if failed:
+            raise ReceiverFailed(f"{op}: rank(s) {sorted(failed)} could not allocate their "
+                                 "receive region (buffer too small there); nothing was sent "
+                                 "to them")
+    except BaseException:
+        if page is not None:
+            comm.heap.free(page)
+        raise
 
 
 def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, is_token_in_rank,
@@ -124,8 +132,9 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, is
         matrix = exchange_counts(comm, epoch, row)
         if comm.elastic:
             comm.agree("dispatch/notify")
-        is_token_in_rank = is_token_in_rank.clone()
-        is_token_in_rank[:, torch.from_numpy(~comm.active)] = False   # nothing to masked ranks
+        if not comm.active.all():                  # nothing goes to masked ranks
+            is_token_in_rank = is_token_in_rank.clone()
+            is_token_in_rank[:, torch.from_numpy(~comm.active)] = False
         send_ids = [is_token_in_rank[:, d].nonzero().flatten() for d in range(R)]
         handle = DispatchHandle(buffer_key, num_tokens, hidden, matrix, is_token_in_rank,
                                 send_ids, int(matrix[:, me].sum()), num_worst_tokens)
@@ -175,16 +184,8 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, is
         for start, nbytes in spans:
             comm.commit(dst, "heap", start, nbytes)
 
-    dests = [d for d in _rotation(me, R) if matrix[me, d] > 0]
-    try:
-        failed = _send_when_granted(comm, epoch, dests, write, "dispatch/grant")
-        # even without a region: senders' DONE ends their use of this op's GRANT slot
-        _wait_done(comm, epoch, sources, "dispatch/payload")
-        _finish(comm, "dispatch", own_error, failed)
-    except BaseException:
-        if page is not None:
-            comm.heap.free(page)
-        raise
+    _exchange(comm, epoch, "dispatch", page=page, own_error=own_error, write=write,
+              dests=[d for d in _rotation(me, R) if matrix[me, d] > 0], sources=sources)
 
     region = comm.heap.tensor_owning(page, mine.nbytes)
     offs, rows_out = mine.offsets, mine.rows
@@ -259,15 +260,9 @@ def combine(comm, *, x, handle, topk_weights, bias):
                 topk_weights[src0:src0 + c])
             comm.commit(owner, "heap", at, c * topk * 4)
 
-    owners = [s for s in _rotation(me, R) if matrix[s, me] > 0 and comm.active[s]]
-    try:
-        failed = _send_when_granted(comm, epoch, owners, write, "combine/grant")
-        _wait_done(comm, epoch, experts, "combine/payload")
-        _finish(comm, "combine", own_error, failed)
-    except BaseException:
-        if page is not None:
-            comm.heap.free(page)
-        raise
+    _exchange(comm, epoch, "combine", page=page, own_error=own_error, write=write,
+              dests=[s for s in _rotation(me, R) if matrix[s, me] > 0 and comm.active[s]],
+              sources=experts)
 
     try:
         staging = torch.from_numpy(comm.heap.view(page, mine.nbytes))
