@@ -35,6 +35,14 @@ MOE_DEVICE u64 round_up(u64 n, u64 m) { return (n + m - 1) / m * m; }
 
 // ---- dtype conversions (round to nearest even, like torch's casts) --------------------------
 MOE_DEVICE float bf16_to_f32(u16 b) { return __uint_as_float(((u32)b) << 16); }
+#ifdef MOE_EMU  // the CPU kernel emulator (csrc/emu): the same conversions in C++
+MOE_DEVICE u16 f32_to_bf16(float f) { return emu::f32_to_bf16_rn(f); }
+MOE_DEVICE float f16_to_f32(u16 h) { return emu::f16_to_f32(h); }
+MOE_DEVICE u16 f32_to_f16(float f) { return emu::f32_to_f16_rn(f); }
+MOE_DEVICE u16 f32x2_to_e4m3x2(float lo, float hi) {
+    return (u16)(emu::f32_to_e4m3_satfinite(lo) | (emu::f32_to_e4m3_satfinite(hi) << 8));
+}
+#else
 MOE_DEVICE u16 f32_to_bf16(float f) {
     u16 r;
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
@@ -57,6 +65,7 @@ MOE_DEVICE u16 f32x2_to_e4m3x2(float lo, float hi) {
     asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
     return r;
 }
+#endif
 
 // Element types of combine inputs/outputs: storage type + float conversion.
 struct Bf16 {

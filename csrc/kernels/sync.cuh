@@ -36,6 +36,13 @@
 #include "common.cuh"
 
 // ---- ordered accesses --------------------------------------------------------------------
+#ifdef MOE_EMU  // the CPU kernel emulator (csrc/emu): host atomics, and loads yield
+MOE_DEVICE u64 globaltimer_ns() { return emu::now_ns(); }
+MOE_DEVICE void st_release_sys(u64* p, u64 v) { emu::st_release(p, v); }
+MOE_DEVICE u64 ld_acquire_sys(const u64* p) { return emu::ld_acquire(p); }
+MOE_DEVICE void st_volatile_i32(i32* p, i32 v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
+MOE_DEVICE i32 ld_volatile_i32(const i32* p) { return emu::ld_volatile(p); }
+#else
 MOE_DEVICE u64 globaltimer_ns() {
     u64 t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -54,6 +61,7 @@ MOE_DEVICE u64 ld_acquire_sys(const u64* p) {
 
 MOE_DEVICE void st_volatile_i32(i32* p, i32 v) { *(volatile i32*)p = v; }
 MOE_DEVICE i32 ld_volatile_i32(const i32* p) { return *(const volatile i32*)p; }
+#endif
 
 // ---- tagged words (wire.tag / tag_epoch / tag_value) --------------------------------------
 MOE_DEVICE u64 tag(u32 epoch, u32 value) { return ((u64)epoch << 32) | (u64)value; }

@@ -15,6 +15,8 @@ Two ways to build a group:
   CUDA stream (tests and the single-GPU benchmark): the same kernels, pointers shared
   directly. Kernels of different streams run concurrently on one GPU, whereas kernels of
   different processes on one GPU time-slice (no MPS), which makes spinning peers slow.
+  With ``device="cpu"`` the buffers are host memory and the kernels run in the CPU kernel
+  emulator (moe_comm/cuda/emulator.py): the whole CUDA backend, checked without a GPU.
 
 Errors: kernels never trap. A wait that passes its deadline writes the silent rank into an
 error word in pinned host memory; :meth:`CudaComm.check` (called at the start of every
@@ -66,6 +68,8 @@ def _cu(result, what: str):
 
 
 def _set_current(device: torch.device) -> None:
+    if device.type == "cpu":            # the kernel emulator: no context
+        return
     from .compiler import cuda_core
     cuda_core().Device(device.index).set_current()
 
@@ -88,7 +92,7 @@ class CudaComm:
 
     def __init__(self, *, rank: int, num_ranks: int, device: torch.device, pointers: list,
                  heap_bytes: int, ll_bytes: int, timeout_s: float, own_allocation: bool,
-                 opened: list, group=None):
+                 opened: list, group=None, host_buffers=None):
         if not 1 <= num_ranks <= MAX_RANKS:
             raise ValueError(f"the CUDA backend maps groups of 1..{MAX_RANKS} ranks, got "
                              f"{num_ranks}")
@@ -115,6 +119,7 @@ class CudaComm:
         self.ll_seq = {"dispatch": 0, "combine": 0}
         self._own_allocation = own_allocation
         self._opened = opened                       # peer pointers from cuIpcOpenMemHandle
+        self._host_buffers = host_buffers           # emulator: the tensors behind `pointers`
         self._alive = True
 
     # -- construction ------------------------------------------------------------------------
@@ -185,11 +190,17 @@ class CudaComm:
             torch.device(device)
         heap_bytes, ll_bytes = round_up(heap_bytes, PAGE), round_up(ll_bytes, PAGE)
         total = cls.buffer_bytes(num_ranks, heap_bytes, ll_bytes)
-        _set_current(device)
-        pointers = [_alloc_zeroed(total) for _ in range(num_ranks)]
+        host_buffers = None
+        if device.type == "cpu":        # emulator: plain host memory (64-byte aligned)
+            host_buffers = [torch.zeros(total, dtype=torch.uint8) for _ in range(num_ranks)]
+            pointers = [b.data_ptr() for b in host_buffers]
+        else:
+            _set_current(device)
+            pointers = [_alloc_zeroed(total) for _ in range(num_ranks)]
         return [cls(rank=r, num_ranks=num_ranks, device=device, pointers=pointers,
                     heap_bytes=heap_bytes, ll_bytes=ll_bytes, timeout_s=timeout_s,
-                    own_allocation=True, opened=[]) for r in range(num_ranks)]
+                    own_allocation=host_buffers is None, opened=[],
+                    host_buffers=host_buffers) for r in range(num_ranks)]
 
     # -- per-operation state -----------------------------------------------------------------
     def next_epoch(self) -> int:
@@ -236,7 +247,8 @@ class CudaComm:
 
     def synchronize(self) -> None:
         """Wait for this rank's current stream, then :meth:`check`."""
-        torch.cuda.current_stream(self.device).synchronize()
+        if self.device.type == "cuda":           # emulated kernels are done when launched
+            torch.cuda.current_stream(self.device).synchronize()
         self.check()
 
     # -- tests ---------------------------------------------------------------------------------
@@ -245,6 +257,9 @@ class CudaComm:
         (tests: a row nobody wrote shows up as NaN / -1). Safe between operations: peers write
         there only after this rank's next notify, which the stream runs after the fill. (The
         LL region has no such barrier: a peer may already be writing the next call there.)"""
+        if self.device.type == "cpu":
+            ctypes.memset(self.pointers[self.rank] + self.heap_offset, byte, self.heap_bytes)
+            return
         from cuda.bindings import driver as cu
         stream = torch.cuda.current_stream(self.device).cuda_stream
         _cu(cu.cuMemsetD8Async(self.pointers[self.rank] + self.heap_offset, byte,
@@ -254,11 +269,16 @@ class CudaComm:
         """Zero this rank's low-latency region and LL header slots and restart the LL call
         numbers (Buffer.clean_low_latency_buffer: collective, barriers around it, nothing in
         flight). Waits for the memset, so the caller's second barrier means "all clean"."""
+        base = self.pointers[self.rank]
+        first = self.layout.ll_first * 8
+        if self.device.type == "cpu":
+            ctypes.memset(base + first, 0, self.layout.num_words * 8 - first)
+            ctypes.memset(base + self.ll_offset, 0, self.ll_bytes)
+            self.ll_seq = {"dispatch": 0, "combine": 0}
+            return
         from cuda.bindings import driver as cu
         stream = torch.cuda.current_stream(self.device)
         handle = cu.CUstream(stream.cuda_stream)
-        base = self.pointers[self.rank]
-        first = self.layout.ll_first * 8
         _cu(cu.cuMemsetD8Async(base + first, 0, self.layout.num_words * 8 - first, handle),
             "cuMemsetD8Async")
         _cu(cu.cuMemsetD8Async(base + self.ll_offset, 0, self.ll_bytes, handle),
@@ -274,8 +294,11 @@ class CudaComm:
         maps it. Pass ``barrier=False`` when peers are gone (teardown after a failure)."""
         if not self._alive:
             return
-        from cuda.bindings import driver as cu
         self._alive = False
+        if self.device.type == "cpu":
+            self._host_buffers = None         # peers' comms hold their own references
+            return
+        from cuda.bindings import driver as cu
         torch.cuda.synchronize(self.device)
         for p in self._opened:
             cu.cuIpcCloseMemHandle(p)

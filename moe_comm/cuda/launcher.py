@@ -56,6 +56,10 @@ def make_current(device: torch.device) -> None:
 def launch(kernel, grid, block, *args, shmem: int = 0, device=None, stream=None) -> None:
     """Launch ``kernel`` (a cuda.core Kernel) with ``grid``/``block`` (int or tuple) on
     ``stream`` (default: torch's current stream of ``device``)."""
+    from .emulator import EmuKernel, launch_emu
+    if isinstance(kernel, EmuKernel):           # CPU emulator: runs now, no stream
+        launch_emu(kernel, grid, block, [_arg(a) for a in args])
+        return
     from .compiler import cuda_core
     cc = cuda_core()
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else device

@@ -29,7 +29,8 @@ def run_local(fn, comms, *args, timeout: float = 300.0, check: bool = True):
     Returns the results by rank; re-raises the lowest failing rank's exception (its traceback
     text attached as a note). Raises RuntimeError if a thread outlives ``timeout``."""
     n = len(comms)
-    if n > 1 and os.environ.get("CUDA_MODULE_LOADING") != "EAGER":
+    emulated = comms[0].device.type == "cpu"      # moe_comm/cuda/emulator.py: no streams
+    if n > 1 and not emulated and os.environ.get("CUDA_MODULE_LOADING") != "EAGER":
         warnings.warn("ranks as threads of one process need CUDA_MODULE_LOADING=EAGER (set "
                       "before CUDA initialises): a lazily loaded kernel can deadlock the group")
     results, errors = [None] * n, {}
@@ -37,6 +38,11 @@ def run_local(fn, comms, *args, timeout: float = 300.0, check: bool = True):
     def body(r):
         comm = comms[r]
         try:
+            if emulated:
+                results[r] = fn(comm, *args)
+                if check:
+                    comm.check()
+                return
             torch.cuda.set_device(comm.device)
             stream = torch.cuda.Stream(comm.device)
             with torch.cuda.stream(stream):

@@ -1,0 +1,132 @@
+"""The CUDA kernels on the CPU: csrc/kernels built as host C++ with csrc/emu (g++), run by a
+fiber scheduler, driven by the same Python code as on a GPU.
+
+Why: the CUDA backend (kernels + moe_comm/cuda/*.py) is checked against moe_comm.reference in
+CI on a machine without a GPU, so a GPU session starts from code whose protocol, indexing and
+argument lists have already run. A ``CudaComm`` on device ``cpu`` uses it (tests only; a
+Buffer with CPU tensors uses the host backend). What the emulator does and does not model is
+in csrc/emu/cuda_emu.h.
+
+A variant (moe_comm/cuda/variants.py) becomes one shared library, built with the variant's
+``-D`` macros plus ``-DMOE_EMU`` and cached like the cubins (key: sources of both folders,
+macros, compiler version).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from .compiler import cache_dir, kernel_dir, write_atomic
+from .variants import Variant
+
+ERR_CHARS = 512
+_FLAGS = ("-std=c++17", "-O1", "-fPIC", "-shared", "-pthread", "-Wall", "-Werror",
+          "-Wno-unknown-pragmas", "-DMOE_EMU")
+
+
+class EmulatorError(RuntimeError):
+    """The emulator could not build or run a kernel (no compiler, a stuck barrier, ...)."""
+
+
+def emu_dir() -> Path:
+    return kernel_dir().parent / "emu"
+
+
+def compiler() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise EmulatorError("the kernel emulator needs a C++17 compiler (g++); set CXX")
+    return cxx
+
+
+def available() -> bool:
+    try:
+        compiler()
+        return True
+    except EmulatorError:
+        return False
+
+
+def _key(variant: Variant, cxx: str) -> str:
+    h = hashlib.sha256()
+    for folder in (kernel_dir(), emu_dir()):
+        for f in sorted(folder.iterdir()):
+            if f.is_file():
+                h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    for part in (variant.source, repr(variant.defines), version, " ".join(_FLAGS)):
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()
+
+
+def build(variant: Variant) -> Path:
+    """Path of the shared library of ``variant`` (built on first use, then cached)."""
+    cxx = compiler()
+    key = _key(variant, cxx)
+    path = cache_dir() / "emu" / f"{variant.source.rsplit('.', 1)[0]}-{key[:40]}.so"
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+    emu = emu_dir()
+    cmd = [cxx, *_FLAGS, *(f"-D{k}={v}" for k, v in variant.defines), f"-I{emu}", "-include",
+           str(emu / "cuda_emu.h"), "-x", "c++", str(kernel_dir() / variant.source), "-x",
+           "c++", str(emu / "runtime.cpp"), "-o", str(tmp)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise EmulatorError(f"building {variant.label} for the emulator failed:\n"
+                            f"{done.stderr[-4000:]}")
+    write_atomic(path, tmp.read_bytes())
+    tmp.unlink(missing_ok=True)
+    return path
+
+
+class EmuKernel:
+    """One kernel of a built variant; :func:`launch_emu` runs it."""
+
+    def __init__(self, lib: ctypes.CDLL, name: str):
+        self.lib, self.name = lib, name
+        self.address = ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+
+
+_loaded: dict = {}
+_lock = threading.Lock()
+
+
+def load_kernels(variant: Variant) -> dict:
+    """``{kernel name: EmuKernel}`` of ``variant`` (built or taken from the cache)."""
+    with _lock:
+        hit = _loaded.get(variant)
+        if hit is None:
+            lib = ctypes.CDLL(str(build(variant)))
+            lib.moe_emu_launch.restype = ctypes.c_int
+            lib.moe_emu_launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 6 + [
+                ctypes.POINTER(ctypes.c_uint64), ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+            hit = {name: EmuKernel(lib, name) for name in variant.kernels}
+            _loaded[variant] = hit
+        return hit
+
+
+def _dims(v) -> tuple:
+    v = (v,) if isinstance(v, int) else tuple(v)
+    return tuple(int(a) for a in v) + (1,) * (3 - len(v))
+
+
+def launch_emu(kernel: EmuKernel, grid, block, args) -> None:
+    """Run ``kernel`` to completion on CPU threads (releases the GIL meanwhile). ``args`` are
+    numpy 64-bit scalars (moe_comm/cuda/launcher.py converts them)."""
+    words = (ctypes.c_uint64 * max(1, len(args)))(*[int(np.uint64(a) if isinstance(
+        a, np.uint64) else np.int64(a).view(np.uint64)) for a in args])
+    err = ctypes.create_string_buffer(ERR_CHARS)
+    rc = kernel.lib.moe_emu_launch(kernel.address, *_dims(grid), *_dims(block), words,
+                                   len(args), err, ERR_CHARS)
+    if rc != 0:
+        raise EmulatorError(f"{kernel.name}: {err.value.decode(errors='replace')}")
