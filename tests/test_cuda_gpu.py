@@ -1,327 +1,57 @@
 """The CUDA backend on a GPU, checked against moe_comm.reference (skipped without CUDA).
 
-How ranks share the one GPU: as threads of this process, each with its own CUDA stream
-(``CudaComm.local_group`` + ``moe_comm.cuda.local.run_local``). Their kernels run concurrently,
-so a rank spinning on a peer's signal never stalls the peer; processes on one GPU would
-time-slice without MPS, which is slow for spin-waits. One test also runs two real processes
-(spawn) that map each other's buffers through CUDA IPC, the deployment path.
+The cases and rank bodies are tests/cuda_cases.py, which tests/test_cuda_emulator.py also runs
+on the CPU kernel emulator. Here ranks are threads of this process, each with its own CUDA
+stream (their kernels run concurrently; processes on one GPU would time-slice without MPS), and
+one test runs two real processes (spawn) that map each other's buffers through CUDA IPC, the
+deployment path.
 
-Every case poisons the receive regions (0xFF) before each call, so a row nobody wrote shows up
-as NaN / -1. Routing: random, Zipf-skewed, -1 holes, all -1, everything to rank 0; ragged
-token counts including ranks with 0 tokens. Set CUDA_MODULE_LOADING=EAGER before CUDA
-initialises (done below when this module is imported first; bench/gpu_check.py sets it for
-the process): see moe_comm/cuda/local.py.
+Set CUDA_MODULE_LOADING=EAGER and CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA initialises (done
+below when this module is imported first; bench/gpu_check.py sets them for the process): see
+moe_comm/cuda/local.py.
 """
 from __future__ import annotations
 
 import os
 
 os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 
 import io  # noqa: E402
 import multiprocessing as mp  # noqa: E402
-import threading  # noqa: E402
 import traceback  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-import moe_comm  # noqa: E402
-from moe_comm.wire import LLLayout  # noqa: E402
-from checks import check_ll, check_normal, expert_ll, ll_inputs  # noqa: E402
-from inputs import expert_fn, make_inputs  # noqa: E402
+import cuda_cases as C  # noqa: E402
+from checks import check_ll, check_normal  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-KEY = ("test",)
-HEAP = 32 << 20
 
-
-# ---- helpers ---------------------------------------------------------------------------------
-def _cpu(t):
-    if t is None:
-        return None
-    if isinstance(t, tuple):
-        return tuple(_cpu(a) for a in t)
-    return t.detach().cpu().clone()
-
-
-def _group(n, ll_bytes=0, timeout_s=60.0):
-    from moe_comm.cuda.comm import CudaComm
-    return CudaComm.local_group(n, HEAP, ll_bytes, timeout_s)
-
-
-def _run(fn, comms, *args):
-    from moe_comm.cuda.local import run_local
-    try:
-        return run_local(fn, comms, *args, timeout=600)
-    finally:
-        for c in comms:
-            c.destroy()
-
-
-def _preload(n, hiddens=(), ll=False):
-    """Load every variant the cases use before ranks start waiting on each other."""
-    from moe_comm.cuda import variants
-    from moe_comm.cuda.compiler import preload
-    vs = [variants.intranode(n)]
-    for h in hiddens if ll else ():
-        for fp8, flag in ((False, False), (True, False), (True, True)):
-            vs.append(variants.ll_dispatch_send(h, fp8, flag))
-            vs.append(variants.ll_dispatch_recv(h, fp8, flag))
-        vs.append(variants.ll_combine(h))
-    preload(vs, torch.device("cuda", torch.cuda.current_device()))
-
-
-# ---- normal mode -----------------------------------------------------------------------------
-def _normal_cases(n):
-    cases, seed = [], 0
-    tok = [[64 + 13 * r for r in range(n)], [0] + [40] * (n - 1)]
-    for kind in ("random", "skewed", "holes", "empty", "one_rank"):
-        for dtype, hidden in (("bfloat16", 256), ("float32", 128), ("fp8", 512),
-                              ("float16", 384)):
-            seed += 1
-            cases.append(dict(seed=seed, tokens=tok[seed % 2], hidden=hidden, experts=4 * n,
-                              topk=min(4, 4 * n), routing=kind, dtype=dtype,
-                              bias=seed % 2 == 0, alignment=1 + seed % 3 * 4, worst=0))
-    extra = [
-        dict(tokens=[0] * n, hidden=128, experts=2 * n, topk=2, routing="random",
-             dtype="bfloat16", bias=False, alignment=1, worst=0),
-        dict(tokens=[1] * n, hidden=7168, experts=8 * n, topk=8, routing="random",
-             dtype="bfloat16", bias=True, alignment=128, worst=0),
-        dict(tokens=[24] * n, hidden=7168, experts=8 * n, topk=8, routing="skewed",
-             dtype="fp8", bias=False, alignment=1, worst=0),
-        dict(tokens=[30 + r for r in range(n)], hidden=128, experts=4 * n, topk=3,
-             routing="holes", dtype="float16", bias=True, alignment=1, worst=30 * n + n * n),
-        dict(tokens=[16 + r for r in range(n)], hidden=256, experts=4 * n, topk=4,
-             routing="skewed", dtype="fp8", bias=False, alignment=4, worst=17 * n + n * n),
-    ]
-    for c in extra:
-        seed += 1
-        cases.append(dict(c, seed=seed))
-    return cases
-
-
-def _normal_rank(comm, cases, barrier):
-    from moe_comm.cuda import normal as cn
-    dev, out = comm.device, []
-    for case in cases:
-        x, idx, w, bias = make_inputs(case, comm.rank)
-        fp8 = isinstance(x, tuple)
-        data, scales = (x[0].to(dev), x[1].to(dev)) if fp8 else (x.to(dev), None)
-        idx, w = idx.to(dev), w.to(dev)
-        layout = cn.get_dispatch_layout(idx, case["experts"], comm.num_ranks)
-        comm.poison_data()
-        rx, rs, ri, rw, handle = cn.dispatch(
-            comm, x_bytes=data.view(torch.uint8), dtype=data.dtype, hidden=data.shape[1],
-            scales=scales, topk_idx=idx, topk_weights=w, is_token_in_rank=None,
-            num_tokens_per_rank=None, handle=None, num_experts=case["experts"],
-            num_worst_tokens=case["worst"], buffer_key=KEY)
-        counts = cn.aligned_expert_counts(handle, case["alignment"]).tolist()
-        recv = (rx, rs) if fp8 else rx
-        y = expert_fn(recv, comm.rank)
-        biases = (bias.to(dev).float(),) if bias is not None else ()
-        comm.poison_data()
-        comb, comb_w = cn.combine(comm, x=y, handle=handle, topk_weights=rw, bias=biases)
-        comm.poison_data()
-        rx2, rs2, ri2, rw2, handle2 = cn.dispatch(
-            comm, x_bytes=data.view(torch.uint8), dtype=data.dtype, hidden=data.shape[1],
-            scales=scales, topk_idx=None, topk_weights=None, is_token_in_rank=None,
-            num_tokens_per_rank=None, handle=handle, num_experts=None,
-            num_worst_tokens=case["worst"], buffer_key=KEY)
-        comm.synchronize()
-        out.append(dict(layout=_cpu(layout), rx=_cpu(recv), ri=_cpu(ri), rw=_cpu(rw),
-                        counts=counts, y=_cpu(y), comb=_cpu(comb), comb_w=_cpu(comb_w),
-                        rx2=_cpu((rx2, rs2) if fp8 else rx2), ri2=ri2,
-                        same_handle=handle2 is handle))
-    barrier()
-    return out
+def _gpu():
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
 def test_normal_dispatch_combine_match_reference(n):
-    cases = _normal_cases(n)
-    _preload(n)
-    barrier = threading.Barrier(n)
-    results = _run(_normal_rank, _group(n), cases, barrier.wait)
-    check_normal(n, cases, results)
-
-
-# ---- low-latency mode ------------------------------------------------------------------------
-LL_SPECS = [  # (hidden, fp8, round_scale, ue8m0, routing)
-    (128, False, False, False, "random"),
-    (256, True, False, False, "holes"),
-    (512, True, True, False, "skewed"),
-    (512, True, True, True, "random"),
-    (2048, True, False, False, "one_rank"),
-    (7168, True, True, True, "skewed"),
-    (7168, False, False, False, "holes"),
-]
-LL_M = 24
-
-
-def _ll_cases(n):
-    cases = []
-    for s, (h, fp8, rs, ue, kind) in enumerate(LL_SPECS):
-        tokens = [LL_M if r == 0 else (0 if r == 1 else 3 + 5 * r % LL_M) for r in range(n)]
-        cases.append(dict(seed=s, hidden=h, fp8=fp8, round_scale=rs, ue8m0=ue, routing=kind,
-                          max_tokens=LL_M, tokens=tokens,
-                          experts=4 * n if h < 7168 else 8 * n, topk=min(4, 4 * n)))
-    return cases
-
-
-def _ll_bytes(cases, n):
-    return max(LLLayout(c["max_tokens"], c["hidden"], n, c["experts"]).nbytes for c in cases)
-
-
-def _ll_outputs(case, n, dev):
-    L, rows, h = case["experts"] // n, n * case["max_tokens"], case["hidden"]
-    recv_x = torch.empty(L, rows, h, dtype=torch.float8_e4m3fn if case["fp8"] else
-                         torch.bfloat16, device=dev)
-    recv_scales = None
-    if case["ue8m0"]:
-        recv_scales = torch.empty(L, rows, h // 512, dtype=torch.int32, device=dev)
-    elif case["fp8"]:
-        recv_scales = torch.empty(L, rows, h // 128, dtype=torch.float32, device=dev)
-    return recv_x, recv_scales, torch.zeros(L, dtype=torch.int32, device=dev)
-
-
-def _ll_rank(comm, cases, barrier):
-    from moe_comm.cuda import ll as cll
-    dev, n, out = comm.device, comm.num_ranks, []
-    for case in cases:
-        barrier()
-        comm.reset_ll()              # shapes change between cases: start the LL region over
-        barrier()
-        lay = LLLayout(case["max_tokens"], case["hidden"], n, case["experts"])
-        x, idx, w = (t.to(dev) for t in ll_inputs(case, comm.rank))
-        recv_x, recv_scales, recv_count = _ll_outputs(case, n, dev)
-        stats = torch.full((case["experts"] // n,), 5, dtype=torch.int32, device=dev)
-        handle = cll.dispatch_send(comm, x=x, topk_idx=idx, lay=lay, use_fp8=case["fp8"],
-                                   round_scale=case["round_scale"], buffer_key=KEY)
-        cll.dispatch_recv(comm, handle, lay, recv_x=recv_x, recv_scales=recv_scales,
-                          recv_count=recv_count, use_fp8=case["fp8"], use_ue8m0=case["ue8m0"],
-                          stats=stats)
-        rx = (recv_x, recv_scales) if case["fp8"] else recv_x
-        y = expert_ll(rx, comm.rank)
-        seq, buf = cll.combine_send(comm, x=y, handle=handle, lay=lay)
-        combined = torch.full(tuple(x.shape), float("nan"), dtype=torch.bfloat16, device=dev)
-        cll.combine_recv(comm, seq, buf, lay, handle=handle, topk_idx=idx, topk_weights=w,
-                         out=combined)
-        comm.synchronize()
-        out.append(dict(rx=_cpu(rx), cnt=_cpu(recv_count), stats=_cpu(stats), y=_cpu(y),
-                        combined=_cpu(combined)))
-    return out
-
-
-def _kernel_quantize(x, round_scale):
-    """What the kernel computes (csrc/kernels/fp8.cuh): quant.py's scale, rounded up to a
-    power of two exactly (bit arithmetic) when asked."""
-    t, h = x.shape
-    blocks = x.float().view(t, h // 128, 128)
-    scale = blocks.abs().amax(-1).clamp(min=1e-4) / 448.0
-    if round_scale:
-        bits = (scale.view(torch.int32).to(torch.int64) + 0x7FFFFF) & 0xFF800000
-        scale = bits.to(torch.int32).view(torch.float32)
-    q = (blocks / scale.unsqueeze(-1)).clamp(-448, 448).view(t, h).to(torch.float8_e4m3fn)
-    return q, scale
+    C.check_normal_group(n, _gpu())
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
 def test_low_latency_matches_reference(n):
-    cases = _ll_cases(n)
-    _preload(n, {c["hidden"] for c in cases}, ll=True)
-    barrier = threading.Barrier(n)
-    results = _run(_ll_rank, _group(n, _ll_bytes(cases, n)), cases, barrier.wait)
-    check_ll(n, cases, results, _kernel_quantize)
-
-
-def _ll_in_flight(comm, case, iters):
-    """Two dispatches in flight (send, send, recv, recv) and many calls in a row: the double
-    buffers' flow control (calls > 2 wait for the peer's FREE words)."""
-    from moe_comm.cuda import ll as cll
-    dev, n = comm.device, comm.num_ranks
-    lay = LLLayout(case["max_tokens"], case["hidden"], n, case["experts"])
-    x, idx, w = (t.to(dev) for t in ll_inputs(case, comm.rank))
-    ok = []
-    for i in range(iters):
-        outs = [_ll_outputs(case, n, dev) for _ in range(2)]
-        ha = cll.dispatch_send(comm, x=x, topk_idx=idx, lay=lay, use_fp8=False,
-                               round_scale=False, buffer_key=KEY)
-        hb = cll.dispatch_send(comm, x=x * 2, topk_idx=idx, lay=lay, use_fp8=False,
-                               round_scale=False, buffer_key=KEY)
-        for h, (rx, _, cnt) in zip((ha, hb), outs):
-            cll.dispatch_recv(comm, h, lay, recv_x=rx, recv_scales=None, recv_count=cnt,
-                              use_fp8=False, use_ue8m0=False, stats=None)
-        (ra, _, ca), (rb, _, _) = outs
-        y = ra * (comm.rank + 1)
-        seq, buf = cll.combine_send(comm, x=y, handle=ha, lay=lay)
-        combined = torch.empty(tuple(x.shape), dtype=torch.bfloat16, device=dev)
-        cll.combine_recv(comm, seq, buf, lay, handle=ha, topk_idx=idx, topk_weights=w,
-                         out=combined)
-        comm.synchronize()
-        ok.append(all(torch.equal(rb[le, :c].float(), 2 * ra[le, :c].float())
-                      for le, c in enumerate(ca.tolist())))
-        if i == 0:
-            first = combined.cpu()
-        else:
-            ok.append(torch.equal(combined.cpu(), first))
-    return ok
+    C.check_ll_group(n, _gpu())
 
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_low_latency_two_in_flight_and_long_runs(n):
-    case = dict(seed=5, hidden=256, fp8=False, round_scale=False, ue8m0=False,
-                routing="random", max_tokens=8, tokens=[8] * n, experts=4 * n, topk=2)
-    _preload(n, {256}, ll=True)
-    lay = LLLayout(8, 256, n, 4 * n)
-    results = _run(_ll_in_flight, _group(n, lay.nbytes), case, 7)
-    for ok in results:
-        assert all(ok)
-
-
-# ---- deadlines -------------------------------------------------------------------------------
-def _silent_peer(comm, mode):
-    """Rank 1 never calls; rank 0's wait must end in CommTimeoutError naming rank 1."""
-    from moe_comm.cuda import ll as cll
-    from moe_comm.cuda import normal as cn
-    if comm.rank == 1:
-        return None
-    dev = comm.device
-    x = torch.randn(4, 256, device=dev).bfloat16()
-    idx = torch.tensor([[0, 4], [1, 5], [2, 6], [3, 7]], device=dev)
-    try:
-        if mode == "normal":
-            cn.dispatch(comm, x_bytes=x.view(torch.uint8), dtype=x.dtype, hidden=256,
-                        scales=None, topk_idx=idx, topk_weights=None, is_token_in_rank=None,
-                        num_tokens_per_rank=None, handle=None, num_experts=8,
-                        num_worst_tokens=0, buffer_key=KEY)
-        else:
-            lay = LLLayout(4, 256, 2, 8)
-            h = cll.dispatch_send(comm, x=x, topk_idx=idx, lay=lay, use_fp8=False,
-                                  round_scale=False, buffer_key=KEY)
-            rx = torch.empty(4, 8, 256, dtype=torch.bfloat16, device=dev)
-            cll.dispatch_recv(comm, h, lay, recv_x=rx, recv_scales=None,
-                              recv_count=torch.zeros(4, dtype=torch.int32, device=dev),
-                              use_fp8=False, use_ue8m0=False, stats=None)
-        comm.synchronize()
-    except moe_comm.CommTimeoutError as e:
-        return (e.op, e.silent_ranks)
-    return "no error"
+    C.check_ll_in_flight(n, _gpu())
 
 
 @pytest.mark.parametrize("mode", ["normal", "ll"])
 def test_silent_rank_is_named_not_hung(mode):
-    _preload(2, {256}, ll=True)
-    comms = _group(2, LLLayout(4, 256, 2, 8).nbytes, timeout_s=2.0)
-    from moe_comm.cuda.local import run_local
-    try:
-        got = run_local(_silent_peer, comms, mode, timeout=120, check=False)[0]
-    finally:
-        for c in comms:           # out of step now: only good for destroying
-            c.destroy()
-    op = "dispatch/notify" if mode == "normal" else "low_latency_dispatch/recv"
-    assert got == (op, [1])
+    C.check_silent_rank(mode, _gpu())
 
 
 # ---- real processes through CUDA IPC -----------------------------------------------------------
@@ -332,9 +62,9 @@ def _ipc_child(rank, n, port, queue, normal_cases, ll_cases):
         torch.cuda.set_device(0)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=n)
-        comm = CudaComm.from_group(dist.group.WORLD, HEAP, _ll_bytes(ll_cases, n), 120.0)
-        res = (_normal_rank(comm, normal_cases, dist.barrier),
-               _ll_rank(comm, ll_cases, dist.barrier))
+        comm = CudaComm.from_group(dist.group.WORLD, C.HEAP, C.ll_bytes(ll_cases, n), 120.0)
+        res = (C.normal_rank(comm, normal_cases, dist.barrier),
+               C.ll_rank(comm, ll_cases, dist.barrier))
         comm.destroy()                      # collective: unmap, barrier, free
         blob = io.BytesIO()
         torch.save(res, blob)
@@ -347,8 +77,8 @@ def _ipc_child(rank, n, port, queue, normal_cases, ll_cases):
 def test_two_processes_through_cuda_ipc():
     from moe_comm.launch import free_port
     n = 2
-    normal_cases = [c for c in _normal_cases(n) if c["routing"] == "random"][:2]
-    ll_cases = _ll_cases(n)[:2]
+    normal_cases = [c for c in C.normal_cases(n) if c["routing"] == "random"][:2]
+    ll_cases = C.ll_cases(n)[:2]
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = free_port()
@@ -369,4 +99,4 @@ def test_two_processes_through_cuda_ipc():
         results[rank] = torch.load(io.BytesIO(val), weights_only=False)
     assert sorted(results) == [0, 1]
     check_normal(n, normal_cases, [results[r][0] for r in range(n)])
-    check_ll(n, ll_cases, [results[r][1] for r in range(n)], _kernel_quantize)
+    check_ll(n, ll_cases, [results[r][1] for r in range(n)], C.kernel_quantize)

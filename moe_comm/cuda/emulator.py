@@ -54,36 +54,41 @@ def available() -> bool:
         return False
 
 
-def _key(variant: Variant, cxx: str) -> str:
+def _key(source: Path, defines: tuple, cxx: str) -> str:
     h = hashlib.sha256()
-    for folder in (kernel_dir(), emu_dir()):
+    for folder in (kernel_dir(), emu_dir(), source.parent):
         for f in sorted(folder.iterdir()):
-            if f.is_file():
+            if f.is_file() and f.suffix in (".cu", ".cuh", ".h", ".cpp"):
                 h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    for part in (variant.source, repr(variant.defines), version, " ".join(_FLAGS)):
+    for part in (str(source), repr(defines), version, " ".join(_FLAGS)):
         h.update(part.encode() + b"\0")
     return h.hexdigest()
 
 
 def build(variant: Variant) -> Path:
     """Path of the shared library of ``variant`` (built on first use, then cached)."""
+    return build_source(kernel_dir() / variant.source, variant.defines)
+
+
+def build_source(source: Path, defines=()) -> Path:
+    """Build any kernel source file for the emulator (``defines``: ``(name, value)`` pairs)."""
     cxx = compiler()
-    key = _key(variant, cxx)
-    path = cache_dir() / "emu" / f"{variant.source.rsplit('.', 1)[0]}-{key[:40]}.so"
+    key = _key(source, tuple(defines), cxx)
+    path = cache_dir() / "emu" / f"{source.stem}-{key[:40]}.so"
     if path.is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
     emu = emu_dir()
-    cmd = [cxx, *_FLAGS, *(f"-D{k}={v}" for k, v in variant.defines), f"-I{emu}", "-include",
-           str(emu / "cuda_emu.h"), "-x", "c++", str(kernel_dir() / variant.source), "-x",
-           "c++", str(emu / "runtime.cpp"), "-o", str(tmp)]
+    cmd = [cxx, *_FLAGS, *(f"-D{k}={v}" for k, v in defines), f"-I{emu}", "-include",
+           str(emu / "cuda_emu.h"), "-x", "c++", str(source), "-x", "c++",
+           str(emu / "runtime.cpp"), "-o", str(tmp)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         tmp.unlink(missing_ok=True)
-        raise EmulatorError(f"building {variant.label} for the emulator failed:\n"
-                            f"{done.stderr[-4000:]}")
+        raise EmulatorError(f"building {source.name} {list(defines)} for the emulator "
+                            f"failed:\n{done.stderr[-4000:]}")
     write_atomic(path, tmp.read_bytes())
     tmp.unlink(missing_ok=True)
     return path
@@ -103,15 +108,20 @@ _lock = threading.Lock()
 
 def load_kernels(variant: Variant) -> dict:
     """``{kernel name: EmuKernel}`` of ``variant`` (built or taken from the cache)."""
+    return load_library(build(variant), variant.kernels)
+
+
+def load_library(path: Path, kernels) -> dict:
+    """``{kernel name: EmuKernel}`` for ``kernels`` of the built library at ``path``."""
     with _lock:
-        hit = _loaded.get(variant)
+        hit = _loaded.get((path, tuple(kernels)))
         if hit is None:
-            lib = ctypes.CDLL(str(build(variant)))
+            lib = ctypes.CDLL(str(path))
             lib.moe_emu_launch.restype = ctypes.c_int
             lib.moe_emu_launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 6 + [
                 ctypes.POINTER(ctypes.c_uint64), ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
-            hit = {name: EmuKernel(lib, name) for name in variant.kernels}
-            _loaded[variant] = hit
+            hit = {name: EmuKernel(lib, name) for name in kernels}
+            _loaded[(path, tuple(kernels))] = hit
         return hit
 
 

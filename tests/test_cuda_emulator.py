@@ -1,0 +1,75 @@
+"""The CUDA backend - csrc/kernels and moe_comm/cuda/*.py - on the CPU kernel emulator
+(moe_comm/cuda/emulator.py), checked against moe_comm.reference with the GPU tests' cases
+(tests/cuda_cases.py). Runs wherever a C++17 compiler is; the GPU remains the judge of what
+the emulator does not model (csrc/emu/cuda_emu.h: warp-synchronous code, weak ordering).
+
+The 8-rank groups run a subset of the cases to keep the suite fast; every kind of case still
+runs on 2-4 ranks."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cuda_cases as C
+
+pytestmark = pytest.mark.skipif(
+    not __import__("moe_comm.cuda.emulator", fromlist=["available"]).available(),
+    reason="the kernel emulator needs a C++ compiler (g++)")
+
+CPU = torch.device("cpu")
+
+
+def _subset(cases, step):
+    return cases[::step]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+def test_normal_dispatch_combine_match_reference(n):
+    cases = C.normal_cases(n)
+    C.check_normal_group(n, CPU, cases if n <= 4 else _subset(cases, 4))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+def test_low_latency_matches_reference(n):
+    cases = C.ll_cases(n)
+    C.check_ll_group(n, CPU, cases if n <= 4 else _subset(cases, 2))
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_low_latency_two_in_flight_and_long_runs(n):
+    C.check_ll_in_flight(n, CPU)
+
+
+@pytest.mark.parametrize("mode", ["normal", "ll"])
+def test_silent_rank_is_named_not_hung(mode):
+    C.check_silent_rank(mode, CPU)
+
+
+STUCK = r"""
+extern "C" __global__ void stuck(unsigned long long* out) {
+    // lanes 0-15 wait at the block barrier, lanes 16-31 at a full-mask warp barrier: on a GPU
+    // this hangs; the emulator must say so instead
+    if (threadIdx.x < 16) __syncthreads(); else __syncwarp();
+    out[threadIdx.x] = 1;
+}
+extern "C" __global__ void fine(unsigned long long* out) {
+    __shared__ unsigned long long sum;
+    if (threadIdx.x == 0) sum = 0;
+    __syncthreads();
+    atomicAdd((unsigned*)&sum, 1u + __popc(__ballot_sync(0xffffffffu, threadIdx.x & 1)));
+    __syncthreads();
+    out[threadIdx.x + 32 * blockIdx.x] = sum;
+}
+"""
+
+
+def test_stuck_barrier_is_an_error_not_a_hang(tmp_path):
+    from moe_comm.cuda import emulator
+    src = tmp_path / "stuck.cu"
+    src.write_text(STUCK)
+    k = emulator.load_library(emulator.build_source(src), ("stuck", "fine"))
+    out = torch.zeros(64, dtype=torch.int64)
+    emulator.launch_emu(k["fine"], 2, 32, [emulator.np.uint64(out.data_ptr())])
+    assert out.tolist() == [32 * 17] * 64          # every lane: 1 + popcount of 16 odd lanes
+    with pytest.raises(emulator.EmulatorError, match="can never complete"):
+        emulator.launch_emu(k["stuck"], 1, 32, [emulator.np.uint64(out.data_ptr())])
