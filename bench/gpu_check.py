@@ -20,7 +20,7 @@ Steps, each in a fresh process with a deadline (the whole run stays within --bud
              (every kernel) and 2 processes through CUDA IPC.
 
 The table uses bench/bench_all_to_all.py's columns; stdout gets the table, --json (default
-bench_out/gpu_check.json) gets rows, step results and output tails. GB/s: DeepEP's convention,
+$OUT/gpu_check.json where $OUT is set, else bench_out/) gets rows, step results and output tails. GB/s: DeepEP's convention,
 payload bytes a rank receives in dispatch (sends back in combine) per second. Normal-mode
 timings use a cached handle (no count exchange on the host, like DeepEP's tuning runs); the
 notify barrier still runs on the GPU. On one GPU the 8 ranks share its SMs and memory
@@ -35,6 +35,7 @@ import datetime
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -396,16 +397,14 @@ def run_baseline(path, iters):
 def run_small_case():
     """Every kernel on one rank (no rank waits on another thread's kernel, so a sanitizer that
     serialises launches cannot deadlock it), then 2 processes through CUDA IPC."""
-    import threading
+    import torch
+    import cuda_cases as C
     import test_cuda_gpu as T
-    n = 1
-    normal = [c for c in T._normal_cases(n) if c["routing"] == "random"][:4] + \
-        [c for c in T._normal_cases(n) if c["worst"]]
-    T._check_normal(n, normal, T._run(T._normal_rank, T._group(n), normal,
-                                      threading.Barrier(n).wait))
-    ll = [c for c in T._ll_cases(n) if c["hidden"] <= 512]
-    T._check_ll(n, ll, T._run(T._ll_rank, T._group(n, T._ll_bytes(ll, n)), ll,
-                              threading.Barrier(n).wait))
+    n, dev = 1, torch.device("cuda", torch.cuda.current_device())
+    normal = [c for c in C.normal_cases(n) if c["routing"] == "random"][:4] + \
+        [c for c in C.normal_cases(n) if c["worst"]]
+    C.check_normal_group(n, dev, normal)
+    C.check_ll_group(n, dev, [c for c in C.ll_cases(n) if c["hidden"] <= 512])
     T.test_two_processes_through_cuda_ipc()
     print("small case OK")
 
@@ -414,16 +413,20 @@ def run_small_case():
 def _step(name, cmd, timeout, env_extra, log):
     env = dict(os.environ, **env_extra)
     t0 = time.monotonic()
+    # its own process group: on a timeout the ranks it forked or spawned die with it, instead
+    # of holding GPU contexts that time-slice the GPU under the next steps
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                           timeout=max(1, timeout))
-        rc, out = p.returncode, p.stdout + p.stderr
-    except subprocess.TimeoutExpired as e:
+        out, _ = p.communicate(timeout=max(1, timeout))
+        rc = p.returncode
+    except subprocess.TimeoutExpired:
         rc = "timeout"
-        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else \
-            (e.stdout or "")
-        out += (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else \
-            (e.stderr or "")
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        out, _ = p.communicate()
     took = time.monotonic() - t0
     log[name] = dict(cmd=" ".join(cmd), rc=rc, seconds=round(took, 1), tail=out[-6000:])
     status = "ok" if rc == 0 else f"FAILED (rc={rc})"
@@ -453,7 +456,10 @@ def _table(rows):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", default=os.path.join(ROOT, "bench_out", "gpu_check.json"))
+    # $OUT: the device tool brings back only what is written there
+    p.add_argument("--json", default=os.path.join(os.environ.get("OUT") or
+                                                  os.path.join(ROOT, "bench_out"),
+                                                  "gpu_check.json"))
     p.add_argument("--iters", type=int, default=10, help="timed calls per rank")
     p.add_argument("--baseline-iters", type=int, default=3)
     p.add_argument("--budget", type=float, default=570.0, help="seconds for all steps")
@@ -479,7 +485,8 @@ def main(argv=None):
     left = lambda: args.budget - (time.monotonic() - start)  # noqa: E731
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     me = [sys.executable, os.path.abspath(__file__)]
-    eager = {"CUDA_MODULE_LOADING": "EAGER"}    # ranks as threads: see moe_comm/cuda/local.py
+    # ranks as threads: see moe_comm/cuda/local.py
+    eager = {"CUDA_MODULE_LOADING": "EAGER", "CUDA_DEVICE_MAX_CONNECTIONS": "32"}
     lazy = {"CUDA_MODULE_LOADING": "LAZY"}
     log = {}
     if not args.skip_tests:

@@ -18,7 +18,10 @@ from .layout import aligned_expert_counts, dispatch_layout
 def pick_device(group, device) -> torch.device:
     """``device`` if given; else CUDA (the current device) for an NCCL group, else CPU."""
     if device is not None:
-        return torch.device(device)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:   # tensors say cuda:N, not cuda
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -34,7 +34,9 @@ def topk_idx(t, n_experts, num_tokens=None, device=None):
     tensor("topk_idx", t, ndim=2, dtypes=(torch.int64,), device=device)
     if num_tokens is not None and t.shape[0] != num_tokens:
         raise ValueError(f"topk_idx has {t.shape[0]} rows but x has {num_tokens} tokens")
-    if t.numel():
+    # The value check reads two numbers back: a host synchronisation on a GPU, which CUDA-graph
+    # capture forbids; while capturing it is skipped (the ids were checked when warming up).
+    if t.numel() and not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
         lo, hi = int(t.min()), int(t.max())
         if lo < -1 or hi >= n_experts:
             bad = lo if lo < -1 else hi

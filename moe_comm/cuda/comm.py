@@ -197,10 +197,15 @@ class CudaComm:
         else:
             _set_current(device)
             pointers = [_alloc_zeroed(total) for _ in range(num_ranks)]
-        return [cls(rank=r, num_ranks=num_ranks, device=device, pointers=pointers,
+        comms = [cls(rank=r, num_ranks=num_ranks, device=device, pointers=pointers,
                     heap_bytes=heap_bytes, ll_bytes=ll_bytes, timeout_s=timeout_s,
                     own_allocation=host_buffers is None, opened=[],
                     host_buffers=host_buffers) for r in range(num_ranks)]
+        if device.type == "cuda":
+            # bases/err_dev/counters were filled on the default stream; the ranks' kernels run
+            # on non-blocking streams that would not wait for it
+            torch.cuda.synchronize(device)
+        return comms
 
     # -- per-operation state -----------------------------------------------------------------
     def next_epoch(self) -> int:

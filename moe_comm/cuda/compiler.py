@@ -172,7 +172,10 @@ def load_kernels(variant: Variant, device) -> dict:
         if hit is None:
             make_current(device)
             cubin = compile_cubin(variant, arch)
-            obj = cuda_core().ObjectCode.from_cubin(cubin, name=variant.label)
+            try:
+                obj = cuda_core().ObjectCode.from_cubin(cubin, name=variant.label)
+            except TypeError:                   # cuda.core <= 0.2 has no name=
+                obj = cuda_core().ObjectCode.from_cubin(cubin)
             hit = {name: obj.get_kernel(name) for name in variant.kernels}
             for kernel in hit.values():
                 _force_load(kernel)
@@ -186,11 +189,15 @@ def _force_load(kernel) -> None:
     from cuda.bindings import driver as cu
     try:
         err, _ = cu.cuKernelGetFunction(kernel.handle)  # a CUkernel: load into this context
-        if err == cu.CUresult.CUDA_SUCCESS:
-            return
     except (TypeError, AttributeError):                 # older cuda.core: a CUfunction handle
-        pass
-    kernel.attributes.num_regs()                        # also resolves the function
+        err = None
+    if err is not None:
+        if err != cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuKernelGetFunction failed: {err}")
+        return
+    regs = kernel.attributes.num_regs                   # also resolves the function
+    if callable(regs):                                  # a method before cuda.core 0.4
+        regs()
 
 
 def preload(variant_list, device) -> None:

@@ -66,4 +66,19 @@ def launch(kernel, grid, block, *args, shmem: int = 0, device=None, stream=None)
     make_current(device)
     stream = torch.cuda.current_stream(device) if stream is None else stream
     config = cc.LaunchConfig(grid=grid, block=block, shmem_size=shmem)
-    cc.launch(_TorchStream(stream), config, kernel, *[_arg(a) for a in args])
+    cc.launch(_cc_stream(cc, stream), config, kernel, *[_arg(a) for a in args])
+
+
+_streams: dict = {}
+
+
+def _cc_stream(cc, stream):
+    """The cuda.core view of a torch stream, made once per stream handle: ``Stream.from_handle``
+    (non-owning) where cuda.core has it - it warns when handed a foreign object on every launch
+    - else the ``__cuda_stream__`` wrapper older releases take."""
+    handle = stream.cuda_stream
+    s = _streams.get(handle)
+    if s is None:
+        from_handle = getattr(cc.Stream, "from_handle", None)
+        s = _streams[handle] = from_handle(handle) if from_handle else _TorchStream(stream)
+    return s

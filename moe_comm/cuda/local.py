@@ -11,6 +11,12 @@ Set ``CUDA_MODULE_LOADING=EAGER`` before CUDA initialises in such a process. Wit
 (torch's default) the first launch of any kernel - a torch fill as much as ours - may
 synchronise the context; while a peer's kernel spins waiting for this rank that deadlocks until
 the deadline. moe_comm's own kernels are loaded eagerly anyway (compiler.load_kernels).
+Set ``CUDA_DEVICE_MAX_CONNECTIONS=32`` too: a process has 8 hardware queues by default, and two
+ranks' streams that share one queue serialise, so a kernel queued behind a spinning notify could
+keep a peer's notify from starting.
+
+With comms on device ``cpu`` (the kernel emulator) each call simply runs in its thread: an
+emulated launch returns when the kernel has finished, with the GIL released meanwhile.
 """
 from __future__ import annotations
 
@@ -30,9 +36,11 @@ def run_local(fn, comms, *args, timeout: float = 300.0, check: bool = True):
     text attached as a note). Raises RuntimeError if a thread outlives ``timeout``."""
     n = len(comms)
     emulated = comms[0].device.type == "cpu"      # moe_comm/cuda/emulator.py: no streams
-    if n > 1 and not emulated and os.environ.get("CUDA_MODULE_LOADING") != "EAGER":
-        warnings.warn("ranks as threads of one process need CUDA_MODULE_LOADING=EAGER (set "
-                      "before CUDA initialises): a lazily loaded kernel can deadlock the group")
+    if n > 1 and not emulated and (os.environ.get("CUDA_MODULE_LOADING") != "EAGER" or
+                                   int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", 8)) < n):
+        warnings.warn("ranks as threads of one process need CUDA_MODULE_LOADING=EAGER and "
+                      "CUDA_DEVICE_MAX_CONNECTIONS=32 (set before CUDA initialises): a lazily "
+                      "loaded kernel or a shared hardware queue can deadlock the group")
     results, errors = [None] * n, {}
 
     def body(r):
