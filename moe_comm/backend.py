@@ -5,6 +5,7 @@ low-latency halves, same keyword arguments); this module holds the few things th
 """
 from __future__ import annotations
 
+import os
 import secrets
 
 import torch
@@ -13,6 +14,13 @@ import torch.distributed as dist
 from .event import EventOverlap, capture_event
 from .host.pool import OutputPool
 from .layout import aligned_expert_counts, dispatch_layout
+
+
+def emulate_cuda() -> bool:
+    """``MOE_COMM_CPU_BACKEND=emulator``: a Buffer on the CPU drives the CUDA backend with its
+    kernels in the CPU kernel emulator (moe_comm/cuda/emulator.py) instead of the host
+    backend. For testing the CUDA backend's Buffer path without a GPU; slow."""
+    return os.environ.get("MOE_COMM_CPU_BACKEND", "") == "emulator"
 
 
 def pick_device(group, device) -> torch.device:

@@ -14,7 +14,7 @@ from .config import Config, normal_buffer_size_hint
 from .errors import BufferTooSmallError
 from .event import EventOverlap, RecvHook, capture_event
 from .handle import DispatchHandle, LowLatencyHandle
-from .backend import CudaBackend, HostBackend, pick_device
+from .backend import CudaBackend, HostBackend, emulate_cuda, pick_device
 from .wire import LL_MAX_TOPK, LL_NUM_BUFFERS, LLLayout
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -82,7 +82,7 @@ class Buffer:
         self.explicitly_destroy = explicitly_destroy
         self.elastic = bool(elastic)
         self.device = pick_device(self.group, device)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" or emulate_cuda():
             if self.elastic:
                 raise ValueError("elastic=True is built for the host backend (CPU tensors) "
                                  "only; the CUDA backend raises CommTimeoutError")

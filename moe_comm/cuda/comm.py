@@ -135,10 +135,12 @@ class CudaComm:
         buffer on ``device`` (default: torch's current device), exchange CUDA IPC handles,
         map every peer. All ranks must pass the same sizes."""
         import torch.distributed as dist
-        from cuda.bindings import driver as cu
         device = torch.device("cuda", torch.cuda.current_device()) if device is None else \
             torch.device(device)
         group = group if group is not None else dist.group.WORLD
+        if device.type == "cpu":
+            return cls._from_group_emulated(group, heap_bytes, ll_bytes, timeout_s)
+        from cuda.bindings import driver as cu
         rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
         heap_bytes, ll_bytes = round_up(heap_bytes, PAGE), round_up(ll_bytes, PAGE)
         total = cls.buffer_bytes(num_ranks, heap_bytes, ll_bytes)
@@ -179,6 +181,40 @@ class CudaComm:
                    own_allocation=True, opened=opened, group=group)
         torch.cuda.synchronize(device)
         dist.barrier(group=group)      # every buffer zeroed and mapped before any signal
+        return comm
+
+    @classmethod
+    def _from_group_emulated(cls, group, heap_bytes, ll_bytes, timeout_s) -> "CudaComm":
+        """from_group for the kernel emulator: processes of one machine map each other's
+        buffers as /dev/shm segments (moe_comm/host/segment.py) instead of CUDA IPC."""
+        import secrets
+
+        import torch.distributed as dist
+
+        from ..host.segment import Segment, reclaim_stale_segments, segment_name
+        rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
+        heap_bytes, ll_bytes = round_up(heap_bytes, PAGE), round_up(ll_bytes, PAGE)
+        total = cls.buffer_bytes(num_ranks, heap_bytes, ll_bytes)
+        reclaim_stale_segments()
+        own = Segment.create(segment_name(f"emu{secrets.token_hex(6)}", rank), total)
+        infos = [None] * num_ranks
+        dist.all_gather_object(infos, (socket.gethostname(), total, own.name), group=group)
+        segments = []
+        try:
+            if len({i[0] for i in infos}) != 1 or len({i[1] for i in infos}) != 1:
+                raise ValueError("every rank of `group` must be on one machine with equal "
+                                 f"buffer sizes, got {[i[:2] for i in infos]}")
+            segments = [own if r == rank else Segment.open(name)
+                        for r, (_, _, name) in enumerate(infos)]
+        finally:
+            dist.barrier(group=group)   # everybody mapped: names can go
+            own.unlink()
+        pointers = [seg.bytes.ctypes.data for seg in segments]
+        comm = cls(rank=rank, num_ranks=num_ranks, device=torch.device("cpu"),
+                   pointers=pointers, heap_bytes=heap_bytes, ll_bytes=ll_bytes,
+                   timeout_s=timeout_s, own_allocation=False, opened=[], group=group,
+                   host_buffers=segments)
+        dist.barrier(group=group)
         return comm
 
     @classmethod
@@ -270,6 +306,19 @@ class CudaComm:
         _cu(cu.cuMemsetD8Async(self.pointers[self.rank] + self.heap_offset, byte,
                                self.heap_bytes, cu.CUstream(stream)), "cuMemsetD8Async")
 
+    def poison_free_heap(self, byte: int = 0xFF) -> None:
+        """The host backend's name for :meth:`poison_data` (the Buffer tests call it)."""
+        self.poison_data(byte)
+
+    def poison_ll(self, byte: int = 0xFF) -> None:
+        """Fill this rank's low-latency region with ``byte`` (tests; between barriers only)."""
+        if self.device.type == "cpu":
+            ctypes.memset(self.pointers[self.rank] + self.ll_offset, byte, self.ll_bytes)
+            return
+        from cuda.bindings import driver as cu
+        _cu(cu.cuMemsetD8(self.pointers[self.rank] + self.ll_offset, byte, self.ll_bytes),
+            "cuMemsetD8")
+
     def reset_ll(self) -> None:
         """Zero this rank's low-latency region and LL header slots and restart the LL call
         numbers (Buffer.clean_low_latency_buffer: collective, barriers around it, nothing in
@@ -301,7 +350,14 @@ class CudaComm:
             return
         self._alive = False
         if self.device.type == "cpu":
-            self._host_buffers = None         # peers' comms hold their own references
+            buffers, self._host_buffers = self._host_buffers or [], None
+            if barrier and self.group is not None:
+                import torch.distributed as dist
+                if dist.is_initialized():
+                    dist.barrier(group=self.group)
+            for b in buffers:                 # segments of from_group; local tensors just go
+                if hasattr(b, "close"):
+                    b.close()
             return
         from cuda.bindings import driver as cu
         torch.cuda.synchronize(self.device)
