@@ -35,6 +35,15 @@ def test_low_latency_matches_reference(n):
     C.check_ll_group(n, CPU, cases if n <= 4 else _subset(cases, 2))
 
 
+@pytest.mark.parametrize("seed", [1, 2])
+def test_shuffled_schedules(seed, monkeypatch):
+    """The same checks with the block's threads run in a different random order every pass
+    (csrc/emu/runtime.cpp): results must not depend on which thread happens to go first."""
+    monkeypatch.setenv("MOE_EMU_SCHEDULE_SEED", str(seed))
+    C.check_normal_group(3, CPU, _subset(C.normal_cases(3), 3))
+    C.check_ll_group(3, CPU, _subset(C.ll_cases(3), 2))
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_low_latency_two_in_flight_and_long_runs(n):
     C.check_ll_in_flight(n, CPU)
@@ -51,6 +60,11 @@ extern "C" __global__ void stuck(unsigned long long* out) {
     // this hangs; the emulator must say so instead
     if (threadIdx.x < 16) __syncthreads(); else __syncwarp();
     out[threadIdx.x] = 1;
+}
+extern "C" __global__ void racy(unsigned long long* out) {
+    __shared__ unsigned long long v;        // zero in a fresh block thread
+    if (threadIdx.x == 0) v = 7;
+    if (threadIdx.x == 1) out[blockIdx.x] = v;   // no __syncwarp between: a race
 }
 extern "C" __global__ void fine(unsigned long long* out) {
     __shared__ unsigned long long sum;
@@ -73,3 +87,18 @@ def test_stuck_barrier_is_an_error_not_a_hang(tmp_path):
     assert out.tolist() == [32 * 17] * 64          # every lane: 1 + popcount of 16 odd lanes
     with pytest.raises(emulator.EmulatorError, match="can never complete"):
         emulator.launch_emu(k["stuck"], 1, 32, [emulator.np.uint64(out.data_ptr())])
+
+
+def test_shuffled_schedule_exposes_a_warp_race(tmp_path, monkeypatch):
+    """In thread order lane 0 always writes before lane 1 reads; shuffled, some blocks read
+    first - the kind of bug a GPU shows only sometimes."""
+    from moe_comm.cuda import emulator
+    src = tmp_path / "stuck.cu"
+    src.write_text(STUCK)
+    k = emulator.load_library(emulator.build_source(src), ("racy",))["racy"]
+    out = torch.zeros(16, dtype=torch.int64)
+    emulator.launch_emu(k, 16, 32, [emulator.np.uint64(out.data_ptr())])
+    assert out.tolist() == [7] * 16
+    monkeypatch.setenv("MOE_EMU_SCHEDULE_SEED", "3")
+    emulator.launch_emu(k, 16, 32, [emulator.np.uint64(out.data_ptr())])
+    assert 0 in out.tolist() and 7 in out.tolist()

@@ -1,7 +1,10 @@
 // runtime.cpp: the kernel emulator's launch and scheduler (see cuda_emu.h for the model).
 //
 // moe_emu_launch(kernel, grid, block, args) runs one kernel to completion: one OS thread per
-// block, the block's threads as ucontext fibers run round-robin by that OS thread. A fiber
+// block, the block's threads as ucontext fibers run round-robin by that OS thread - in thread
+// order, or, with MOE_EMU_SCHEDULE_SEED=<n> set, in an order shuffled every pass, so code that
+// silently relies on one thread running before another (a lane reading what another lane
+// wrote without __syncwarp) meets other interleavings. A fiber
 // gives up the OS thread at a barrier it has to wait at, at a warp collective, at a spin point
 // and when it returns. Returns 0, or 1 with a message (a barrier or collective that can never
 // complete, a thread that could not be started).
@@ -14,6 +17,7 @@
 #include <ucontext.h>
 
 #include <string>
+#include <utility>
 #include <thread>
 #include <vector>
 
@@ -53,6 +57,7 @@ struct Block {
     char* stacks = nullptr;
     Yield last = Yield::Spin;
     unsigned long long completions = 0;  // barriers and collectives completed: progress
+    uint64_t rng = 0;                    // schedule shuffling (0: thread order)
     // __syncthreads
     int bar_arrived = 0, bar_sum = 0, bar_result = 0;
     unsigned bar_gen = 0;
@@ -114,10 +119,19 @@ void run_block(Block* b) {
         makecontext(&b->ctx[t], fiber_main, 0);
     }
     int stuck = 0;
+    std::vector<int> order(n);
+    for (int t = 0; t < n; ++t) order[t] = t;
     while (b->live > 0) {
         bool only_waits = true, only_spins = true;
         const unsigned long long completions = b->completions;
-        for (int t = 0; t < n; ++t) {
+        for (int i = n - 1; b->rng && i > 0; --i) {  // Fisher-Yates with xorshift64
+            b->rng ^= b->rng << 13;
+            b->rng ^= b->rng >> 7;
+            b->rng ^= b->rng << 17;
+            std::swap(order[i], order[b->rng % (uint64_t)(i + 1)]);
+        }
+        for (int i = 0; i < n; ++i) {
+            const int t = order[i];
             if (b->done[t]) continue;
             b->current = t;
             swapcontext(&b->sched, &b->ctx[t]);
@@ -210,6 +224,8 @@ extern "C" int moe_emu_launch(void* kernel, unsigned gx, unsigned gy, unsigned g
     }
     memcpy(padded, args, sizeof(uint64_t) * nargs);
     const unsigned nblocks = gx * gy * gz;
+    const char* seed_text = getenv("MOE_EMU_SCHEDULE_SEED");
+    const uint64_t seed = seed_text ? strtoull(seed_text, nullptr, 10) : 0;
     std::vector<Block> blocks(nblocks);
     std::vector<std::thread> threads;
     threads.reserve(nblocks);
@@ -221,12 +237,13 @@ extern "C" int moe_emu_launch(void* kernel, unsigned gx, unsigned gy, unsigned g
         b.dim = dim3{bx, by, bz};
         b.grid = dim3{gx, gy, gz};
         b.nthreads = (int)(bx * by * bz);
+        if (seed) b.rng = (seed + 1) * 0x9E3779B97F4A7C15ull ^ (i + 1) * 0xBF58476D1CE4E5B9ull;
     }
     try {
         for (unsigned i = 0; i < nblocks; ++i) threads.emplace_back(run_block, &blocks[i]);
     } catch (const std::exception& e) {
         snprintf(errbuf, errlen, "could not start block threads: %s", e.what());
-        for (auto& th : threads) th.join();  // started blocks may wait on missing ones: hangs
+        for (auto& th : threads) th.join();  // blocks waiting on missing ones end at deadlines
         return 1;
     }
     for (auto& th : threads) th.join();
