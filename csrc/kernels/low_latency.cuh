@@ -161,7 +161,10 @@ __device__ void ll_dispatch_send_body(const LLGroup g, const ErrorSink err, cons
                 const i64 pair = base + selected[j];
                 const i64 row = running + j;
                 if (row >= M) {  // a token listed the same expert twice: more rows than M
-                    if (lane_id() == 0) err.report(kErrOverflow, seq, dst, (i32)row);
+                    if (lane_id() == 0) {
+                        err.report(kErrOverflow, seq, dst, (i32)row);
+                        send_index[pair] = -1;  // combine skips it instead of reading garbage
+                    }
                     continue;
                 }
                 const i64 tok = pair / topk, slot = pair % topk;
