@@ -35,10 +35,10 @@ def _cpu(t):
     return t.detach().cpu().clone()
 
 
-def group(n, device, ll_bytes=0, timeout_s=60.0):
+def group(n, device, ll_bytes=0, timeout_s=60.0, elastic=False):
     """A local group of n ranks on `device` (a GPU, or "cpu" for the kernel emulator)."""
     from moe_comm.cuda.comm import CudaComm
-    return CudaComm.local_group(n, HEAP, ll_bytes, timeout_s, device=device)
+    return CudaComm.local_group(n, HEAP, ll_bytes, timeout_s, device=device, elastic=elastic)
 
 
 def run(fn, comms, *args):
@@ -315,3 +315,92 @@ def check_silent_rank(mode, device):
             c.destroy()
     op = "dispatch/notify" if mode == "normal" else "low_latency_dispatch/recv"
     assert got == (op, [1])
+
+
+# ---- elastic (normal mode): a silent rank is masked, survivors finish --------------------------
+SILENT = 3
+
+
+def _elastic_rank(comm, case, steps, silent_after_notify=False):
+    """Rank SILENT never calls (or, `silent_after_notify`, sends its counts in the first
+    dispatch's notify and then nothing). The others run `steps` dispatch+combine rounds with
+    the same inputs: the first masks it at its deadline, later ones skip it at once."""
+    import time
+
+    from moe_comm.cuda import normal as cn
+    if comm.rank == SILENT:
+        if silent_after_notify:
+            idx = make_inputs(case, comm.rank)[1].to(comm.device)
+            R = comm.num_ranks
+            per_rank, _, _, _ = cn._layout(idx, case["experts"], R, want_experts=False,
+                                           want_pos=True)
+            matrix = torch.empty(R, R, dtype=torch.int32, device=comm.device)
+            cn._notify(comm, cn._kernels(R, comm.device), comm.next_epoch(), per_rank, matrix,
+                       "dispatch/notify")
+        return None
+    dev, out = comm.device, []
+    x, idx, w, _ = make_inputs(case, comm.rank)
+    for _ in range(steps):
+        t0 = time.monotonic()
+        comm.poison_data()
+        rx, _, ri, rw, handle = cn.dispatch(
+            comm, x_bytes=x.to(dev).view(torch.uint8), dtype=x.dtype, hidden=x.shape[1],
+            scales=None, topk_idx=idx.to(dev), topk_weights=w.to(dev), is_token_in_rank=None,
+            num_tokens_per_rank=None, handle=None, num_experts=case["experts"],
+            num_worst_tokens=0, buffer_key=KEY)
+        y = expert_fn(rx, comm.rank)
+        comm.poison_data()
+        comb, comb_w = cn.combine(comm, x=y, handle=handle, topk_weights=rw, bias=())
+        comm.synchronize()
+        out.append(dict(rx=_cpu(rx), ri=_cpu(ri), rw=_cpu(rw), y=_cpu(y), comb=_cpu(comb),
+                        comb_w=_cpu(comb_w), active=comm.active.tolist(),
+                        seconds=time.monotonic() - t0))
+    return out
+
+
+def check_elastic_normal(device, timeout_s=2.0, silent_after_notify=False):
+    """Survivors' outputs equal the reference over the healthy ranks (the silent rank's
+    tokens gone, its experts' slots -1), the mask says which rank is gone, and a round after
+    the masking does not wait for it. With `silent_after_notify` the first dispatch already
+    counted the silent rank's rows: they arrive as padding (x 0, ids -1, weights 0)."""
+    n, steps = 4, 2
+    case = dict(seed=77, tokens=[40, 0, 33, 25], hidden=256, experts=4 * n, topk=4,
+                routing="random", dtype="bfloat16", bias=False, alignment=1, worst=0)
+    preload(device, n)
+    comms = group(n, device, timeout_s=timeout_s, elastic=True)
+    results = run(_elastic_rank, comms, case, steps, silent_after_notify)
+    full = moe_comm.reference_dispatch(*zip(*[make_inputs(case, r)[:2] for r in range(n)]),
+                                       case["experts"])
+    lo, hi = SILENT * 4, SILENT * 4 + 4               # the silent rank's experts
+    xs, ids, ws = [], [], []
+    for r in range(n):
+        x, idx, w, _ = make_inputs(case, r)
+        if r == SILENT:
+            x, idx, w = x[:0], idx[:0], w[:0]
+        idx = torch.where((idx >= lo) & (idx < hi), -1, idx)
+        xs.append(x)
+        ids.append(idx)
+        ws.append(w)
+    ref = moe_comm.reference_dispatch(xs, ids, case["experts"], ws)
+    for step in range(steps):
+        ys = [expert_fn(ref[r]["recv_x"], r) for r in range(n)]
+        comb = moe_comm.reference_combine(ys, ref, [x.shape[0] for x in xs])
+        for r in range(n):
+            if r == SILENT:
+                continue
+            got = results[r][step]
+            assert got["active"] == [1, 1, 1, 0], (step, r, got["active"])
+            rx, ri, rw = got["rx"], got["ri"], got["rw"]
+            if silent_after_notify and step == 0:      # its counted rows are padding
+                from_silent = full[r]["recv_src"][:, 0] == SILENT
+                assert rx.shape[0] == from_silent.numel(), (r, rx.shape)
+                assert (rx[from_silent].view(torch.int16) == 0).all(), r
+                assert (ri[from_silent] == -1).all() and (rw[from_silent] == 0).all(), r
+                rx, ri, rw = rx[~from_silent], ri[~from_silent], rw[~from_silent]
+            assert torch.equal(rx, ref[r]["recv_x"]), (step, r)
+            assert torch.equal(ri, ref[r]["recv_topk_idx"]), (step, r)
+            assert torch.equal(rw, ref[r]["recv_topk_weights"]), (step, r)
+            torch.testing.assert_close(got["comb"].float(), comb[r].float(), rtol=1e-2,
+                                       atol=1e-2)
+            if step:
+                assert got["seconds"] < timeout_s, (r, got["seconds"])

@@ -54,6 +54,11 @@ def test_silent_rank_is_named_not_hung(mode):
     C.check_silent_rank(mode, CPU)
 
 
+@pytest.mark.parametrize("after_notify", [False, True])
+def test_elastic_normal_mode_masks_a_silent_rank(after_notify):
+    C.check_elastic_normal(CPU, silent_after_notify=after_notify)
+
+
 STUCK = r"""
 extern "C" __global__ void stuck(unsigned long long* out) {
     // lanes 0-15 wait at the block barrier, lanes 16-31 at a full-mask warp barrier: on a GPU

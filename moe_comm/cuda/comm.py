@@ -92,7 +92,7 @@ class CudaComm:
 
     def __init__(self, *, rank: int, num_ranks: int, device: torch.device, pointers: list,
                  heap_bytes: int, ll_bytes: int, timeout_s: float, own_allocation: bool,
-                 opened: list, group=None, host_buffers=None):
+                 opened: list, group=None, host_buffers=None, elastic: bool = False):
         if not 1 <= num_ranks <= MAX_RANKS:
             raise ValueError(f"the CUDA backend maps groups of 1..{MAX_RANKS} ranks, got "
                              f"{num_ranks}")
@@ -114,6 +114,10 @@ class CudaComm:
         self._err = self.err_host.numpy()
         self.err_dev = torch.zeros(4, dtype=torch.int32, device=device)
         self.counters = torch.zeros(8, dtype=torch.int32, device=device)
+        # elastic: int32 [R] on the device, 1 = active; kernels skip ranks at 0 and clear the
+        # word of a rank that misses a deadline (csrc/kernels/normal.cuh Group, wait_from)
+        self.active = torch.ones(num_ranks, dtype=torch.int32, device=device) if elastic \
+            else None
         self.epoch = 0
         self.notify_seq = 0
         self.ll_seq = {"dispatch": 0, "combine": 0}
@@ -219,7 +223,7 @@ class CudaComm:
 
     @classmethod
     def local_group(cls, num_ranks: int, heap_bytes: int, ll_bytes: int, timeout_s: float,
-                    device=None) -> list:
+                    device=None, elastic: bool = False) -> list:
         """All ``num_ranks`` ranks in this process on one device; returns their comms. Drive
         rank r from its own thread with its own current stream (see moe_comm/cuda/local.py)."""
         device = torch.device("cuda", torch.cuda.current_device()) if device is None else \
@@ -236,7 +240,7 @@ class CudaComm:
         comms = [cls(rank=r, num_ranks=num_ranks, device=device, pointers=pointers,
                     heap_bytes=heap_bytes, ll_bytes=ll_bytes, timeout_s=timeout_s,
                     own_allocation=host_buffers is None, opened=[],
-                    host_buffers=host_buffers) for r in range(num_ranks)]
+                    host_buffers=host_buffers, elastic=elastic) for r in range(num_ranks)]
         if device.type == "cuda":
             # bases/err_dev/counters were filled on the default stream; the ranks' kernels run
             # on non-blocking streams that would not wait for it
@@ -258,8 +262,10 @@ class CudaComm:
         return self.layout.done(0) * 8
 
     def group_args(self):
-        """(bases, rank, data offset, data bytes, timeout) - the kernels' first arguments."""
-        return (self.bases, self.rank, self.heap_offset, self.heap_bytes, self.timeout_ns)
+        """(bases, rank, data offset, data bytes, timeout, active or None) - the normal-mode
+        kernels' first arguments."""
+        return (self.bases, self.rank, self.heap_offset, self.heap_bytes, self.timeout_ns,
+                self.active)
 
     def error_args(self, op: str):
         return (self.err_host, self.err_dev, OP[op])
