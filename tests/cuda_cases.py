@@ -404,3 +404,72 @@ def check_elastic_normal(device, timeout_s=2.0, silent_after_notify=False):
                                        atol=1e-2)
             if step:
                 assert got["seconds"] < timeout_s, (r, got["seconds"])
+
+
+def _elastic_ll_rank(comm, case, steps):
+    """LL twin of _elastic_rank: rank SILENT never calls; the others run `steps` rounds of
+    dispatch send/recv + combine send/recv."""
+    import time
+
+    from moe_comm.cuda import ll as cll
+    if comm.rank == SILENT:
+        return None
+    dev, n, out = comm.device, comm.num_ranks, []
+    lay = LLLayout(case["max_tokens"], case["hidden"], n, case["experts"])
+    x, idx, w = (t.to(dev) for t in ll_inputs(case, comm.rank))
+    for _ in range(steps):
+        t0 = time.monotonic()
+        recv_x, _, recv_count = ll_outputs(case, n, dev)
+        handle = cll.dispatch_send(comm, x=x, topk_idx=idx, lay=lay, use_fp8=False,
+                                   round_scale=False, buffer_key=KEY)
+        cll.dispatch_recv(comm, handle, lay, recv_x=recv_x, recv_scales=None,
+                          recv_count=recv_count, use_fp8=False, use_ue8m0=False, stats=None)
+        y = expert_ll(recv_x, comm.rank)
+        seq, buf = cll.combine_send(comm, x=y, handle=handle, lay=lay)
+        combined = torch.full(tuple(x.shape), float("nan"), dtype=torch.bfloat16, device=dev)
+        cll.combine_recv(comm, seq, buf, lay, handle=handle, topk_idx=idx, topk_weights=w,
+                         out=combined)
+        comm.synchronize()
+        out.append(dict(rx=_cpu(recv_x), cnt=_cpu(recv_count), y=_cpu(y),
+                        combined=_cpu(combined), active=comm.active.tolist(),
+                        seconds=time.monotonic() - t0))
+    return out
+
+
+def check_elastic_ll(device, timeout_s=2.0):
+    """LL on 4 ranks with rank SILENT never calling: survivors finish, mask it, and their
+    receive counts, rows and combined outputs equal the reference over the healthy ranks;
+    the round after the masking does not wait for it."""
+    from moe_comm.reference import reference_ll_combine, reference_ll_dispatch
+    n, steps = 4, 3
+    case = dict(seed=41, hidden=256, fp8=False, round_scale=False, ue8m0=False,
+                routing="random", max_tokens=16, tokens=[16, 0, 11, 9], experts=4 * n, topk=3)
+    preload(device, n, {256}, ll=True)
+    lay = LLLayout(case["max_tokens"], case["hidden"], n, case["experts"])
+    results = run(_elastic_ll_rank, group(n, device, lay.nbytes, timeout_s, elastic=True),
+                  case, steps)
+    lo, hi = SILENT * 4, SILENT * 4 + 4
+    xs, ids, ws = [], [], []
+    for r in range(n):
+        x, idx, w = ll_inputs(case, r)
+        if r == SILENT:
+            x, idx, w = x[:0], idx[:0], w[:0]
+        xs.append(x)
+        ids.append(torch.where((idx >= lo) & (idx < hi), -1, idx))
+        ws.append(w)
+    ref = reference_ll_dispatch(xs, ids, case["experts"], case["max_tokens"])
+    ys = [expert_ll(ref[r]["recv_x"], r) for r in range(n)]
+    comb = reference_ll_combine(ys, ref, ids, ws)
+    for step in range(steps):
+        for r in range(n):
+            if r == SILENT:
+                continue
+            got = results[r][step]
+            assert got["active"] == [1, 1, 1, 0], (step, r, got["active"])
+            assert torch.equal(got["cnt"], ref[r]["recv_count"]), (step, r)
+            for le, c in enumerate(ref[r]["recv_count"].tolist()):
+                assert torch.equal(got["rx"][le, :c], ref[r]["recv_x"][le, :c]), (step, r, le)
+            torch.testing.assert_close(got["combined"].float(), comb[r].float(), rtol=2e-2,
+                                       atol=2e-2)
+            if step:
+                assert got["seconds"] < timeout_s, (step, r, got["seconds"])

@@ -59,6 +59,10 @@ def test_elastic_normal_mode_masks_a_silent_rank(after_notify):
     C.check_elastic_normal(CPU, silent_after_notify=after_notify)
 
 
+def test_elastic_low_latency_masks_a_silent_rank():
+    C.check_elastic_ll(CPU)
+
+
 STUCK = r"""
 extern "C" __global__ void stuck(unsigned long long* out) {
     // lanes 0-15 wait at the block barrier, lanes 16-31 at a full-mask warp barrier: on a GPU

@@ -54,6 +54,15 @@ def test_silent_rank_is_named_not_hung(mode):
     C.check_silent_rank(mode, _gpu())
 
 
+@pytest.mark.parametrize("after_notify", [False, True])
+def test_elastic_normal_mode_masks_a_silent_rank(after_notify):
+    C.check_elastic_normal(_gpu(), silent_after_notify=after_notify)
+
+
+def test_elastic_low_latency_masks_a_silent_rank():
+    C.check_elastic_ll(_gpu())
+
+
 # ---- real processes through CUDA IPC -----------------------------------------------------------
 def _ipc_child(rank, n, port, queue, normal_cases, ll_cases):
     try:

@@ -14,7 +14,7 @@ static_assert(R >= 1 && R <= 8, "intranode groups have 1..8 ranks");
 #define MOE_GROUP_ARGS \
     const u64 *bases, i64 rank, i64 data_off, i64 capacity, i64 timeout_ns, i32 *active
 #define MOE_ERROR_ARGS i32 *err_host, i32 *err_dev, i64 op
-#define MOE_GROUP Group{bases, rank, (u64)data_off, (u64)capacity, timeout_ns, active}
+#define MOE_GROUP Group{bases, rank, (u64)data_off, (u64)capacity, timeout_ns, Active{active}}
 #define MOE_ERRORS ErrorSink{err_host, err_dev, (i32)op}
 
 // grid: R + (per_expert ? ceil(E / kExpertsPerBlock) : 0) blocks

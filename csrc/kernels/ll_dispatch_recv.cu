@@ -20,8 +20,9 @@ MOE_KERNEL void moe_ll_dispatch_recv(const u64* bases, i64 rank, i64 num_ranks, 
                                      i64 stride, i64 max_tokens, i64 hidden, i64 num_local,
                                      i64 free_off, i64 seq, u8* recv_x, void* recv_scales,
                                      i32* recv_count, i32* stats, i64* recv_meta,
-                                     i64* recv_ranges, i64* return_base, i32* counter) {
-    const LLGroup g{bases, rank, num_ranks, timeout_ns};
+                                     i64* recv_ranges, i64* return_base, i32* counter,
+                                     i32* active) {
+    const LLGroup g{bases, rank, num_ranks, timeout_ns, Active{active}};
     const LLBuffer lb{(u64)payload_off, (u64)meta_off, (u64)counts_off, 0, count_row_words,
                       stride, max_tokens};
     ll_dispatch_recv_body<MOE_FP8 != 0, MOE_UE8M0 != 0>(

@@ -63,6 +63,7 @@ struct LLGroup {
     i64 rank;
     i64 num_ranks;
     i64 timeout_ns;
+    Active live;  // elastic mode: masked ranks get nothing and are not awaited (transport.cuh)
     MOE_DEVICE u8* own(u64 offset) const { return (u8*)bases[rank] + offset; }
 };
 
@@ -80,22 +81,22 @@ struct LLBuffer {
 // LL module carries this kernel (each .cu is its own compiled program).
 MOE_KERNEL void moe_ll_wait(const u64* bases, i64 rank, i64 num_ranks, i64 timeout_ns,
                             i32* err_host, i32* err_dev, i64 op, i64 offset, i64 src_stride,
-                            i64 words, i64 epoch) {
-    const LLGroup g{bases, rank, num_ranks, timeout_ns};
+                            i64 words, i64 epoch, i32* active) {
+    const LLGroup g{bases, rank, num_ranks, timeout_ns, Active{active}};
     const ErrorSink err{err_host, err_dev, (i32)op};
     const Transport t{bases, err};
     const int s = threadIdx.x;
     if (err.aborted() || s >= g.num_ranks) return;
     const u64* row = (const u64*)g.own((u64)offset + s * (u64)src_stride);
     for (i64 j = 0; j < words; ++j)
-        if (t.wait_local(row + j, (u32)epoch, g.timeout_ns, s) < 0) return;
+        if (wait_from(t, g.live, row + j, (u32)epoch, g.timeout_ns, s) < 0) return;
 }
 
 // Push "this rank finished reading buffer b of call seq" into every rank's FREE[b][me] slot
 // (`free_off` = FREE[b][0]); release: ordered after this rank's earlier reads.
 MOE_DEVICE void ll_publish_free(const Transport& t, const LLGroup& g, u64 free_off, u32 seq) {
     for (int p = 0; p < g.num_ranks; ++p)
-        t.signal(p, free_off + (u64)g.rank * kSignalStride, tag(seq, 0));
+        if (g.live.on(p)) t.signal(p, free_off + (u64)g.rank * kSignalStride, tag(seq, 0));
 }
 
 // ---- dispatch send -----------------------------------------------------------------------
@@ -141,6 +142,11 @@ __device__ void ll_dispatch_send_body(const LLGroup g, const ErrorSink err, cons
     for (i64 e = blockIdx.x; e < num_experts; e += gridDim.x) {
         const int dst = (int)(e / num_local);
         const i64 le = e % num_local;
+        // elastic: a masked owner gets no messages; its pairs get send_index -1 (combine
+        // skips them). Read once per expert so the whole block agrees.
+        __shared__ bool live;
+        if (threadIdx.x == 0) live = g.live.on(dst);
+        __syncthreads();
         // Messages to experts below e come first in this rank's message order.
         int lower = 0;
         for (i64 base = 0; base < pairs; base += blockDim.x) {
@@ -160,6 +166,10 @@ __device__ void ll_dispatch_send_body(const LLGroup g, const ErrorSink err, cons
             for (int j = warp_id(); j < total; j += warps_per_block()) {
                 const i64 pair = base + selected[j];
                 const i64 row = running + j;
+                if (!live) {
+                    if (lane_id() == 0) send_index[pair] = -1;
+                    continue;
+                }
                 if (row >= M) {  // a token listed the same expert twice: more rows than M
                     if (lane_id() == 0) {
                         err.report(kErrOverflow, seq, dst, (i32)row);
@@ -183,7 +193,7 @@ __device__ void ll_dispatch_send_body(const LLGroup g, const ErrorSink err, cons
         // stores publish (see sync.cuh). Each word carries the tag, so order among them is free.
         __threadfence_system();
         __syncthreads();
-        if (threadIdx.x == 0) {
+        if (threadIdx.x == 0 && live) {
             const u64 row_off = lb.counts + (u64)(g.rank * lb.count_row_words) * 8;
             const u32 rows = (u32)min_of<i64>(running, M);
             t.signal(dst, row_off + (u64)le * 8, tag(seq, rows));
@@ -214,9 +224,10 @@ __device__ void ll_dispatch_recv_body(const LLGroup g, const ErrorSink err, cons
     if (threadIdx.x < R) {  // the count rows arrived: the wait kernel before this one saw them
         const int s = threadIdx.x;
         const u64* row = (const u64*)g.own(lb.counts + (u64)(s * lb.count_row_words) * 8);
-        count[s] = min_of<i64>(tag_value(ld_acquire_sys(row + le)), M);
+        const bool live = g.live.on(s);  // elastic: a masked source sent nothing
+        count[s] = live ? min_of<i64>(tag_value(ld_acquire_sys(row + le)), M) : 0;
         if (le == 0 && blockIdx.y == 0)
-            return_base[s] = tag_value(ld_acquire_sys(row + num_local));
+            return_base[s] = live ? tag_value(ld_acquire_sys(row + num_local)) : 0;
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -278,6 +289,7 @@ __device__ void ll_combine_send_body(const LLGroup g, const ErrorSink err, const
                                      u64 done_off, u64 done_stride, u32 seq, i32* counter) {
     __shared__ i64 start[kMaxRanks + 1];
     __shared__ i64 dest[kMaxRanks];  // owner row of this block's first row from each source
+    __shared__ bool live[kMaxRanks];  // elastic: masked owners get nothing back
     __shared__ int last;
     const Transport t{g.bases, err};
     if (err.aborted()) return;
@@ -291,6 +303,7 @@ __device__ void ll_combine_send_body(const LLGroup g, const ErrorSink err, const
         i64 before = 0;
         for (i64 l = 0; l < le; ++l) before += recv_ranges[(l * R + s) * 2 + 1];
         dest[s] = return_base[s] + before;
+        live[s] = g.live.on(s);
     }
     if (threadIdx.x == 0) {
         start[0] = 0;
@@ -303,6 +316,7 @@ __device__ void ll_combine_send_body(const LLGroup g, const ErrorSink err, const
         int s = 0;
         while (i >= start[s + 1]) ++s;
         const i64 row = dest[s] + (i - start[s]);
+        if (!live[s]) continue;
         if (row < 0 || row >= rows_cap) {
             if (lane_id() == 0) err.report(kErrOverflow, seq, s, (i32)row);
             continue;
@@ -314,7 +328,7 @@ __device__ void ll_combine_send_body(const LLGroup g, const ErrorSink err, const
         for (int s = threadIdx.x; s < R; s += blockDim.x) {
             i64 rows = 0;
             for (i64 l = 0; l < num_local; ++l) rows += recv_ranges[(l * R + s) * 2 + 1];
-            t.signal(s, done_off + g.rank * done_stride, tag(seq, (u32)rows));
+            if (g.live.on(s)) t.signal(s, done_off + g.rank * done_stride, tag(seq, (u32)rows));
         }
     }
 }
@@ -326,7 +340,7 @@ __device__ void ll_combine_recv_body(const LLGroup g, const ErrorSink err, const
                                      i64 hidden_rt, i64 num_tokens, i64 topk, i64 rows_cap,
                                      const i64* topk_idx, const float* topk_w,
                                      const i32* send_index, u64 free_off, u32 seq, u16* out,
-                                     i32* counter) {
+                                     i32* counter, i64 num_local) {
     __shared__ float weight[32];
     __shared__ i64 row_of[32];  // returned row of slot k, -1 = slot unused
     __shared__ int last;
@@ -338,7 +352,9 @@ __device__ void ll_combine_recv_body(const LLGroup g, const ErrorSink err, const
     for (i64 tok = blockIdx.x; tok < num_tokens; tok += gridDim.x) {
         if (threadIdx.x < topk) {
             const i64 k = threadIdx.x;
-            const bool used = topk_idx[tok * topk + k] >= 0;
+            const i64 e = topk_idx[tok * topk + k];
+            // elastic: the rows of an owner masked during the call never came
+            const bool used = e >= 0 && g.live.on((int)(e / num_local));
             const i64 r = used ? (i64)send_index[tok * topk + k] : -1;
             row_of[k] = r >= 0 && r < rows_cap ? r : -1;
             weight[k] = used ? topk_w[tok * topk + k] : 0.0f;

@@ -52,36 +52,10 @@ struct Group {
     u64 data_off;      // byte offset of the data region in every buffer
     u64 capacity;      // bytes of the data region
     i64 timeout_ns;
-    // Elastic mode: [R] 1 = active (the Buffer's active_ranks, on the device), or null. Nothing
-    // is sent to or awaited from a rank whose word is 0, and a rank that misses a deadline gets
-    // its word cleared instead of an error report (see wait_from).
-    i32* active;
+    Active live;       // elastic mode's active ranks (transport.cuh)
 
     MOE_DEVICE u8* own(u64 offset) const { return (u8*)bases[rank] + offset; }
-    MOE_DEVICE bool on(int r) const { return !active || ld_volatile_i32(active + r) != 0; }
-    MOE_DEVICE void drop(int r) const {
-        if (active) st_volatile_i32(active + r, 0);
-    }
 };
-
-// Wait for `rank`'s tagged word at `p` in this rank's memory; returns its value, or -1. Not
-// elastic: Transport::wait_local (a timeout is reported and raised by the host). Elastic: a
-// masked rank is not awaited, and one that misses the deadline is masked (word cleared) - the
-// caller then goes on without its data. Every kernel of the call reads the same words, so a
-// rank masked by one wait is skipped by all later ones.
-MOE_DEVICE i64 wait_from(const Transport& t, const Group& g, const u64* p, u32 epoch, int rank) {
-    if (!g.active) return t.wait_local(p, epoch, g.timeout_ns, rank);
-    const u64 deadline = globaltimer_ns() + (u64)g.timeout_ns;
-    for (;;) {
-        if (!g.on(rank)) return -1;
-        const u64 w = ld_acquire_sys(p);
-        if (tag_epoch(w) == epoch) return (i64)tag_value(w);
-        if (globaltimer_ns() > deadline) {
-            g.drop(rank);
-            return -1;
-        }
-    }
-}
 
 // ---- notify ------------------------------------------------------------------------------
 // One warp. Thread p writes this rank's row into rank p and then reads rank p's row here.
@@ -93,7 +67,7 @@ __device__ void notify_body(const Group g, const ErrorSink err, u64 notify_off, 
     const int p = threadIdx.x;
     if (err.aborted() || p >= R) return;
     // Each word carries its own tag, so a reader never needs an extra "row complete" flag.
-    if (g.on(p)) {
+    if (g.live.on(p)) {
         for (int d = 0; d < R; ++d) {
             const u32 c = counts ? (u32)counts[d] : 0u;
             t.signal(p, notify_off + (u64)(g.rank * row_words + d) * 8, tag(epoch, c));
@@ -101,7 +75,7 @@ __device__ void notify_body(const Group g, const ErrorSink err, u64 notify_off, 
     }
     const u64* row = (const u64*)g.own(notify_off + (u64)(p * row_words) * 8);
     for (int d = 0; d < R; ++d) {
-        const i64 v = wait_from(t, g, row + d, epoch, p);
+        const i64 v = wait_from(t, g.live, row + d, epoch, g.timeout_ns, p);
         if (v < 0) {  // rank p is silent (reported) or masked: it sends nothing
             for (int e = 0; matrix && e < R; ++e) matrix[p * R + e] = 0;
             return;
@@ -117,7 +91,7 @@ __device__ void wait_done_body(const Group g, const ErrorSink err, u64 done_off,
     const Transport t{g.bases, err};
     const int s = threadIdx.x;
     if (err.aborted() || s >= R) return;
-    wait_from(t, g, (const u64*)g.own(done_off + s * done_stride), epoch, s);
+    wait_from(t, g.live, (const u64*)g.own(done_off + s * done_stride), epoch, g.timeout_ns, s);
 }
 
 // Signal DONE[me] = epoch in every rank (run by the last block of a send kernel).
@@ -125,7 +99,7 @@ template <int R>
 MOE_DEVICE void signal_done_all(const Transport& t, const Group& g, u64 done_off,
                                 u64 done_stride, u32 epoch) {
     for (int d = threadIdx.x; d < R; d += blockDim.x)
-        if (g.on(d)) t.signal(d, done_off + g.rank * done_stride, tag(epoch, 1));
+        if (g.live.on(d)) t.signal(d, done_off + g.rank * done_stride, tag(epoch, 1));
 }
 
 // ---- dispatch send -----------------------------------------------------------------------
@@ -148,7 +122,7 @@ __device__ void dispatch_send_body(const Group g, const ErrorSink err, const u8*
     if (err.aborted()) return;
     if (threadIdx.x < R) {
         const int d = threadIdx.x;
-        const bool live = g.on(d);  // a masked destination gets nothing (limit 0)
+        const bool live = g.live.on(d);  // a masked destination gets nothing (limit 0)
         u64 before = 0, rows = 0;
         for (int s = 0; s < R; ++s) {
             const u64 c = (u64)matrix[s * R + d];
@@ -213,7 +187,7 @@ __device__ void dispatch_copy_out_body(const Group g, i64 row_bytes, i64 scale_c
     __shared__ Slab slab;
     __shared__ i64 src_end[R];  // rows of sources 0..s end at src_end[s]
     __shared__ bool live[R];    // elastic: rows of a source masked after notify are padding
-    if (threadIdx.x < R) live[threadIdx.x] = g.on(threadIdx.x);
+    if (threadIdx.x < R) live[threadIdx.x] = g.live.on(threadIdx.x);
     if (threadIdx.x == 0) {
         i64 n = 0;
         for (int s = 0; s < R; ++s) {
@@ -289,7 +263,7 @@ __device__ void combine_send_body(const Group g, const ErrorSink err, const u8* 
         slab[s] = Slab::make(rows, row_bytes, 0, topk);
         fits[s] = slab[s].nbytes <= g.capacity;
         if (!fits[s]) err.report(kErrOverflow, epoch, s, (i32)rows);
-        fits[s] = fits[s] && g.on(s);  // a masked token owner gets nothing back
+        fits[s] = fits[s] && g.live.on(s);  // a masked token owner gets nothing back
     }
     __syncthreads();
     const i64 total = src_start[R];
@@ -337,7 +311,7 @@ __device__ void combine_reduce_body(const Group g, i64 hidden, i64 topk, const i
         __syncthreads();  // slab ready / previous token's pos no longer read
         // elastic: rows of a rank masked during the call are not summed (they never came)
         if (threadIdx.x < R)
-            pos[threadIdx.x] = g.on(threadIdx.x) ? send_pos[tok * R + threadIdx.x] : -1;
+            pos[threadIdx.x] = g.live.on(threadIdx.x) ? send_pos[tok * R + threadIdx.x] : -1;
         __syncthreads();
         S* dst = out + tok * hidden;
         if (vec) {

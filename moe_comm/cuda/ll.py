@@ -80,7 +80,7 @@ def _wait(comm: CudaComm, kernels, op: str, offset: int, src_stride: int, words:
     """One-block wait on this rank's own slots, one row per source (low_latency.cuh)."""
     launch(kernels["moe_ll_wait"], 1, WAIT_BLOCK, comm.bases, comm.rank, comm.num_ranks,
            comm.timeout_ns, *comm.error_args(op), offset, src_stride, words, epoch,
-           device=comm.device)
+           comm.active, device=comm.device)
 
 
 def dispatch_send(comm: CudaComm, *, x, topk_idx, lay: LLLayout, use_fp8: bool,
@@ -107,7 +107,7 @@ def dispatch_send(comm: CudaComm, *, x, topk_idx, lay: LLLayout, use_fp8: bool,
            *comm.error_args("low_latency_dispatch/send"), off["payload"], off["meta"],
            off["counts"], lay.count_row_words, msg_stride(hidden, use_fp8), lay.max_tokens,
            x.contiguous(), num_tokens, hidden, topk_idx.contiguous(), topk, lay.num_experts,
-           send_index, seq, device=comm.device)
+           send_index, seq, comm.active, device=comm.device)
     return CudaLowLatencyHandle(buffer_key, seq, buf, lay.max_tokens, hidden, lay.num_experts,
                                 num_tokens, topk, send_index=send_index)
 
@@ -142,7 +142,7 @@ def dispatch_recv(comm: CudaComm, handle: LowLatencyHandle, lay: LLLayout, *, re
            comm.layout.ll_dispatch_free(handle.buf, 0) * 8, handle.seq, recv_x,
            recv_scales if use_fp8 else None, recv_count, stats32, handle.recv_meta,
            handle.recv_ranges, handle.return_base, comm.counter("ll_dispatch_recv"),
-           device=dev)
+           comm.active, device=dev)
     if wide_stats:                              # the kernel adds int32; int64 stats allowed
         stats += stats32
     handle.received = True
@@ -168,7 +168,8 @@ def combine_send(comm: CudaComm, *, x, handle: CudaLowLatencyHandle, lay: LLLayo
            *comm.error_args("low_latency_combine/send"), _offsets(comm, lay, buf)["combine"],
            lay.max_tokens, x.contiguous(), hidden, num_local, lay.max_tokens * LL_MAX_TOPK,
            handle.recv_ranges, handle.return_base, comm.layout.ll_combine_done(buf, 0) * 8,
-           SIGNAL_STRIDE, seq, comm.counter("ll_combine_send"), device=comm.device)
+           SIGNAL_STRIDE, seq, comm.counter("ll_combine_send"), comm.active,
+           device=comm.device)
     return seq, buf
 
 
@@ -190,5 +191,6 @@ def combine_recv(comm: CudaComm, seq: int, buf: int, lay: LLLayout, *, handle, t
            hidden, num_tokens, topk, lay.max_tokens * LL_MAX_TOPK, topk_idx.contiguous(),
            topk_weights.contiguous(), handle.send_index,
            comm.layout.ll_combine_free(buf, 0) * 8,
-           seq, out, comm.counter("ll_combine_recv"), device=comm.device)
+           seq, out, comm.counter("ll_combine_recv"), lay.num_local, comm.active,
+           device=comm.device)
     return out
