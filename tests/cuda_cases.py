@@ -173,8 +173,28 @@ def ll_outputs(case, n, dev):
     return recv_x, recv_scales, torch.zeros(L, dtype=torch.int32, device=dev)
 
 
-def ll_rank(comm, cases, barrier):
+def ll_round(comm, case, lay, x, idx, w, stats=None):
+    """One LL dispatch (send + receive) and combine (send + receive) of this rank's inputs;
+    returns (received rows: recv_x or (recv_x, recv_scales), recv_count, y, combined)."""
     from moe_comm.cuda import ll as cll
+    dev = comm.device
+    recv_x, recv_scales, recv_count = ll_outputs(case, comm.num_ranks, dev)
+    handle = cll.dispatch_send(comm, x=x, topk_idx=idx, lay=lay, use_fp8=case["fp8"],
+                               round_scale=case["round_scale"], buffer_key=KEY)
+    cll.dispatch_recv(comm, handle, lay, recv_x=recv_x, recv_scales=recv_scales,
+                      recv_count=recv_count, use_fp8=case["fp8"], use_ue8m0=case["ue8m0"],
+                      stats=stats)
+    rx = (recv_x, recv_scales) if case["fp8"] else recv_x
+    y = expert_ll(rx, comm.rank)
+    seq, buf = cll.combine_send(comm, x=y, handle=handle, lay=lay)
+    combined = torch.full(tuple(x.shape), float("nan"), dtype=torch.bfloat16, device=dev)
+    cll.combine_recv(comm, seq, buf, lay, handle=handle, topk_idx=idx, topk_weights=w,
+                     out=combined)
+    comm.synchronize()
+    return rx, recv_count, y, combined
+
+
+def ll_rank(comm, cases, barrier):
     dev, n, out = comm.device, comm.num_ranks, []
     for case in cases:
         barrier()
@@ -182,20 +202,8 @@ def ll_rank(comm, cases, barrier):
         barrier()
         lay = LLLayout(case["max_tokens"], case["hidden"], n, case["experts"])
         x, idx, w = (t.to(dev) for t in ll_inputs(case, comm.rank))
-        recv_x, recv_scales, recv_count = ll_outputs(case, n, dev)
         stats = torch.full((case["experts"] // n,), 5, dtype=torch.int32, device=dev)
-        handle = cll.dispatch_send(comm, x=x, topk_idx=idx, lay=lay, use_fp8=case["fp8"],
-                                   round_scale=case["round_scale"], buffer_key=KEY)
-        cll.dispatch_recv(comm, handle, lay, recv_x=recv_x, recv_scales=recv_scales,
-                          recv_count=recv_count, use_fp8=case["fp8"], use_ue8m0=case["ue8m0"],
-                          stats=stats)
-        rx = (recv_x, recv_scales) if case["fp8"] else recv_x
-        y = expert_ll(rx, comm.rank)
-        seq, buf = cll.combine_send(comm, x=y, handle=handle, lay=lay)
-        combined = torch.full(tuple(x.shape), float("nan"), dtype=torch.bfloat16, device=dev)
-        cll.combine_recv(comm, seq, buf, lay, handle=handle, topk_idx=idx, topk_weights=w,
-                         out=combined)
-        comm.synchronize()
+        rx, recv_count, y, combined = ll_round(comm, case, lay, x, idx, w, stats)
         out.append(dict(rx=_cpu(rx), cnt=_cpu(recv_count), stats=_cpu(stats), y=_cpu(y),
                         combined=_cpu(combined)))
     return out
@@ -411,7 +419,6 @@ def _elastic_ll_rank(comm, case, steps):
     dispatch send/recv + combine send/recv."""
     import time
 
-    from moe_comm.cuda import ll as cll
     if comm.rank == SILENT:
         return None
     dev, n, out = comm.device, comm.num_ranks, []
@@ -419,18 +426,8 @@ def _elastic_ll_rank(comm, case, steps):
     x, idx, w = (t.to(dev) for t in ll_inputs(case, comm.rank))
     for _ in range(steps):
         t0 = time.monotonic()
-        recv_x, _, recv_count = ll_outputs(case, n, dev)
-        handle = cll.dispatch_send(comm, x=x, topk_idx=idx, lay=lay, use_fp8=False,
-                                   round_scale=False, buffer_key=KEY)
-        cll.dispatch_recv(comm, handle, lay, recv_x=recv_x, recv_scales=None,
-                          recv_count=recv_count, use_fp8=False, use_ue8m0=False, stats=None)
-        y = expert_ll(recv_x, comm.rank)
-        seq, buf = cll.combine_send(comm, x=y, handle=handle, lay=lay)
-        combined = torch.full(tuple(x.shape), float("nan"), dtype=torch.bfloat16, device=dev)
-        cll.combine_recv(comm, seq, buf, lay, handle=handle, topk_idx=idx, topk_weights=w,
-                         out=combined)
-        comm.synchronize()
-        out.append(dict(rx=_cpu(recv_x), cnt=_cpu(recv_count), y=_cpu(y),
+        rx, recv_count, y, combined = ll_round(comm, case, lay, x, idx, w)
+        out.append(dict(rx=_cpu(rx), cnt=_cpu(recv_count), y=_cpu(y),
                         combined=_cpu(combined), active=comm.active.tolist(),
                         seconds=time.monotonic() - t0))
     return out
