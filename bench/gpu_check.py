@@ -20,8 +20,8 @@ Steps, each in a fresh process with a deadline (the whole run stays within --bud
              (every kernel) and 2 processes through CUDA IPC.
 
 The table uses bench/bench_all_to_all.py's columns; stdout gets the table, --json (default
-$OUT/gpu_check.json where $OUT is set, else bench_out/) gets rows, step results and output tails. GB/s: DeepEP's convention,
-payload bytes a rank receives in dispatch (sends back in combine) per second. Normal-mode
+$OUT/gpu_check.json where $OUT is set, else bench_out/) gets rows, step results and output
+tails. GB/s: DeepEP's convention, payload bytes a rank receives in dispatch (sends back in combine) per second. Normal-mode
 timings use a cached handle (no count exchange on the host, like DeepEP's tuning runs); the
 notify barrier still runs on the GPU. On one GPU the 8 ranks share its SMs and memory
 bandwidth, so the numbers are a kernel-efficiency check, not NVLink numbers.

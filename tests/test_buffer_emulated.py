@@ -37,8 +37,7 @@ def _uses_cuda_backend(rank, n):
 def test_normal_mode_through_buffer(n):
     assert run_ranks(_uses_cuda_backend, n, timeout=60) == ["CudaBackend"] * n
     cases = NM._cases(n)[::3]
-    for n_ in {n}:
-        cuda_cases.preload("cpu", n_)
+    cuda_cases.preload("cpu", n)
     check_normal(n, cases, run_ranks(NM._run_cases, n, cases, timeout=300))
 
 

@@ -92,10 +92,10 @@ def test_stuck_barrier_is_an_error_not_a_hang(tmp_path):
     src.write_text(STUCK)
     k = emulator.load_library(emulator.build_source(src), ("stuck", "fine"))
     out = torch.zeros(64, dtype=torch.int64)
-    emulator.launch_emu(k["fine"], 2, 32, [emulator.np.uint64(out.data_ptr())])
+    emulator.launch_emu(k["fine"], 2, 32, [out.data_ptr()])
     assert out.tolist() == [32 * 17] * 64          # every lane: 1 + popcount of 16 odd lanes
     with pytest.raises(emulator.EmulatorError, match="can never complete"):
-        emulator.launch_emu(k["stuck"], 1, 32, [emulator.np.uint64(out.data_ptr())])
+        emulator.launch_emu(k["stuck"], 1, 32, [out.data_ptr()])
 
 
 def test_shuffled_schedule_exposes_a_warp_race(tmp_path, monkeypatch):
@@ -106,8 +106,8 @@ def test_shuffled_schedule_exposes_a_warp_race(tmp_path, monkeypatch):
     src.write_text(STUCK)
     k = emulator.load_library(emulator.build_source(src), ("racy",))["racy"]
     out = torch.zeros(16, dtype=torch.int64)
-    emulator.launch_emu(k, 16, 32, [emulator.np.uint64(out.data_ptr())])
+    emulator.launch_emu(k, 16, 32, [out.data_ptr()])
     assert out.tolist() == [7] * 16
     monkeypatch.setenv("MOE_EMU_SCHEDULE_SEED", "3")
-    emulator.launch_emu(k, 16, 32, [emulator.np.uint64(out.data_ptr())])
+    emulator.launch_emu(k, 16, 32, [out.data_ptr()])
     assert 0 in out.tolist() and 7 in out.tolist()

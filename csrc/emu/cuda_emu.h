@@ -39,7 +39,6 @@ struct alignas(16) uint4 {
 
 #define __global__
 #define __device__
-#define __host__
 #define __forceinline__ inline __attribute__((always_inline))
 #define __shared__ static thread_local
 #define __restrict__ __restrict
@@ -118,7 +117,6 @@ static inline unsigned __float_as_uint(float f) {
 }
 static inline float __fdiv_rn(float a, float b) { return a / b; }  // IEEE without -ffast-math
 static inline void __threadfence_system() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
-static inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 static inline void __nanosleep(unsigned) { emu::spin_point(); }
 static inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 static inline unsigned atomicAdd(unsigned* p, unsigned v) {

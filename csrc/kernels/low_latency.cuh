@@ -143,10 +143,14 @@ __device__ void ll_dispatch_send_body(const LLGroup g, const ErrorSink err, cons
         const int dst = (int)(e / num_local);
         const i64 le = e % num_local;
         // elastic: a masked owner gets no messages; its pairs get send_index -1 (combine
-        // skips them). Read once per expert so the whole block agrees.
-        __shared__ bool live;
-        if (threadIdx.x == 0) live = g.live.on(dst);
-        __syncthreads();
+        // skips them). Read once per expert so the whole block agrees (a uniform branch: no
+        // extra barrier when the group is not elastic).
+        __shared__ bool owner_on;
+        if (g.live.words) {
+            if (threadIdx.x == 0) owner_on = g.live.on(dst);
+            __syncthreads();
+        }
+        const bool live = !g.live.words || owner_on;
         // Messages to experts below e come first in this rank's message order.
         int lower = 0;
         for (i64 base = 0; base < pairs; base += blockDim.x) {

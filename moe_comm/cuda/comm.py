@@ -142,12 +142,13 @@ class CudaComm:
         device = torch.device("cuda", torch.cuda.current_device()) if device is None else \
             torch.device(device)
         group = group if group is not None else dist.group.WORLD
-        if device.type == "cpu":
-            return cls._from_group_emulated(group, heap_bytes, ll_bytes, timeout_s)
-        from cuda.bindings import driver as cu
         rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
         heap_bytes, ll_bytes = round_up(heap_bytes, PAGE), round_up(ll_bytes, PAGE)
         total = cls.buffer_bytes(num_ranks, heap_bytes, ll_bytes)
+        if device.type == "cpu":
+            return cls._from_group_emulated(group, rank, num_ranks, heap_bytes, ll_bytes, total,
+                                            timeout_s)
+        from cuda.bindings import driver as cu
         _set_current(device)
         ptr = _alloc_zeroed(total)
         handle = _cu(cu.cuIpcGetMemHandle(ptr), "cuIpcGetMemHandle")
@@ -188,7 +189,8 @@ class CudaComm:
         return comm
 
     @classmethod
-    def _from_group_emulated(cls, group, heap_bytes, ll_bytes, timeout_s) -> "CudaComm":
+    def _from_group_emulated(cls, group, rank, num_ranks, heap_bytes, ll_bytes, total,
+                             timeout_s) -> "CudaComm":
         """from_group for the kernel emulator: processes of one machine map each other's
         buffers as /dev/shm segments (moe_comm/host/segment.py) instead of CUDA IPC."""
         import secrets
@@ -196,9 +198,6 @@ class CudaComm:
         import torch.distributed as dist
 
         from ..host.segment import Segment, reclaim_stale_segments, segment_name
-        rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
-        heap_bytes, ll_bytes = round_up(heap_bytes, PAGE), round_up(ll_bytes, PAGE)
-        total = cls.buffer_bytes(num_ranks, heap_bytes, ll_bytes)
         reclaim_stale_segments()
         own = Segment.create(segment_name(f"emu{secrets.token_hex(6)}", rank), total)
         infos = [None] * num_ranks

@@ -14,6 +14,7 @@ macros, compiler version).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -21,12 +22,11 @@ import subprocess
 import threading
 from pathlib import Path
 
-import numpy as np
-
 from .compiler import cache_dir, kernel_dir, write_atomic
 from .variants import Variant
 
 ERR_CHARS = 512
+_U64 = (1 << 64) - 1                 # kernel arguments travel as 64-bit words (two's complement)
 _FLAGS = ("-std=c++17", "-O1", "-fPIC", "-shared", "-pthread", "-Wall", "-Werror",
           "-Wno-unknown-pragmas", "-DMOE_EMU")
 
@@ -54,14 +54,18 @@ def available() -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=None)
+def _compiler_version(cxx: str) -> str:
+    return subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+
+
 def _key(source: Path, defines: tuple, cxx: str) -> str:
     h = hashlib.sha256()
     for folder in (kernel_dir(), emu_dir(), source.parent):
         for f in sorted(folder.iterdir()):
             if f.is_file() and f.suffix in (".cu", ".cuh", ".h", ".cpp"):
                 h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    for part in (str(source), repr(defines), version, " ".join(_FLAGS)):
+    for part in (str(source), repr(defines), _compiler_version(cxx), " ".join(_FLAGS)):
         h.update(part.encode() + b"\0")
     return h.hexdigest()
 
@@ -103,12 +107,17 @@ class EmuKernel:
 
 
 _loaded: dict = {}
+_by_variant: dict = {}
 _lock = threading.Lock()
 
 
 def load_kernels(variant: Variant) -> dict:
-    """``{kernel name: EmuKernel}`` of ``variant`` (built or taken from the cache)."""
-    return load_library(build(variant), variant.kernels)
+    """``{kernel name: EmuKernel}`` of ``variant`` (built or taken from the cache on first use,
+    then kept: the mode modules ask for their kernels on every call)."""
+    hit = _by_variant.get(variant)
+    if hit is None:
+        hit = _by_variant[variant] = load_library(build(variant), variant.kernels)
+    return hit
 
 
 def load_library(path: Path, kernels) -> dict:
@@ -132,9 +141,8 @@ def _dims(v) -> tuple:
 
 def launch_emu(kernel: EmuKernel, grid, block, args) -> None:
     """Run ``kernel`` to completion on CPU threads (releases the GIL meanwhile). ``args`` are
-    numpy 64-bit scalars (moe_comm/cuda/launcher.py converts them)."""
-    words = (ctypes.c_uint64 * max(1, len(args)))(*[int(np.uint64(a) if isinstance(
-        a, np.uint64) else np.int64(a).view(np.uint64)) for a in args])
+    integers (pointers, int64; numpy scalars as moe_comm/cuda/launcher.py makes them)."""
+    words = (ctypes.c_uint64 * max(1, len(args)))(*[int(a) & _U64 for a in args])
     err = ctypes.create_string_buffer(ERR_CHARS)
     rc = kernel.lib.moe_emu_launch(kernel.address, *_dims(grid), *_dims(block), words,
                                    len(args), err, ERR_CHARS)
