@@ -38,8 +38,6 @@ def pick_device(group, device) -> torch.device:
 class HostBackend:
     """CPU tensors: processes on one machine share memory; other hosts via the transport."""
 
-    masking = True
-
     def __init__(self, group, num_nvl_bytes, num_rdma_bytes, timeout_s, *, elastic,
                  transport):
         from .host import ll, normal
@@ -52,7 +50,24 @@ class HostBackend:
         self._pool = OutputPool()
 
     def layout(self, topk_idx, num_experts, num_ranks):
-        return dispatch_layout(topk_idx, num_experts, num_ranks)
+        per_rank, per_expert, in_rank = dispatch_layout(topk_idx, num_experts, num_ranks)
+        if not self.comm.active.all():      # masked ranks' experts count no tokens
+            gone = torch.from_numpy(~self.comm.active)
+            per_rank[gone] = 0
+            in_rank[:, gone] = False
+            per_expert.view(num_ranks, -1)[gone] = 0
+        return per_rank, per_expert, in_rank
+
+    # rank masks: numpy bool [R] in HostComm.active
+    def active_ranks(self) -> torch.Tensor:
+        return torch.from_numpy(self.comm.active.astype("int32"))
+
+    def mask(self, ranks, why: str) -> None:
+        self.comm.mask(ranks, why)
+
+    def read_active_arg(self, active_ranks: torch.Tensor) -> None:
+        self.comm.mask((active_ranks.cpu() == 0).nonzero().flatten().tolist(),
+                       "active_ranks argument")
 
     def expert_counts(self, recv_idx, handle, num_local, alignment) -> list:
         return aligned_expert_counts(recv_idx, num_local, alignment)
@@ -70,19 +85,34 @@ class HostBackend:
 class CudaBackend:
     """GPU tensors: kernels on torch's current stream, peers of one node through CUDA IPC."""
 
-    masking = False
-
-    def __init__(self, group, num_nvl_bytes, num_rdma_bytes, timeout_s, *, device):
+    def __init__(self, group, num_nvl_bytes, num_rdma_bytes, timeout_s, *, device, elastic):
         from .cuda import ll, normal
         from .cuda.comm import CudaComm
         self.normal, self.ll = normal, ll
         self.device = device
         self.comm = CudaComm.from_group(group, num_nvl_bytes, num_rdma_bytes, timeout_s,
-                                        device=device)
+                                        device=device, elastic=elastic)
         self.job = secrets.token_hex(8)
 
     def layout(self, topk_idx, num_experts, num_ranks):
-        return self.normal.get_dispatch_layout(topk_idx, num_experts, num_ranks)
+        per_rank, per_expert, in_rank = self.normal.get_dispatch_layout(topk_idx, num_experts,
+                                                                       num_ranks)
+        keep = self.comm.active
+        if keep is not None:                # on the device: no host synchronisation
+            per_rank.mul_(keep)
+            in_rank &= keep.bool()
+            per_expert.view(num_ranks, -1).mul_(keep[:, None])
+        return per_rank, per_expert, in_rank
+
+    # rank masks: int32 [R] on the device (CudaComm.active), read and written on the stream
+    def active_ranks(self) -> torch.Tensor:
+        return self.comm.active_ranks()
+
+    def mask(self, ranks, why: str) -> None:
+        self.comm.mask(ranks, why)
+
+    def read_active_arg(self, active_ranks: torch.Tensor) -> None:
+        self.comm.mask_where(active_ranks)
 
     def expert_counts(self, recv_idx, handle, num_local, alignment) -> list:
         if recv_idx is None:

@@ -83,11 +83,8 @@ class Buffer:
         self.elastic = bool(elastic)
         self.device = pick_device(self.group, device)
         if self.device.type == "cuda" or emulate_cuda():
-            if self.elastic:
-                raise ValueError("elastic=True is built for the host backend (CPU tensors) "
-                                 "only; the CUDA backend raises CommTimeoutError")
             self._be = CudaBackend(self.group, self.num_nvl_bytes, num_rdma_bytes,
-                                   self.timeout_s, device=self.device)
+                                   self.timeout_s, device=self.device, elastic=self.elastic)
         else:
             self._be = HostBackend(self.group, self.num_nvl_bytes, num_rdma_bytes,
                                    self.timeout_s, elastic=self.elastic, transport=transport)
@@ -132,45 +129,44 @@ class Buffer:
     # -- rank health -------------------------------------------------------------------------
     @property
     def active_ranks(self) -> torch.Tensor:
-        """int32 [R]: 1 for ranks taking part, 0 for masked ones (a copy)."""
-        return torch.from_numpy(self._live().active.astype("int32"))
+        """int32 [R] on the Buffer's device: 1 for ranks taking part, 0 for masked ones (a
+        copy)."""
+        self._live()
+        return self._be.active_ranks()
 
     def set_active_ranks(self, mask) -> None:
         """Mask ranks a controller knows are gone (entries 0); a mask never re-activates a
         rank (a rank that left needs a new Buffer). Call it with the same mask on every
         surviving rank before their next call."""
-        comm = self._live()
-        if not self._be.masking:
-            raise ValueError("set_active_ranks is supported by the host backend (CPU tensors) "
-                             "only")
-        gone = self._mask_arg("mask", mask)
-        comm.mask(gone, "set_active_ranks")
-
-    def _mask_arg(self, name, mask) -> list:
+        self._live()
         if not isinstance(mask, torch.Tensor):
             mask = torch.as_tensor(mask)
+        self._check_mask("mask", mask)
+        self._be.mask((mask.cpu() == 0).nonzero().flatten().tolist(), "set_active_ranks")
+
+    def _check_mask(self, name, mask) -> None:
         if mask.dim() != 1 or mask.shape[0] != self.group_size or mask.is_floating_point():
             raise ValueError(f"{name} must be an integer or bool tensor of shape "
                              f"[{self.group_size}] (1 = active), got {mask.dtype} "
                              f"{tuple(mask.shape)}")
-        return (mask.cpu() == 0).nonzero().flatten().tolist()
 
     def _enter(self, active_ranks):
         """Start a call: apply a caller's ``active_ranks`` tensor; returns the comm."""
         comm = self._live()
-        if active_ranks is not None and not self._be.masking:
-            raise ValueError("active_ranks is supported by the host backend (CPU tensors) only")
         if active_ranks is not None:
-            if active_ranks.dtype not in (torch.int32, torch.int64, torch.bool):
-                raise ValueError(f"active_ranks must be int32/int64/bool, got "
-                                 f"{active_ranks.dtype}")
-            comm.mask(self._mask_arg("active_ranks", active_ranks), "active_ranks argument")
+            if not isinstance(active_ranks, torch.Tensor) or active_ranks.dtype not in (
+                    torch.int32, torch.int64, torch.bool):
+                raise ValueError(f"active_ranks must be an int32/int64/bool tensor, got "
+                                 f"{getattr(active_ranks, 'dtype', type(active_ranks))}")
+            self._check_mask("active_ranks", active_ranks)
+            self._be.read_active_arg(active_ranks)
         return comm
 
     def _leave(self, active_ranks) -> None:
-        """Write the mask after a call back into the caller's ``active_ranks`` tensor."""
+        """Write the mask after a call back into the caller's ``active_ranks`` tensor (on the
+        stream, no host synchronisation on the CUDA backend)."""
         if active_ranks is not None and self._comm is not None:
-            active_ranks.copy_(torch.from_numpy(self._comm.active).to(active_ranks.dtype))
+            active_ranks.copy_(self._be.active_ranks())
 
     def _on_device(self, **tensors) -> None:
         """Every tensor argument must live where this Buffer's backend works."""
@@ -202,13 +198,8 @@ class Buffer:
         check.num_experts(num_experts, self.group_size)
         check.topk_idx(topk_idx, num_experts)
         self._on_device(topk_idx=topk_idx)
-        comm = self._enter(active_ranks)
+        self._enter(active_ranks)
         per_rank, per_expert, in_rank = self._be.layout(topk_idx, num_experts, self.group_size)
-        if self._be.masking and not comm.active.all():
-            gone = torch.from_numpy(~comm.active)
-            per_rank[gone] = 0
-            in_rank[:, gone] = False
-            per_expert.view(self.group_size, -1)[gone] = 0
         self._leave(active_ranks)
         return per_rank, None, per_expert, in_rank, self._be.event()
 

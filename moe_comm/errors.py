@@ -37,3 +37,9 @@ class BufferTooSmallError(ValueError):
             f"{argument} too small: {what} needs {self.needed} bytes of buffer, "
             f"{self.available} are available; create the Buffer with "
             f"{argument} >= {self.needed} (plus room for received tensors you keep alive)")
+
+
+class RankMaskedError(RuntimeError):
+    """This rank was masked out of an elastic Buffer (by ``set_active_ranks``, or by its peers
+    when it missed their deadline); it takes no further part: a new Buffer is needed to
+    rejoin."""

@@ -329,22 +329,31 @@ def check_silent_rank(mode, device):
 SILENT = 3
 
 
-def _elastic_rank(comm, case, steps, silent_after_notify=False):
-    """Rank SILENT never calls (or, `silent_after_notify`, sends its counts in the first
-    dispatch's notify and then nothing). The others run `steps` dispatch+combine rounds with
-    the same inputs: the first masks it at its deadline, later ones skip it at once."""
+def _elastic_rank(comm, case, steps, silent="start"):
+    """Rank SILENT goes silent: at the start (never calls); `mid_notify`: it writes its counts
+    to every rank but 0 in the first dispatch's notify (survivors' count matrices differ until
+    they agree); `after_agree`: it takes part in that notify and its mask agreement. The
+    others run `steps` dispatch+combine rounds with the same inputs: the first masks it at
+    its deadline, later ones skip it at once."""
     import time
 
     from moe_comm.cuda import normal as cn
+    from moe_comm.cuda.elastic import agree
     if comm.rank == SILENT:
-        if silent_after_notify:
+        if silent != "start":
             idx = make_inputs(case, comm.rank)[1].to(comm.device)
             R = comm.num_ranks
             per_rank, _, _, _ = cn._layout(idx, case["experts"], R, want_experts=False,
                                            want_pos=True)
             matrix = torch.empty(R, R, dtype=torch.int32, device=comm.device)
+            comm.begin_call()
+            if silent == "mid_notify":
+                comm.mask([0], "test: rank 0 gets no counts")
             cn._notify(comm, cn._kernels(R, comm.device), comm.next_epoch(), per_rank, matrix,
                        "dispatch/notify")
+            if silent == "after_agree":
+                agree(comm, "dispatch/notify", matrix)
+            comm.synchronize()
         return None
     dev, out = comm.device, []
     x, idx, w, _ = make_inputs(case, comm.rank)
@@ -366,17 +375,17 @@ def _elastic_rank(comm, case, steps, silent_after_notify=False):
     return out
 
 
-def check_elastic_normal(device, timeout_s=2.0, silent_after_notify=False):
+def check_elastic_normal(device, timeout_s=2.0, silent="start"):
     """Survivors' outputs equal the reference over the healthy ranks (the silent rank's
     tokens gone, its experts' slots -1), the mask says which rank is gone, and a round after
-    the masking does not wait for it. With `silent_after_notify` the first dispatch already
+    the masking does not wait for it. With `silent="after_agree"` the first dispatch already
     counted the silent rank's rows: they arrive as padding (x 0, ids -1, weights 0)."""
     n, steps = 4, 2
     case = dict(seed=77, tokens=[40, 0, 33, 25], hidden=256, experts=4 * n, topk=4,
                 routing="random", dtype="bfloat16", bias=False, alignment=1, worst=0)
     preload(device, n)
     comms = group(n, device, timeout_s=timeout_s, elastic=True)
-    results = run(_elastic_rank, comms, case, steps, silent_after_notify)
+    results = run(_elastic_rank, comms, case, steps, silent)
     full = moe_comm.reference_dispatch(*zip(*[make_inputs(case, r)[:2] for r in range(n)]),
                                        case["experts"])
     lo, hi = SILENT * 4, SILENT * 4 + 4               # the silent rank's experts
@@ -399,7 +408,7 @@ def check_elastic_normal(device, timeout_s=2.0, silent_after_notify=False):
             got = results[r][step]
             assert got["active"] == [1, 1, 1, 0], (step, r, got["active"])
             rx, ri, rw = got["rx"], got["ri"], got["rw"]
-            if silent_after_notify and step == 0:      # its counted rows are padding
+            if silent == "after_agree" and step == 0:      # its counted rows are padding
                 from_silent = full[r]["recv_src"][:, 0] == SILENT
                 assert rx.shape[0] == from_silent.numel(), (r, rx.shape)
                 assert (rx[from_silent].view(torch.int16) == 0).all(), r

@@ -54,9 +54,9 @@ def test_silent_rank_is_named_not_hung(mode):
     C.check_silent_rank(mode, _gpu())
 
 
-@pytest.mark.parametrize("after_notify", [False, True])
-def test_elastic_normal_mode_masks_a_silent_rank(after_notify):
-    C.check_elastic_normal(_gpu(), silent_after_notify=after_notify)
+@pytest.mark.parametrize("silent", ["start", "mid_notify", "after_agree"])
+def test_elastic_normal_mode_masks_a_silent_rank(silent):
+    C.check_elastic_normal(_gpu(), silent=silent)
 
 
 def test_elastic_low_latency_masks_a_silent_rank():

@@ -13,6 +13,7 @@ import re
 import pytest
 import torch
 
+from moe_comm.cuda import elastic as cel
 from moe_comm.cuda import ll as cll
 from moe_comm.cuda import normal as cn
 from moe_comm.cuda.comm import CudaComm
@@ -59,7 +60,7 @@ def recorder(monkeypatch):
         if kernel == "moe_layout" and isinstance(args[4], torch.Tensor):
             args[4].fill_(1)
 
-    for mod in (cn, cll):
+    for mod in (cn, cll, cel):
         monkeypatch.setattr(mod, "load_kernels", fake_load)
         monkeypatch.setattr(mod, "launch", fake_launch)
     return calls
@@ -82,17 +83,18 @@ def _check(calls):
         assert all(isinstance(d, int) and d >= 1 for d in dims), (kernel, grid)
 
 
-def _comm(num_ranks, ll_bytes=0):
+def _comm(num_ranks, ll_bytes=0, elastic=False):
     return CudaComm(rank=0, num_ranks=num_ranks, device="cpu", pointers=[0] * num_ranks,
                     heap_bytes=64 << 20, ll_bytes=ll_bytes, timeout_s=1.0,
-                    own_allocation=False, opened=[])
+                    own_allocation=False, opened=[], elastic=elastic)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "fp8", "float32"])
 @pytest.mark.parametrize("worst", [0, 64])
-def test_normal_launches_match_kernel_signatures(recorder, dtype, worst):
+@pytest.mark.parametrize("elastic", [False, True])
+def test_normal_launches_match_kernel_signatures(recorder, dtype, worst, elastic):
     R, T, H, K, E = 4, 10, 256, 4, 16
-    comm = _comm(R)
+    comm = _comm(R, elastic=elastic)
     x = torch.randn(T, H)
     data, scales = (x.to(torch.float8_e4m3fn), torch.rand(T, H // 128)) if dtype == "fp8" else \
         (x.to(getattr(torch, dtype)), None)
@@ -120,13 +122,16 @@ def test_normal_launches_match_kernel_signatures(recorder, dtype, worst):
     _check(recorder)
     names = [c[0] for c in recorder]
     assert names.count("moe_notify") == 3 and names.count("moe_wait_done") == 3
+    # elastic: after the fresh dispatch's notify, and at the end of each of the three calls
+    assert names.count("moe_agree") == (4 if elastic else 0)
 
 
 @pytest.mark.parametrize("fp8,ue8m0", [(False, False), (True, False), (True, True)])
-def test_low_latency_launches_match_kernel_signatures(recorder, fp8, ue8m0):
+@pytest.mark.parametrize("elastic", [False, True])
+def test_low_latency_launches_match_kernel_signatures(recorder, fp8, ue8m0, elastic):
     R, M, H, K, E = 4, 8, 512, 4, 16
     lay = LLLayout(M, H, R, E)
-    comm = _comm(R, lay.nbytes)
+    comm = _comm(R, lay.nbytes, elastic)
     x = torch.randn(6, H).bfloat16()
     idx = torch.randint(-1, E, (6, K))
     w = torch.rand(6, K)
@@ -151,3 +156,4 @@ def test_low_latency_launches_match_kernel_signatures(recorder, fp8, ue8m0):
     names = [c[0] for c in recorder]
     # waits: recv and combine-recv every call, send-side flow control from call 3 on
     assert names.count("moe_ll_wait") == 4 * 2 + 2 * 2
+    assert names.count("moe_agree") == (4 * 2 if elastic else 0)    # both receive halves

@@ -5,6 +5,9 @@ ranks; the next step, with experts re-placed over the survivors, serves every to
 Experts are identities scaled by the routing weight, so a token's combined output is
 ``x * (sum of the weights of its slots that were served)``: exact expectations for "what the
 healthy ranks sent", and for "every expert served" after re-placement.
+
+Every test runs on both backends: the host backend, and the CUDA backend (its kernels and mask
+agreement, moe_comm/cuda/elastic.py) in the CPU kernel emulator with the ranks as processes.
 """
 from __future__ import annotations
 
@@ -19,11 +22,26 @@ import torch.distributed as dist
 
 import moe_comm
 from moe_comm import eplb
+from moe_comm.cuda import emulator
 from moe_comm.launch import run_ranks
 
 R, VICTIM = 4, 2
 LOGICAL, SLOTS_PER_RANK, TOPK, HIDDEN, MAX_TOKENS = 8, 4, 3, 128, 24
 TIMEOUT = 1.5
+
+
+@pytest.fixture(autouse=True, params=["host", "cuda_emulated"])
+def backend(request, monkeypatch):
+    """The forked ranks inherit the environment: MOE_COMM_CPU_BACKEND=emulator makes their CPU
+    Buffers drive the CUDA backend."""
+    if request.param == "cuda_emulated":
+        if not emulator.available():
+            pytest.skip("the kernel emulator needs a C++ compiler (g++)")
+        import cuda_cases
+        for n in (2, 3, 4):                  # built before any rank starts its deadline
+            cuda_cases.preload("cpu", n, {HIDDEN}, ll=True)
+        monkeypatch.setenv("MOE_COMM_CPU_BACKEND", "emulator")
+    return request.param
 
 
 def _inputs(rank, seed=0):

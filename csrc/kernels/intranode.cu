@@ -2,6 +2,7 @@
 // ranks whose buffers are mapped into each other through CUDA IPC. Compiled once per group
 // size by moe_comm/cuda/compiler.py (NVRTC, -DMOE_NUM_RANKS=R); every kernel takes only 8-byte
 // arguments (pointers and int64), in the order moe_comm/cuda/normal.py passes them.
+#include "elastic.cuh"
 #include "layout.cuh"
 #include "normal.cuh"
 
@@ -50,9 +51,9 @@ MOE_KERNEL void moe_dispatch_send(MOE_GROUP_ARGS, MOE_ERROR_ARGS, const u8* x, i
 MOE_KERNEL void moe_dispatch_copy_out(MOE_GROUP_ARGS, i64 row_bytes, i64 scale_cols, i64 topk,
                                       const i32* matrix, i64 worst, i64 rows_out, u8* recv_x,
                                       float* recv_scales, i64* recv_idx, float* recv_w,
-                                      i32* expert_counts) {
+                                      i32* expert_counts, i64 num_local) {
     dispatch_copy_out_body<R>(MOE_GROUP, row_bytes, scale_cols, topk, matrix, worst, rows_out,
-                              recv_x, recv_scales, recv_idx, recv_w, expert_counts);
+                              recv_x, recv_scales, recv_idx, recv_w, expert_counts, num_local);
 }
 
 MOE_KERNEL void moe_combine_send(MOE_GROUP_ARGS, MOE_ERROR_ARGS, const u8* x, i64 row_bytes,
@@ -72,3 +73,12 @@ MOE_KERNEL void moe_combine_send(MOE_GROUP_ARGS, MOE_ERROR_ARGS, const u8* x, i6
 MOE_REDUCE_KERNEL(moe_combine_reduce_bf16, Bf16)
 MOE_REDUCE_KERNEL(moe_combine_reduce_f16, F16)
 MOE_REDUCE_KERNEL(moe_combine_reduce_f32, F32)
+
+// grid 1, block 64 (kMaxErrorRanks): elastic mode's mask agreement (elastic.cuh); the LL calls
+// use it too (it does not depend on R)
+MOE_KERNEL void moe_agree(const u64* bases, i64 rank, i64 num_ranks, i64 timeout_ns,
+                          MOE_ERROR_ARGS, i32* active, const i32* call_active, i64 mask_off,
+                          i64 row_stride, i64 mask_words, i64 seq, i32* matrix) {
+    agree_body(bases, (int)rank, (int)num_ranks, timeout_ns, MOE_ERRORS, active, call_active,
+               (u64)mask_off, (u64)row_stride, (int)mask_words, (u32)seq, matrix);
+}

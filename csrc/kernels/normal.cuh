@@ -178,11 +178,14 @@ __device__ void dispatch_send_body(const Group g, const ErrorSink err, const u8*
 // Copies this rank's received slab into the output tensors: rows_out rows (the real count, or
 // num_worst_tokens with padding: x 0, scales 0, ids -1, weights 0). expert_counts int32
 // [num_local] (zeroed by the host) or null: rows per local expert, for the aligned count list.
+// Nothing here trusts the received bytes or the matrix to be sane (an elastic group whose
+// survivors disagreed on the mask has senders that used other offsets): reads stay inside the
+// data region and counts inside expert_counts.
 template <int R>
 __device__ void dispatch_copy_out_body(const Group g, i64 row_bytes, i64 scale_cols, i64 topk,
                                        const i32* matrix, i64 worst, i64 rows_out, u8* recv_x,
                                        float* recv_scales, i64* recv_idx, float* recv_w,
-                                       i32* expert_counts) {
+                                       i32* expert_counts, i64 num_local) {
     __shared__ i64 received;
     __shared__ Slab slab;
     __shared__ i64 src_end[R];  // rows of sources 0..s end at src_end[s]
@@ -196,7 +199,8 @@ __device__ void dispatch_copy_out_body(const Group g, i64 row_bytes, i64 scale_c
         }
         const u64 slab_rows = worst > 0 ? (u64)worst : (u64)n;
         slab = Slab::make(slab_rows, row_bytes, scale_cols, topk);
-        received = min_of<i64>(n, rows_out);
+        // a slab past the region was refused by every sender (overflow): nothing arrived
+        received = slab.nbytes <= g.capacity ? min_of<i64>(n, rows_out) : 0;
     }
     __syncthreads();
     const u8* region = g.own(g.data_off);
@@ -218,7 +222,7 @@ __device__ void dispatch_copy_out_body(const Group g, i64 row_bytes, i64 scale_c
                     const i64 e = ids[k];
                     recv_idx[r * topk + k] = e;
                     recv_w[r * topk + k] = ws[k];
-                    if (expert_counts && e >= 0) atomicAdd(expert_counts + e, 1);
+                    if (expert_counts && e >= 0 && e < num_local) atomicAdd(expert_counts + e, 1);
                 }
             }
         } else {

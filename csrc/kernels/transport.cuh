@@ -141,26 +141,30 @@ MOE_DEVICE bool wait_peer_tag(const Transport& t, int rank, u64 offset, u32 epoc
     }
 }
 
-// ---- elastic mode ----------------------------------------------------------------------------
-// Which ranks take part: the group's [R] int32 words on the device (1 = active; the Buffer's
-// active_ranks, Mooncake's convention), or null when the group is not elastic. Kernels send
-// nothing to and await nothing from a rank at 0; a wait that passes its deadline clears the
-// rank's word instead of reporting (wait_from). Every kernel of a call reads the same words,
-// so a rank masked by one wait is skipped by all later kernels.
+// ---- rank masking -----------------------------------------------------------------------------
+// Which ranks take part (moe_comm/cuda/comm.py): null while nothing can be masked (a group
+// that is not elastic and was never given a mask: every check below is skipped), else word 1
+// of an int32 [1 + R] device tensor. words[r] is 1 while rank r takes part (the Buffer's
+// active_ranks, Mooncake's convention); words[-1] says what a missed deadline does: 1
+// (elastic) masks the rank, 0 reports it (CommTimeoutError) as in a group without masking.
+// Kernels send nothing to and await nothing from a rank at 0; every kernel of a call reads the
+// same words, so a rank masked by one wait is skipped by all later kernels.
 struct Active {
     i32* words;
     MOE_DEVICE bool on(int r) const { return !words || ld_volatile_i32(words + r) != 0; }
+    MOE_DEVICE bool elastic() const { return words && ld_volatile_i32(words - 1) != 0; }
     MOE_DEVICE void drop(int r) const {
         if (words) st_volatile_i32(words + r, 0);
     }
 };
 
-// Wait for `rank`'s tagged word at `p` in this rank's memory; returns its value, or -1. Not
-// elastic: Transport::wait_local (a timeout is reported; the host raises CommTimeoutError).
-// Elastic: -1 at once for a masked rank, and -1 after masking a rank that misses the deadline.
+// Wait for `rank`'s tagged word at `p` in this rank's memory; returns its value, or -1 at once
+// for a masked rank. Past the deadline: elastic, the rank is masked and -1 returned; else
+// Transport::wait_local reports it (the host raises CommTimeoutError).
 MOE_DEVICE i64 wait_from(const Transport& t, const Active& live, const u64* p, u32 epoch,
                          i64 timeout_ns, int rank) {
-    if (!live.words) return t.wait_local(p, epoch, timeout_ns, rank);
+    if (!live.on(rank)) return -1;
+    if (!live.elastic()) return t.wait_local(p, epoch, timeout_ns, rank);
     const u64 deadline = globaltimer_ns() + (u64)timeout_ns;
     for (;;) {
         if (!live.on(rank)) return -1;

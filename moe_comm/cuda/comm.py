@@ -22,23 +22,31 @@ Errors: kernels never trap. A wait that passes its deadline writes the silent ra
 error word in pinned host memory; :meth:`CudaComm.check` (called at the start of every
 operation and after every host synchronisation) raises ``moe_comm.CommTimeoutError`` naming the
 silent ranks. After an error the group is out of step: destroy it.
+
+Rank masking: ``active`` (int32 [R] on the device, 1 = taking part) once a rank can be masked
+(``elastic=True``, or after :meth:`CudaComm.mask`). Kernels send nothing to and await nothing
+from a rank at 0. Elastic, a wait past its deadline masks the rank instead of reporting it,
+and moe_comm/cuda/elastic.py makes the survivors agree on the mask.
 """
 from __future__ import annotations
 
 import ctypes
+import logging
 import socket
 
 import numpy as np
 import torch
 
-from ..errors import CommTimeoutError
+from ..errors import CommTimeoutError, RankMaskedError
 from ..wire import LINE_WORDS, MAX_EPOCH, PAGE, HeaderLayout, round_up
 from .variants import MAX_RANKS
+
+log = logging.getLogger("moe_comm")
 
 IPC_HANDLE_BYTES = 64
 ERROR_HEADER = 4                 # csrc/kernels/sync.cuh: kErrorHeader
 MAX_ERROR_RANKS = 64             # ... kMaxErrorRanks
-ERR_TIMEOUT, ERR_OVERFLOW, ERR_NO_TRANSPORT = 1, 2, 3
+ERR_TIMEOUT, ERR_OVERFLOW, ERR_NO_TRANSPORT, ERR_MASKED = 1, 2, 3, 4
 
 # Phase ids passed to kernels (the `op` argument) and the names errors report.
 OPS = ("", "dispatch/notify", "dispatch/send", "dispatch/payload", "combine/notify",
@@ -87,7 +95,8 @@ class CudaComm:
 
     Attributes the mode modules use: ``rank``, ``num_ranks``, ``device``, ``layout``
     (HeaderLayout), ``heap_offset``/``heap_bytes`` (data region), ``ll_offset``/``ll_bytes``,
-    ``bases`` (int64 [R] device tensor of buffer addresses), ``timeout_ns``, ``ll_seq``.
+    ``bases`` (int64 [R] device tensor of buffer addresses), ``timeout_ns``, ``ll_seq``,
+    ``active`` (the kernels' mask argument: None, or int32 [R] on the device), ``elastic``.
     """
 
     def __init__(self, *, rank: int, num_ranks: int, device: torch.device, pointers: list,
@@ -114,10 +123,16 @@ class CudaComm:
         self._err = self.err_host.numpy()
         self.err_dev = torch.zeros(4, dtype=torch.int32, device=device)
         self.counters = torch.zeros(8, dtype=torch.int32, device=device)
-        # elastic: int32 [R] on the device, 1 = active; kernels skip ranks at 0 and clear the
-        # word of a rank that misses a deadline (csrc/kernels/normal.cuh Group, wait_from)
-        self.active = torch.ones(num_ranks, dtype=torch.int32, device=device) if elastic \
-            else None
+        # rank mask (csrc/kernels/transport.cuh Active): None until a rank can be masked, so
+        # a plain group's kernels skip every check; else words 1.. of int32 [1 + R], word 0
+        # telling the kernels whether a missed deadline masks (elastic) or is reported
+        self.elastic = bool(elastic)
+        self.active = None
+        self.call_active = None          # elastic: `active` when the current call began
+        self.masked_out = False          # this rank was masked by a mask the host knows
+        self.agree_seq = 0
+        if self.elastic:
+            self._enable_masking()
         self.epoch = 0
         self.notify_seq = 0
         self.ll_seq = {"dispatch": 0, "combine": 0}
@@ -134,7 +149,7 @@ class CudaComm:
 
     @classmethod
     def from_group(cls, group, heap_bytes: int, ll_bytes: int, timeout_s: float,
-                   device=None) -> "CudaComm":
+                   device=None, elastic: bool = False) -> "CudaComm":
         """Collective over ``group`` (one process per rank, one node): allocate this rank's
         buffer on ``device`` (default: torch's current device), exchange CUDA IPC handles,
         map every peer. All ranks must pass the same sizes."""
@@ -147,7 +162,7 @@ class CudaComm:
         total = cls.buffer_bytes(num_ranks, heap_bytes, ll_bytes)
         if device.type == "cpu":
             return cls._from_group_emulated(group, rank, num_ranks, heap_bytes, ll_bytes, total,
-                                            timeout_s)
+                                            timeout_s, elastic)
         from cuda.bindings import driver as cu
         _set_current(device)
         ptr = _alloc_zeroed(total)
@@ -183,14 +198,14 @@ class CudaComm:
             raise
         comm = cls(rank=rank, num_ranks=num_ranks, device=device, pointers=pointers,
                    heap_bytes=heap_bytes, ll_bytes=ll_bytes, timeout_s=timeout_s,
-                   own_allocation=True, opened=opened, group=group)
+                   own_allocation=True, opened=opened, group=group, elastic=elastic)
         torch.cuda.synchronize(device)
         dist.barrier(group=group)      # every buffer zeroed and mapped before any signal
         return comm
 
     @classmethod
     def _from_group_emulated(cls, group, rank, num_ranks, heap_bytes, ll_bytes, total,
-                             timeout_s) -> "CudaComm":
+                             timeout_s, elastic) -> "CudaComm":
         """from_group for the kernel emulator: processes of one machine map each other's
         buffers as /dev/shm segments (moe_comm/host/segment.py) instead of CUDA IPC."""
         import secrets
@@ -216,7 +231,7 @@ class CudaComm:
         comm = cls(rank=rank, num_ranks=num_ranks, device=torch.device("cpu"),
                    pointers=pointers, heap_bytes=heap_bytes, ll_bytes=ll_bytes,
                    timeout_s=timeout_s, own_allocation=False, opened=[], group=group,
-                   host_buffers=segments)
+                   host_buffers=segments, elastic=elastic)
         dist.barrier(group=group)
         return comm
 
@@ -260,6 +275,51 @@ class CudaComm:
     def done_offset(self) -> int:
         return self.layout.done(0) * 8
 
+    # -- rank masking --------------------------------------------------------------------------
+    def _enable_masking(self) -> None:
+        if self.active is not None:
+            return
+        words = torch.ones(1 + self.num_ranks, dtype=torch.int32, device=self.device)
+        words[0] = int(self.elastic)
+        self._active_words = words
+        self.active = words[1:]
+        self.call_active = torch.ones(self.num_ranks, dtype=torch.int32, device=self.device)
+
+    def mask(self, ranks, why: str) -> None:
+        """Mask ``ranks`` (a list the host knows, e.g. from set_active_ranks), on the current
+        stream: kernels queued after this skip them."""
+        ranks = sorted(int(r) for r in ranks)
+        if not ranks:
+            return
+        self._enable_masking()
+        self.active[ranks] = 0
+        if self.rank in ranks:
+            self.masked_out = True
+        log.warning("moe_comm rank %d: masking rank(s) %s (%s)", self.rank, ranks, why)
+
+    def mask_where(self, keep: torch.Tensor) -> None:
+        """Mask the ranks where ``keep`` (any device, [R]) is 0, without a host
+        synchronisation (the Buffer's ``active_ranks=`` argument, a device tensor)."""
+        self._enable_masking()
+        self.active.mul_((keep.to(self.device, non_blocking=True) != 0).to(torch.int32))
+
+    def active_ranks(self) -> torch.Tensor:
+        """int32 [R] on the device (a copy; all ones while nothing was masked)."""
+        if self.active is None:
+            return torch.ones(self.num_ranks, dtype=torch.int32, device=self.device)
+        return self.active.clone()
+
+    def begin_call(self) -> None:
+        """Start one call (or one half of a low-latency call): raise a pending error, refuse
+        a rank masked out, and (elastic) remember who was active at the start, whom the
+        call's mask agreement also tells."""
+        self.check()
+        if self.masked_out:
+            raise RankMaskedError(f"rank {self.rank} is masked out of this Buffer "
+                                  "(active_ranks[rank] == 0); a new Buffer is needed to rejoin")
+        if self.elastic:
+            self.call_active.copy_(self.active)
+
     def group_args(self):
         """(bases, rank, data offset, data bytes, timeout, active or None) - the normal-mode
         kernels' first arguments."""
@@ -284,6 +344,10 @@ class CudaComm:
         ranks = np.nonzero(self._err[ERROR_HEADER:ERROR_HEADER + self.num_ranks])[0].tolist()
         if code == ERR_TIMEOUT:
             raise CommTimeoutError(op, ranks, self.timeout_s)
+        if code == ERR_MASKED:
+            self.masked_out = True
+            raise RankMaskedError(f"{op}: rank {self.rank} was masked out by its peers (it "
+                                  "missed their deadline); a new Buffer is needed to rejoin")
         if code == ERR_OVERFLOW:
             raise CudaCommError(f"{op}: more rows than the receive region holds at rank(s) "
                                 f"{ranks} (num_worst_tokens or the buffer too small; "
@@ -350,20 +414,19 @@ class CudaComm:
         """Unmap peers and free this rank's buffer once the device is idle. With
         :meth:`from_group` it is collective (``barrier``): every rank unmaps its peers, meets
         the others, then frees its own buffer, so no allocation is freed while a peer still
-        maps it. Pass ``barrier=False`` when peers are gone (teardown after a failure)."""
+        maps it. Pass ``barrier=False`` when peers are gone (teardown after a failure); it is
+        implied once a rank is masked (it may be dead: a group barrier would fail). Emulated
+        buffers (/dev/shm segments) live on while any process maps them: no barrier."""
         if not self._alive:
             return
         self._alive = False
         if self.device.type == "cpu":
             buffers, self._host_buffers = self._host_buffers or [], None
-            if barrier and self.group is not None:
-                import torch.distributed as dist
-                if dist.is_initialized():
-                    dist.barrier(group=self.group)
             for b in buffers:                 # segments of from_group; local tensors just go
                 if hasattr(b, "close"):
                     b.close()
             return
+        barrier = barrier and (self.active is None or bool(self.active.all()))
         from cuda.bindings import driver as cu
         torch.cuda.synchronize(self.device)
         for p in self._opened:

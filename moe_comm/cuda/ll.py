@@ -24,6 +24,7 @@ from ..wire import LL_MAX_TOPK, LL_NUM_BUFFERS, LLLayout
 from . import variants
 from .comm import SIGNAL_STRIDE, CudaComm
 from .compiler import load_kernels
+from .elastic import agree
 from .launcher import launch
 
 SEND_BLOCK = 512        # dispatch send: one block per expert, one warp per (token, slot)
@@ -87,7 +88,7 @@ def dispatch_send(comm: CudaComm, *, x, topk_idx, lay: LLLayout, use_fp8: bool,
                   round_scale: bool, buffer_key) -> CudaLowLatencyHandle:
     """Post this rank's messages: ``x`` bf16 [T, H], ``topk_idx`` int64 [T, K] (-1 = unused).
     Returns the handle (completed by :func:`dispatch_recv`)."""
-    comm.check()
+    comm.begin_call()
     num_tokens, hidden = x.shape
     topk = topk_idx.shape[1]
     _check(comm, lay, hidden, num_tokens, topk, use_fp8)
@@ -119,7 +120,7 @@ def dispatch_recv(comm: CudaComm, handle: LowLatencyHandle, lay: LLLayout, *, re
     ``recv_count`` int32 [E/R], adds to ``stats`` (int32/int64 [E/R] or None), and the
     handle's ``recv_meta`` int64 [E/R, R*M], ``recv_ranges`` int64 [E/R, R, 2] and
     ``return_base`` int64 [R] (device tensors)."""
-    comm.check()
+    comm.begin_call()
     if use_ue8m0 and handle.hidden % 512:
         raise ValueError(f"UE8M0 scales pack four per int32: hidden % 512 == 0 needed, got "
                          f"{handle.hidden}")
@@ -135,6 +136,7 @@ def dispatch_recv(comm: CudaComm, handle: LowLatencyHandle, lay: LLLayout, *, re
     # every source's count row: num_local counts + the base word
     _wait(comm, k, "low_latency_dispatch/recv", off["counts"], lay.count_row_words * 8,
           num_local + 1, handle.seq)
+    agree(comm, "low_latency_dispatch/recv")   # elastic: the same sources count on every rank
     launch(k["moe_ll_dispatch_recv"], (num_local, _split(num_local)), BLOCK, comm.bases,
            comm.rank, R, comm.timeout_ns, *comm.error_args("low_latency_dispatch/recv"),
            off["payload"], off["meta"], off["counts"], lay.count_row_words,
@@ -152,7 +154,7 @@ def combine_send(comm: CudaComm, *, x, handle: CudaLowLatencyHandle, lay: LLLayo
     """Send every received row of ``x`` bf16 [E/R, R*M, H] back to its owner's combine rows,
     in the owner's message order (one contiguous run per owner). Returns ``(seq, buf)`` for
     :func:`combine_recv`."""
-    comm.check()
+    comm.begin_call()
     if x.dtype != torch.bfloat16:
         raise TypeError(f"low-latency combine takes bf16 x, got {x.dtype}")
     comm.ll_seq["combine"] += 1
@@ -178,13 +180,14 @@ def combine_recv(comm: CudaComm, seq: int, buf: int, lay: LLLayout, *, handle, t
     """Wait for every rank's rows; ``out`` bf16 [T, H] = sum_k w[t, k] * row(t, k) in float32
     (slots with id -1 skipped). ``handle``: this call's dispatch handle (its send_index);
     ``topk_idx`` int64 / ``topk_weights`` float32 [T, K], as dispatched."""
-    comm.check()
+    comm.begin_call()
     _contiguous(out=out)
     num_tokens, topk = topk_idx.shape
     hidden = out.shape[1]
     k = load_kernels(variants.ll_combine(hidden), comm.device)
     _wait(comm, k, "low_latency_combine/recv", comm.layout.ll_combine_done(buf, 0) * 8,
           SIGNAL_STRIDE, 1, seq)
+    agree(comm, "low_latency_combine/recv")
     launch(k["moe_ll_combine_recv"], max(1, min(num_tokens, 64)), BLOCK, comm.bases,
            comm.rank, comm.num_ranks, comm.timeout_ns,
            *comm.error_args("low_latency_combine/recv"), _offsets(comm, lay, buf)["combine"],

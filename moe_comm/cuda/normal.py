@@ -32,6 +32,7 @@ from ..handle import DispatchHandle
 from ..wire import SlabLayout
 from . import variants
 from .comm import SIGNAL_STRIDE, CudaComm
+from .elastic import agree
 from .compiler import load_kernels
 from .launcher import launch
 
@@ -120,7 +121,7 @@ def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_w
     the layout kernel recomputes them together with the send positions.
     Returns ``(recv_x [N, H] dtype, recv_scales f32 [N, H/128] or None, recv_topk_idx int64
     [N, K] or None, recv_topk_weights f32 [N, K] or None, handle)``."""
-    comm.check()
+    comm.begin_call()
     me, R, dev = comm.rank, comm.num_ranks, comm.device
     k = _kernels(R, dev)
     num_tokens, row_bytes = x_bytes.shape
@@ -141,6 +142,8 @@ def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_w
         matrix_host = None
     epoch = comm.next_epoch()
     _notify(comm, k, epoch, per_rank, None if cached else matrix, "dispatch/notify")
+    if not cached:        # elastic: one mask, and one count matrix, on every survivor
+        agree(comm, "dispatch/notify", matrix)
 
     if num_worst_tokens:
         rows_out = num_worst_tokens
@@ -169,6 +172,7 @@ def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_w
            num_local, send_pos, matrix, num_worst_tokens, comm.done_offset(), SIGNAL_STRIDE,
            epoch, comm.counter("dispatch_send"), device=dev)
     _wait_done(comm, k, epoch, "dispatch/payload")
+    agree(comm, "dispatch/payload")
 
     recv_x = torch.empty(rows_out, row_bytes, dtype=torch.uint8, device=dev)
     recv_scales = torch.empty(rows_out, scale_cols, dtype=torch.float32, device=dev) \
@@ -179,7 +183,8 @@ def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_w
     if rows_out:
         launch(k["moe_dispatch_copy_out"], _grid_for_rows(rows_out, num_sms), BLOCK,
                *comm.group_args(), row_bytes, scale_cols, topk, matrix, num_worst_tokens,
-               rows_out, recv_x, recv_scales, recv_idx, recv_w, expert_counts, device=dev)
+               rows_out, recv_x, recv_scales, recv_idx, recv_w, expert_counts, num_local,
+               device=dev)
     if not cached:
         handle = CudaDispatchHandle(
             buffer_key, num_tokens, hidden, matrix_host, in_rank, None,
@@ -201,7 +206,7 @@ def combine(comm: CudaComm, *, x, handle: CudaDispatchHandle, topk_weights, bias
     in received order (only the real rows are read when N = num_worst_tokens);
     ``topk_weights`` f32 [N, K] or None; ``bias`` a tuple of up to two f32 [T, H] tensors.
     Returns ``(combined_x [T, H] in x's dtype, combined_topk_weights f32 [T, K] or None)``."""
-    comm.check()
+    comm.begin_call()
     R, dev = comm.num_ranks, comm.device
     k = _kernels(R, dev)
     if x.dtype not in REDUCE_KERNEL:
@@ -220,6 +225,7 @@ def combine(comm: CudaComm, *, x, handle: CudaDispatchHandle, topk_weights, bias
            None if topk_weights is None else topk_weights.contiguous(), topk, handle.matrix,
            comm.done_offset(), SIGNAL_STRIDE, epoch, comm.counter("combine_send"), device=dev)
     _wait_done(comm, k, epoch, "combine/payload")
+    agree(comm, "combine/payload")
 
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=dev)
     w_out = torch.empty(num_tokens, topk, dtype=torch.float32, device=dev) if topk else None

@@ -9,7 +9,8 @@ parameters:
 source                 macros                                      kernels
 =====================  ==========================================  ========================
 intranode.cu           MOE_NUM_RANKS in 1..8                       layout, notify, wait,
-                                                                   normal dispatch/combine
+                                                                   normal dispatch/combine,
+                                                                   elastic mask agreement
 ll_dispatch_send.cu    MOE_HIDDEN, MOE_FP8, MOE_ROUND_SCALE         LL dispatch send, wait
 ll_dispatch_recv.cu    MOE_HIDDEN, MOE_FP8, MOE_UE8M0               LL dispatch receive, wait
 ll_combine.cu          MOE_HIDDEN                                  LL combine send/receive,
@@ -30,7 +31,7 @@ GENERIC_HIDDEN = 0
 
 INTRANODE_KERNELS = ("moe_layout", "moe_notify", "moe_wait_done", "moe_dispatch_send",
                      "moe_dispatch_copy_out", "moe_combine_send", "moe_combine_reduce_bf16",
-                     "moe_combine_reduce_f16", "moe_combine_reduce_f32")
+                     "moe_combine_reduce_f16", "moe_combine_reduce_f32", "moe_agree")
 
 
 @dataclass(frozen=True)

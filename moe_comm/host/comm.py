@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..errors import RankMaskedError
 from ..wire import (MAGIC, MASK_BITS, PAGE, VERSION, HeaderLayout, MAX_EPOCH, round_up,
                     tag_value)
 from . import atomics
@@ -42,10 +43,6 @@ from .segment import Segment, reclaim_stale_segments, segment_name
 log = logging.getLogger("moe_comm")
 
 AGREE_GRACE_S = 1.0   # how long past its deadline a call waits for survivors' masks
-
-
-class RankMaskedError(RuntimeError):
-    """This rank was masked out (by ``set_active_ranks`` or by its peers' deadlines)."""
 
 
 def host_identity() -> str:

@@ -1,0 +1,44 @@
+"""Elastic mode on the CUDA backend: the survivors leave every call with the same mask.
+
+Each rank masks a peer when one of its own waits passes the deadline (csrc/kernels/transport.cuh
+``wait_from``), so survivors can disagree about a rank that died mid-call. :func:`agree` queues
+one round of mask words (csrc/kernels/elastic.cuh) that ANDs every survivor's view, the twin of
+``HostComm.agree``. The mode modules run it
+
+* after a dispatch's notify (fresh routing): the count matrix's rows and columns of masked
+  ranks are zeroed in the same kernel, so every survivor computes the same row offsets before
+  any payload moves;
+* at the end of every normal call and of both low-latency receive halves.
+
+A rank its peers masked out learns it in the round (its own bit cleared) and the host raises
+``moe_comm.RankMaskedError`` at the next check.
+"""
+from __future__ import annotations
+
+from ..wire import LINE_WORDS, MAX_EPOCH, round_up
+from . import variants
+from .comm import CudaComm
+from .compiler import load_kernels
+from .launcher import launch
+
+AGREE_BLOCK = 64          # csrc/kernels/sync.cuh kMaxErrorRanks: one thread per rank
+AGREE_GRACE_NS = 10**9    # HostComm's AGREE_GRACE_S: the round waits a deadline plus this
+
+
+def agree(comm: CudaComm, op: str, matrix=None) -> None:
+    """Queue the mask agreement of an elastic group on the current stream (a no-op for a
+    group that is not elastic). ``matrix``: int32 [R, R] count matrix to zero the masked
+    ranks' rows and columns of."""
+    if not comm.elastic:
+        return
+    comm.agree_seq = comm.agree_seq % MAX_EPOCH + 1
+    lay = comm.layout
+    row_stride = round_up(lay.mask_words, LINE_WORDS) * 8
+    k = load_kernels(variants.intranode(comm.num_ranks), comm.device)
+    # A healthy peer may reach the round a full deadline after this rank did (it timed out on
+    # a rank whose signals reached this one): the wait covers that, and a grace more.
+    wait_ns = comm.timeout_ns + min(comm.timeout_ns, AGREE_GRACE_NS)
+    launch(k["moe_agree"], 1, AGREE_BLOCK, comm.bases, comm.rank, comm.num_ranks,
+           wait_ns, *comm.error_args(op), comm.active, comm.call_active,
+           lay.mask(comm.agree_seq % 2, 0) * 8, row_stride, lay.mask_words, comm.agree_seq,
+           matrix, device=comm.device)
