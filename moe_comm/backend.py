@@ -85,13 +85,14 @@ class HostBackend:
 class CudaBackend:
     """GPU tensors: kernels on torch's current stream, peers of one node through CUDA IPC."""
 
-    def __init__(self, group, num_nvl_bytes, num_rdma_bytes, timeout_s, *, device, elastic):
+    def __init__(self, group, num_nvl_bytes, num_rdma_bytes, timeout_s, *, device, elastic,
+                 transport):
         from .cuda import ll, normal
         from .cuda.comm import CudaComm
         self.normal, self.ll = normal, ll
         self.device = device
         self.comm = CudaComm.from_group(group, num_nvl_bytes, num_rdma_bytes, timeout_s,
-                                        device=device, elastic=elastic)
+                                        device=device, elastic=elastic, transport=transport)
         self.job = secrets.token_hex(8)
 
     def layout(self, topk_idx, num_experts, num_ranks):

@@ -84,7 +84,8 @@ class Buffer:
         self.device = pick_device(self.group, device)
         if self.device.type == "cuda" or emulate_cuda():
             self._be = CudaBackend(self.group, self.num_nvl_bytes, num_rdma_bytes,
-                                   self.timeout_s, device=self.device, elastic=self.elastic)
+                                   self.timeout_s, device=self.device, elastic=self.elastic,
+                                   transport=transport)
         else:
             self._be = HostBackend(self.group, self.num_nvl_bytes, num_rdma_bytes,
                                    self.timeout_s, elastic=self.elastic, transport=transport)

@@ -3,6 +3,11 @@ ranks in each. Ranks of one host share memory; across hosts the host backend goe
 host proxy over TCP (moe_comm.transport). Normal and low-latency dispatch/combine are checked
 against the reference exactly as on one host, and a host whose ranks are killed is reported
 (or, in elastic mode, masked) within the deadline.
+
+Every test runs on both backends: the host backend, and the CUDA backend (its kernels in the
+CPU kernel emulator), whose kernels reach the other host through their command ring and the
+kernel proxy thread (csrc/kernels/proxy_ring.cuh, moe_comm/cuda/proxy.py) on the same TCP
+transport.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import torch
 
 import moe_comm
 from moe_comm import netns
+from moe_comm.cuda import emulator
 from moe_comm.quant import quantize_fp8
 from checks import check_ll, check_normal
 from test_low_latency import _cases as ll_cases
@@ -28,22 +34,51 @@ N = HOSTS * PER_HOST
 
 WHY_NOT = netns.available()
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=f"no network namespaces: {WHY_NOT}")
+TCP = {"MOE_COMM_TRANSPORT": "tcp"}
+
+
+@pytest.fixture(params=["host", "cuda_emulated"])
+def env(request):
+    """The ranks' environment: MOE_COMM_CPU_BACKEND=emulator makes their CPU Buffers drive
+    the CUDA backend."""
+    if request.param == "host":
+        return TCP
+    if not emulator.available():
+        pytest.skip("the kernel emulator needs a C++ compiler (g++)")
+    import cuda_cases
+    hiddens = {c["hidden"] for c in ll_cases(N)[:4]} | {128}
+    cuda_cases.preload("cpu", N, hiddens, ll=True)   # built before any rank's deadline runs
+    return {**TCP, "MOE_COMM_CPU_BACKEND": "emulator"}
+
+
+def _path(rank, n):
+    """Which backend this rank's Buffer drives, and which ranks it reaches by proxy."""
+    buf = moe_comm.Buffer(None, 1 << 20)
+    proxy = getattr(buf._comm, "proxy", None)
+    proxied = sorted(proxy.mirrors) if proxy is not None else \
+        sorted(buf._comm.remote_ranks) if hasattr(buf._comm, "remote_ranks") else None
+    kind = type(buf._be).__name__
+    buf.destroy()
+    return kind, proxied
 
 
 def _both_modes(rank, n, normal, ll):
     blob = io.BytesIO()           # torch.save: fp8 and shared-memory tensors round-trip
-    torch.save((normal_run(rank, n, normal), ll_run(rank, n, ll)), blob)
+    torch.save((_path(rank, n), normal_run(rank, n, normal), ll_run(rank, n, ll)), blob)
     return blob.getvalue()
 
 
-def test_dispatch_combine_across_hosts_match_reference():
+def test_dispatch_combine_across_hosts_match_reference(env):
     normal = normal_cases(N)[::3]
     ll = ll_cases(N)[:4]
-    blobs = netns.run_on_hosts(_both_modes, HOSTS, PER_HOST, normal, ll, timeout=240,
-                               env={"MOE_COMM_TRANSPORT": "tcp"})
+    blobs = netns.run_on_hosts(_both_modes, HOSTS, PER_HOST, normal, ll, timeout=300, env=env)
     results = [torch.load(io.BytesIO(b), weights_only=False) for b in blobs]
-    check_normal(N, normal, [r[0] for r in results])
-    check_ll(N, ll, [r[1] for r in results], quantize_fp8)
+    kind = "CudaBackend" if "MOE_COMM_CPU_BACKEND" in env else "HostBackend"
+    for r, (path, _, _) in enumerate(results):        # the other host's ranks, by proxy
+        other = [p for p in range(N) if p // PER_HOST != r // PER_HOST]
+        assert path == (kind, other), (r, path)
+    check_normal(N, normal, [r[1] for r in results])
+    check_ll(N, ll, [r[2] for r in results], quantize_fp8)
 
 
 def _killed_host(rank, n, elastic):
@@ -65,11 +100,11 @@ def _killed_host(rank, n, elastic):
 
 
 @pytest.mark.parametrize("elastic", [False, True])
-def test_a_dead_host_is_reported_within_the_deadline(elastic):
+def test_a_dead_host_is_reported_within_the_deadline(env, elastic):
     dead = {PER_HOST, PER_HOST + 1}
     with netns.Hosts(HOSTS) as hosts:
         results = hosts.run(_killed_host, PER_HOST, elastic, expect_exit={1}, timeout=60,
-                            env={"MOE_COMM_TRANSPORT": "tcp"})
+                            env=env)
     for r in range(PER_HOST):
         outcome, elapsed = results[r]
         assert outcome == ([1, 1, 0, 0] if elastic else sorted(dead)), (r, outcome)

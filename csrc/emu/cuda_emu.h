@@ -122,6 +122,9 @@ static inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __A
 static inline unsigned atomicAdd(unsigned* p, unsigned v) {
     return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
 }
+static inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
+    return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
+}
 
 // ---- what the kernels' inline PTX does (common.cuh, sync.cuh under MOE_EMU) -----------------
 namespace emu {
@@ -175,6 +178,10 @@ inline unsigned long long ld_acquire(const unsigned long long* p) {
     return __atomic_load_n(p, __ATOMIC_ACQUIRE);
 }
 inline int ld_volatile(const int* p) {
+    spin_point();
+    return __atomic_load_n(p, __ATOMIC_RELAXED);
+}
+inline unsigned long long ld_volatile(const unsigned long long* p) {
     spin_point();
     return __atomic_load_n(p, __ATOMIC_RELAXED);
 }

@@ -42,6 +42,7 @@ MOE_DEVICE void st_release_sys(u64* p, u64 v) { emu::st_release(p, v); }
 MOE_DEVICE u64 ld_acquire_sys(const u64* p) { return emu::ld_acquire(p); }
 MOE_DEVICE void st_volatile_i32(i32* p, i32 v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
 MOE_DEVICE i32 ld_volatile_i32(const i32* p) { return emu::ld_volatile(p); }
+MOE_DEVICE u64 ld_volatile_u64(const u64* p) { return emu::ld_volatile(p); }
 #else
 MOE_DEVICE u64 globaltimer_ns() {
     u64 t;
@@ -61,6 +62,7 @@ MOE_DEVICE u64 ld_acquire_sys(const u64* p) {
 
 MOE_DEVICE void st_volatile_i32(i32* p, i32 v) { *(volatile i32*)p = v; }
 MOE_DEVICE i32 ld_volatile_i32(const i32* p) { return *(const volatile i32*)p; }
+MOE_DEVICE u64 ld_volatile_u64(const u64* p) { return *(const volatile u64*)p; }
 #endif
 
 // ---- tagged words (wire.tag / tag_epoch / tag_value) --------------------------------------

@@ -11,30 +11,41 @@
 //   t.signal(rank, offset, tagged_word)            // release-ordered signal word
 //   t.read_signal(rank, offset)                    // acquire load of a word in rank's memory
 //
-// Implemented now: peers in this node through CUDA IPC mappings (`bases[rank] != 0`): the row
-// *is* the peer's memory, commit does nothing, a signal is one st.release.sys. Remote ranks
-// (`bases[rank] == 0`) record kErrNoTransport and drop the write; the host never maps a group
-// with such ranks (moe_comm/cuda/comm.py). A host-proxy ring command (write the message into a
-// local staging slot, push {rank, offset, bytes, slot} to a GPU->CPU ring) belongs there too.
-//
-// Built with -DMOE_WITH_NVSHMEM (nvcc -rdc + libnvshmem_device, moe_comm/ibgda/build.py), the
-// remote branch is NVSHMEM (IBGDA: the GPU posts the RDMA writes itself), and a bases[] word
-// with its low bit set names a network peer (csrc/ibgda/transport_nvshmem.cuh,
-// csrc/ibgda/README.md). Without the macro nothing below changes.
+// `bases[r]` (moe_comm/cuda/comm.py) says how rank r is reached:
+//   * a pointer: a peer of this node mapped into this process (CUDA IPC; /dev/shm on the
+//     kernel emulator): the row *is* the peer's memory, commit does nothing, a signal is one
+//     st.release.sys;
+//   * a pointer with its low bit set, default build: a rank on another host, served by the
+//     host proxy. The pointer (bit cleared) is this process's mirror of that rank's buffer: the
+//     row is built there and commit pushes a put command into the proxy ring, whose address
+//     is bases[-1] (proxy_ring.cuh; moe_comm/cuda/proxy.py runs the proxy thread);
+//   * 0: unreachable: kErrNoTransport is recorded and the write dropped.
+// Built with -DMOE_WITH_NVSHMEM (nvcc -rdc + libnvshmem_device, moe_comm/ibgda/build.py), a
+// word with its low bit set names an NVSHMEM network peer instead (IBGDA: the GPU posts the
+// RDMA writes itself; csrc/ibgda/transport_nvshmem.cuh, csrc/ibgda/README.md).
 #pragma once
 #include "sync.cuh"
 #ifdef MOE_WITH_NVSHMEM
 #include "../ibgda/transport_nvshmem.cuh"
+#else
+#include "proxy_ring.cuh"
 #endif
 
 struct Transport {
-    const u64* bases;  // [num_ranks] base address of each rank's comm buffer in this process
+    const u64* bases;  // [num_ranks] how each rank is reached (above); bases[-1]: proxy ring
     ErrorSink err;
 
 #ifdef MOE_WITH_NVSHMEM
     MOE_DEVICE bool by_pointer(int rank) const { return moe_ibgda::is_pointer(bases[rank]); }
 #else
-    MOE_DEVICE bool by_pointer(int rank) const { return bases[rank] != 0; }
+    MOE_DEVICE bool by_pointer(int rank) const {
+        const u64 b = bases[rank];
+        return b != 0 && (b & 1) == 0;
+    }
+    MOE_DEVICE bool by_proxy(int rank) const { return (bases[rank] & 1) != 0 && bases[-1]; }
+    MOE_DEVICE u8* mirror(int rank, u64 offset) const {
+        return (u8*)(bases[rank] & ~1ull) + offset;
+    }
 #endif
     MOE_DEVICE u8* peer(int rank, u64 offset) const { return (u8*)bases[rank] + offset; }
 
@@ -55,8 +66,10 @@ struct Transport {
         remote_put_warp(rank, offset, row, bytes);
     }
 #else
+    // A proxied rank's message is built in its mirror, at the offset it must land at.
     MOE_DEVICE u8* row_for_write(int rank, u64 offset, u8* staging) const {
-        return by_pointer(rank) ? peer(rank, offset) : staging;
+        if (by_pointer(rank)) return peer(rank, offset);
+        return by_proxy(rank) ? mirror(rank, offset) : staging;
     }
 
     MOE_DEVICE void commit_row_warp(int rank, u64 offset, const u8* row, u64 bytes) const {
@@ -85,7 +98,7 @@ struct Transport {
         if (moe_ibgda::is_remote(bases[rank]))  // one RDMA read: prefer pushed local words
             return moe_ibgda::read_remote(bases[rank], rank, offset);
 #endif
-        remote_signal(rank, offset, 0);  // no remote read path: report, return "nothing yet"
+        err.report(kErrNoTransport, 0, rank, 1);  // no remote read path: "nothing yet"
         return 0;
     }
 
@@ -114,11 +127,29 @@ struct Transport {
             err.report(kErrNoTransport, 0, rank, 0);
     }
 #else
-    MOE_DEVICE void remote_put_warp(int rank, u64, const u8*, u64) const {
-        if (lane_id() == 0) err.report(kErrNoTransport, 0, rank, 0);
+    // Whole warp: stage the bytes in the mirror (unless they were built there), then one
+    // put command once every lane's stores are visible system-wide (proxy_ring.cuh).
+    MOE_DEVICE void remote_put_warp(int rank, u64 offset, const u8* src, u64 bytes) const {
+        if (!by_proxy(rank)) {
+            if (lane_id() == 0) err.report(kErrNoTransport, 0, rank, 0);
+            return;
+        }
+        u8* row = mirror(rank, offset);
+        if (src != row) warp_copy(row, src, bytes);
+        __threadfence_system();
+        __syncwarp();
+        if (lane_id() == 0 && bytes > 0)
+            ProxyRing{(u64*)bases[-1]}.push(err, kProxyOpPut, rank, offset, bytes);
+        __syncwarp();
     }
-    MOE_DEVICE void remote_signal(int rank, u64, u64) const {
-        err.report(kErrNoTransport, 0, rank, 0);
+    // One thread, after the writes it announces (ordered by the caller, see sync.cuh).
+    MOE_DEVICE void remote_signal(int rank, u64 offset, u64 word) const {
+        if (!by_proxy(rank)) {
+            err.report(kErrNoTransport, 0, rank, 0);
+            return;
+        }
+        __threadfence_system();
+        ProxyRing{(u64*)bases[-1]}.push(err, kProxyOpSignal, rank, offset, word);
     }
 #endif
 };

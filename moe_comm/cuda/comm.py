@@ -82,6 +82,30 @@ def _set_current(device: torch.device) -> None:
     cuda_core().Device(device.index).set_current()
 
 
+def _register_host(ptr: int, nbytes: int, registered: list) -> int:
+    """Make host memory at ``ptr`` reachable by kernels (page-locked, mapped); returns its
+    device address (the same under UVA). Appends ``ptr`` to ``registered``."""
+    from cuda.bindings import driver as cu
+    portable, devicemap = 0x01, 0x02          # CU_MEMHOSTREGISTER_PORTABLE / _DEVICEMAP
+    _cu(cu.cuMemHostRegister(ptr, nbytes, portable | devicemap), "cuMemHostRegister")
+    registered.append(ptr)
+    return int(_cu(cu.cuMemHostGetDevicePointer(ptr, 0), "cuMemHostGetDevicePointer"))
+
+
+def _unregister_host(registered: list) -> None:
+    if registered:
+        from cuda.bindings import driver as cu
+        for ptr in registered:
+            cu.cuMemHostUnregister(ptr)
+        registered.clear()
+
+
+def _barrier(group) -> None:
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.barrier(group=group)
+
+
 def _alloc_zeroed(nbytes: int) -> int:
     from cuda.bindings import driver as cu
     ptr = int(_cu(cu.cuMemAlloc(nbytes), "cuMemAlloc"))
@@ -101,7 +125,8 @@ class CudaComm:
 
     def __init__(self, *, rank: int, num_ranks: int, device: torch.device, pointers: list,
                  heap_bytes: int, ll_bytes: int, timeout_s: float, own_allocation: bool,
-                 opened: list, group=None, host_buffers=None, elastic: bool = False):
+                 opened: list, group=None, host_buffers=None, elastic: bool = False,
+                 proxy=None):
         if not 1 <= num_ranks <= MAX_RANKS:
             raise ValueError(f"the CUDA backend maps groups of 1..{MAX_RANKS} ranks, got "
                              f"{num_ranks}")
@@ -115,7 +140,12 @@ class CudaComm:
         self.timeout_s = float(timeout_s)
         self.timeout_ns = int(timeout_s * 1e9)
         self.pointers = list(pointers)
-        self.bases = torch.tensor(self.pointers, dtype=torch.int64, device=device)
+        # the kernels' bases[R] (csrc/kernels/transport.cuh): a view from word 1, word 0
+        # (bases[-1]) being the host proxy's command ring, or 0
+        self.proxy = proxy
+        words = [proxy.address if proxy is not None else 0] + self.pointers
+        self.bases = torch.tensor(words, dtype=torch.int64, device=device)[1:]
+        self._registered = []
         # pinned: the kernels write it through its UVA address, the host reads it any time
         # (a CPU "device" only serves argument checks in CI: nothing runs there)
         self.err_host = torch.zeros(ERROR_HEADER + MAX_ERROR_RANKS, dtype=torch.int32,
@@ -149,10 +179,12 @@ class CudaComm:
 
     @classmethod
     def from_group(cls, group, heap_bytes: int, ll_bytes: int, timeout_s: float,
-                   device=None, elastic: bool = False) -> "CudaComm":
-        """Collective over ``group`` (one process per rank, one node): allocate this rank's
-        buffer on ``device`` (default: torch's current device), exchange CUDA IPC handles,
-        map every peer. All ranks must pass the same sizes."""
+                   device=None, elastic: bool = False, transport: str = "auto") -> "CudaComm":
+        """Collective over ``group`` (one process per rank): allocate this rank's buffer on
+        ``device`` (default: torch's current device), exchange CUDA IPC handles, map every
+        peer. All ranks must pass the same sizes. A group spanning hosts takes the host proxy
+        (:meth:`_from_group_shared`; ``transport`` picks its engine, as for the host
+        backend)."""
         import torch.distributed as dist
         device = torch.device("cuda", torch.cuda.current_device()) if device is None else \
             torch.device(device)
@@ -161,8 +193,15 @@ class CudaComm:
         heap_bytes, ll_bytes = round_up(heap_bytes, PAGE), round_up(ll_bytes, PAGE)
         total = cls.buffer_bytes(num_ranks, heap_bytes, ll_bytes)
         if device.type == "cpu":
-            return cls._from_group_emulated(group, rank, num_ranks, heap_bytes, ll_bytes, total,
-                                            timeout_s, elastic)
+            return cls._from_group_shared(group, rank, num_ranks, heap_bytes, ll_bytes, total,
+                                          timeout_s, elastic, device, transport)
+        from ..host.comm import host_identity
+        hosts = [None] * num_ranks
+        dist.all_gather_object(hosts, host_identity(), group=group)
+        if len(set(hosts)) > 1:        # no IBGDA in this build: the host proxy
+            _set_current(device)
+            return cls._from_group_shared(group, rank, num_ranks, heap_bytes, ll_bytes, total,
+                                          timeout_s, elastic, device, transport)
         from cuda.bindings import driver as cu
         _set_current(device)
         ptr = _alloc_zeroed(total)
@@ -172,10 +211,6 @@ class CudaComm:
         dist.all_gather_object(infos, (socket.gethostname(), total, blob), group=group)
         opened = []
         try:
-            hosts = sorted({i[0] for i in infos})
-            if len(hosts) != 1:
-                raise ValueError("the CUDA backend maps peers through CUDA IPC: every rank of "
-                                 f"`group` must be on one node, got {hosts}")
             if len({i[1] for i in infos}) != 1:
                 raise ValueError("num_nvl_bytes/num_rdma_bytes must be equal on every rank; "
                                  f"buffer sizes differ: {[i[1] for i in infos]}")
@@ -204,34 +239,63 @@ class CudaComm:
         return comm
 
     @classmethod
-    def _from_group_emulated(cls, group, rank, num_ranks, heap_bytes, ll_bytes, total,
-                             timeout_s, elastic) -> "CudaComm":
-        """from_group for the kernel emulator: processes of one machine map each other's
-        buffers as /dev/shm segments (moe_comm/host/segment.py) instead of CUDA IPC."""
+    def _from_group_shared(cls, group, rank, num_ranks, heap_bytes, ll_bytes, total, timeout_s,
+                           elastic, device, transport) -> "CudaComm":
+        """from_group with buffers in host memory: /dev/shm segments (moe_comm/host/segment.py)
+        that the processes of one host map into each other, and a mirror plus the host proxy
+        (moe_comm/cuda/proxy.py) for every rank on another host. Used by the kernel emulator
+        (device ``cpu``), and on a GPU when the group spans hosts (segments registered with
+        the driver, so kernels reach them over PCIe: the fallback where IBGDA is missing)."""
         import secrets
 
         import torch.distributed as dist
 
+        from ..host.comm import host_identity
         from ..host.segment import Segment, reclaim_stale_segments, segment_name
         reclaim_stale_segments()
-        own = Segment.create(segment_name(f"emu{secrets.token_hex(6)}", rank), total)
+        own = Segment.create(segment_name(f"cu{secrets.token_hex(6)}", rank), total)
+        me = host_identity()
         infos = [None] * num_ranks
-        dist.all_gather_object(infos, (socket.gethostname(), total, own.name), group=group)
-        segments = []
+        dist.all_gather_object(infos, (me, total, own.name), group=group)
+        remote = [r for r, info in enumerate(infos) if info[0] != me]
+        segments, registered, proxy = [], [], None
         try:
-            if len({i[0] for i in infos}) != 1 or len({i[1] for i in infos}) != 1:
-                raise ValueError("every rank of `group` must be on one machine with equal "
-                                 f"buffer sizes, got {[i[:2] for i in infos]}")
-            segments = [own if r == rank else Segment.open(name)
-                        for r, (_, _, name) in enumerate(infos)]
-        finally:
-            dist.barrier(group=group)   # everybody mapped: names can go
-            own.unlink()
-        pointers = [seg.bytes.ctypes.data for seg in segments]
-        comm = cls(rank=rank, num_ranks=num_ranks, device=torch.device("cpu"),
-                   pointers=pointers, heap_bytes=heap_bytes, ll_bytes=ll_bytes,
-                   timeout_s=timeout_s, own_allocation=False, opened=[], group=group,
-                   host_buffers=segments, elastic=elastic)
+            try:
+                if len({i[1] for i in infos}) != 1:
+                    raise ValueError("num_nvl_bytes/num_rdma_bytes must be equal on every rank; "
+                                     f"buffer sizes differ: {[i[1] for i in infos]}")
+                segments = [own if r == rank else None if r in remote else Segment.open(name)
+                            for r, (_, _, name) in enumerate(infos)]
+            finally:
+                dist.barrier(group=group)   # everybody mapped: names can go
+                own.unlink()
+            pointers = [0 if seg is None else seg.bytes.ctypes.data for seg in segments]
+            if device.type == "cuda":
+                pointers = [0 if p == 0 else _register_host(p, total, registered)
+                            for p in pointers]
+            if remote:
+                from ..transport import open_transport
+                from .proxy import KernelProxy
+                link = open_transport(group, own.bytes, remote, kind=transport,
+                                      timeout_s=timeout_s)
+                mirrors = {r: torch.zeros(total, dtype=torch.uint8,
+                                          pin_memory=device.type == "cuda") for r in remote}
+                proxy = KernelProxy(link, mirrors, device, timeout_s)
+                for r in remote:
+                    pointers[r] = proxy.mirror_word(r)
+        except BaseException:
+            _unregister_host(registered)
+            for seg in segments:
+                if seg is not None:
+                    seg.close()
+            raise
+        comm = cls(rank=rank, num_ranks=num_ranks, device=device, pointers=pointers,
+                   heap_bytes=heap_bytes, ll_bytes=ll_bytes, timeout_s=timeout_s,
+                   own_allocation=False, opened=[], group=group, host_buffers=segments,
+                   elastic=elastic, proxy=proxy)
+        comm._registered = registered
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         dist.barrier(group=group)
         return comm
 
@@ -410,31 +474,46 @@ class CudaComm:
         self.ll_seq = {"dispatch": 0, "combine": 0}
 
     # -- lifetime ------------------------------------------------------------------------------
+    def _destroy_host_buffers(self, barrier: bool) -> None:
+        """destroy() of buffers in host memory (emulator, local_group on the CPU, the proxy
+        path): hand the proxy's last commands to the wire, meet the peers (nobody sends any
+        more), stop the proxy and its transport, then unmap."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if self.proxy is not None:
+            self.proxy.flush(min(self.timeout_s, 5.0))
+        if barrier:
+            _barrier(self.group)
+        if self.proxy is not None:
+            self.proxy.close()
+            self.proxy.transport.close()
+        _unregister_host(self._registered)
+        buffers, self._host_buffers = self._host_buffers, None
+        for b in buffers:                     # segments of from_group; local tensors just go
+            if b is not None and hasattr(b, "close"):
+                b.close()
+
     def destroy(self, barrier: bool = True) -> None:
         """Unmap peers and free this rank's buffer once the device is idle. With
         :meth:`from_group` it is collective (``barrier``): every rank unmaps its peers, meets
         the others, then frees its own buffer, so no allocation is freed while a peer still
-        maps it. Pass ``barrier=False`` when peers are gone (teardown after a failure); it is
-        implied once a rank is masked (it may be dead: a group barrier would fail). Emulated
-        buffers (/dev/shm segments) live on while any process maps them: no barrier."""
+        maps it (or, across hosts, still sends to it). Pass ``barrier=False`` when peers are
+        gone (teardown after a failure); it is implied once a rank is masked (it may be dead:
+        a group barrier would fail)."""
         if not self._alive:
             return
         self._alive = False
-        if self.device.type == "cpu":
-            buffers, self._host_buffers = self._host_buffers or [], None
-            for b in buffers:                 # segments of from_group; local tensors just go
-                if hasattr(b, "close"):
-                    b.close()
+        barrier = barrier and self.group is not None and (
+            self.active is None or bool(self.active.all()))
+        if self._host_buffers is not None:
+            self._destroy_host_buffers(barrier)
             return
-        barrier = barrier and (self.active is None or bool(self.active.all()))
         from cuda.bindings import driver as cu
         torch.cuda.synchronize(self.device)
         for p in self._opened:
             cu.cuIpcCloseMemHandle(p)
         self._opened = []
-        if barrier and self.group is not None:
-            import torch.distributed as dist
-            if dist.is_initialized():
-                dist.barrier(group=self.group)
+        if barrier:
+            _barrier(self.group)
         if self._own_allocation:
             cu.cuMemFree(self.pointers[self.rank])
