@@ -83,7 +83,8 @@ class HostBackend:
 
 
 class CudaBackend:
-    """GPU tensors: kernels on torch's current stream, peers of one node through CUDA IPC."""
+    """GPU tensors: kernels on torch's current stream, peers of one node through CUDA IPC,
+    ranks on other hosts through the kernels' host proxy (moe_comm/cuda/proxy.py)."""
 
     def __init__(self, group, num_nvl_bytes, num_rdma_bytes, timeout_s, *, device, elastic,
                  transport):

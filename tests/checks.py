@@ -96,6 +96,10 @@ def check_ll(n, cases, results, quantize):
             assert torch.equal(got["stats"], cnt + 5), (case, d)
             for le in range(cnt.shape[0]):
                 c = int(cnt[le])
+                if "meta" in got:             # the handle's (token << 8 | slot) of each row
+                    src = exp["recv_src"][le, :c]
+                    assert torch.equal(got["meta"][le, :c].cpu(), src[:, 1] << 8 | src[:, 2]), \
+                        (case, d, le)
                 want = exp["recv_x"][le, :c]
                 if not case["fp8"]:
                     assert torch.equal(got["rx"][le, :c], want), (case, d, le)

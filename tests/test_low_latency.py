@@ -61,7 +61,8 @@ def _run(rank, n, cases):
             assert combined is dest
         hook()
         out.append(dict(rx=tuple(t.clone() for t in rx) if isinstance(rx, tuple)
-                        else rx.clone(), cnt=cnt, stats=stats, y=y, combined=combined))
+                        else rx.clone(), cnt=cnt, stats=stats, y=y, combined=combined,
+                        meta=handle.recv_meta.clone()))
         buf.destroy()
     return out
 

@@ -37,12 +37,14 @@ MOE_DEVICE void agree_body(const u64* bases, int rank, int num_ranks, i64 timeou
     __shared__ u32 heard[kMaxErrorRanks][kMaxMaskWords];  // each rank's view (all ones: not heard)
     __shared__ bool silent[kMaxErrorRanks];
     __shared__ bool keep[kMaxErrorRanks];
+    __shared__ bool aborted;
     const Transport t{bases, err};
     const Active live{active};
     const int p = threadIdx.x;
-    if (err.aborted()) return;  // uniform: nothing in this kernel reports before the barriers
+    if (p == 0) aborted = err.aborted();  // one reading: every thread leaves, or none
     if (p < kMaxMaskWords) mine[p] = 0;
     __syncthreads();
+    if (aborted) return;
     if (p == 0)
         for (int r = 0; r < num_ranks; ++r)
             if (live.on(r)) mine[r / kMaskBits] |= 1u << (r % kMaskBits);

@@ -184,11 +184,14 @@ __device__ void ll_dispatch_send_body(const LLGroup g, const ErrorSink err, cons
                 const i64 tok = pair / topk, slot = pair % topk;
                 ll_write_message<kFp8, kRoundScale>(t, dst, lb.payload + (block + row) * lb.stride,
                                                     x + tok * hidden, hidden);
+                const u64 meta_off = lb.meta + (block + row) * 8;
+                i64* meta = (i64*)t.row_for_write(dst, meta_off, nullptr);
                 if (lane_id() == 0) {
-                    i64* meta = (i64*)t.row_for_write(dst, lb.meta + (block + row) * 8, nullptr);
                     if (meta) *meta = (tok << 8) | slot;
                     send_index[pair] = (i32)(lower + row);
                 }
+                __syncwarp();
+                if (meta) t.commit_row_warp(dst, meta_off, (const u8*)meta, 8);
             }
             running += total;
             __syncthreads();  // `selected` is rewritten by the next chunk

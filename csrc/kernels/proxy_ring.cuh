@@ -10,7 +10,8 @@
 // Layout (host memory, mapped into the GPU's address space; words are u64):
 //   [0] head   address of the slot counter (device memory: only GPU threads add to it)
 //   [1] depth  number of slots
-//   [2] timeout_ns  how long a producer waits for a free slot before reporting
+//   [2] timeout_ns  how long a producer waits for a free slot before reporting (longer than
+//                   any one blocking step of the transport, so only a stopped proxy trips it)
 //   [8] tail   slots the proxy has finished (written by the CPU, release)
 //   [16 + 4 * i] slot i: {seq, op << 32 | rank, offset, bytes or signal word}
 // A producer reserves index n with an atomic add, waits until n - tail < depth (a credit),
@@ -44,10 +45,13 @@ struct ProxyRing {
         const u64 n = atomicAdd((unsigned long long*)head, 1ull);
         const u64 deadline = globaltimer_ns() + ld_volatile_u64(words + 2);
         while (n - ld_acquire_sys(words + 8) >= depth) {
-            if (globaltimer_ns() > deadline) {  // the proxy thread stopped taking commands
-                err.report(kErrTimeout, 0, rank, 3);
+            // The proxy thread stopped taking commands (its slot n stays unpublished, so the
+            // ring is stuck for good): not a peer's fault, the host raises CudaCommError.
+            if (globaltimer_ns() > deadline) {
+                err.report(kErrProxy, 0, rank, 0);
                 return false;
             }
+            __nanosleep(256);  // every poll crosses PCIe
         }
         u64* slot = words + kProxyHeaderWords + (n % depth) * kProxySlotWords;
         slot[1] = op << 32 | (u64)rank;

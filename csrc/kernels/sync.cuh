@@ -76,6 +76,7 @@ constexpr i32 kErrTimeout = 1;      // a peer's signal did not arrive before the
 constexpr i32 kErrOverflow = 2;     // more rows than the receive region / num_worst_tokens hold
 constexpr i32 kErrNoTransport = 3;  // a rank is neither mapped nor served by a transport
 constexpr i32 kErrMasked = 4;       // elastic: the survivors masked this rank out (elastic.cuh)
+constexpr i32 kErrProxy = 5;        // the host proxy took no command in time (proxy_ring.cuh)
 
 // Host error word layout (int32): [0] code, [1] op id, [2] epoch, [3] detail,
 // [4 + r] = 1 if rank r is silent. kMaxErrorRanks bounds r.

@@ -5,7 +5,9 @@ by moe_comm/wire.py (``HeaderLayout`` for the signal slots, a normal-mode data r
 ``heap_bytes``, an ``LLLayout`` region of ``ll_bytes``), zeroed at creation. Each rank maps
 every peer's allocation into its address space (CUDA IPC, ``cuIpcOpenMemHandle``) and hands
 the kernels a device array ``bases[R]`` of those addresses, so a kernel writes a peer's buffer
-with plain stores (NVLink/PCIe peer access).
+with plain stores (NVLink/PCIe peer access). A group spanning hosts keeps its buffers in host
+memory instead (/dev/shm segments mapped by the ranks of a host, registered with the driver)
+and reaches the other hosts' ranks through mirrors and the host proxy (moe_comm/cuda/proxy.py).
 
 Two ways to build a group:
 
@@ -46,7 +48,7 @@ log = logging.getLogger("moe_comm")
 IPC_HANDLE_BYTES = 64
 ERROR_HEADER = 4                 # csrc/kernels/sync.cuh: kErrorHeader
 MAX_ERROR_RANKS = 64             # ... kMaxErrorRanks
-ERR_TIMEOUT, ERR_OVERFLOW, ERR_NO_TRANSPORT, ERR_MASKED = 1, 2, 3, 4
+ERR_TIMEOUT, ERR_OVERFLOW, ERR_NO_TRANSPORT, ERR_MASKED, ERR_PROXY = 1, 2, 3, 4, 5
 
 # Phase ids passed to kernels (the `op` argument) and the names errors report.
 OPS = ("", "dispatch/notify", "dispatch/send", "dispatch/payload", "combine/notify",
@@ -190,6 +192,9 @@ class CudaComm:
             torch.device(device)
         group = group if group is not None else dist.group.WORLD
         rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
+        if not 1 <= num_ranks <= MAX_RANKS:     # before anything is allocated or connected
+            raise ValueError(f"the CUDA backend runs groups of 1..{MAX_RANKS} ranks, got "
+                             f"{num_ranks}")
         heap_bytes, ll_bytes = round_up(heap_bytes, PAGE), round_up(ll_bytes, PAGE)
         total = cls.buffer_bytes(num_ranks, heap_bytes, ll_bytes)
         if device.type == "cpu":
@@ -258,7 +263,7 @@ class CudaComm:
         infos = [None] * num_ranks
         dist.all_gather_object(infos, (me, total, own.name), group=group)
         remote = [r for r, info in enumerate(infos) if info[0] != me]
-        segments, registered, proxy = [], [], None
+        segments, registered, link, proxy = [own], [], None, None
         try:
             try:
                 if len({i[1] for i in infos}) != 1:
@@ -283,16 +288,20 @@ class CudaComm:
                 proxy = KernelProxy(link, mirrors, device, timeout_s)
                 for r in remote:
                     pointers[r] = proxy.mirror_word(r)
+            comm = cls(rank=rank, num_ranks=num_ranks, device=device, pointers=pointers,
+                       heap_bytes=heap_bytes, ll_bytes=ll_bytes, timeout_s=timeout_s,
+                       own_allocation=False, opened=[], group=group, host_buffers=segments,
+                       elastic=elastic, proxy=proxy)
         except BaseException:
+            if proxy is not None:
+                proxy.close()
+            if link is not None:
+                link.close()
             _unregister_host(registered)
-            for seg in segments:
+            for seg in set(segments):
                 if seg is not None:
                     seg.close()
             raise
-        comm = cls(rank=rank, num_ranks=num_ranks, device=device, pointers=pointers,
-                   heap_bytes=heap_bytes, ll_bytes=ll_bytes, timeout_s=timeout_s,
-                   own_allocation=False, opened=[], group=group, host_buffers=segments,
-                   elastic=elastic, proxy=proxy)
         comm._registered = registered
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -363,8 +372,13 @@ class CudaComm:
 
     def mask_where(self, keep: torch.Tensor) -> None:
         """Mask the ranks where ``keep`` (any device, [R]) is 0, without a host
-        synchronisation (the Buffer's ``active_ranks=`` argument, a device tensor)."""
+        synchronisation (the Buffer's ``active_ranks=`` argument, Mooncake's device tensor).
+        A host tensor that masks this rank makes the call raise RankMaskedError at once; a
+        device tensor that does is only seen by the kernels (elastic: the call's agreement
+        reports it)."""
         self._enable_masking()
+        if keep.device.type == "cpu" and not bool(keep[self.rank]):
+            self.masked_out = True
         self.active.mul_((keep.to(self.device, non_blocking=True) != 0).to(torch.int32))
 
     def active_ranks(self) -> torch.Tensor:
@@ -412,6 +426,10 @@ class CudaComm:
             self.masked_out = True
             raise RankMaskedError(f"{op}: rank {self.rank} was masked out by its peers (it "
                                   "missed their deadline); a new Buffer is needed to rejoin")
+        if code == ERR_PROXY:
+            raise CudaCommError(f"{op}: the host proxy took no command for "
+                                f"{2 * self.timeout_s + 5:g} s (moe_comm/cuda/proxy.py); this "
+                                "communicator cannot reach other hosts any more: destroy it")
         if code == ERR_OVERFLOW:
             raise CudaCommError(f"{op}: more rows than the receive region holds at rank(s) "
                                 f"{ranks} (num_worst_tokens or the buffer too small; "
@@ -480,8 +498,9 @@ class CudaComm:
         more), stop the proxy and its transport, then unmap."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        if self.proxy is not None:
+        if self.proxy is not None:          # everything queued is on the wire before we meet
             self.proxy.flush(min(self.timeout_s, 5.0))
+            self.proxy.transport.flush(raise_on_timeout=False)
         if barrier:
             _barrier(self.group)
         if self.proxy is not None:

@@ -10,9 +10,10 @@ is the thread that drains the ring in order and hands each command to the host t
 and signals to the remote rank's buffer in order. Nothing in the mode kernels changes.
 
 A put's bytes are copied out of the mirror when the command is taken, so the kernels may
-rewrite the mirror as soon as the remote rank answers a later signal. Errors of the transport
-(a lost peer, a full queue) are logged and the command dropped: the remote rank's silence then
-surfaces as the usual deadline (CommTimeoutError, or masking in elastic mode).
+rewrite the mirror as soon as the remote rank answers a later signal. A command the transport
+refuses (a lost peer, a full queue) cuts that rank off: this and every later command to it are
+dropped and logged, so no signal ever announces bytes that did not go, and the remote rank's
+silence surfaces as the usual deadline (CommTimeoutError, or masking in elastic mode).
 """
 from __future__ import annotations
 
@@ -27,10 +28,21 @@ from ..host import atomics
 
 log = logging.getLogger("moe_comm")
 
+
+def device_address(t: torch.Tensor) -> int:
+    """The address kernels use for host tensor ``t`` (pinned: asked of the driver, not assumed
+    equal to the host address; a plain CPU tensor serves the kernel emulator as is)."""
+    if not t.is_pinned():
+        return t.data_ptr()
+    from .comm import _cu
+    from cuda.bindings import driver as cu
+    return int(_cu(cu.cuMemHostGetDevicePointer(t.data_ptr(), 0), "cuMemHostGetDevicePointer"))
+
 OP_PUT, OP_SIGNAL = 1, 2        # proxy_ring.cuh kProxyOpPut / kProxyOpSignal
 HEADER_WORDS, SLOT_WORDS = 16, 4
 HEAD, DEPTH, TIMEOUT, TAIL = 0, 1, 2, 8
 DEFAULT_DEPTH = 4096
+CREDIT_EVERY = 64               # slots taken between two credit (tail) updates
 
 
 class KernelProxy:
@@ -53,16 +65,18 @@ class KernelProxy:
         self.words = self._ring.numpy()
         self.words[HEAD] = self._head.data_ptr()
         self.words[DEPTH] = depth
-        self.words[TIMEOUT] = int(timeout_s * 1e9)
-        self.address = self._ring.data_ptr()
-        self.error = None
+        # a producer waits longer than any one blocking transport step (a full queue waits
+        # timeout_s), so only a proxy that stopped makes it give up
+        self.words[TIMEOUT] = int((2 * timeout_s + 5.0) * 1e9)
+        self.address = device_address(self._ring)
+        self.cut_off: dict = {}                  # rank -> why its commands are dropped
         self._stop = False
         self._thread = threading.Thread(target=self._loop, daemon=True, name="moe_comm-kproxy")
         self._thread.start()
 
     def mirror_word(self, rank: int) -> int:
         """The ``bases`` word of a proxied rank: its mirror's address, low bit set."""
-        return self._mirror_tensors[rank].data_ptr() | 1
+        return device_address(self._mirror_tensors[rank]) | 1
 
     def _loop(self) -> None:
         words, depth, taken = self.words, self.depth, 0
@@ -77,6 +91,9 @@ class KernelProxy:
                 op_rank, offset, arg = (int(v) for v in words[at + 1:at + 4])
                 self._execute(op_rank >> 32, op_rank & 0xffffffff, offset, arg)
                 n += 1
+                if n % CREDIT_EVERY == 0:         # producers waiting for a slot go on early
+                    atomics.release()
+                    words[TAIL] = n
             if n == taken:
                 backoff.pause()
                 continue
@@ -86,6 +103,8 @@ class KernelProxy:
             words[TAIL] = taken
 
     def _execute(self, op: int, rank: int, offset: int, arg: int) -> None:
+        if rank in self.cut_off:
+            return
         try:
             if op == OP_PUT:
                 self.transport.put(rank, offset, self.mirrors[rank][offset:offset + arg].copy())
@@ -94,10 +113,9 @@ class KernelProxy:
             else:
                 raise ValueError(f"unknown proxy command {op}")
         except Exception as e:  # noqa: BLE001 - the thread must go on; the peer's wait tells
-            if self.error is None:
-                self.error = e
-                log.warning("moe_comm kernel proxy: command %d to rank %d failed (%s); "
-                            "dropped", op, rank, e)
+            self.cut_off[rank] = str(e)
+            log.warning("moe_comm kernel proxy: command %d to rank %d failed (%s); this and "
+                        "every later command to it are dropped", op, rank, e)
 
     def flush(self, timeout_s: float) -> None:
         """Wait until the proxy took every command published so far (bounded)."""

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MAX_RANKS = 8                       # CUDA IPC groups: the GPUs of one node
+MAX_RANKS = 8                       # ranks of one CUDA group (one node's GPUs; also across
+                                    # hosts through the host proxy, until IBGDA lifts it)
 SPECIALISED_HIDDEN = (1024, 2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
 GENERIC_HIDDEN = 0
 

@@ -111,6 +111,7 @@ class TcpEngine:
         self.address = listener.getsockname()
         self.out = {}                       # dst -> socket
         self.inbound = {}                   # src -> live authenticated connections
+        self.heard = set()                  # srcs that ever authenticated (start() waits)
         self.conns = set()                  # every accepted socket, for close()
         self.cond = threading.Condition()
         self.unauthenticated = 0
@@ -126,11 +127,13 @@ class TcpEngine:
         for dst in sorted(self.remote):
             self.out[dst] = self._connect(dst, peers[dst], deadline)
         with self.cond:
-            while self.remote - set(self.inbound):
+            # `heard`, not the live `inbound`: a fast peer may finish its own start, and even
+            # close again (a Buffer destroyed at once), before this rank gets here
+            while self.remote - self.heard:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise CommTimeoutError("transport/connect",
-                                           self.remote - set(self.inbound), self.timeout_s)
+                    raise CommTimeoutError("transport/connect", self.remote - self.heard,
+                                           self.timeout_s)
                 self.cond.wait(min(left, 0.05))
 
     def _connect(self, dst: int, where, deadline: float) -> socket.socket:
@@ -190,6 +193,7 @@ class TcpEngine:
             sock.settimeout(None)              # idle peers are normal; close() wakes us
             with self.cond:
                 self.inbound[src] = self.inbound.get(src, 0) + 1
+                self.heard.add(src)
                 self.cond.notify_all()
             try:
                 why = serve_connection(sock, self.region)
