@@ -9,6 +9,6 @@ from .layer import MoELayer
 from .reference import reference_combine, reference_dispatch
 
 __all__ = ["Buffer", "Config", "EventOverlap", "DispatchHandle", "CommTimeoutError",
-           "RankMaskedError", "BufferTooSmallError", "reference_dispatch", "reference_combine", "MoELayer",
-           "replace_moe_blocks"]
+           "RankMaskedError", "BufferTooSmallError", "reference_dispatch", "reference_combine",
+           "MoELayer", "replace_moe_blocks"]
 __version__ = "0.1.0"

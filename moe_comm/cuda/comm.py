@@ -354,8 +354,7 @@ class CudaComm:
             return
         words = torch.ones(1 + self.num_ranks, dtype=torch.int32, device=self.device)
         words[0] = int(self.elastic)
-        self._active_words = words
-        self.active = words[1:]
+        self.active = words[1:]                 # the view keeps word 0 alive
         self.call_active = torch.ones(self.num_ranks, dtype=torch.int32, device=self.device)
 
     def mask(self, ranks, why: str) -> None:
@@ -387,15 +386,15 @@ class CudaComm:
             return torch.ones(self.num_ranks, dtype=torch.int32, device=self.device)
         return self.active.clone()
 
-    def begin_call(self) -> None:
+    def begin_call(self, agrees: bool = True) -> None:
         """Start one call (or one half of a low-latency call): raise a pending error, refuse
-        a rank masked out, and (elastic) remember who was active at the start, whom the
-        call's mask agreement also tells."""
+        a rank masked out, and (elastic, for a call that ends in a mask agreement) remember
+        who was active at the start, whom the agreement also tells."""
         self.check()
         if self.masked_out:
             raise RankMaskedError(f"rank {self.rank} is masked out of this Buffer "
                                   "(active_ranks[rank] == 0); a new Buffer is needed to rejoin")
-        if self.elastic:
+        if self.elastic and agrees:
             self.call_active.copy_(self.active)
 
     def group_args(self):
