@@ -7,7 +7,8 @@
 Steps, each in a fresh process with a deadline (the whole run stays within --budget seconds):
 
 1. tests     pytest tests/test_cuda_compile.py tests/test_cuda_launch_args.py
-             tests/test_cuda_gpu.py
+             tests/test_cuda_gpu.py tests/test_ibgda_gpu.py (the IBGDA build under NVSHMEM:
+             2 processes on this GPU by P2P; the NIC variants skip without a NIC)
 2. timing    moe_comm on 8 ranks sharing this GPU as 8 streams of one process (threads,
              CudaComm.local_group): normal 4096 tokens and low-latency 128 tokens, H=7168,
              top-8, 256 experts; all ranks' calls are queued behind one gate kernel so they
@@ -492,7 +493,7 @@ def main(argv=None):
     if not args.skip_tests:
         _step("tests", [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider",
                         "tests/test_cuda_compile.py", "tests/test_cuda_launch_args.py",
-                        "tests/test_cuda_gpu.py"],
+                        "tests/test_cuda_gpu.py", "tests/test_ibgda_gpu.py"],
               min(240, left() - 200), eager, log)
     timing_path, base_path = args.json + ".timing", args.json + ".baseline"
     _step("timing", me + ["--timing", timing_path, "--iters", str(args.iters)],

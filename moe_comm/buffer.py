@@ -19,6 +19,7 @@ from .wire import LL_MAX_TOPK, LL_NUM_BUFFERS, LLLayout
 
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_NVL_BYTES = 256 << 20
+TRANSPORTS = ("auto", "tcp", "verbs", "ibgda")   # see the Buffer docstring
 
 
 class Buffer:
@@ -45,9 +46,12 @@ class Buffer:
             cost of one extra round of signal words per call (two for a dispatch with
             notify). Every rank must issue calls (and receive hooks) in the same order.
         transport: how ranks on other hosts (machines or network namespaces) are reached:
-            "auto" (the ``MOE_COMM_TRANSPORT`` environment variable, else verbs where every
-            rank has an RDMA device, else TCP), "verbs" or "tcp"; the host proxy of
-            moe_comm/transport. Ranks on this host always share memory directly.
+            "auto" (the ``MOE_COMM_TRANSPORT`` environment variable, else, for CUDA tensors,
+            IBGDA where every rank has NVSHMEM and an RDMA device, else the host proxy of
+            moe_comm/transport over verbs where every rank has an RDMA device, else TCP),
+            "ibgda" (CUDA tensors: GPU-initiated RDMA through NVSHMEM,
+            moe_comm/cuda/ibgda.py), "verbs" or "tcp" (the host proxy). Ranks on this host
+            share memory directly (CUDA IPC; NVSHMEM's P2P mappings under "ibgda").
         device: where the tensors live: a CUDA device drives the CUDA backend (kernels,
             CUDA IPC between the ranks of one node), the CPU the host backend. Default: the
             current CUDA device for an NCCL group, else the CPU.
@@ -69,6 +73,8 @@ class Buffer:
                 raise ValueError(f"{name} must be a non-negative int, got {v!r}")
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: call "
                                "dist.init_process_group first (gloo for CPU tensors)")
@@ -87,6 +93,9 @@ class Buffer:
                                    self.timeout_s, device=self.device, elastic=self.elastic,
                                    transport=transport)
         else:
+            if transport == "ibgda":
+                raise ValueError("transport='ibgda' needs CUDA tensors (GPU-initiated RDMA); "
+                                 f"this Buffer's device is {self.device}")
             self._be = HostBackend(self.group, self.num_nvl_bytes, num_rdma_bytes,
                                    self.timeout_s, elastic=self.elastic, transport=transport)
         self._comm = self._be.comm

@@ -35,10 +35,12 @@ def _cpu(t):
     return t.detach().cpu().clone()
 
 
-def group(n, device, ll_bytes=0, timeout_s=60.0, elastic=False):
-    """A local group of n ranks on `device` (a GPU, or "cpu" for the kernel emulator)."""
+def group(n, device, ll_bytes=0, timeout_s=60.0, elastic=False, network=False):
+    """A local group of n ranks on `device` (a GPU, or "cpu" for the kernel emulator);
+    `network`: every peer a network rank of the IBGDA build (emulator only)."""
     from moe_comm.cuda.comm import CudaComm
-    return CudaComm.local_group(n, HEAP, ll_bytes, timeout_s, device=device, elastic=elastic)
+    return CudaComm.local_group(n, HEAP, ll_bytes, timeout_s, device=device, elastic=elastic,
+                                network=network)
 
 
 def run(fn, comms, *args):
@@ -50,9 +52,9 @@ def run(fn, comms, *args):
             c.destroy()
 
 
-def preload(device, n, hiddens=(), ll=False):
+def preload(device, n, hiddens=(), ll=False, network=False):
     """Load every variant the cases use before ranks start waiting on each other (on the
-    emulator: build them, two at a time)."""
+    emulator: build them, two at a time; `network`: the IBGDA builds)."""
     from moe_comm.cuda import variants
     from moe_comm.cuda.compiler import preload as load
     vs = [variants.intranode(n)]
@@ -64,9 +66,12 @@ def preload(device, n, hiddens=(), ll=False):
     device = torch.device(device)
     if device.type == "cpu":
         from concurrent.futures import ThreadPoolExecutor
-        from moe_comm.cuda.emulator import build
+        from moe_comm.cuda.emulator import build, load_kernels
         with ThreadPoolExecutor(2) as pool:
-            list(pool.map(build, dict.fromkeys(vs)))
+            list(pool.map(lambda v: build(v, network), dict.fromkeys(vs)))
+        if network:
+            for v in vs:
+                load_kernels(v, nvshmem=True)
     load(vs, device)
 
 
@@ -285,19 +290,20 @@ def silent_peer(comm, mode):
 
 
 # ---- whole checks (one per test) ---------------------------------------------------------------
-def check_normal_group(n, device, cases=None):
+def check_normal_group(n, device, cases=None, network=False):
     cases = normal_cases(n) if cases is None else cases
-    preload(device, n)
+    preload(device, n, network=network)
     barrier = threading.Barrier(n)
-    results = run(normal_rank, group(n, device), cases, barrier.wait)
+    results = run(normal_rank, group(n, device, network=network), cases, barrier.wait)
     check_normal(n, cases, results)
 
 
-def check_ll_group(n, device, cases=None):
+def check_ll_group(n, device, cases=None, network=False):
     cases = ll_cases(n) if cases is None else cases
-    preload(device, n, {c["hidden"] for c in cases}, ll=True)
+    preload(device, n, {c["hidden"] for c in cases}, ll=True, network=network)
     barrier = threading.Barrier(n)
-    results = run(ll_rank, group(n, device, ll_bytes(cases, n)), cases, barrier.wait)
+    results = run(ll_rank, group(n, device, ll_bytes(cases, n), network=network), cases,
+                  barrier.wait)
     check_ll(n, cases, results, kernel_quantize)
 
 
@@ -311,11 +317,11 @@ def check_ll_in_flight(n, device, iters=7):
         assert all(ok)
 
 
-def check_silent_rank(mode, device):
+def check_silent_rank(mode, device, network=False):
     """Rank 1 never calls: rank 0 gets CommTimeoutError naming it, within the deadline."""
     from moe_comm.cuda.local import run_local
-    preload(device, 2, {256}, ll=True)
-    comms = group(2, device, LLLayout(4, 256, 2, 8).nbytes, timeout_s=2.0)
+    preload(device, 2, {256}, ll=True, network=network)
+    comms = group(2, device, LLLayout(4, 256, 2, 8).nbytes, timeout_s=2.0, network=network)
     try:
         got = run_local(silent_peer, comms, mode, timeout=120, check=False)[0]
     finally:
@@ -338,6 +344,7 @@ def _elastic_rank(comm, case, steps, silent="start"):
     import time
 
     from moe_comm.cuda import normal as cn
+    from moe_comm.cuda import variants
     from moe_comm.cuda.elastic import agree
     if comm.rank == SILENT:
         if silent != "start":
@@ -349,7 +356,7 @@ def _elastic_rank(comm, case, steps, silent="start"):
             comm.begin_call()
             if silent == "mid_notify":
                 comm.mask([0], "test: rank 0 gets no counts")
-            cn._notify(comm, cn._kernels(R, comm.device), comm.next_epoch(), per_rank, matrix,
+            cn._notify(comm, comm.kernels(variants.intranode(R)), comm.next_epoch(), per_rank, matrix,
                        "dispatch/notify")
             if silent == "after_agree":
                 agree(comm, "dispatch/notify", matrix)
@@ -375,7 +382,7 @@ def _elastic_rank(comm, case, steps, silent="start"):
     return out
 
 
-def check_elastic_normal(device, timeout_s=2.0, silent="start"):
+def check_elastic_normal(device, timeout_s=2.0, silent="start", network=False):
     """Survivors' outputs equal the reference over the healthy ranks (the silent rank's
     tokens gone, its experts' slots -1), the mask says which rank is gone, and a round after
     the masking does not wait for it. With `silent="after_agree"` the first dispatch already
@@ -383,8 +390,8 @@ def check_elastic_normal(device, timeout_s=2.0, silent="start"):
     n, steps = 4, 2
     case = dict(seed=77, tokens=[40, 0, 33, 25], hidden=256, experts=4 * n, topk=4,
                 routing="random", dtype="bfloat16", bias=False, alignment=1, worst=0)
-    preload(device, n)
-    comms = group(n, device, timeout_s=timeout_s, elastic=True)
+    preload(device, n, network=network)
+    comms = group(n, device, timeout_s=timeout_s, elastic=True, network=network)
     results = run(_elastic_rank, comms, case, steps, silent)
     full = moe_comm.reference_dispatch(*zip(*[make_inputs(case, r)[:2] for r in range(n)]),
                                        case["experts"])

@@ -36,6 +36,10 @@ def _bad_calls(rank, n):
     nte_bad = torch.zeros(E + 1, dtype=torch.int32)
     fp8 = torch.randn(10, 200).to(torch.float8_e4m3fn)
     calls = [
+        ("transport", ValueError, "transport must be one of",
+         lambda: moe_comm.Buffer(None, 8 << 20, transport="nvlink")),
+        ("ibgda on cpu", ValueError, "transport='ibgda' needs CUDA tensors",
+         lambda: moe_comm.Buffer(None, 8 << 20, transport="ibgda")),
         ("expert id", ValueError, "topk_idx holds expert id 8",
          lambda: buf.dispatch(x, topk_idx=torch.full((10, K), E), **kw)),
         ("expert id -2", ValueError, "topk_idx holds expert id -2",
@@ -124,6 +128,6 @@ def test_bad_input_is_named_and_buffer_survives():
     n = 2
     results = run_ranks(_bad_calls, n, timeout=120)
     for r in range(n):
-        assert len(results[r][0]) == 21, results[r][0]
+        assert len(results[r][0]) == 23, results[r][0]
     _check_roundtrip(results, 1, 5, n)
     _check_roundtrip(results, 2, 7, n)

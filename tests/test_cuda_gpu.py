@@ -64,14 +64,18 @@ def test_elastic_low_latency_masks_a_silent_rank():
 
 
 # ---- real processes through CUDA IPC -----------------------------------------------------------
-def _ipc_child(rank, n, port, queue, normal_cases, ll_cases):
+def _ipc_child(rank, n, port, queue, normal_cases, ll_cases, transport="auto"):
     try:
         import torch.distributed as dist
         from moe_comm.cuda.comm import CudaComm
+        from moe_comm.ibgda.runtime import rdma_devices
+        if transport == "ibgda" and not rdma_devices():    # NVSHMEM by P2P only, no NIC
+            os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
         torch.cuda.set_device(0)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=n)
-        comm = CudaComm.from_group(dist.group.WORLD, C.HEAP, C.ll_bytes(ll_cases, n), 120.0)
+        comm = CudaComm.from_group(dist.group.WORLD, C.HEAP, C.ll_bytes(ll_cases, n), 120.0,
+                                   transport=transport)
         res = (C.normal_rank(comm, normal_cases, dist.barrier),
                C.ll_rank(comm, ll_cases, dist.barrier))
         comm.destroy()                      # collective: unmap, barrier, free
@@ -84,6 +88,23 @@ def _ipc_child(rank, n, port, queue, normal_cases, ll_cases):
 
 
 def test_two_processes_through_cuda_ipc():
+    _two_processes("auto")
+
+
+def test_two_processes_through_nvshmem():
+    """The IBGDA build (nvcc + libnvshmem_device, library_init) and the symmetric heap of
+    CudaComm.from_group(transport="ibgda"). On one GPU without a NIC NVSHMEM maps the peer
+    (P2P), so this checks the build, the host side and the kernels' pointer path under
+    NVSHMEM; the network puts run on the emulator (tests/test_cuda_emulator.py) and on a
+    machine with a NIC."""
+    from test_ibgda_gpu import _missing_gpu_stack
+    why = _missing_gpu_stack()
+    if why:
+        pytest.skip(why)
+    _two_processes("ibgda")
+
+
+def _two_processes(transport):
     from moe_comm.launch import free_port
     n = 2
     normal_cases = [c for c in C.normal_cases(n) if c["routing"] == "random"][:2]
@@ -91,8 +112,8 @@ def test_two_processes_through_cuda_ipc():
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_ipc_child, args=(r, n, port, queue, normal_cases, ll_cases))
-             for r in range(n)]
+    procs = [ctx.Process(target=_ipc_child, args=(r, n, port, queue, normal_cases, ll_cases,
+                                                  transport)) for r in range(n)]
     for p in procs:
         p.start()
     for p in procs:
@@ -100,7 +121,7 @@ def test_two_processes_through_cuda_ipc():
     alive = [p for p in procs if p.is_alive()]
     for p in alive:
         p.kill()
-    assert not alive, "IPC ranks did not finish within 300 s"
+    assert not alive, f"{transport} ranks did not finish within 300 s"
     results = {}
     while not queue.empty():
         rank, ok, val = queue.get()

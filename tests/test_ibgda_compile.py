@@ -3,8 +3,9 @@
 Builds with the library's own path (moe_comm/ibgda/build.py: nvcc -rdc=true, then nvcc -dlink
 -cubin against libnvshmem_device.a), warnings promoted to errors, into a fresh cache: the
 selftest kernels and the mode kernels of csrc/kernels with their NVSHMEM remote branch
-(MOE_WITH_NVSHMEM: normal mode, LL dispatch send, LL combine), for sm_90, and the selftest for
-sm_100 too. Each program is built once per
+(MOE_WITH_NVSHMEM: normal mode, LL dispatch send and receive, LL combine), for sm_90, and the
+selftest for sm_100 too. (Their logic runs against the reference on the emulated NVSHMEM in
+tests/test_cuda_emulator.py.) Each program is built once per
 session (module fixture, two at a time). Skips only when the nvidia-nvshmem-cu13 wheel is not
 installed. Never touches a driver and never calls nvshmem.core.init (it exits the process
 without a GPU): the init guard is checked in a child process.
@@ -24,6 +25,7 @@ from moe_comm.ibgda import bases, build, elf, locate
 SM90_PROGRAMS = (build.selftest_program(),
                  build.kernel_program(variants.intranode(8)),
                  build.kernel_program(variants.ll_dispatch_send(7168, True, True)),
+                 build.kernel_program(variants.ll_dispatch_recv(7168, True, True)),
                  build.kernel_program(variants.ll_combine(0)))
 SM100_PROGRAMS = (build.selftest_program(),)
 JOBS = [(p, "sm_90") for p in SM90_PROGRAMS] + [(p, "sm_100") for p in SM100_PROGRAMS]
@@ -157,19 +159,52 @@ def test_default_build_does_not_see_nvshmem():
 
 # ---- host side that runs without a GPU --------------------------------------------------------
 def test_bases_encoding():
-    own = 0x7F00_0000_0000
-    words = bases.encode_bases(1, own, [0x7E00_0000_0000, 0xDEAD, 0, 0])
-    assert words == [0x7E00_0000_0000, own, own | 1, own | 1]
+    own, mirror = 0x7F00_0000_0000, 0x7A00_0000_0000
+    words = bases.encode_bases(1, own, [0x7E00_0000_0000, 0, 0, 0],
+                               {2: mirror, 3: mirror + 4096})
+    assert words == [0x7E00_0000_0000, own, mirror | 1, (mirror + 4096) | 1]
     assert [bases.decode_base(w) for w in words] == [
-        ("pointer", 0x7E00_0000_0000), ("pointer", own), ("remote", own), ("remote", own)]
+        ("pointer", 0x7E00_0000_0000), ("pointer", own), ("network", mirror),
+        ("network", mirror + 4096)]
     assert bases.decode_base(0) == ("none", 0)
     assert bases.network_ranks(words) == [2, 3]
-    with pytest.raises(ValueError):
-        bases.encode_bases(0, own | 1, [0, 0])
-    with pytest.raises(ValueError):
-        bases.encode_bases(2, own, [0, 0])
-    with pytest.raises(ValueError):
-        bases.encode_bases(0, own, [0, 0x1001])
+    with pytest.raises(ValueError, match="own_ptr"):
+        bases.encode_bases(0, own | 1, [0, 0], {1: mirror})
+    with pytest.raises(ValueError, match="outside"):
+        bases.encode_bases(2, own, [0, 0], {})
+    with pytest.raises(ValueError, match="peer pointer of rank 1"):
+        bases.encode_bases(0, own, [0, 0x1001], {})
+    with pytest.raises(ValueError, match="rank 1 .* no mirror"):
+        bases.encode_bases(0, own, [0, 0], {})
+
+
+def test_cuda_group_transport_choice(monkeypatch):
+    """moe_comm/cuda/ibgda.py: IPC on one host, IBGDA across hosts where every rank can,
+    the host proxy otherwise; an explicit 'ibgda' that some rank cannot do raises."""
+    from moe_comm.cuda import ibgda
+    ok = {"software": "", "nic": True}
+    no_nic = {"software": "", "nic": False}
+    no_lib = {"software": "nvshmem4py is not installed", "nic": True}
+    assert ibgda.choose("auto", False, [ok, ok])[0] == "ipc"
+    assert ibgda.choose("tcp", False, [ok, ok])[0] == "ipc"
+    assert ibgda.choose("auto", True, [ok, ok])[0] == "ibgda"
+    path, why = ibgda.choose("auto", True, [ok, no_nic])
+    assert path == "proxy" and "rank 1" in why and "RDMA" in why
+    assert ibgda.choose("auto", True, [no_lib, ok]) == (
+        "proxy", "no IBGDA on rank 0: nvshmem4py is not installed")
+    assert ibgda.choose("verbs", True, [ok, ok])[0] == "proxy"
+    assert ibgda.choose("ibgda", False, [no_nic, no_nic])[0] == "ibgda"
+    with pytest.raises(RuntimeError, match="rank 1 cannot use it: nvshmem4py"):
+        ibgda.choose("ibgda", True, [ok, no_lib])
+    monkeypatch.setenv("MOE_COMM_TRANSPORT", "ibgda")
+    assert ibgda.requested("auto") == "ibgda" and ibgda.requested("tcp") == "tcp"
+    monkeypatch.setenv("MOE_COMM_TRANSPORT", "carrier-pigeon")
+    with pytest.raises(ValueError, match="MOE_COMM_TRANSPORT"):
+        ibgda.requested()
+    with pytest.raises(ValueError, match="transport must be one of"):
+        ibgda.requested("nvlink")
+    probe = ibgda.probe()                  # this machine: no GPU, so never IBGDA
+    assert probe["software"] == "no CUDA GPU"
 
 
 def _init_without_gpu(rank, n):

@@ -56,6 +56,7 @@ int sync_block_count(int predicate);
 // All lanes of `mask` deposit `value`; every lane gets the 32 deposited values in `out`.
 void warp_exchange(unsigned mask, uint64_t value, uint64_t* out);
 void spin_point();  // a thread is polling memory: let the other fibers of its block run
+void fail(const char* msg);  // the launch returns this error (first one of a block wins)
 uint64_t now_ns();
 }  // namespace emu
 

@@ -206,6 +206,10 @@ void spin_point() {
     if (tl_block) yield(Yield::Spin);
 }
 
+void fail(const char* msg) {
+    if (tl_block && tl_block->error.empty()) tl_block->error = msg;
+}
+
 uint64_t now_ns() {
     timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);

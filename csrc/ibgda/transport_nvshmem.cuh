@@ -8,21 +8,15 @@
 // it (NVSHMEM's signal entry points mangle differently under NVRTC, and the headers compile
 // IBGDA out there): see shared/TOOLING.md.
 //
-// How a kernel reaches rank r (the `bases[r]` word the host hands the kernels):
-//
-//   bases[r] == 0             no transport: the write is dropped, kErrNoTransport reported
-//   bases[r] & kRemoteTag     network peer: rank r is NVSHMEM PE r; its buffer is the same
-//                             symmetric allocation as ours, so the destination of `offset` is
-//                             the *symmetric* address (bases[r] & ~kRemoteTag) + offset, put
-//                             with nvshmem to PE r (RDMA write posted by this warp)
-//   otherwise                 a pointer this GPU can store to (our own buffer, a CUDA IPC
-//                             mapping, or nvshmem_ptr() of an NVLink/P2P peer): plain stores
-//
-// Buffers live in the NVSHMEM symmetric heap (nvshmem_malloc through nvshmem4py), so the
-// symmetric address is our own buffer's address and is the same word for every network peer.
-// PE numbers are the group's ranks: moe_comm.ibgda.init_nvshmem initialises NVSHMEM over
-// exactly the EP group, PE i = group rank i. The host builds the words with
-// moe_comm.ibgda.bases.encode_bases.
+// How a kernel reaches a network rank r (transport.cuh has the whole `bases[]` encoding):
+// bases[r] = mirror | 1, where `mirror` is this rank's copy of r's buffer layout, and
+// bases[-1] = `sym`, this rank's own buffer. Both lie in the NVSHMEM symmetric heap
+// (nvshmem_malloc through nvshmem4py; moe_comm/ibgda/runtime.py comm_buffers): the mirror so
+// the NIC may read from it, the own buffer because NVSHMEM names a destination by the
+// *symmetric* address, so `sym + offset` on PE r is `offset` of r's buffer. Kernels build or
+// copy a message in the mirror at the offset it must land at and put it from there. PE numbers
+// are the group's ranks: moe_comm.ibgda.init_nvshmem initialises NVSHMEM over exactly the EP
+// group, PE i = group rank i.
 //
 // Memory ordering (the contract of sync.cuh, carried over the network):
 //  * put: nvshmemx_putmem_nbi_warp, the 32 lanes of one warp cooperate (one WQE chain, no
@@ -37,102 +31,74 @@
 //    those puts: once it returns they are delivered at the target and their sources are free
 //    (quiet is completion, fence only ordering; quiet also makes the kernel's end a safe point
 //    for the caller to overwrite the inputs). The signal then lands after the payload.
-//  * wait: only ever on *local* words that the peer pushed. The word is polled with
-//    ld.acquire.sys under a %globaltimer deadline (NVSHMEM's wait_until has none); when the
-//    awaited epoch shows, nvshmem_ulonglong_test on the observed value runs NVSHMEM's
-//    target-side consistency step (NIC writes reach GPU memory over PCIe, possibly relaxed
-//    ordered: NVSHMEM issues a flush before the payload may be read). A silent rank is
-//    reported through the kernels' ErrorSink and the wait returns -1; nothing traps or hangs.
+//  * wait: only ever on *local* words that the peer pushed (Transport::poll_local/wait_local
+//    in transport.cuh). The word is polled with ld.acquire.sys under a %globaltimer deadline
+//    (NVSHMEM's wait_until has none); when the awaited epoch shows, `consistent` below runs
+//    NVSHMEM's target-side consistency step (NIC writes reach GPU memory over PCIe, possibly
+//    relaxed ordered: NVSHMEM flushes before the payload may be read). A silent rank is
+//    reported through the kernels' ErrorSink; nothing traps or hangs.
 //  * remote read (read_signal of a network peer): RDMA has no cheap remote load. It is served
-//    by nvshmem_ulonglong_g (one blocking RDMA read per poll, with a back-off between polls) so
-//    the kernels stay correct, but every wait should be on local memory: see README.md
-//    "What the kernels must change".
+//    by nvshmem_ulonglong_g (one blocking RDMA read per poll, with a back-off between polls);
+//    no mode kernel reads a peer's memory (flow control is pushed, csrc/ibgda/README.md).
+//  * mirror reuse: a put's source (a mirror row) is rewritten only by a later call, after this
+//    rank signalled that destination at least once more, and every signal starts with a quiet
+//    that completes all earlier puts.
 #pragma once
+#ifdef MOE_EMU
+#include "nvshmem_emu.h"  // csrc/emu: the device API on the CPU kernel emulator
+#else
 #include <nvshmem.h>
 #include <nvshmemx.h>
+#endif
 
 #include "../kernels/sync.cuh"
 
 namespace moe_ibgda {
 
-// Low bit of a bases[] word: "network peer, the rest is our symmetric address". Buffers are
-// at least 8-byte aligned (nvshmem_malloc aligns far more), so the bit is free.
-constexpr u64 kRemoteTag = 1;
 // Pause between two remote polls (read_signal of a network peer): one RDMA read per poll.
 constexpr unsigned kRemotePollNs = 2000;
 
-MOE_DEVICE bool is_remote(u64 base_word) { return (base_word & kRemoteTag) != 0; }
-MOE_DEVICE bool is_pointer(u64 base_word) { return base_word != 0 && !is_remote(base_word); }
+MOE_DEVICE void* symmetric(u64 sym, u64 offset) { return (void*)(sym + offset); }
 
-MOE_DEVICE void* symmetric(u64 base_word, u64 offset) {
-    return (void*)((base_word & ~kRemoteTag) + offset);
-}
-
-// Warp-cooperative put of `bytes` from local registered memory to `offset` of PE `pe`'s
-// buffer. All 32 lanes call with the same arguments.
-MOE_DEVICE void put_warp(u64 base_word, int pe, u64 offset, const void* src, u64 bytes) {
+// Warp-cooperative put of `bytes` from local registered memory (the mirror) to `offset` of PE
+// `pe`'s buffer. All 32 lanes call with the same arguments.
+MOE_DEVICE void put_warp(u64 sym, int pe, u64 offset, const void* src, u64 bytes) {
     if (bytes == 0) return;
-    nvshmemx_putmem_nbi_warp(symmetric(base_word, offset), src, (size_t)bytes, pe);
+    nvshmemx_putmem_nbi_warp(symmetric(sym, offset), src, (size_t)bytes, pe);
 }
 
 // Release-ordered signal from one thread: everything this PE posted before (payload puts of
 // any warp that met this thread at a barrier first) is delivered before the word lands.
-MOE_DEVICE void signal(u64 base_word, int pe, u64 offset, u64 word) {
+MOE_DEVICE void signal(u64 sym, int pe, u64 offset, u64 word) {
     nvshmem_quiet();
-    nvshmemx_signal_op((uint64_t*)symmetric(base_word, offset), (uint64_t)word,
-                       NVSHMEM_SIGNAL_SET, pe);
+    nvshmemx_signal_op((uint64_t*)symmetric(sym, offset), (uint64_t)word, NVSHMEM_SIGNAL_SET,
+                       pe);
 }
 
 // Payload and signal in one call, warp-cooperative: NVSHMEM delivers the signal after the
 // data. For a single message whose arrival is announced on its own (one row, one count).
-MOE_DEVICE void put_signal_warp(u64 base_word, int pe, u64 offset, const void* src, u64 bytes,
+MOE_DEVICE void put_signal_warp(u64 sym, int pe, u64 offset, const void* src, u64 bytes,
                                 u64 signal_offset, u64 word) {
-    nvshmemx_putmem_signal_nbi_warp(symmetric(base_word, offset), src, (size_t)bytes,
-                                    (uint64_t*)symmetric(base_word, signal_offset),
-                                    (uint64_t)word, NVSHMEM_SIGNAL_SET, pe);
+    nvshmemx_putmem_signal_nbi_warp(symmetric(sym, offset), src, (size_t)bytes,
+                                    (uint64_t*)symmetric(sym, signal_offset), (uint64_t)word,
+                                    NVSHMEM_SIGNAL_SET, pe);
 }
 
 // Acquire read of a word in a network peer's buffer (a blocking RDMA read). Fallback only.
-MOE_DEVICE u64 read_remote(u64 base_word, int pe, u64 offset) {
-    return nvshmem_ulonglong_g((const unsigned long long*)symmetric(base_word, offset), pe);
+MOE_DEVICE u64 read_remote(u64 sym, int pe, u64 offset) {
+    return nvshmem_ulonglong_g((const unsigned long long*)symmetric(sym, offset), pe);
 }
 
 // Completion of every put/signal this PE posted so far (sources reusable, data delivered).
 MOE_DEVICE void quiet() { nvshmem_quiet(); }
 
-// Deadline-bounded wait for the tagged word at local address `p` (written by a peer's signal)
-// to carry `epoch`. Returns its value, or -1 after `timeout_ns` with `rank` reported silent.
-// Same contract as sync.cuh's wait_tag, plus NVSHMEM's consistency step on success.
-MOE_DEVICE i64 wait_local_tag(const u64* p, u32 epoch, u64 timeout_ns, const ErrorSink& err,
-                              int rank) {
-    const u64 deadline = globaltimer_ns() + timeout_ns;
-    for (;;) {
-        const u64 w = ld_acquire_sys(p);
-        // test() re-reads the word; it only differs if a newer epoch landed in between, which
-        // an exact-epoch wait must not accept either: poll on.
-        if (tag_epoch(w) == epoch &&
-            nvshmem_ulonglong_test((unsigned long long*)p, NVSHMEM_CMP_EQ, w))
-            return (i64)tag_value(w);
-        if (globaltimer_ns() > deadline) {
-            err.report(kErrTimeout, epoch, rank, 0);
-            return -1;
-        }
-    }
-}
-
-// Deadline-bounded wait for the tagged word at `offset` of network peer `pe` (fallback for
-// pull-style flow control; see read_remote). Returns whether it showed `epoch` in time.
-MOE_DEVICE bool wait_remote_tag(u64 base_word, int pe, u64 offset, u32 epoch, u64 timeout_ns,
-                                const ErrorSink& err) {
-    const u64 deadline = globaltimer_ns() + timeout_ns;
-    for (;;) {
-        if (tag_epoch(read_remote(base_word, pe, offset)) == epoch) return true;
-        if (globaltimer_ns() > deadline) {
-            err.report(kErrTimeout, epoch, pe, 1);
-            return false;
-        }
-        __nanosleep(kRemotePollNs);
-    }
+// NVSHMEM's target-side consistency step for a local word seen holding `seen` (a peer's
+// signal): true once the payload it announces may be read. test() re-reads the word; it only
+// differs if a newer epoch landed in between, which an exact-epoch wait must not accept
+// either, so the caller polls on.
+MOE_DEVICE bool consistent(const u64* p, u64 seen) {
+    return nvshmem_ulonglong_test((unsigned long long*)p, NVSHMEM_CMP_EQ,
+                                  (unsigned long long)seen) != 0;
 }
 
 }  // namespace moe_ibgda

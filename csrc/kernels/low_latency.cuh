@@ -104,9 +104,9 @@ template <bool kFp8, bool kRoundScale>
 MOE_DEVICE void ll_write_message(const Transport& t, int dst, u64 offset, const u16* x_row,
                                  i64 hidden) {
     if (kFp8) {
-        // Built in place in the destination's memory (a remote transport would hand back a
-        // local staging row here and send it at commit).
-        u8* row = t.row_for_write(dst, offset, nullptr);
+        // Built in place: in the destination's memory, or in its mirror for a network rank
+        // (sent at commit).
+        u8* row = t.row_for_write(dst, offset);
         if (!row) return;
         float* scales = (float*)(row + hidden);
 #pragma unroll 4
@@ -185,7 +185,7 @@ __device__ void ll_dispatch_send_body(const LLGroup g, const ErrorSink err, cons
                 ll_write_message<kFp8, kRoundScale>(t, dst, lb.payload + (block + row) * lb.stride,
                                                     x + tok * hidden, hidden);
                 const u64 meta_off = lb.meta + (block + row) * 8;
-                i64* meta = (i64*)t.row_for_write(dst, meta_off, nullptr);
+                i64* meta = (i64*)t.row_for_write(dst, meta_off);
                 if (lane_id() == 0) {
                     if (meta) *meta = (tok << 8) | slot;
                     send_index[pair] = (i32)(lower + row);

@@ -156,8 +156,9 @@ __device__ void dispatch_send_body(const Group g, const ErrorSink err, const u8*
             if (topk > 0) {
                 // Top-k ids as seen by d: local ids, -1 where the expert lives elsewhere; the
                 // weights are zeroed there so summing them back in combine restores the input.
-                i64* ids = (i64*)t.row_for_write(d, base + s.idx + row * topk * 8, nullptr);
-                float* ws = (float*)t.row_for_write(d, base + s.w + row * topk * 4, nullptr);
+                i64* ids = (i64*)t.row_for_write(d, base + s.idx + row * topk * 8);
+                float* ws = (float*)t.row_for_write(d, base + s.w + row * topk * 4);
+                if (!ids || !ws) continue;  // unreachable rank (reported): nowhere to build
                 for (i64 k = lane; k < topk; k += kWarpSize) {
                     const i64 e = topk_idx[tok * topk + k];
                     const i64 local = e - d * num_local;

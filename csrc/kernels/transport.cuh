@@ -4,7 +4,7 @@
 // through a raw pointer, so a transport for ranks that are not reachable by pointer can be
 // slotted in without touching the mode kernels:
 //
-//   row = t.row_for_write(rank, offset, staging)   // where to build a message for `rank`
+//   row = t.row_for_write(rank, offset)            // where to build a message for `rank`
 //   ... write the message into `row` ...
 //   t.commit_row_warp(rank, offset, row, bytes)    // make it travel (no-op for peer stores)
 //   t.put_warp(rank, offset, src, bytes)           // copy existing bytes (= the three above)
@@ -12,17 +12,23 @@
 //   t.read_signal(rank, offset)                    // acquire load of a word in rank's memory
 //
 // `bases[r]` (moe_comm/cuda/comm.py) says how rank r is reached:
-//   * a pointer: a peer of this node mapped into this process (CUDA IPC; /dev/shm on the
-//     kernel emulator): the row *is* the peer's memory, commit does nothing, a signal is one
-//     st.release.sys;
-//   * a pointer with its low bit set, default build: a rank on another host, served by the
-//     host proxy. The pointer (bit cleared) is this process's mirror of that rank's buffer: the
-//     row is built there and commit pushes a put command into the proxy ring, whose address
-//     is bases[-1] (proxy_ring.cuh; moe_comm/cuda/proxy.py runs the proxy thread);
+//   * a pointer: a peer mapped into this process (CUDA IPC or nvshmem_ptr on a GPU, /dev/shm
+//     on the kernel emulator): the row *is* the peer's memory, commit does nothing, a signal
+//     is one st.release.sys;
+//   * a pointer with its low bit set: a network rank (another host). The pointer (bit
+//     cleared) is this process's *mirror* of that rank's buffer, same layout: a message is
+//     built (or copied) there at the offset it must land at, then the remote transport moves
+//     those bytes to the same offset of the rank's buffer. Which transport is a build choice:
+//       - default build: the host proxy. Commit pushes a put command into the GPU->CPU ring at
+//         bases[-1] (proxy_ring.cuh; moe_comm/cuda/proxy.py runs the proxy thread);
+//       - -DMOE_WITH_NVSHMEM (nvcc -rdc + libnvshmem_device, moe_comm/ibgda/build.py): IBGDA,
+//         the GPU posts the RDMA write itself from the mirror, which lies in the NVSHMEM
+//         symmetric heap (so the NIC can read it); bases[-1] is this rank's own symmetric
+//         buffer, whose address names the destination on every PE
+//         (csrc/ibgda/transport_nvshmem.cuh, csrc/ibgda/README.md);
 //   * 0: unreachable: kErrNoTransport is recorded and the write dropped.
-// Built with -DMOE_WITH_NVSHMEM (nvcc -rdc + libnvshmem_device, moe_comm/ibgda/build.py), a
-// word with its low bit set names an NVSHMEM network peer instead (IBGDA: the GPU posts the
-// RDMA writes itself; csrc/ibgda/transport_nvshmem.cuh, csrc/ibgda/README.md).
+// The mirror also makes every source NIC-registered (IBGDA) or host-readable (proxy): bytes a
+// kernel puts from the caller's tensors are copied into the mirror first.
 #pragma once
 #include "sync.cuh"
 #ifdef MOE_WITH_NVSHMEM
@@ -32,51 +38,32 @@
 #endif
 
 struct Transport {
-    const u64* bases;  // [num_ranks] how each rank is reached (above); bases[-1]: proxy ring
+    const u64* bases;  // [num_ranks] how each rank is reached (above); bases[-1]: see above
     ErrorSink err;
 
-#ifdef MOE_WITH_NVSHMEM
-    MOE_DEVICE bool by_pointer(int rank) const { return moe_ibgda::is_pointer(bases[rank]); }
-#else
     MOE_DEVICE bool by_pointer(int rank) const {
         const u64 b = bases[rank];
         return b != 0 && (b & 1) == 0;
     }
-    MOE_DEVICE bool by_proxy(int rank) const { return (bases[rank] & 1) != 0 && bases[-1]; }
+    MOE_DEVICE bool by_network(int rank) const { return (bases[rank] & 1) != 0 && bases[-1]; }
+    MOE_DEVICE u8* peer(int rank, u64 offset) const { return (u8*)bases[rank] + offset; }
     MOE_DEVICE u8* mirror(int rank, u64 offset) const {
         return (u8*)(bases[rank] & ~1ull) + offset;
     }
-#endif
-    MOE_DEVICE u8* peer(int rank, u64 offset) const { return (u8*)bases[rank] + offset; }
 
-    // Where to write a message of `rank` that must land at `offset` of its buffer. `staging`
-    // (a local slot the caller owns, may be null) is what a remote transport would return.
-#ifdef MOE_WITH_NVSHMEM
-    // A network rank needs a staging row in NIC-registered memory (the symmetric heap); a
-    // caller that has none (staging == nullptr) gets nullptr and the error word says so
-    // (detail 2), instead of a message silently missing at the receiver.
-    MOE_DEVICE u8* row_for_write(int rank, u64 offset, u8* staging) const {
+    // Where to write a message of `rank` that must land at `offset` of its buffer: the peer's
+    // memory, or the mirror for a network rank; null (reported) for an unreachable rank.
+    MOE_DEVICE u8* row_for_write(int rank, u64 offset) const {
         if (by_pointer(rank)) return peer(rank, offset);
-        if (!staging) err.report(kErrNoTransport, 0, rank, 2);
-        return staging;
+        if (by_network(rank)) return mirror(rank, offset);
+        err.report(kErrNoTransport, 0, rank, 2);
+        return nullptr;
     }
 
     MOE_DEVICE void commit_row_warp(int rank, u64 offset, const u8* row, u64 bytes) const {
-        if (by_pointer(rank) || !row) return;  // stores went to the peer / nothing was staged
+        if (by_pointer(rank) || !row) return;  // stores went to the peer / nothing was built
         remote_put_warp(rank, offset, row, bytes);
     }
-#else
-    // A proxied rank's message is built in its mirror, at the offset it must land at.
-    MOE_DEVICE u8* row_for_write(int rank, u64 offset, u8* staging) const {
-        if (by_pointer(rank)) return peer(rank, offset);
-        return by_proxy(rank) ? mirror(rank, offset) : staging;
-    }
-
-    MOE_DEVICE void commit_row_warp(int rank, u64 offset, const u8* row, u64 bytes) const {
-        if (by_pointer(rank)) return;  // the stores went straight to the peer
-        remote_put_warp(rank, offset, row, bytes);
-    }
-#endif
 
     MOE_DEVICE void put_warp(int rank, u64 offset, const void* src, u64 bytes) const {
         if (by_pointer(rank))
@@ -95,42 +82,44 @@ struct Transport {
     MOE_DEVICE u64 read_signal(int rank, u64 offset) const {
         if (by_pointer(rank)) return ld_acquire_sys((const u64*)peer(rank, offset));
 #ifdef MOE_WITH_NVSHMEM
-        if (moe_ibgda::is_remote(bases[rank]))  // one RDMA read: prefer pushed local words
-            return moe_ibgda::read_remote(bases[rank], rank, offset);
+        if (by_network(rank))  // one RDMA read: every wait of the kernels is on local words
+            return moe_ibgda::read_remote(bases[-1], rank, offset);
 #endif
         err.report(kErrNoTransport, 0, rank, 1);  // no remote read path: "nothing yet"
         return 0;
     }
 
+    // One look at a tagged word in this rank's own memory that a peer signals: its value if it
+    // carries `epoch`, else -1. NVSHMEM build: NVSHMEM's consistency step runs before the
+    // value is trusted (RDMA writes of the payload may reach memory relaxed-ordered).
+    MOE_DEVICE i64 poll_local(const u64* p, u32 epoch) const {
+        const u64 w = ld_acquire_sys(p);
+        if (tag_epoch(w) != epoch) return -1;
+#ifdef MOE_WITH_NVSHMEM
+        if (!moe_ibgda::consistent(p, w)) return -1;
+#endif
+        return (i64)tag_value(w);
+    }
+
     // Wait for a tagged word in this rank's own memory that `rank` signals (the push model:
     // every wait is on local memory). Returns the value, or -1 after the deadline (reported).
     MOE_DEVICE i64 wait_local(const u64* p, u32 epoch, u64 timeout_ns, int rank) const {
-#ifdef MOE_WITH_NVSHMEM
-        return moe_ibgda::wait_local_tag(p, epoch, timeout_ns, err, rank);
-#else
-        return wait_tag(p, epoch, timeout_ns, err, rank);
-#endif
+        const u64 deadline = globaltimer_ns() + timeout_ns;
+        for (;;) {
+            const i64 v = poll_local(p, epoch);
+            if (v >= 0) return v;
+            if (globaltimer_ns() > deadline) {
+                err.report(kErrTimeout, epoch, rank, 0);
+                return -1;
+            }
+        }
     }
 
-    // Remote hooks: the only place a network transport plugs in.
-#ifdef MOE_WITH_NVSHMEM
+    // Remote hooks: the only place a network transport plugs in. A whole warp: the bytes are
+    // staged in the mirror (unless they were built there), every lane's stores are made
+    // visible system-wide, then one put moves them (proxy command, or RDMA write).
     MOE_DEVICE void remote_put_warp(int rank, u64 offset, const u8* src, u64 bytes) const {
-        if (moe_ibgda::is_remote(bases[rank]))
-            moe_ibgda::put_warp(bases[rank], rank, offset, src, bytes);
-        else if (lane_id() == 0)
-            err.report(kErrNoTransport, 0, rank, 0);
-    }
-    MOE_DEVICE void remote_signal(int rank, u64 offset, u64 word) const {
-        if (moe_ibgda::is_remote(bases[rank]))
-            moe_ibgda::signal(bases[rank], rank, offset, word);
-        else
-            err.report(kErrNoTransport, 0, rank, 0);
-    }
-#else
-    // Whole warp: stage the bytes in the mirror (unless they were built there), then one
-    // put command once every lane's stores are visible system-wide (proxy_ring.cuh).
-    MOE_DEVICE void remote_put_warp(int rank, u64 offset, const u8* src, u64 bytes) const {
-        if (!by_proxy(rank)) {
+        if (!by_network(rank)) {
             if (lane_id() == 0) err.report(kErrNoTransport, 0, rank, 0);
             return;
         }
@@ -138,20 +127,28 @@ struct Transport {
         if (src != row) warp_copy(row, src, bytes);
         __threadfence_system();
         __syncwarp();
-        if (lane_id() == 0 && bytes > 0)
+        if (bytes == 0) return;
+#ifdef MOE_WITH_NVSHMEM
+        moe_ibgda::put_warp(bases[-1], rank, offset, row, bytes);
+#else
+        if (lane_id() == 0)
             ProxyRing{(u64*)bases[-1]}.push(err, kProxyOpPut, rank, offset, bytes);
         __syncwarp();
+#endif
     }
     // One thread, after the writes it announces (ordered by the caller, see sync.cuh).
     MOE_DEVICE void remote_signal(int rank, u64 offset, u64 word) const {
-        if (!by_proxy(rank)) {
+        if (!by_network(rank)) {
             err.report(kErrNoTransport, 0, rank, 0);
             return;
         }
         __threadfence_system();
+#ifdef MOE_WITH_NVSHMEM
+        moe_ibgda::signal(bases[-1], rank, offset, word);
+#else
         ProxyRing{(u64*)bases[-1]}.push(err, kProxyOpSignal, rank, offset, word);
-    }
 #endif
+    }
 };
 
 // Deadline-bounded wait for a tagged word in another rank's memory (flow control: "has that
@@ -199,8 +196,8 @@ MOE_DEVICE i64 wait_from(const Transport& t, const Active& live, const u64* p, u
     const u64 deadline = globaltimer_ns() + (u64)timeout_ns;
     for (;;) {
         if (!live.on(rank)) return -1;
-        const u64 w = ld_acquire_sys(p);
-        if (tag_epoch(w) == epoch) return (i64)tag_value(w);
+        const i64 v = t.poll_local(p, epoch);
+        if (v >= 0) return v;
         if (globaltimer_ns() > deadline) {
             live.drop(rank);
             return -1;

@@ -41,6 +41,8 @@ import torch
 
 from ..errors import CommTimeoutError, RankMaskedError
 from ..wire import LINE_WORDS, MAX_EPOCH, PAGE, HeaderLayout, round_up
+from . import ibgda
+from .ibgda import bases_tensor
 from .variants import MAX_RANKS
 
 log = logging.getLogger("moe_comm")
@@ -128,7 +130,7 @@ class CudaComm:
     def __init__(self, *, rank: int, num_ranks: int, device: torch.device, pointers: list,
                  heap_bytes: int, ll_bytes: int, timeout_s: float, own_allocation: bool,
                  opened: list, group=None, host_buffers=None, elastic: bool = False,
-                 proxy=None):
+                 proxy=None, nvshmem=None):
         if not 1 <= num_ranks <= MAX_RANKS:
             raise ValueError(f"the CUDA backend maps groups of 1..{MAX_RANKS} ranks, got "
                              f"{num_ranks}")
@@ -143,10 +145,12 @@ class CudaComm:
         self.timeout_ns = int(timeout_s * 1e9)
         self.pointers = list(pointers)
         # the kernels' bases[R] (csrc/kernels/transport.cuh): a view from word 1, word 0
-        # (bases[-1]) being the host proxy's command ring, or 0
-        self.proxy = proxy
-        words = [proxy.address if proxy is not None else 0] + self.pointers
-        self.bases = torch.tensor(words, dtype=torch.int64, device=device)[1:]
+        # (bases[-1]) being what network ranks need: the host proxy's command ring, or this
+        # rank's own symmetric buffer for IBGDA (moe_comm/cuda/ibgda.py), else 0
+        self.proxy, self.nvshmem = proxy, nvshmem
+        first = proxy.address if proxy is not None else \
+            self.pointers[rank] if nvshmem is not None else 0
+        self.bases = bases_tensor(first, self.pointers, device)
         self._registered = []
         # pinned: the kernels write it through its UVA address, the host reads it any time
         # (a CPU "device" only serves argument checks in CI: nothing runs there)
@@ -184,9 +188,10 @@ class CudaComm:
                    device=None, elastic: bool = False, transport: str = "auto") -> "CudaComm":
         """Collective over ``group`` (one process per rank): allocate this rank's buffer on
         ``device`` (default: torch's current device), exchange CUDA IPC handles, map every
-        peer. All ranks must pass the same sizes. A group spanning hosts takes the host proxy
-        (:meth:`_from_group_shared`; ``transport`` picks its engine, as for the host
-        backend)."""
+        peer. All ranks must pass the same sizes. A group spanning hosts takes IBGDA where
+        every rank can (:meth:`_from_group_nvshmem`), else the host proxy
+        (:meth:`_from_group_shared`); ``transport`` (``auto``/``tcp``/``verbs``/``ibgda``)
+        overrides the choice: moe_comm/cuda/ibgda.py."""
         import torch.distributed as dist
         device = torch.device("cuda", torch.cuda.current_device()) if device is None else \
             torch.device(device)
@@ -197,18 +202,27 @@ class CudaComm:
                              f"{num_ranks}")
         heap_bytes, ll_bytes = round_up(heap_bytes, PAGE), round_up(ll_bytes, PAGE)
         total = cls.buffer_bytes(num_ranks, heap_bytes, ll_bytes)
+        kind = ibgda.requested(transport)
+        engine = kind if kind in ("tcp", "verbs") else "auto"     # the proxy's, if it runs
         if device.type == "cpu":
+            if transport == "ibgda":
+                raise ValueError("transport='ibgda' needs CUDA devices (the emulator runs the "
+                                 "IBGDA kernels only in CudaComm.local_group(network=True))")
             return cls._from_group_shared(group, rank, num_ranks, heap_bytes, ll_bytes, total,
-                                          timeout_s, elastic, device, transport)
+                                          timeout_s, elastic, device, engine)
         from ..host.comm import host_identity
-        hosts = [None] * num_ranks
-        dist.all_gather_object(hosts, host_identity(), group=group)
-        if len(set(hosts)) > 1:        # no IBGDA in this build: the host proxy
-            _set_current(device)
-            return cls._from_group_shared(group, rank, num_ranks, heap_bytes, ll_bytes, total,
-                                          timeout_s, elastic, device, transport)
-        from cuda.bindings import driver as cu
+        infos = [None] * num_ranks
+        dist.all_gather_object(infos, (host_identity(), ibgda.probe()), group=group)
+        path, why = ibgda.choose(kind, len({h for h, _ in infos}) > 1, [p for _, p in infos])
+        ibgda.log_once(path, why)
         _set_current(device)
+        if path == ibgda.PROXY:
+            return cls._from_group_shared(group, rank, num_ranks, heap_bytes, ll_bytes, total,
+                                          timeout_s, elastic, device, engine)
+        if path == ibgda.IBGDA:
+            return cls._from_group_nvshmem(group, rank, num_ranks, heap_bytes, ll_bytes, total,
+                                           timeout_s, elastic, device)
+        from cuda.bindings import driver as cu
         ptr = _alloc_zeroed(total)
         handle = _cu(cu.cuIpcGetMemHandle(ptr), "cuIpcGetMemHandle")
         blob = ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES)
@@ -241,6 +255,26 @@ class CudaComm:
                    own_allocation=True, opened=opened, group=group, elastic=elastic)
         torch.cuda.synchronize(device)
         dist.barrier(group=group)      # every buffer zeroed and mapped before any signal
+        return comm
+
+    @classmethod
+    def _from_group_nvshmem(cls, group, rank, num_ranks, heap_bytes, ll_bytes, total,
+                            timeout_s, elastic, device) -> "CudaComm":
+        """from_group with the buffer and the network ranks' mirrors in the NVSHMEM symmetric
+        heap (moe_comm/cuda/ibgda.py): peers NVSHMEM maps are stores, the others are put to by
+        the GPU (IBGDA), and the kernels are the nvcc builds linked against NVSHMEM."""
+        import torch.distributed as dist
+        bufs = ibgda.NvshmemBuffers(group, device, total)
+        try:
+            comm = cls(rank=rank, num_ranks=num_ranks, device=device, pointers=bufs.pointers,
+                       heap_bytes=heap_bytes, ll_bytes=ll_bytes, timeout_s=timeout_s,
+                       own_allocation=False, opened=[], group=group, elastic=elastic,
+                       nvshmem=bufs)
+        except BaseException:
+            bufs.close(collective=True)
+            raise
+        torch.cuda.synchronize(device)
+        dist.barrier(group=group)      # every buffer zeroed before any signal
         return comm
 
     @classmethod
@@ -310,14 +344,26 @@ class CudaComm:
 
     @classmethod
     def local_group(cls, num_ranks: int, heap_bytes: int, ll_bytes: int, timeout_s: float,
-                    device=None, elastic: bool = False) -> list:
+                    device=None, elastic: bool = False, network: bool = False) -> list:
         """All ``num_ranks`` ranks in this process on one device; returns their comms. Drive
-        rank r from its own thread with its own current stream (see moe_comm/cuda/local.py)."""
+        rank r from its own thread with its own current stream (see moe_comm/cuda/local.py).
+        ``network`` (emulator only): every peer is a network rank of the IBGDA build, on the
+        emulated NVSHMEM (moe_comm/cuda/ibgda.py EmulatedNvshmemBuffers)."""
         device = torch.device("cuda", torch.cuda.current_device()) if device is None else \
             torch.device(device)
         heap_bytes, ll_bytes = round_up(heap_bytes, PAGE), round_up(ll_bytes, PAGE)
         total = cls.buffer_bytes(num_ranks, heap_bytes, ll_bytes)
         host_buffers = None
+        if network:
+            if device.type != "cpu":
+                raise ValueError("local_group(network=True) runs on the kernel emulator only "
+                                 "(NVSHMEM has one PE per process; on a GPU use from_group "
+                                 "with transport='ibgda')")
+            sym = ibgda.EmulatedNvshmemBuffers(num_ranks, total)
+            return [cls(rank=r, num_ranks=num_ranks, device=device, pointers=sym.pointers(r),
+                        heap_bytes=heap_bytes, ll_bytes=ll_bytes, timeout_s=timeout_s,
+                        own_allocation=False, opened=[], host_buffers=sym.tensors,
+                        elastic=elastic, nvshmem=sym) for r in range(num_ranks)]
         if device.type == "cpu":        # emulator: plain host memory (64-byte aligned)
             host_buffers = [torch.zeros(total, dtype=torch.uint8) for _ in range(num_ranks)]
             pointers = [b.data_ptr() for b in host_buffers]
@@ -333,6 +379,16 @@ class CudaComm:
             # on non-blocking streams that would not wait for it
             torch.cuda.synchronize(device)
         return comms
+
+    # -- kernels -----------------------------------------------------------------------------
+    def kernels(self, variant) -> dict:
+        """``{name: kernel}`` of ``variant`` as this group runs it: the NVRTC build (or the
+        emulator's), or the IBGDA build (nvcc + NVSHMEM) when network ranks go through
+        NVSHMEM."""
+        if self.nvshmem is not None:
+            return self.nvshmem.kernels(variant)
+        from .compiler import load_kernels
+        return load_kernels(variant, self.device)
 
     # -- per-operation state -----------------------------------------------------------------
     def next_epoch(self) -> int:
@@ -506,6 +562,8 @@ class CudaComm:
             self.proxy.close()
             self.proxy.transport.close()
         _unregister_host(self._registered)
+        if self.nvshmem is not None:       # the emulated symmetric heap: its last user frees
+            self.nvshmem.release()
         buffers, self._host_buffers = self._host_buffers, None
         for b in buffers:                     # segments of from_group; local tensors just go
             if b is not None and hasattr(b, "close"):
@@ -526,8 +584,13 @@ class CudaComm:
         if self._host_buffers is not None:
             self._destroy_host_buffers(barrier)
             return
-        from cuda.bindings import driver as cu
         torch.cuda.synchronize(self.device)
+        if self.nvshmem is not None:       # symmetric heap: freeing is collective
+            if barrier:
+                _barrier(self.group)
+            self.nvshmem.close(collective=barrier)
+            return
+        from cuda.bindings import driver as cu
         for p in self._opened:
             cu.cuIpcCloseMemHandle(p)
         self._opened = []

@@ -178,13 +178,13 @@ def load_kernels(variant: Variant, device) -> dict:
                 obj = cuda_core().ObjectCode.from_cubin(cubin)
             hit = {name: obj.get_kernel(name) for name in variant.kernels}
             for kernel in hit.values():
-                _force_load(kernel)
+                force_load(kernel)
             hit["__object__"] = obj             # keeps the library loaded
             _loaded[(variant, arch, device.index)] = hit
         return hit
 
 
-def _force_load(kernel) -> None:
+def force_load(kernel) -> None:
     """Resolve the kernel's function in the current context now (see load_kernels)."""
     from cuda.bindings import driver as cu
     try:

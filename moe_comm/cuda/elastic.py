@@ -18,7 +18,6 @@ from __future__ import annotations
 from ..wire import LINE_WORDS, MAX_EPOCH, round_up
 from . import variants
 from .comm import CudaComm
-from .compiler import load_kernels
 from .launcher import launch
 
 AGREE_BLOCK = 64          # csrc/kernels/sync.cuh kMaxErrorRanks: one thread per rank
@@ -34,7 +33,7 @@ def agree(comm: CudaComm, op: str, matrix=None) -> None:
     comm.agree_seq = comm.agree_seq % MAX_EPOCH + 1
     lay = comm.layout
     row_stride = round_up(lay.mask_words, LINE_WORDS) * 8
-    k = load_kernels(variants.intranode(comm.num_ranks), comm.device)
+    k = comm.kernels(variants.intranode(comm.num_ranks))
     # A healthy peer may reach the round a full deadline after this rank did (it timed out on
     # a rank whose signals reached this one): the wait covers that, and a grace more.
     wait_ns = comm.timeout_ns + min(comm.timeout_ns, AGREE_GRACE_NS)

@@ -9,7 +9,9 @@ in csrc/emu/cuda_emu.h.
 
 A variant (moe_comm/cuda/variants.py) becomes one shared library, built with the variant's
 ``-D`` macros plus ``-DMOE_EMU`` and cached like the cubins (key: sources of both folders,
-macros, compiler version).
+macros, compiler version). ``nvshmem=True`` builds the IBGDA variant (``-DMOE_WITH_NVSHMEM``)
+against csrc/emu/nvshmem_emu.h, NVSHMEM's device calls on the CPU; a group using it registers
+its buffers as a symmetric heap (:func:`register_symmetric`).
 """
 from __future__ import annotations
 
@@ -61,7 +63,8 @@ def _compiler_version(cxx: str) -> str:
 
 def _key(source: Path, defines: tuple, cxx: str) -> str:
     h = hashlib.sha256()
-    for folder in (kernel_dir(), emu_dir(), source.parent):
+    for folder in dict.fromkeys((kernel_dir(), kernel_dir().parent / "ibgda", emu_dir(),
+                                 source.parent)):
         for f in sorted(folder.iterdir()):
             if f.is_file() and f.suffix in (".cu", ".cuh", ".h", ".cpp"):
                 h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
@@ -70,9 +73,14 @@ def _key(source: Path, defines: tuple, cxx: str) -> str:
     return h.hexdigest()
 
 
-def build(variant: Variant) -> Path:
-    """Path of the shared library of ``variant`` (built on first use, then cached)."""
-    return build_source(kernel_dir() / variant.source, variant.defines)
+NVSHMEM_DEFINE = ("MOE_WITH_NVSHMEM", 1)
+
+
+def build(variant: Variant, nvshmem: bool = False) -> Path:
+    """Path of the shared library of ``variant`` (built on first use, then cached);
+    ``nvshmem``: its IBGDA build on the emulated NVSHMEM."""
+    defines = variant.defines + ((NVSHMEM_DEFINE,) if nvshmem else ())
+    return build_source(kernel_dir() / variant.source, defines)
 
 
 def build_source(source: Path, defines=()) -> Path:
@@ -87,7 +95,7 @@ def build_source(source: Path, defines=()) -> Path:
     emu = emu_dir()
     cmd = [cxx, *_FLAGS, *(f"-D{k}={v}" for k, v in defines), f"-I{emu}", "-include",
            str(emu / "cuda_emu.h"), "-x", "c++", str(source), "-x", "c++",
-           str(emu / "runtime.cpp"), "-o", str(tmp)]
+           str(emu / "runtime.cpp"), str(emu / "nvshmem_emu.cpp"), "-o", str(tmp)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         tmp.unlink(missing_ok=True)
@@ -108,16 +116,41 @@ class EmuKernel:
 
 _loaded: dict = {}
 _by_variant: dict = {}
+_libraries: dict = {}                # path -> library (each has its own NVSHMEM registry)
+_symmetric: dict = {}                # first base -> (bases, bytes) of each registered group
 _lock = threading.Lock()
 
 
-def load_kernels(variant: Variant) -> dict:
+def load_kernels(variant: Variant, nvshmem: bool = False) -> dict:
     """``{kernel name: EmuKernel}`` of ``variant`` (built or taken from the cache on first use,
     then kept: the mode modules ask for their kernels on every call)."""
-    hit = _by_variant.get(variant)
+    hit = _by_variant.get((variant, nvshmem))
     if hit is None:
-        hit = _by_variant[variant] = load_library(build(variant), variant.kernels)
+        hit = _by_variant[(variant, nvshmem)] = load_library(build(variant, nvshmem),
+                                                             variant.kernels)
     return hit
+
+
+def _register(lib, bases, nbytes) -> None:
+    words = (ctypes.c_uint64 * len(bases))(*bases)
+    lib.moe_emu_nvshmem_register(words, len(bases), ctypes.c_uint64(nbytes))
+
+
+def register_symmetric(bases, nbytes: int) -> None:
+    """Make the buffers at ``bases`` (PE order, ``nbytes`` each) one symmetric heap for the
+    emulated NVSHMEM of every library, loaded now or later."""
+    bases = [int(b) for b in bases]
+    with _lock:
+        _symmetric[bases[0]] = (bases, int(nbytes))
+        for lib in _libraries.values():
+            _register(lib, bases, nbytes)
+
+
+def unregister_symmetric(first_base: int) -> None:
+    with _lock:
+        if _symmetric.pop(int(first_base), None) is not None:
+            for lib in _libraries.values():
+                lib.moe_emu_nvshmem_unregister(ctypes.c_uint64(int(first_base)))
 
 
 def load_library(path: Path, kernels) -> dict:
@@ -131,6 +164,10 @@ def load_library(path: Path, kernels) -> dict:
                 ctypes.POINTER(ctypes.c_uint64), ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
             hit = {name: EmuKernel(lib, name) for name in kernels}
             _loaded[(path, tuple(kernels))] = hit
+            if path not in _libraries:
+                _libraries[path] = lib
+                for bases, nbytes in _symmetric.values():
+                    _register(lib, bases, nbytes)
         return hit
 
 

@@ -23,7 +23,6 @@ from ..host.ll import msg_stride
 from ..wire import LL_MAX_TOPK, LL_NUM_BUFFERS, LLLayout
 from . import variants
 from .comm import SIGNAL_STRIDE, CudaComm
-from .compiler import load_kernels
 from .elastic import agree
 from .launcher import launch
 
@@ -99,7 +98,7 @@ def dispatch_send(comm: CudaComm, *, x, topk_idx, lay: LLLayout, use_fp8: bool,
     buf = seq % LL_NUM_BUFFERS
     off = _offsets(comm, lay, buf)
     send_index = torch.empty(num_tokens, topk, dtype=torch.int32, device=comm.device)
-    k = load_kernels(variants.ll_dispatch_send(hidden, use_fp8, round_scale), comm.device)
+    k = comm.kernels(variants.ll_dispatch_send(hidden, use_fp8, round_scale))
     if seq > LL_NUM_BUFFERS:     # every rank has read its buffer `buf` of call seq - 2
         _wait(comm, k, "low_latency_dispatch/send", comm.layout.ll_dispatch_free(buf, 0) * 8,
               SIGNAL_STRIDE, 1, seq - LL_NUM_BUFFERS)
@@ -132,7 +131,7 @@ def dispatch_recv(comm: CudaComm, handle: LowLatencyHandle, lay: LLLayout, *, re
     handle.recv_ranges = torch.empty(num_local, R, 2, dtype=torch.int64, device=dev)
     handle.return_base = torch.empty(R, dtype=torch.int64, device=dev)
     off = _offsets(comm, lay, handle.buf)
-    k = load_kernels(variants.ll_dispatch_recv(handle.hidden, use_fp8, use_ue8m0), dev)
+    k = comm.kernels(variants.ll_dispatch_recv(handle.hidden, use_fp8, use_ue8m0))
     # every source's count row: num_local counts + the base word
     _wait(comm, k, "low_latency_dispatch/recv", off["counts"], lay.count_row_words * 8,
           num_local + 1, handle.seq)
@@ -161,7 +160,7 @@ def combine_send(comm: CudaComm, *, x, handle: CudaLowLatencyHandle, lay: LLLayo
     seq = comm.ll_seq["combine"]
     buf = seq % LL_NUM_BUFFERS
     hidden, num_local = x.shape[-1], lay.num_local
-    k = load_kernels(variants.ll_combine(hidden), comm.device)
+    k = comm.kernels(variants.ll_combine(hidden))
     if seq > LL_NUM_BUFFERS:     # every owner has summed its combine rows of call seq - 2
         _wait(comm, k, "low_latency_combine/send", comm.layout.ll_combine_free(buf, 0) * 8,
               SIGNAL_STRIDE, 1, seq - LL_NUM_BUFFERS)
@@ -184,7 +183,7 @@ def combine_recv(comm: CudaComm, seq: int, buf: int, lay: LLLayout, *, handle, t
     _contiguous(out=out)
     num_tokens, topk = topk_idx.shape
     hidden = out.shape[1]
-    k = load_kernels(variants.ll_combine(hidden), comm.device)
+    k = comm.kernels(variants.ll_combine(hidden))
     _wait(comm, k, "low_latency_combine/recv", comm.layout.ll_combine_done(buf, 0) * 8,
           SIGNAL_STRIDE, 1, seq)
     agree(comm, "low_latency_combine/recv")

@@ -62,10 +62,6 @@ class CudaDispatchHandle(DispatchHandle):
     recv_expert_counts: torch.Tensor = None
 
 
-def _kernels(num_ranks: int, device) -> dict:
-    return load_kernels(variants.intranode(num_ranks), device)
-
-
 def get_dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
     """CUDA twin of moe_comm.layout.dispatch_layout: ``topk_idx`` int64 [T, K] (-1 = unused)
     -> ``(num_tokens_per_rank int32 [R], num_tokens_per_expert int32 [E],
@@ -86,7 +82,8 @@ def _layout(topk_idx, num_experts, num_ranks, *, want_experts, want_pos):
     send_pos = torch.empty(num_tokens, num_ranks, dtype=torch.int32, device=device) if want_pos \
         else None
     grid = num_ranks + (-(-num_experts // EXPERTS_PER_LAYOUT_BLOCK) if want_experts else 0)
-    launch(_kernels(num_ranks, device)["moe_layout"], grid, BLOCK, topk_idx, num_tokens, topk,
+    layout_kernel = load_kernels(variants.intranode(num_ranks), device)["moe_layout"]
+    launch(layout_kernel, grid, BLOCK, topk_idx, num_tokens, topk,
            num_experts, per_rank, per_expert, in_rank, send_pos, device=device)
     return per_rank, per_expert, in_rank, send_pos
 
@@ -123,7 +120,7 @@ def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_w
     [N, K] or None, recv_topk_weights f32 [N, K] or None, handle)``."""
     comm.begin_call()
     me, R, dev = comm.rank, comm.num_ranks, comm.device
-    k = _kernels(R, dev)
+    k = comm.kernels(variants.intranode(R))
     num_tokens, row_bytes = x_bytes.shape
     x_bytes = x_bytes.contiguous()
     scale_cols = 0 if scales is None else scales.shape[1]
@@ -208,7 +205,7 @@ def combine(comm: CudaComm, *, x, handle: CudaDispatchHandle, topk_weights, bias
     Returns ``(combined_x [T, H] in x's dtype, combined_topk_weights f32 [T, K] or None)``."""
     comm.begin_call()
     R, dev = comm.num_ranks, comm.device
-    k = _kernels(R, dev)
+    k = comm.kernels(variants.intranode(R))
     if x.dtype not in REDUCE_KERNEL:
         raise TypeError(f"combine x must be bf16, fp16 or fp32, got {x.dtype}")
     x = x.contiguous()

@@ -3,7 +3,7 @@ device API (csrc/ibgda; design and limits in csrc/ibgda/README.md).
 
 Modules, one job each:
 
-- ``bases``     the ``bases[R]`` words that tell kernels how each rank is reached (pure)
+- ``bases``     the ``bases`` words that tell kernels how each rank is reached (pure)
 - ``locate``    the NVSHMEM wheel's headers/libs/version and nvcc (no GPU)
 - ``build``     nvcc -rdc + device link against libnvshmem_device.a -> cubin, disk cache (no GPU)
 - ``elf``       symbol table of a cubin (link check without cuobjdump)
@@ -13,15 +13,15 @@ Modules, one job each:
 
 Importing the package needs neither a GPU, nor NVSHMEM, nor cuda.core.
 """
-from .bases import REMOTE_TAG, decode_base, encode_bases, network_ranks
+from .bases import NETWORK_TAG, decode_base, encode_bases, network_ranks
 from .build import (IbgdaBuildError, Program, build_cubin, kernel_program,
                     selftest_program)
 from .locate import NvshmemNotFoundError, nvshmem_install
-from .runtime import (NvshmemContext, NvshmemUnavailableError, NvshmemVersionError,
+from .runtime import (CommBuffers, NvshmemContext, NvshmemUnavailableError, NvshmemVersionError,
                       cuda_device_count, exchange_unique_id, init_nvshmem, rdma_devices)
 
-__all__ = ["REMOTE_TAG", "decode_base", "encode_bases", "network_ranks", "IbgdaBuildError",
-           "Program", "build_cubin", "kernel_program", "selftest_program",
+__all__ = ["NETWORK_TAG", "decode_base", "encode_bases", "network_ranks", "IbgdaBuildError",
+           "Program", "build_cubin", "kernel_program", "selftest_program", "CommBuffers",
            "NvshmemNotFoundError", "nvshmem_install", "NvshmemContext",
            "NvshmemUnavailableError", "NvshmemVersionError", "cuda_device_count",
            "exchange_unique_id", "init_nvshmem", "rdma_devices"]

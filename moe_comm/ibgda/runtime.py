@@ -9,8 +9,8 @@ checks for a GPU first and raises :class:`NvshmemUnavailableError` instead.
 Typical use, one process per rank (PE i = rank i of ``group``)::
 
     ctx = init_nvshmem(group, torch.device("cuda", local_rank))    # collective
-    buf = ctx.alloc(nbytes)                                       # collective, symmetric, zeroed
-    bases = ctx.bases_tensor(buf)                                  # the kernels' bases[R]
+    bufs = ctx.comm_buffers(nbytes)          # collective: own buffer + network mirrors, zeroed
+    words = [bufs.sym] + bufs.words          # the kernels' bases[-1], bases[0..R)
     k = ctx.load(kernel_program(variants.ll_combine(7168)))        # build/cache + library_init
     ...launch k["moe_ll_combine_send"] with moe_comm.cuda.launcher.launch...
     ctx.finalize()                                                 # collective
@@ -155,6 +155,16 @@ def active_context():
     return _active if _active is not None and not _active.closed else None
 
 
+class CommBuffers:
+    """A CUDA group's buffers in the symmetric heap (:meth:`NvshmemContext.comm_buffers`):
+    ``own`` (the kernels' buffer, uint8 tensor), ``mirrors`` (the network ranks' mirrors, or
+    None), ``words`` (the kernels' ``bases[R]``) and ``sym`` (``bases[-1]``: own's address)."""
+
+    def __init__(self, own, mirrors, words):
+        self.own, self.mirrors, self.words = own, mirrors, list(words)
+        self.sym = own.data_ptr()
+
+
 # ---- one process's NVSHMEM state --------------------------------------------------------------
 class NvshmemContext:
     """NVSHMEM initialised in this process for ``group``: symmetric buffers, loaded cubins."""
@@ -193,20 +203,30 @@ class NvshmemContext:
         raise ValueError("tensor was not allocated by this context (pass the tensor alloc "
                          "returned, not a view of part of it)")
 
-    def bases(self, tensor) -> list:
-        """The ``bases[R]`` words for a buffer of :meth:`alloc` (see moe_comm/ibgda/bases.py):
-        own pointer, P2P mappings where NVSHMEM has them, tagged symmetric address else."""
+    def peer_pointers(self, tensor) -> list:
+        """``nvshmem_ptr`` of a buffer of :meth:`alloc` on every PE: a local mapping for PEs
+        this GPU reaches by load/store (NVLink/P2P), 0 for network PEs and for this rank."""
         import nvshmem.bindings as bindings
         own = tensor.data_ptr()
-        peers = [0 if r == self.rank else int(bindings.ptr(own, r))
-                 for r in range(self.world_size)]
-        return encode_bases(self.rank, own, peers)
+        return [0 if r == self.rank else int(bindings.ptr(own, r))
+                for r in range(self.world_size)]
 
-    def bases_tensor(self, tensor):
-        """:meth:`bases` as an int64 device tensor (the kernels read it as u64)."""
-        import torch
-        words = [w - (1 << 64) if w >= 1 << 63 else w for w in self.bases(tensor)]
-        return torch.tensor(words, dtype=torch.int64, device=self.device)
+    def comm_buffers(self, nbytes: int) -> "CommBuffers":
+        """Collective: a kernels' buffer of ``nbytes`` and one mirror of ``nbytes`` per network
+        rank, in the symmetric heap, with the ``bases`` words that describe them
+        (moe_comm/ibgda/bases.py). Every rank allocates as many mirror slots as the rank with
+        the most network peers needs (symmetric allocations have one size)."""
+        import torch.distributed as dist
+        own = self.alloc(nbytes)
+        peers = self.peer_pointers(own)
+        remote = [r for r, p in enumerate(peers) if r != self.rank and p == 0]
+        counts = [None] * self.world_size
+        dist.all_gather_object(counts, len(remote), group=self.group)
+        slots = max(counts)
+        mirrors = self.alloc(slots * nbytes) if slots else None
+        where = {r: mirrors.data_ptr() + i * nbytes for i, r in enumerate(remote)}
+        words = encode_bases(self.rank, own.data_ptr(), peers, where)
+        return CommBuffers(own, mirrors, words)
 
     # -- code
     def load(self, program, arch: str | None = None) -> dict:
@@ -214,7 +234,7 @@ class NvshmemContext:
         cache), registered with NVSHMEM (library_init) so its device state is set up."""
         import torch
         import nvshmem.core as nvshmem
-        from ..cuda.compiler import cuda_core
+        from ..cuda.compiler import cuda_core, force_load
         from .build import build_cubin
         from .locate import nvshmem_install
         self._check_open()
@@ -233,6 +253,8 @@ class NvshmemContext:
         kernels = {name: obj.get_kernel(name) for name in program.kernels}
         lib = nvshmem.NvshmemKernelObject.from_obj(obj)
         nvshmem.library_init(lib)
+        for kernel in kernels.values():     # loaded now, not at a first launch (compiler.py)
+            force_load(kernel)
         self._libraries.append((obj, lib))
         self._kernels[key] = kernels
         return kernels

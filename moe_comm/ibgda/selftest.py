@@ -6,7 +6,8 @@ GPU and NIC: ``force_network=True`` (the default) sets ``NVSHMEM_DISABLE_P2P=1``
 talk through the NIC even on one node. Run by hand with ``python -m moe_comm.ibgda.selftest``
 or through tests/test_ibgda_gpu.py. Ranks are spawned processes (not forked: CUDA).
 
-Buffer layout of each rank (one symmetric allocation), byte offsets:
+Buffer layout of each rank (its own buffer of ctx.comm_buffers; a message to a network peer
+is staged in the mirror at the same offset), byte offsets:
     SIG_ONEWAY, SIG_PING, SIG_PULL, SIG_NEVER   signal words, one 64-byte line each
     SRC                                         what this rank sends (its pattern)
     DST                                         where the peer's bytes land
@@ -65,10 +66,11 @@ def _worker(rank, world, port, opts, queue):
                 build_cubin(selftest_program(), f"sm_{major}{minor}")
             dist.barrier()
             k = ctx.load(selftest_program())
-            buf = ctx.alloc(BUFFER_BYTES)
-            words = ctx.bases(buf)
-            report["kinds"] = [decode_base(w)[0] for w in words]
-            bases = ctx.bases_tensor(buf)
+            bufs = ctx.comm_buffers(BUFFER_BYTES)     # own buffer + a mirror per network peer
+            buf = bufs.own
+            report["kinds"] = [decode_base(w)[0] for w in bufs.words]
+            words = [w - (1 << 64) if w >= 1 << 63 else w for w in [bufs.sym] + bufs.words]
+            bases = torch.tensor(words, dtype=torch.int64, device=device)[1:]
             err_host = torch.zeros(ERROR_HEADER + MAX_ERROR_RANKS, dtype=torch.int32,
                                    pin_memory=True)
             err_dev = torch.zeros(4, dtype=torch.int32, device=device)
@@ -204,7 +206,7 @@ def check(reports: list, expect_network: bool = True) -> list:
     r0, r1 = reports
     problems = []
     for r in reports:
-        if expect_network and "remote" not in r.get("kinds", []):
+        if expect_network and "network" not in r.get("kinds", []):
             problems.append(f"rank {r['rank']}: peer reached as {r.get('kinds')}, not over the "
                             "network (NVSHMEM_DISABLE_P2P not honoured?)")
         if r.get("pingpong_received") != r.get("pingpong_iters"):

@@ -3,7 +3,8 @@
 Choice of engine (the same on every rank, decided from what all ranks report):
 
 - ``kind`` argument ``"tcp"`` or ``"verbs"`` wins; ``"auto"`` (default) defers to the
-  ``MOE_COMM_TRANSPORT`` environment variable (``auto``/``tcp``/``verbs``);
+  ``MOE_COMM_TRANSPORT`` environment variable (``auto``/``tcp``/``verbs``; ``ibgda`` there is
+  for CUDA groups, moe_comm/cuda/ibgda.py, and means ``auto`` here);
 - ``auto``: verbs when every rank of the group has an RDMA device with an active port and
   pyverbs imports, else TCP. A rank that asked for ``verbs`` makes every rank raise if
   some rank cannot do it (rather than silently running slower than asked).
@@ -36,13 +37,18 @@ _logged = set()
 
 
 def requested_kind(kind: str = "auto") -> str:
+    if kind == "ibgda":
+        raise ValueError("transport 'ibgda' is for CUDA tensors (GPU-initiated RDMA); the "
+                         "host proxy runs 'auto', 'tcp' or 'verbs'")
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if kind != "auto":
         return kind
     env = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if env == "ibgda":          # meant for CUDA groups (moe_comm/cuda/ibgda.py); host code
+        return "auto"           # has only its proxy
     if env not in KINDS:
-        raise ValueError(f"{ENV} must be one of {KINDS}, got {env!r}")
+        raise ValueError(f"{ENV} must be one of {KINDS + ('ibgda',)}, got {env!r}")
     return env
 
 

@@ -1,0 +1,181 @@
+"""A CUDA group's IBGDA path: whether to take it, and its buffers in the NVSHMEM symmetric heap.
+
+How a CUDA group reaches a rank (``CudaComm.from_group``'s ``transport``, else the
+``MOE_COMM_TRANSPORT`` environment variable; decided the same on every rank):
+
+- one host, ``auto``/``tcp``/``verbs``: CUDA IPC mappings, plain stores (no transport at all);
+- ``ibgda``, or ``auto`` when the group spans hosts and every rank can do IBGDA (a GPU,
+  nvshmem4py, NVSHMEM's headers and device library, nvcc, an RDMA device): NVSHMEM over the
+  group. Peers NVSHMEM maps (NVLink/P2P) are stores; the others are network ranks, put to by
+  the GPU itself from mirrors in the symmetric heap (csrc/kernels/transport.cuh). Asked for
+  explicitly it needs no NIC (NVSHMEM then serves what it can by P2P), and a rank that cannot
+  do it makes every rank raise rather than run slower than asked;
+- otherwise across hosts: the host proxy over ``tcp``/``verbs`` (moe_comm/cuda/proxy.py).
+
+The choice and its reason are logged once per process (logger ``moe_comm``).
+
+:class:`NvshmemBuffers` holds the symmetric buffers of one ``CudaComm`` and loads the IBGDA
+builds of its kernels; :class:`EmulatedNvshmemBuffers` is the same on the CPU kernel emulator
+(csrc/emu/nvshmem_emu.h), where every peer is made a network rank so the IBGDA build of the
+mode kernels runs against the reference in CI.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+log = logging.getLogger("moe_comm")
+
+KINDS = ("auto", "tcp", "verbs", "ibgda")
+ENV = "MOE_COMM_TRANSPORT"
+IPC, IBGDA, PROXY = "ipc", "ibgda", "proxy"
+_logged = set()
+
+
+def requested(kind: str = "auto") -> str:
+    """The transport asked for: ``kind`` unless ``"auto"``, else ``$MOE_COMM_TRANSPORT``."""
+    if kind not in KINDS:
+        raise ValueError(f"transport must be one of {KINDS}, got {kind!r}")
+    if kind != "auto":
+        return kind
+    env = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if env not in KINDS:
+        raise ValueError(f"{ENV} must be one of {KINDS}, got {env!r}")
+    return env
+
+
+def probe() -> dict:
+    """What this rank can do: ``{"software": why-not or "", "nic": bool}``. Needs no GPU and
+    never initialises NVSHMEM."""
+    from ..ibgda.locate import NvshmemNotFoundError, nvcc_path, nvshmem_install
+    from ..ibgda.runtime import cuda_device_count, nvshmem4py_available, rdma_devices
+    why = ""
+    if cuda_device_count() == 0:
+        why = "no CUDA GPU"
+    elif not nvshmem4py_available():
+        why = "nvshmem4py is not installed"
+    else:
+        try:
+            nvshmem_install()
+            nvcc_path()                 # the IBGDA kernels are built with nvcc -rdc
+        except NvshmemNotFoundError as e:
+            why = str(e)
+    return {"software": why, "nic": bool(rdma_devices())}
+
+
+def choose(kind: str, spans_hosts: bool, probes: list) -> tuple:
+    """``(path, why)`` with path ``"ipc"``, ``"ibgda"`` or ``"proxy"``, from the requested
+    ``kind`` (see :func:`requested`), whether the group spans hosts, and every rank's
+    :func:`probe` (rank order). Pure: every rank computes the same answer."""
+    if kind == "ibgda":
+        lacking = [(r, p["software"]) for r, p in enumerate(probes) if p["software"]]
+        if lacking:
+            raise RuntimeError(f"transport 'ibgda' was requested but rank {lacking[0][0]} "
+                               f"cannot use it: {lacking[0][1]}")
+        return IBGDA, "requested"
+    if not spans_hosts:
+        return IPC, "one host"
+    if kind == "auto":
+        for r, p in enumerate(probes):
+            if p["software"] or not p["nic"]:
+                return PROXY, f"no IBGDA on rank {r}: {p['software'] or 'no RDMA device'}"
+        return IBGDA, "every rank has a GPU, NVSHMEM and an RDMA device"
+    return PROXY, f"{kind} requested"
+
+
+def log_once(path: str, why: str) -> None:
+    if path not in _logged:
+        _logged.add(path)
+        log.info("moe_comm CUDA group transport: %s (%s)", path, why)
+
+
+def _signed(words):
+    return [w - (1 << 64) if w >= 1 << 63 else w for w in words]
+
+
+class NvshmemBuffers:
+    """A CudaComm's buffer and network mirrors in the NVSHMEM symmetric heap (one process per
+    rank, PE = group rank), and the IBGDA builds of its kernels.
+
+    ``pointers`` are the kernels' ``bases[0..R)``, ``sym`` their ``bases[-1]``, ``own_ptr``
+    the buffer the header/data/LL regions live in."""
+
+    def __init__(self, group, device, nbytes: int):
+        from ..ibgda.runtime import active_context, init_nvshmem
+        self.ctx = active_context()
+        self.owns_context = self.ctx is None
+        if self.ctx is None:
+            self.ctx = init_nvshmem(group, device)
+        import torch.distributed as dist
+        if (self.ctx.rank, self.ctx.world_size) != (dist.get_rank(group),
+                                                   dist.get_world_size(group)):
+            raise RuntimeError("NVSHMEM is initialised in this process for another group; "
+                               "one EP group per process can use IBGDA")
+        try:
+            self.buffers = self.ctx.comm_buffers(nbytes)
+        except BaseException:
+            if self.owns_context:
+                self.ctx.finalize()
+            raise
+        self.pointers, self.sym = self.buffers.words, self.buffers.sym
+        self.own_ptr = self.buffers.own.data_ptr()
+
+    def kernels(self, variant) -> dict:
+        from ..ibgda.build import kernel_program
+        return self.ctx.load(kernel_program(variant))
+
+    def close(self, collective: bool) -> None:
+        """Free the symmetric buffers (and NVSHMEM, if this comm started it). Freeing is
+        collective in NVSHMEM: after a failure (``collective`` False: a peer may be dead)
+        everything is left to process exit instead of hanging in a free."""
+        if not collective:
+            return
+        if self.buffers.mirrors is not None:
+            self.ctx.free(self.buffers.mirrors)
+        self.ctx.free(self.buffers.own)
+        if self.owns_context:
+            self.ctx.finalize()
+
+
+class EmulatedNvshmemBuffers:
+    """The IBGDA path of a ``local_group`` on the CPU kernel emulator: every rank gets its
+    buffer plus a mirror per peer, every peer is a network rank, and the buffers are one
+    symmetric heap of the emulated NVSHMEM (csrc/emu/nvshmem_emu.h)."""
+
+    def __init__(self, num_ranks: int, nbytes: int):
+        from .emulator import register_symmetric
+        self.num_ranks, self.nbytes = num_ranks, nbytes
+        # one tensor per rank: [own | mirror of each other rank, in rank order]
+        self.tensors = [torch.zeros(num_ranks * nbytes, dtype=torch.uint8)
+                        for _ in range(num_ranks)]
+        self.own = [t.data_ptr() for t in self.tensors]
+        self.users = num_ranks
+        register_symmetric(self.own, nbytes)
+
+    def pointers(self, rank: int) -> list:
+        """Rank ``rank``'s ``bases[0..R)``: its own buffer, mirrors for every peer."""
+        from ..ibgda.bases import encode_bases
+        others = [r for r in range(self.num_ranks) if r != rank]
+        mirrors = {r: self.own[rank] + (1 + i) * self.nbytes for i, r in enumerate(others)}
+        return encode_bases(rank, self.own[rank], [0] * self.num_ranks, mirrors)
+
+    @staticmethod
+    def kernels(variant) -> dict:
+        from .emulator import load_kernels
+        return load_kernels(variant, nvshmem=True)
+
+    def release(self) -> None:
+        """One rank is done; the last one takes the heap out of the emulated NVSHMEM."""
+        from .emulator import unregister_symmetric
+        self.users -= 1
+        if self.users == 0:
+            unregister_symmetric(self.own[0])
+
+
+def bases_tensor(first_word: int, pointers, device) -> torch.Tensor:
+    """The kernels' ``bases`` (int64 device tensor, a view from word 1 so that ``bases[-1]``
+    is ``first_word``)."""
+    return torch.tensor(_signed([first_word] + list(pointers)), dtype=torch.int64,
+                        device=device)[1:]
