@@ -35,12 +35,13 @@ def _cpu(t):
     return t.detach().cpu().clone()
 
 
-def group(n, device, ll_bytes=0, timeout_s=60.0, elastic=False, network=False):
+def group(n, device, ll_bytes=0, timeout_s=60.0, elastic=False, network=0):
     """A local group of n ranks on `device` (a GPU, or "cpu" for the kernel emulator);
-    `network`: every peer a network rank of the IBGDA build (emulator only)."""
+    `network`: that many emulated hosts, reached as network ranks of the IBGDA build
+    (emulator only; n = every peer a network rank)."""
     from moe_comm.cuda.comm import CudaComm
     return CudaComm.local_group(n, HEAP, ll_bytes, timeout_s, device=device, elastic=elastic,
-                                network=network)
+                                network_hosts=network)
 
 
 def run(fn, comms, *args):
@@ -52,9 +53,9 @@ def run(fn, comms, *args):
             c.destroy()
 
 
-def preload(device, n, hiddens=(), ll=False, network=False):
+def preload(device, n, hiddens=(), ll=False, network=0):
     """Load every variant the cases use before ranks start waiting on each other (on the
-    emulator: build them, two at a time; `network`: the IBGDA builds)."""
+    emulator: build them, two at a time; `network` (hosts, see group): the IBGDA builds)."""
     from moe_comm.cuda import variants
     from moe_comm.cuda.compiler import preload as load
     vs = [variants.intranode(n)]
@@ -68,7 +69,7 @@ def preload(device, n, hiddens=(), ll=False, network=False):
         from concurrent.futures import ThreadPoolExecutor
         from moe_comm.cuda.emulator import build, load_kernels
         with ThreadPoolExecutor(2) as pool:
-            list(pool.map(lambda v: build(v, network), dict.fromkeys(vs)))
+            list(pool.map(lambda v: build(v, bool(network)), dict.fromkeys(vs)))
         if network:
             for v in vs:
                 load_kernels(v, nvshmem=True)
@@ -290,7 +291,7 @@ def silent_peer(comm, mode):
 
 
 # ---- whole checks (one per test) ---------------------------------------------------------------
-def check_normal_group(n, device, cases=None, network=False):
+def check_normal_group(n, device, cases=None, network=0):
     cases = normal_cases(n) if cases is None else cases
     preload(device, n, network=network)
     barrier = threading.Barrier(n)
@@ -298,7 +299,7 @@ def check_normal_group(n, device, cases=None, network=False):
     check_normal(n, cases, results)
 
 
-def check_ll_group(n, device, cases=None, network=False):
+def check_ll_group(n, device, cases=None, network=0):
     cases = ll_cases(n) if cases is None else cases
     preload(device, n, {c["hidden"] for c in cases}, ll=True, network=network)
     barrier = threading.Barrier(n)
@@ -317,7 +318,7 @@ def check_ll_in_flight(n, device, iters=7):
         assert all(ok)
 
 
-def check_silent_rank(mode, device, network=False):
+def check_silent_rank(mode, device, network=0):
     """Rank 1 never calls: rank 0 gets CommTimeoutError naming it, within the deadline."""
     from moe_comm.cuda.local import run_local
     preload(device, 2, {256}, ll=True, network=network)
@@ -382,7 +383,7 @@ def _elastic_rank(comm, case, steps, silent="start"):
     return out
 
 
-def check_elastic_normal(device, timeout_s=2.0, silent="start", network=False):
+def check_elastic_normal(device, timeout_s=2.0, silent="start", network=0):
     """Survivors' outputs equal the reference over the healthy ranks (the silent rank's
     tokens gone, its experts' slots -1), the mask says which rank is gone, and a round after
     the masking does not wait for it. With `silent="after_agree"` the first dispatch already

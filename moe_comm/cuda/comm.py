@@ -344,22 +344,23 @@ class CudaComm:
 
     @classmethod
     def local_group(cls, num_ranks: int, heap_bytes: int, ll_bytes: int, timeout_s: float,
-                    device=None, elastic: bool = False, network: bool = False) -> list:
+                    device=None, elastic: bool = False, network_hosts: int = 0) -> list:
         """All ``num_ranks`` ranks in this process on one device; returns their comms. Drive
         rank r from its own thread with its own current stream (see moe_comm/cuda/local.py).
-        ``network`` (emulator only): every peer is a network rank of the IBGDA build, on the
-        emulated NVSHMEM (moe_comm/cuda/ibgda.py EmulatedNvshmemBuffers)."""
+        ``network_hosts`` (emulator only): split the ranks into that many emulated hosts whose
+        ranks reach each other as network ranks of the IBGDA build, on the emulated NVSHMEM
+        (moe_comm/cuda/ibgda.py EmulatedNvshmemBuffers); 0: no network."""
         device = torch.device("cuda", torch.cuda.current_device()) if device is None else \
             torch.device(device)
         heap_bytes, ll_bytes = round_up(heap_bytes, PAGE), round_up(ll_bytes, PAGE)
         total = cls.buffer_bytes(num_ranks, heap_bytes, ll_bytes)
         host_buffers = None
-        if network:
+        if network_hosts:
             if device.type != "cpu":
-                raise ValueError("local_group(network=True) runs on the kernel emulator only "
-                                 "(NVSHMEM has one PE per process; on a GPU use from_group "
-                                 "with transport='ibgda')")
-            sym = ibgda.EmulatedNvshmemBuffers(num_ranks, total)
+                raise ValueError("local_group(network_hosts=...) runs on the kernel emulator "
+                                 "only (NVSHMEM has one PE per process; on a GPU use "
+                                 "from_group with transport='ibgda')")
+            sym = ibgda.EmulatedNvshmemBuffers(num_ranks, total, network_hosts)
             return [cls(rank=r, num_ranks=num_ranks, device=device, pointers=sym.pointers(r),
                         heap_bytes=heap_bytes, ll_bytes=ll_bytes, timeout_s=timeout_s,
                         own_allocation=False, opened=[], host_buffers=sym.tensors,

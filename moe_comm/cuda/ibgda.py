@@ -140,13 +140,19 @@ class NvshmemBuffers:
 
 
 class EmulatedNvshmemBuffers:
-    """The IBGDA path of a ``local_group`` on the CPU kernel emulator: every rank gets its
-    buffer plus a mirror per peer, every peer is a network rank, and the buffers are one
-    symmetric heap of the emulated NVSHMEM (csrc/emu/nvshmem_emu.h)."""
+    """The IBGDA path of a ``local_group`` on the CPU kernel emulator: the ranks are split into
+    ``hosts`` contiguous blocks; a peer on the same "host" is a pointer (as NVSHMEM's P2P
+    mapping would be), a peer on another one a network rank. Every rank gets its buffer plus a
+    mirror slot per peer, and the buffers are one symmetric heap of the emulated NVSHMEM
+    (csrc/emu/nvshmem_emu.h)."""
 
-    def __init__(self, num_ranks: int, nbytes: int):
+    def __init__(self, num_ranks: int, nbytes: int, hosts: int):
         from .emulator import register_symmetric
+        if not 1 <= hosts <= num_ranks:
+            raise ValueError(f"hosts must be in 1..{num_ranks}, got {hosts}")
         self.num_ranks, self.nbytes = num_ranks, nbytes
+        per_host = -(-num_ranks // hosts)
+        self.host_of = [r // per_host for r in range(num_ranks)]
         # one tensor per rank: [own | mirror of each other rank, in rank order]
         self.tensors = [torch.zeros(num_ranks * nbytes, dtype=torch.uint8)
                         for _ in range(num_ranks)]
@@ -155,11 +161,15 @@ class EmulatedNvshmemBuffers:
         register_symmetric(self.own, nbytes)
 
     def pointers(self, rank: int) -> list:
-        """Rank ``rank``'s ``bases[0..R)``: its own buffer, mirrors for every peer."""
+        """Rank ``rank``'s ``bases[0..R)``: its own buffer, same-host peers' buffers, mirrors
+        for the others."""
         from ..ibgda.bases import encode_bases
         others = [r for r in range(self.num_ranks) if r != rank]
-        mirrors = {r: self.own[rank] + (1 + i) * self.nbytes for i, r in enumerate(others)}
-        return encode_bases(rank, self.own[rank], [0] * self.num_ranks, mirrors)
+        same = [self.own[r] if self.host_of[r] == self.host_of[rank] and r != rank else 0
+                for r in range(self.num_ranks)]
+        mirrors = {r: self.own[rank] + (1 + i) * self.nbytes for i, r in enumerate(others)
+                   if not same[r]}
+        return encode_bases(rank, self.own[rank], same, mirrors)
 
     @staticmethod
     def kernels(variant) -> dict:
