@@ -207,7 +207,7 @@ class CudaComm:
         if device.type == "cpu":
             if transport == "ibgda":
                 raise ValueError("transport='ibgda' needs CUDA devices (the emulator runs the "
-                                 "IBGDA kernels only in CudaComm.local_group(network=True))")
+                                 "IBGDA kernels only in CudaComm.local_group(network_hosts=...))")
             return cls._from_group_shared(group, rank, num_ranks, heap_bytes, ll_bytes, total,
                                           timeout_s, elastic, device, engine)
         from ..host.comm import host_identity
