@@ -357,8 +357,8 @@ def _elastic_rank(comm, case, steps, silent="start"):
             comm.begin_call()
             if silent == "mid_notify":
                 comm.mask([0], "test: rank 0 gets no counts")
-            cn._notify(comm, comm.kernels(variants.intranode(R)), comm.next_epoch(), per_rank, matrix,
-                       "dispatch/notify")
+            cn._notify(comm, comm.kernels(variants.intranode(R)), comm.next_epoch(), per_rank,
+                       matrix, "dispatch/notify")
             if silent == "after_agree":
                 agree(comm, "dispatch/notify", matrix)
             comm.synchronize()
