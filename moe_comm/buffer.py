@@ -47,7 +47,7 @@ class Buffer:
             notify). Every rank must issue calls (and receive hooks) in the same order.
         transport: how ranks on other hosts (machines or network namespaces) are reached:
             "auto" (the ``MOE_COMM_TRANSPORT`` environment variable, else, for CUDA tensors,
-            IBGDA where every rank has NVSHMEM and an RDMA device, else the host proxy of
+            IBGDA where every rank has NVSHMEM and a ConnectX NIC, else the host proxy of
             moe_comm/transport over verbs where every rank has an RDMA device, else TCP),
             "ibgda" (CUDA tensors: GPU-initiated RDMA through NVSHMEM,
             moe_comm/cuda/ibgda.py), "verbs" or "tcp" (the host proxy). Ranks on this host

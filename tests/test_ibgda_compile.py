@@ -189,7 +189,7 @@ def test_cuda_group_transport_choice(monkeypatch):
     assert ibgda.choose("tcp", False, [ok, ok])[0] == "ipc"
     assert ibgda.choose("auto", True, [ok, ok])[0] == "ibgda"
     path, why = ibgda.choose("auto", True, [ok, no_nic])
-    assert path == "proxy" and "rank 1" in why and "RDMA" in why
+    assert path == "proxy" and "rank 1" in why and "ConnectX" in why
     assert ibgda.choose("auto", True, [no_lib, ok]) == (
         "proxy", "no IBGDA on rank 0: nvshmem4py is not installed")
     assert ibgda.choose("verbs", True, [ok, ok])[0] == "proxy"

@@ -36,7 +36,14 @@
 //    (NVSHMEM's wait_until has none); when the awaited epoch shows, `consistent` below runs
 //    NVSHMEM's target-side consistency step (NIC writes reach GPU memory over PCIe, possibly
 //    relaxed ordered: NVSHMEM flushes before the payload may be read). A silent rank is
-//    reported through the kernels' ErrorSink; nothing traps or hangs.
+//    reported through the kernels' ErrorSink (or masked, elastic).
+//  * liveness: the kernels' waits all have deadlines, but nvshmem_quiet has none, and it
+//    drains every queue of this PE. A peer that is slow or gone but whose queue pair is still
+//    healthy costs nothing here (puts complete at the NIC); a queue pair in error (a dead
+//    peer's NIC, a cut link) is NVSHMEM's to handle, and it may stall or assert in the quiet.
+//    So elastic masking on this path covers late and silent ranks, not a failing NIC path.
+//    Cost: one full drain per signal; ordering each signal behind its own destination's
+//    payload (put_signal, or a per-destination fence) would avoid it.
 //  * remote read (read_signal of a network peer): RDMA has no cheap remote load. It is served
 //    by nvshmem_ulonglong_g (one blocking RDMA read per poll, with a back-off between polls);
 //    no mode kernel reads a peer's memory (flow control is pushed, csrc/ibgda/README.md).

@@ -53,10 +53,11 @@ struct Transport {
 
     // Where to write a message of `rank` that must land at `offset` of its buffer: the peer's
     // memory, or the mirror for a network rank; null (reported) for an unreachable rank.
+    // Called by whole warps, like the commit that follows.
     MOE_DEVICE u8* row_for_write(int rank, u64 offset) const {
         if (by_pointer(rank)) return peer(rank, offset);
         if (by_network(rank)) return mirror(rank, offset);
-        err.report(kErrNoTransport, 0, rank, 2);
+        if (lane_id() == 0) err.report(kErrNoTransport, 0, rank, 2);
         return nullptr;
     }
 

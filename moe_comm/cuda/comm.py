@@ -205,7 +205,7 @@ class CudaComm:
         kind = ibgda.requested(transport)
         engine = kind if kind in ("tcp", "verbs") else "auto"     # the proxy's, if it runs
         if device.type == "cpu":
-            if transport == "ibgda":
+            if kind == "ibgda":
                 raise ValueError("transport='ibgda' needs CUDA devices (the emulator runs the "
                                  "IBGDA kernels only in CudaComm.local_group(network_hosts=...))")
             return cls._from_group_shared(group, rank, num_ranks, heap_bytes, ll_bytes, total,
@@ -265,17 +265,24 @@ class CudaComm:
         the GPU (IBGDA), and the kernels are the nvcc builds linked against NVSHMEM."""
         import torch.distributed as dist
         bufs = ibgda.NvshmemBuffers(group, device, total)
+        comm, error = None, None
         try:
             comm = cls(rank=rank, num_ranks=num_ranks, device=device, pointers=bufs.pointers,
                        heap_bytes=heap_bytes, ll_bytes=ll_bytes, timeout_s=timeout_s,
                        own_allocation=False, opened=[], group=group, elastic=elastic,
                        nvshmem=bufs)
-        except BaseException:
+            torch.cuda.synchronize(device)
+        except Exception as e:  # noqa: BLE001 - reported to every rank below
+            error = e
+        failed = [None] * num_ranks       # all ranks free together, or none waits in a free
+        dist.all_gather_object(failed, error is not None, group=group)
+        if any(failed):
             bufs.close(collective=True)
-            raise
-        torch.cuda.synchronize(device)
-        dist.barrier(group=group)      # every buffer zeroed before any signal
-        return comm
+            if error is not None:
+                raise error
+            raise RuntimeError(f"CudaComm over NVSHMEM failed on rank(s) "
+                               f"{[r for r, f in enumerate(failed) if f]}")
+        return comm                      # the gather was the barrier: every buffer zeroed
 
     @classmethod
     def _from_group_shared(cls, group, rank, num_ranks, heap_bytes, ll_bytes, total, timeout_s,

@@ -131,19 +131,21 @@ def load_kernels(variant: Variant, nvshmem: bool = False) -> dict:
     return hit
 
 
-def _register(lib, bases, nbytes) -> None:
+def _register(lib, bases, nbytes, local_bytes) -> None:
     words = (ctypes.c_uint64 * len(bases))(*bases)
-    lib.moe_emu_nvshmem_register(words, len(bases), ctypes.c_uint64(nbytes))
+    lib.moe_emu_nvshmem_register(words, len(bases), ctypes.c_uint64(nbytes),
+                                 ctypes.c_uint64(local_bytes))
 
 
-def register_symmetric(bases, nbytes: int) -> None:
+def register_symmetric(bases, nbytes: int, local_bytes: int) -> None:
     """Make the buffers at ``bases`` (PE order, ``nbytes`` each) one symmetric heap for the
-    emulated NVSHMEM of every library, loaded now or later."""
+    emulated NVSHMEM of every library, loaded now or later; ``local_bytes`` from each base are
+    that PE's NIC-registered memory (the only place a put may read from)."""
     bases = [int(b) for b in bases]
     with _lock:
-        _symmetric[bases[0]] = (bases, int(nbytes))
+        _symmetric[bases[0]] = (bases, int(nbytes), int(local_bytes))
         for lib in _libraries.values():
-            _register(lib, bases, nbytes)
+            _register(lib, bases, nbytes, local_bytes)
 
 
 def unregister_symmetric(first_base: int) -> None:
@@ -166,8 +168,8 @@ def load_library(path: Path, kernels) -> dict:
             _loaded[(path, tuple(kernels))] = hit
             if path not in _libraries:
                 _libraries[path] = lib
-                for bases, nbytes in _symmetric.values():
-                    _register(lib, bases, nbytes)
+                for bases, nbytes, local_bytes in _symmetric.values():
+                    _register(lib, bases, nbytes, local_bytes)
         return hit
 
 

@@ -5,8 +5,9 @@ How a CUDA group reaches a rank (``CudaComm.from_group``'s ``transport``, else t
 
 - one host, ``auto``/``tcp``/``verbs``: CUDA IPC mappings, plain stores (no transport at all);
 - ``ibgda``, or ``auto`` when the group spans hosts and every rank can do IBGDA (a GPU,
-  nvshmem4py, NVSHMEM's headers and device library, nvcc, an RDMA device): NVSHMEM over the
-  group. Peers NVSHMEM maps (NVLink/P2P) are stores; the others are network ranks, put to by
+  nvshmem4py, NVSHMEM's headers and device library, nvcc, a ConnectX RDMA NIC): NVSHMEM over
+  the group. (Whether the NIC can reach GPU memory, nvidia_peermem or dma-buf, is not probed:
+  where it cannot, set ``MOE_COMM_TRANSPORT=verbs`` or ``tcp``.) Peers NVSHMEM maps (NVLink/P2P) are stores; the others are network ranks, put to by
   the GPU itself from mirrors in the symmetric heap (csrc/kernels/transport.cuh). Asked for
   explicitly it needs no NIC (NVSHMEM then serves what it can by P2P), and a rank that cannot
   do it makes every rank raise rather than run slower than asked;
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 import torch
 
@@ -62,7 +64,18 @@ def probe() -> dict:
             nvcc_path()                 # the IBGDA kernels are built with nvcc -rdc
         except NvshmemNotFoundError as e:
             why = str(e)
-    return {"software": why, "nic": bool(rdma_devices())}
+    return {"software": why, "nic": any(_is_connectx(d) for d in rdma_devices())}
+
+
+def _is_connectx(name: str) -> bool:
+    """IBGDA drives the NIC's queues from the GPU, which NVSHMEM does for NVIDIA (Mellanox)
+    ConnectX NICs: PCI vendor 0x15b3."""
+    from pathlib import Path
+    try:
+        vendor = (Path("/sys/class/infiniband") / name / "device" / "vendor").read_text()
+    except OSError:
+        return name.startswith("mlx5")
+    return vendor.strip().lower() == "0x15b3"
 
 
 def choose(kind: str, spans_hosts: bool, probes: list) -> tuple:
@@ -80,8 +93,8 @@ def choose(kind: str, spans_hosts: bool, probes: list) -> tuple:
     if kind == "auto":
         for r, p in enumerate(probes):
             if p["software"] or not p["nic"]:
-                return PROXY, f"no IBGDA on rank {r}: {p['software'] or 'no RDMA device'}"
-        return IBGDA, "every rank has a GPU, NVSHMEM and an RDMA device"
+                return PROXY, f"no IBGDA on rank {r}: {p['software'] or 'no ConnectX NIC'}"
+        return IBGDA, "every rank has a GPU, NVSHMEM and a ConnectX NIC"
     return PROXY, f"{kind} requested"
 
 
@@ -99,35 +112,42 @@ class NvshmemBuffers:
     """A CudaComm's buffer and network mirrors in the NVSHMEM symmetric heap (one process per
     rank, PE = group rank), and the IBGDA builds of its kernels.
 
-    ``pointers`` are the kernels' ``bases[0..R)``, ``sym`` their ``bases[-1]``, ``own_ptr``
-    the buffer the header/data/LL regions live in."""
+    ``pointers`` are the kernels' ``bases[0..R)``, ``sym`` their ``bases[-1]``. Unless the
+    caller initialised NVSHMEM (``moe_comm.ibgda.init_nvshmem``), the first comm does and the
+    last comm using it finalizes it (``ctx.comm_users`` counts them)."""
 
     def __init__(self, group, device, nbytes: int):
-        from ..ibgda.runtime import active_context, init_nvshmem
-        self.ctx = active_context()
-        self.owns_context = self.ctx is None
-        if self.ctx is None:
-            self.ctx = init_nvshmem(group, device)
         import torch.distributed as dist
-        if (self.ctx.rank, self.ctx.world_size) != (dist.get_rank(group),
-                                                   dist.get_world_size(group)):
-            raise RuntimeError("NVSHMEM is initialised in this process for another group; "
-                               "one EP group per process can use IBGDA")
+        from ..ibgda.runtime import active_context, init_nvshmem
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        ctx = active_context()
+        # every rank decides from the same facts, so a refusal is raised on all of them (a
+        # rank raising alone would leave the others in a collective)
+        mine = "none" if ctx is None else \
+            "ok" if (ctx.rank, ctx.world_size) == (rank, world) else "other group"
+        states = [None] * world
+        dist.all_gather_object(states, mine, group=group)
+        if len(set(states)) != 1 or states[0] == "other group":
+            raise RuntimeError(f"NVSHMEM state differs across the group ({states}): one EP "
+                               "group per process can use IBGDA, and every rank of it the same")
+        if ctx is None:                    # started here: the last comm finalizes it (one
+            ctx = init_nvshmem(group, device)  # the caller started stays the caller's)
+            ctx.comm_started = True
+        self.ctx = ctx
+        self.ctx.comm_users = getattr(ctx, "comm_users", 0) + 1
         try:
             self.buffers = self.ctx.comm_buffers(nbytes)
         except BaseException:
-            if self.owns_context:
-                self.ctx.finalize()
+            self._release_context()
             raise
         self.pointers, self.sym = self.buffers.words, self.buffers.sym
-        self.own_ptr = self.buffers.own.data_ptr()
 
     def kernels(self, variant) -> dict:
         from ..ibgda.build import kernel_program
         return self.ctx.load(kernel_program(variant))
 
     def close(self, collective: bool) -> None:
-        """Free the symmetric buffers (and NVSHMEM, if this comm started it). Freeing is
+        """Free the symmetric buffers, and NVSHMEM with the last comm using it. Freeing is
         collective in NVSHMEM: after a failure (``collective`` False: a peer may be dead)
         everything is left to process exit instead of hanging in a free."""
         if not collective:
@@ -135,7 +155,11 @@ class NvshmemBuffers:
         if self.buffers.mirrors is not None:
             self.ctx.free(self.buffers.mirrors)
         self.ctx.free(self.buffers.own)
-        if self.owns_context:
+        self._release_context()
+
+    def _release_context(self) -> None:
+        self.ctx.comm_users -= 1
+        if self.ctx.comm_users == 0 and getattr(self.ctx, "comm_started", False):
             self.ctx.finalize()
 
 
@@ -151,14 +175,13 @@ class EmulatedNvshmemBuffers:
         if not 1 <= hosts <= num_ranks:
             raise ValueError(f"hosts must be in 1..{num_ranks}, got {hosts}")
         self.num_ranks, self.nbytes = num_ranks, nbytes
-        per_host = -(-num_ranks // hosts)
-        self.host_of = [r // per_host for r in range(num_ranks)]
+        self.host_of = [r * hosts // num_ranks for r in range(num_ranks)]   # balanced blocks
         # one tensor per rank: [own | mirror of each other rank, in rank order]
         self.tensors = [torch.zeros(num_ranks * nbytes, dtype=torch.uint8)
                         for _ in range(num_ranks)]
         self.own = [t.data_ptr() for t in self.tensors]
-        self.users = num_ranks
-        register_symmetric(self.own, nbytes)
+        self.users, self._lock = num_ranks, threading.Lock()
+        register_symmetric(self.own, nbytes, num_ranks * nbytes)
 
     def pointers(self, rank: int) -> list:
         """Rank ``rank``'s ``bases[0..R)``: its own buffer, same-host peers' buffers, mirrors
@@ -179,8 +202,10 @@ class EmulatedNvshmemBuffers:
     def release(self) -> None:
         """One rank is done; the last one takes the heap out of the emulated NVSHMEM."""
         from .emulator import unregister_symmetric
-        self.users -= 1
-        if self.users == 0:
+        with self._lock:
+            self.users -= 1
+            last = self.users == 0
+        if last:
             unregister_symmetric(self.own[0])
 
 

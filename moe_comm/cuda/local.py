@@ -71,7 +71,9 @@ def run_local(fn, comms, *args, timeout: float = 300.0, check: bool = True):
     if alive:
         raise RuntimeError(f"rank thread(s) {alive} did not finish within {timeout} s")
     if errors:
-        rank = min(errors)
+        # the cause first: a rank's own failure, not the deadlines it made its peers miss
+        from ..errors import CommTimeoutError
+        rank = min(errors, key=lambda r: (isinstance(errors[r][0], CommTimeoutError), r))
         exc, text = errors[rank]
         if hasattr(exc, "add_note"):
             exc.add_note(f"(rank {rank} of {n})\n{text}")
