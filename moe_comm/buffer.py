@@ -15,11 +15,11 @@ from .errors import BufferTooSmallError
 from .event import EventOverlap, RecvHook, capture_event
 from .handle import DispatchHandle, LowLatencyHandle
 from .backend import CudaBackend, HostBackend, emulate_cuda, pick_device
+from .transport.select import KINDS as TRANSPORTS
 from .wire import LL_MAX_TOPK, LL_NUM_BUFFERS, LLLayout
 
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_NVL_BYTES = 256 << 20
-TRANSPORTS = ("auto", "tcp", "verbs", "ibgda")   # see the Buffer docstring
 
 
 class Buffer:
@@ -73,7 +73,7 @@ class Buffer:
                 raise ValueError(f"{name} must be a non-negative int, got {v!r}")
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
-        if transport not in TRANSPORTS:
+        if transport not in TRANSPORTS:   # moe_comm/transport/select.py KINDS
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: call "

@@ -196,13 +196,18 @@ def test_cuda_group_transport_choice(monkeypatch):
     assert ibgda.choose("ibgda", False, [no_nic, no_nic])[0] == "ibgda"
     with pytest.raises(RuntimeError, match="rank 1 cannot use it: nvshmem4py"):
         ibgda.choose("ibgda", True, [ok, no_lib])
+    from moe_comm.transport import requested_kind
     monkeypatch.setenv("MOE_COMM_TRANSPORT", "ibgda")
-    assert ibgda.requested("auto") == "ibgda" and ibgda.requested("tcp") == "tcp"
+    assert requested_kind("auto", cuda=True) == "ibgda"
+    assert requested_kind("tcp", cuda=True) == "tcp"
+    assert requested_kind("auto") == "auto"          # host code: only its proxy
+    with pytest.raises(ValueError, match="for CUDA tensors"):
+        requested_kind("ibgda")
     monkeypatch.setenv("MOE_COMM_TRANSPORT", "carrier-pigeon")
     with pytest.raises(ValueError, match="MOE_COMM_TRANSPORT"):
-        ibgda.requested()
-    with pytest.raises(ValueError, match="transport must be one of"):
-        ibgda.requested("nvlink")
+        requested_kind(cuda=True)
+    with pytest.raises(ValueError, match="transport kind must be one of"):
+        requested_kind("nvlink", cuda=True)
     probe = ibgda.probe()                  # this machine: no GPU, so never IBGDA
     assert probe["software"] == "no CUDA GPU"
 

@@ -42,7 +42,6 @@ import torch
 from ..errors import CommTimeoutError, RankMaskedError
 from ..wire import LINE_WORDS, MAX_EPOCH, PAGE, HeaderLayout, round_up
 from . import ibgda
-from .ibgda import bases_tensor
 from .variants import MAX_RANKS
 
 log = logging.getLogger("moe_comm")
@@ -102,6 +101,14 @@ def _unregister_host(registered: list) -> None:
         for ptr in registered:
             cu.cuMemHostUnregister(ptr)
         registered.clear()
+
+
+def bases_tensor(first_word: int, pointers, device) -> torch.Tensor:
+    """The kernels' ``bases`` (csrc/kernels/transport.cuh): an int64 device tensor viewed from
+    word 1, so that ``bases[-1]`` is ``first_word``; u64 words stored two's complement."""
+    words = [int(w) for w in [first_word] + list(pointers)]
+    words = [w - (1 << 64) if w >= 1 << 63 else w for w in words]
+    return torch.tensor(words, dtype=torch.int64, device=device)[1:]
 
 
 def _barrier(group) -> None:
@@ -202,7 +209,8 @@ class CudaComm:
                              f"{num_ranks}")
         heap_bytes, ll_bytes = round_up(heap_bytes, PAGE), round_up(ll_bytes, PAGE)
         total = cls.buffer_bytes(num_ranks, heap_bytes, ll_bytes)
-        kind = ibgda.requested(transport)
+        from ..transport.select import requested_kind
+        kind = requested_kind(transport, cuda=True)
         engine = kind if kind in ("tcp", "verbs") else "auto"     # the proxy's, if it runs
         if device.type == "cpu":
             if kind == "ibgda":

@@ -23,29 +23,14 @@ mode kernels runs against the reference in CI.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 import torch
 
 log = logging.getLogger("moe_comm")
 
-KINDS = ("auto", "tcp", "verbs", "ibgda")
-ENV = "MOE_COMM_TRANSPORT"
 IPC, IBGDA, PROXY = "ipc", "ibgda", "proxy"
 _logged = set()
-
-
-def requested(kind: str = "auto") -> str:
-    """The transport asked for: ``kind`` unless ``"auto"``, else ``$MOE_COMM_TRANSPORT``."""
-    if kind not in KINDS:
-        raise ValueError(f"transport must be one of {KINDS}, got {kind!r}")
-    if kind != "auto":
-        return kind
-    env = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if env not in KINDS:
-        raise ValueError(f"{ENV} must be one of {KINDS}, got {env!r}")
-    return env
 
 
 def probe() -> dict:
@@ -80,7 +65,7 @@ def _is_connectx(name: str) -> bool:
 
 def choose(kind: str, spans_hosts: bool, probes: list) -> tuple:
     """``(path, why)`` with path ``"ipc"``, ``"ibgda"`` or ``"proxy"``, from the requested
-    ``kind`` (see :func:`requested`), whether the group spans hosts, and every rank's
+    ``kind`` (moe_comm.transport.requested_kind with ``cuda=True``), whether the group spans hosts, and every rank's
     :func:`probe` (rank order). Pure: every rank computes the same answer."""
     if kind == "ibgda":
         lacking = [(r, p["software"]) for r, p in enumerate(probes) if p["software"]]
@@ -102,10 +87,6 @@ def log_once(path: str, why: str) -> None:
     if path not in _logged:
         _logged.add(path)
         log.info("moe_comm CUDA group transport: %s (%s)", path, why)
-
-
-def _signed(words):
-    return [w - (1 << 64) if w >= 1 << 63 else w for w in words]
 
 
 class NvshmemBuffers:
@@ -141,10 +122,14 @@ class NvshmemBuffers:
             self._release_context()
             raise
         self.pointers, self.sym = self.buffers.words, self.buffers.sym
+        self._kernels = {}
 
     def kernels(self, variant) -> dict:
-        from ..ibgda.build import kernel_program
-        return self.ctx.load(kernel_program(variant))
+        hit = self._kernels.get(variant)      # every call asks: no build key on that path
+        if hit is None:
+            from ..ibgda.build import kernel_program
+            hit = self._kernels[variant] = self.ctx.load(kernel_program(variant))
+        return hit
 
     def close(self, collective: bool) -> None:
         """Free the symmetric buffers, and NVSHMEM with the last comm using it. Freeing is
@@ -208,9 +193,3 @@ class EmulatedNvshmemBuffers:
         if last:
             unregister_symmetric(self.own[0])
 
-
-def bases_tensor(first_word: int, pointers, device) -> torch.Tensor:
-    """The kernels' ``bases`` (int64 device tensor, a view from word 1 so that ``bases[-1]``
-    is ``first_word``)."""
-    return torch.tensor(_signed([first_word] + list(pointers)), dtype=torch.int64,
-                        device=device)[1:]

@@ -49,6 +49,7 @@ def _worker(rank, world, port, opts, queue):
         torch.cuda.set_device(device)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world)
+        from ..cuda.comm import bases_tensor
         from ..cuda.launcher import launch
         from .bases import decode_base
         from .build import build_cubin, selftest_program
@@ -69,8 +70,7 @@ def _worker(rank, world, port, opts, queue):
             bufs = ctx.comm_buffers(BUFFER_BYTES)     # own buffer + a mirror per network peer
             buf = bufs.own
             report["kinds"] = [decode_base(w)[0] for w in bufs.words]
-            words = [w - (1 << 64) if w >= 1 << 63 else w for w in [bufs.sym] + bufs.words]
-            bases = torch.tensor(words, dtype=torch.int64, device=device)[1:]
+            bases = bases_tensor(bufs.sym, bufs.words, device)
             err_host = torch.zeros(ERROR_HEADER + MAX_ERROR_RANKS, dtype=torch.int32,
                                    pin_memory=True)
             err_dev = torch.zeros(4, dtype=torch.int32, device=device)

@@ -31,25 +31,27 @@ from .tcp import TcpEngine, listen
 
 log = logging.getLogger("moe_comm.transport")
 
-KINDS = ("auto", "tcp", "verbs")
+PROXY_KINDS = ("auto", "tcp", "verbs")       # what the host proxy runs
+KINDS = PROXY_KINDS + ("ibgda",)             # what a Buffer takes (ibgda: CUDA groups)
 ENV = "MOE_COMM_TRANSPORT"
 _logged = set()
 
 
-def requested_kind(kind: str = "auto") -> str:
-    if kind == "ibgda":
-        raise ValueError("transport 'ibgda' is for CUDA tensors (GPU-initiated RDMA); the "
-                         "host proxy runs 'auto', 'tcp' or 'verbs'")
+def requested_kind(kind: str = "auto", cuda: bool = False) -> str:
+    """The kind asked for: ``kind``, or for ``"auto"`` ``$MOE_COMM_TRANSPORT``. ``"ibgda"`` is
+    a CUDA group's choice (moe_comm/cuda/ibgda.py): with ``cuda`` False an explicit one
+    raises, and one from the environment means ``"auto"`` (host code has only its proxy)."""
     if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        raise ValueError(f"transport kind must be one of {KINDS}, got {kind!r}")
+    if kind == "ibgda" and not cuda:
+        raise ValueError("transport 'ibgda' is for CUDA tensors (GPU-initiated RDMA); the "
+                         f"host proxy runs one of {PROXY_KINDS}")
     if kind != "auto":
         return kind
     env = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if env == "ibgda":          # meant for CUDA groups (moe_comm/cuda/ibgda.py); host code
-        return "auto"           # has only its proxy
     if env not in KINDS:
-        raise ValueError(f"{ENV} must be one of {KINDS + ('ibgda',)}, got {env!r}")
-    return env
+        raise ValueError(f"{ENV} must be one of {KINDS}, got {env!r}")
+    return "auto" if env == "ibgda" and not cuda else env
 
 
 def _log_once(kind: str, why: str) -> None:
