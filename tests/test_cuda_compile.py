@@ -1,4 +1,5 @@
-"""Every CUDA kernel variant the library can request compiles for sm_90 and sm_100.
+"""Every CUDA kernel variant the library can request compiles for sm_90 and sm_100, and fits
+the block it is launched with.
 
 Runs on CPU-only CI: NVRTC (the ``nvidia-cuda-nvrtc`` wheel, through cuda.core) compiles to
 cubin without a driver. It uses the library's own compile path (moe_comm.cuda.compiler) with
@@ -14,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from moe_comm.cuda import variants
+from moe_comm.cuda import resources, variants
 
 ARCHS = ("sm_90", "sm_100")
 
@@ -39,7 +40,11 @@ def fresh_cache(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_every_variant_compiles_without_warnings(arch, fresh_cache):
+def test_every_variant_compiles_and_fits_its_launch_block(arch, fresh_cache):
+    """No warnings (spills are warnings: --warn-on-spills), and every kernel can launch with
+    the block the library uses: registers x threads within the register file, static shared
+    memory, no stack frame, and compiled with __launch_bounds__ of that block
+    (moe_comm/cuda/resources.py, read from the cubin)."""
     version = _nvrtc_or_skip()
     from moe_comm.cuda.compiler import KernelCompileError, compile_cubin
     todo = variants.all_variants()
@@ -51,10 +56,7 @@ def test_every_variant_compiles_without_warnings(arch, fresh_cache):
         except KernelCompileError as e:
             failures.append(str(e))
             return
-        # Every kernel the host will ask for is in the cubin's symbol table.
-        for name in v.kernels:
-            if name.encode() + b"\0" not in cubin:
-                failures.append(f"{v.label} {arch}: kernel {name} missing from the cubin")
+        failures.extend(resources.problems(cubin, f"{v.label} {arch}", v.kernels))
 
     t0 = time.monotonic()
     with ThreadPoolExecutor(2) as pool:       # NVRTC releases the GIL
@@ -94,8 +96,8 @@ def test_every_listed_kernel_is_defined_in_its_source():
     from moe_comm.cuda.compiler import kernel_dir
     for v in set(variants.all_variants()):
         text = _with_includes(kernel_dir() / v.source)
-        defined = set(re.findall(r"MOE_KERNEL void (\w+)\(", text)) | set(
-            re.findall(r"MOE_REDUCE_KERNEL\((\w+),", text))
+        defined = set(re.findall(r"MOE_KERNEL void __launch_bounds__\([^)]*\)\s+(\w+)\(",
+                                 text)) | set(re.findall(r"MOE_REDUCE_KERNEL\((\w+),", text))
         assert set(v.kernels) <= defined, (v.label, set(v.kernels) - defined)
 
 

@@ -18,7 +18,12 @@ from moe_comm.cuda import ll as cll
 from moe_comm.cuda import normal as cn
 from moe_comm.cuda.comm import CudaComm
 from moe_comm.cuda.compiler import kernel_dir
+from moe_comm.cuda.variants import THREADS
 from moe_comm.wire import LLLayout
+
+
+# `MOE_KERNEL void __launch_bounds__(MOE_THREADS_X, 1) name(` (the bound is optional here)
+KERNEL_HEAD = r"MOE_KERNEL void (?:__launch_bounds__\([^)]*\)\s+)?"
 
 
 def _signatures() -> dict:
@@ -33,12 +38,12 @@ def _signatures() -> dict:
                 params = params.replace(name, body)
             return ["ptr" if "*" in p else "int" for p in params.split(",") if p.strip()]
 
-        for name, params in re.findall(r"MOE_KERNEL void (\w+)\(([^)]*)\)", text):
+        for name, params in re.findall(KERNEL_HEAD + r"(\w+)\(([^)]*)\)", text):
             if name != "NAME":
                 sigs[name] = kinds(params)
-        macro = re.search(r"#define MOE_REDUCE_KERNEL\(NAME, ELEM\)\s*MOE_KERNEL void NAME\("
-                          r"([^)]*)\)", text)
-        for inst in re.findall(r"^MOE_REDUCE_KERNEL\((\w+), \w+\)", text, re.M):
+        macro = re.search(r"#define MOE_REDUCE_KERNEL\(NAME, ELEM, THREADS\)\s*" + KERNEL_HEAD +
+                          r"NAME\(([^)]*)\)", text)
+        for inst in re.findall(r"^MOE_REDUCE_KERNEL\((\w+), \w+, \w+\)", text, re.M):
             sigs[inst] = kinds(macro.group(1))
     return sigs
 
@@ -78,8 +83,8 @@ def _check(calls):
             else:
                 assert isinstance(a, (int, bool)) and not isinstance(a, torch.Tensor), \
                     (kernel, i, type(a))
-        blocks = block if isinstance(block, int) else block[0]
-        assert blocks % 32 == 0 and 32 <= blocks <= 1024, (kernel, block)
+        # every launch uses the block its kernel is compiled for (__launch_bounds__)
+        assert block == THREADS[kernel], (kernel, block)
         dims = (grid,) if isinstance(grid, int) else grid
         assert all(isinstance(d, int) and d >= 1 for d in dims), (kernel, grid)
 

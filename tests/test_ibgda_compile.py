@@ -19,8 +19,8 @@ from dataclasses import replace
 
 import pytest
 
-from moe_comm.cuda import variants
-from moe_comm.ibgda import bases, build, elf, locate
+from moe_comm.cuda import elf, resources, variants
+from moe_comm.ibgda import bases, build, locate
 
 SM90_PROGRAMS = (build.selftest_program(),
                  build.kernel_program(variants.intranode(8)),
@@ -70,6 +70,15 @@ def test_every_program_builds_and_links_without_warnings(built):
     failures = [f"{p.label} {arch}: {r}" for (p, arch), r in built.items()
                 if isinstance(r, Exception)]
     assert not failures, "\n\n".join(failures)
+
+
+def test_every_kernel_fits_its_launch_block(built):
+    """The NVSHMEM build keeps the launch bounds too (moe_comm/cuda/resources.py)."""
+    failures = []
+    for (program, arch), cubin in built.items():
+        if not isinstance(cubin, Exception):
+            failures += resources.problems(cubin, f"{program.label} {arch}", program.kernels)
+    assert not failures, "\n".join(failures)
 
 
 @pytest.mark.parametrize("job", JOBS, ids=lambda j: f"{j[0].source}-{j[1]}")

@@ -42,6 +42,8 @@ struct alignas(16) uint4 {
 #define __forceinline__ inline __attribute__((always_inline))
 #define __shared__ static thread_local
 #define __restrict__ __restrict
+// Launch bounds: the Python launcher checks the block against them (moe_comm/cuda/emulator.py).
+#define __launch_bounds__(...)
 
 // The runtime (csrc/emu/runtime.cpp). Calls are opaque to the compiler; the "memory" clobber
 // in the wrappers below also stops it from keeping shared (thread_local) values in registers

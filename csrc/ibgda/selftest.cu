@@ -12,9 +12,10 @@
 
 // One warp: put `bytes` from `src` (registered memory: our symmetric buffer) to `dst_off` of
 // `peer`'s buffer, then lane 0 signals `word` at `sig_off` of `peer`'s buffer.
-MOE_KERNEL void moe_ibgda_test_send(const u64* bases, i32* err_host, i32* err_dev, i64 op,
-                                    i64 peer, i64 dst_off, const u8* src, i64 bytes,
-                                    i64 sig_off, i64 word) {
+MOE_KERNEL void __launch_bounds__(MOE_THREADS_IBGDA_TEST_SEND)
+moe_ibgda_test_send(const u64* bases, i32* err_host, i32* err_dev, i64 op,
+                    i64 peer, i64 dst_off, const u8* src, i64 bytes,
+                    i64 sig_off, i64 word) {
     const Transport t{bases, ErrorSink{err_host, err_dev, (i32)op}};
     if (threadIdx.x >= kWarpSize) return;
     t.put_warp((int)peer, (u64)dst_off, src, (u64)bytes);
@@ -24,9 +25,10 @@ MOE_KERNEL void moe_ibgda_test_send(const u64* bases, i32* err_host, i32* err_de
 
 // One thread: wait (deadline-bounded) until the local word `word` carries `epoch`, pushed by
 // `peer`; out[0] = its value, or -1 on timeout (then the error word names `peer`).
-MOE_KERNEL void moe_ibgda_test_wait(const u64* bases, i32* err_host, i32* err_dev, i64 op,
-                                    i64 peer, const u64* word, i64 epoch, i64 timeout_ns,
-                                    i64* out) {
+MOE_KERNEL void __launch_bounds__(MOE_THREADS_IBGDA_TEST_WAIT)
+moe_ibgda_test_wait(const u64* bases, i32* err_host, i32* err_dev, i64 op,
+                    i64 peer, const u64* word, i64 epoch, i64 timeout_ns,
+                    i64* out) {
     const Transport t{bases, ErrorSink{err_host, err_dev, (i32)op}};
     if (threadIdx.x != 0) return;
     out[0] = t.wait_local(word, (u32)epoch, (u64)timeout_ns, (int)peer);
@@ -34,9 +36,10 @@ MOE_KERNEL void moe_ibgda_test_wait(const u64* bases, i32* err_host, i32* err_de
 
 // One thread: the pull fallback, wait_peer_tag on the word at `off` of `peer`'s buffer (an
 // RDMA read per poll for a network peer). out[0] = 1 if it showed `epoch` in time, else 0.
-MOE_KERNEL void moe_ibgda_test_wait_remote(const u64* bases, i32* err_host, i32* err_dev,
-                                           i64 op, i64 peer, i64 off, i64 epoch,
-                                           i64 timeout_ns, i64* out) {
+MOE_KERNEL void __launch_bounds__(MOE_THREADS_IBGDA_TEST_WAIT_REMOTE)
+moe_ibgda_test_wait_remote(const u64* bases, i32* err_host, i32* err_dev,
+                           i64 op, i64 peer, i64 off, i64 epoch,
+                           i64 timeout_ns, i64* out) {
     const Transport t{bases, ErrorSink{err_host, err_dev, (i32)op}};
     if (threadIdx.x != 0) return;
     out[0] = wait_peer_tag(t, (int)peer, (u64)off, (u32)epoch, (u64)timeout_ns) ? 1 : 0;
@@ -46,10 +49,11 @@ MOE_KERNEL void moe_ibgda_test_wait_remote(const u64* bases, i32* err_host, i32*
 // sends first. Each leg puts `bytes` from `src` to `dst_off` and signals tag(epoch0 + i, i)
 // at `sig_off`; the other side waits for it on its own copy of the word. out[0] = legs received
 // in time (`iters` when all were), out[1] = %globaltimer ns the loop took.
-MOE_KERNEL void moe_ibgda_test_pingpong(const u64* bases, i32* err_host, i32* err_dev, i64 op,
-                                        i64 rank, i64 peer, i64 first, i64 iters, i64 dst_off,
-                                        const u8* src, i64 bytes, i64 sig_off, i64 epoch0,
-                                        i64 timeout_ns, i64* out) {
+MOE_KERNEL void __launch_bounds__(MOE_THREADS_IBGDA_TEST_PINGPONG)
+moe_ibgda_test_pingpong(const u64* bases, i32* err_host, i32* err_dev, i64 op,
+                        i64 rank, i64 peer, i64 first, i64 iters, i64 dst_off,
+                        const u8* src, i64 bytes, i64 sig_off, i64 epoch0,
+                        i64 timeout_ns, i64* out) {
     const Transport t{bases, ErrorSink{err_host, err_dev, (i32)op}};
     if (threadIdx.x >= kWarpSize) return;
     const u64* mine = (const u64*)((const u8*)bases[rank] + sig_off);

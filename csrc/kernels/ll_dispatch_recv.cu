@@ -14,14 +14,15 @@ static_assert(kHidden % 128 == 0, "specialised hidden sizes are multiples of 128
 
 // grid: (num_local, SPLIT), block: a multiple of 32 threads, >= num_ranks. Runs after
 // moe_ll_wait has seen every source's count row.
-MOE_KERNEL void moe_ll_dispatch_recv(const u64* bases, i64 rank, i64 num_ranks, i64 timeout_ns,
-                                     i32* err_host, i32* err_dev, i64 op, i64 payload_off,
-                                     i64 meta_off, i64 counts_off, i64 count_row_words,
-                                     i64 stride, i64 max_tokens, i64 hidden, i64 num_local,
-                                     i64 free_off, i64 seq, u8* recv_x, void* recv_scales,
-                                     i32* recv_count, i32* stats, i64* recv_meta,
-                                     i64* recv_ranges, i64* return_base, i32* counter,
-                                     i32* active) {
+MOE_KERNEL void __launch_bounds__(MOE_THREADS_LL_DISPATCH_RECV, 1)
+moe_ll_dispatch_recv(const u64* bases, i64 rank, i64 num_ranks, i64 timeout_ns,
+                     i32* err_host, i32* err_dev, i64 op, i64 payload_off,
+                     i64 meta_off, i64 counts_off, i64 count_row_words,
+                     i64 stride, i64 max_tokens, i64 hidden, i64 num_local,
+                     i64 free_off, i64 seq, u8* recv_x, void* recv_scales,
+                     i32* recv_count, i32* stats, i64* recv_meta,
+                     i64* recv_ranges, i64* return_base, i32* counter,
+                     i32* active) {
     const LLGroup g{bases, rank, num_ranks, timeout_ns, Active{active}};
     const LLBuffer lb{(u64)payload_off, (u64)meta_off, (u64)counts_off, 0, count_row_words,
                       stride, max_tokens};

@@ -13,12 +13,13 @@ static_assert(MOE_FP8 || !MOE_ROUND_SCALE, "round_scale needs fp8");
 static_assert(kHidden % 128 == 0, "specialised hidden sizes are multiples of 128");
 
 // grid: up to E blocks, block <= 1024 threads (a multiple of 32)
-MOE_KERNEL void moe_ll_dispatch_send(const u64* bases, i64 rank, i64 num_ranks, i64 timeout_ns,
-                                     i32* err_host, i32* err_dev, i64 op, i64 payload_off,
-                                     i64 meta_off, i64 counts_off, i64 count_row_words,
-                                     i64 stride, i64 max_tokens, const u16* x, i64 num_tokens,
-                                     i64 hidden, const i64* topk_idx, i64 topk, i64 num_experts,
-                                     i32* send_index, i64 seq, i32* active) {
+MOE_KERNEL void __launch_bounds__(MOE_THREADS_LL_DISPATCH_SEND, 1)
+moe_ll_dispatch_send(const u64* bases, i64 rank, i64 num_ranks, i64 timeout_ns,
+                     i32* err_host, i32* err_dev, i64 op, i64 payload_off,
+                     i64 meta_off, i64 counts_off, i64 count_row_words,
+                     i64 stride, i64 max_tokens, const u16* x, i64 num_tokens,
+                     i64 hidden, const i64* topk_idx, i64 topk, i64 num_experts,
+                     i32* send_index, i64 seq, i32* active) {
     const LLGroup g{bases, rank, num_ranks, timeout_ns, Active{active}};
     const LLBuffer lb{(u64)payload_off, (u64)meta_off, (u64)counts_off, 0, count_row_words,
                       stride, max_tokens};

@@ -79,9 +79,10 @@ struct LLBuffer {
 // grid 1, one thread per rank s: the `words` words at offset + s * src_stride of this rank's
 // buffer (s's count row, DONE slot or FREE slot) all carry `epoch`. Timeouts name s. Every
 // LL module carries this kernel (each .cu is its own compiled program).
-MOE_KERNEL void moe_ll_wait(const u64* bases, i64 rank, i64 num_ranks, i64 timeout_ns,
-                            i32* err_host, i32* err_dev, i64 op, i64 offset, i64 src_stride,
-                            i64 words, i64 epoch, i32* active) {
+MOE_KERNEL void __launch_bounds__(MOE_THREADS_LL_WAIT, 1)
+moe_ll_wait(const u64* bases, i64 rank, i64 num_ranks, i64 timeout_ns,
+            i32* err_host, i32* err_dev, i64 op, i64 offset, i64 src_stride,
+            i64 words, i64 epoch, i32* active) {
     const LLGroup g{bases, rank, num_ranks, timeout_ns, Active{active}};
     const ErrorSink err{err_host, err_dev, (i32)op};
     const Transport t{bases, err};

@@ -141,7 +141,9 @@ __device__ void dispatch_send_body(const Group g, const ErrorSink err, const u8*
     const i64 warp0 = (i64)blockIdx.x * warps_per_block() + warp_id();
     const i64 nwarps = (i64)gridDim.x * warps_per_block();
     for (i64 tok = warp0; tok < num_tokens; tok += nwarps) {
-#pragma unroll
+        // Not unrolled: each pass copies a whole row, and R copies of this body would not fit
+        // the 128 registers a 512-thread block allows (spills).
+#pragma unroll 1
         for (int d = 0; d < R; ++d) {
             const i32 pos = send_pos[tok * R + d];
             if (pos < 0) continue;

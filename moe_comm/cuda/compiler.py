@@ -16,15 +16,18 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import os
 import tempfile
 import threading
 from pathlib import Path
 
+from .resources import check_loaded
 from .variants import Variant
 
 # Bump when the options below change in a way the key would not see.
-OPTIONS_VERSION = "1"
+OPTIONS_VERSION = "2"
+logger = logging.getLogger("moe_comm")
 _STD = "c++17"
 
 
@@ -83,10 +86,13 @@ def cache_key(variant: Variant, arch: str, folder: Path | None = None) -> str:
 
 
 def _program_options(variant: Variant, arch: str, folder: Path):
+    """Line info (compute-sanitizer and cuda-gdb name source lines; no run-time cost), and
+    ptxas warns when a kernel spills registers (a warning fails the strict CI compile)."""
     ProgramOptions = cuda_core().ProgramOptions
     defines = [(name, str(value)) for name, value in variant.defines]
     return ProgramOptions(name=variant.source, arch=arch, std=_STD,
-                          include_path=[str(folder)], define_macro=defines or None)
+                          include_path=[str(folder)], define_macro=defines or None,
+                          lineinfo=True, ptxas_options=["--warn-on-spills"])
 
 
 def _clean_log(text: str) -> str:
@@ -120,6 +126,9 @@ def compile_cubin(variant: Variant, arch: str, *, strict: bool = False, use_cach
     if strict and text:
         raise KernelCompileError(f"{variant.label} for {arch} compiled with diagnostics "
                                  f"(warnings are errors here):\n{text}")
+    if text:                        # e.g. a spill warning: slow, not wrong
+        logger.warning("moe_comm: %s for %s compiled with diagnostics:\n%s", variant.label,
+                           arch, text)
     data = bytes(obj.code)          # only .code: see the module docstring
     if use_cache:
         write_atomic(path, data)
@@ -177,27 +186,24 @@ def load_kernels(variant: Variant, device) -> dict:
             except TypeError:                   # cuda.core <= 0.2 has no name=
                 obj = cuda_core().ObjectCode.from_cubin(cubin)
             hit = {name: obj.get_kernel(name) for name in variant.kernels}
-            for kernel in hit.values():
-                force_load(kernel)
+            for name, kernel in hit.items():
+                force_load(kernel, name)
             hit["__object__"] = obj             # keeps the library loaded
             _loaded[(variant, arch, device.index)] = hit
         return hit
 
 
-def force_load(kernel) -> None:
-    """Resolve the kernel's function in the current context now (see load_kernels)."""
+def force_load(kernel, name: str) -> None:
+    """Resolve kernel ``name``'s function in the current context now (see load_kernels), and
+    check that it can run the block it will be launched with (moe_comm/cuda/resources.py)."""
     from cuda.bindings import driver as cu
     try:
         err, _ = cu.cuKernelGetFunction(kernel.handle)  # a CUkernel: load into this context
     except (TypeError, AttributeError):                 # older cuda.core: a CUfunction handle
-        err = None
-    if err is not None:
-        if err != cu.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"cuKernelGetFunction failed: {err}")
-        return
-    regs = kernel.attributes.num_regs                   # also resolves the function
-    if callable(regs):                                  # a method before cuda.core 0.4
-        regs()
+        err = None                                      # (reading an attribute resolves it)
+    if err is not None and err != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuKernelGetFunction({name}) failed: {err}")
+    check_loaded(kernel, name)
 
 
 def preload(variant_list, device) -> None:

@@ -19,8 +19,8 @@ from ..wire import LINE_WORDS, MAX_EPOCH, round_up
 from . import variants
 from .comm import CudaComm
 from .launcher import launch
+from .variants import THREADS
 
-AGREE_BLOCK = 64          # csrc/kernels/sync.cuh kMaxErrorRanks: one thread per rank
 AGREE_GRACE_NS = 10**9    # HostComm's AGREE_GRACE_S: the round waits a deadline plus this
 
 
@@ -37,7 +37,7 @@ def agree(comm: CudaComm, op: str, matrix=None) -> None:
     # A healthy peer may reach the round a full deadline after this rank did (it timed out on
     # a rank whose signals reached this one): the wait covers that, and a grace more.
     wait_ns = comm.timeout_ns + min(comm.timeout_ns, AGREE_GRACE_NS)
-    launch(k["moe_agree"], 1, AGREE_BLOCK, comm.bases, comm.rank, comm.num_ranks,
+    launch(k["moe_agree"], 1, THREADS["moe_agree"], comm.bases, comm.rank, comm.num_ranks,
            wait_ns, *comm.error_args(op), comm.active, comm.call_active,
            lay.mask(comm.agree_seq % 2, 0) * 8, row_stride, lay.mask_words, comm.agree_seq,
            matrix, device=comm.device)

@@ -25,7 +25,7 @@ import threading
 from pathlib import Path
 
 from .compiler import cache_dir, kernel_dir, write_atomic
-from .variants import Variant
+from .variants import THREADS, Variant
 
 ERR_CHARS = 512
 _U64 = (1 << 64) - 1                 # kernel arguments travel as 64-bit words (two's complement)
@@ -107,11 +107,13 @@ def build_source(source: Path, defines=()) -> Path:
 
 
 class EmuKernel:
-    """One kernel of a built variant; :func:`launch_emu` runs it."""
+    """One kernel of a built variant; :func:`launch_emu` runs it. ``max_threads``: its launch
+    bound (variants.THREADS; None for a test kernel outside the table)."""
 
     def __init__(self, lib: ctypes.CDLL, name: str):
         self.lib, self.name = lib, name
         self.address = ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+        self.max_threads = THREADS.get(name)
 
 
 _loaded: dict = {}
@@ -181,6 +183,11 @@ def _dims(v) -> tuple:
 def launch_emu(kernel: EmuKernel, grid, block, args) -> None:
     """Run ``kernel`` to completion on CPU threads (releases the GIL meanwhile). ``args`` are
     integers (pointers, int64; numpy scalars as moe_comm/cuda/launcher.py makes them)."""
+    threads = _dims(block)[0] * _dims(block)[1] * _dims(block)[2]
+    if kernel.max_threads is not None and threads > kernel.max_threads:
+        # a GPU refuses it too: the kernel was compiled with __launch_bounds__(max_threads)
+        raise EmulatorError(f"{kernel.name}: launched with {threads} threads per block, but it "
+                            f"is compiled for at most {kernel.max_threads} (variants.THREADS)")
     words = (ctypes.c_uint64 * max(1, len(args)))(*[int(a) & _U64 for a in args])
     err = ctypes.create_string_buffer(ERR_CHARS)
     rc = kernel.lib.moe_emu_launch(kernel.address, *_dims(grid), *_dims(block), words,

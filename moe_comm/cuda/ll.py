@@ -25,10 +25,8 @@ from . import variants
 from .comm import SIGNAL_STRIDE, CudaComm
 from .elastic import agree
 from .launcher import launch
+from .variants import THREADS
 
-SEND_BLOCK = 512        # dispatch send: one block per expert, one warp per (token, slot)
-BLOCK = 256             # the other LL data kernels
-WAIT_BLOCK = 32         # wait kernels: one thread per rank
 MAX_SPLIT = 8           # blocks per local expert in recv / combine send
 
 
@@ -78,8 +76,8 @@ def _check(comm: CudaComm, lay: LLLayout, hidden: int, num_tokens: int, topk: in
 def _wait(comm: CudaComm, kernels, op: str, offset: int, src_stride: int, words: int,
           epoch: int) -> None:
     """One-block wait on this rank's own slots, one row per source (low_latency.cuh)."""
-    launch(kernels["moe_ll_wait"], 1, WAIT_BLOCK, comm.bases, comm.rank, comm.num_ranks,
-           comm.timeout_ns, *comm.error_args(op), offset, src_stride, words, epoch,
+    launch(kernels["moe_ll_wait"], 1, THREADS["moe_ll_wait"], comm.bases, comm.rank,
+           comm.num_ranks, comm.timeout_ns, *comm.error_args(op), offset, src_stride, words, epoch,
            comm.active, device=comm.device)
 
 
@@ -102,8 +100,8 @@ def dispatch_send(comm: CudaComm, *, x, topk_idx, lay: LLLayout, use_fp8: bool,
     if seq > LL_NUM_BUFFERS:     # every rank has read its buffer `buf` of call seq - 2
         _wait(comm, k, "low_latency_dispatch/send", comm.layout.ll_dispatch_free(buf, 0) * 8,
               SIGNAL_STRIDE, 1, seq - LL_NUM_BUFFERS)
-    launch(k["moe_ll_dispatch_send"], max(1, lay.num_experts), SEND_BLOCK, comm.bases,
-           comm.rank, comm.num_ranks, comm.timeout_ns,
+    launch(k["moe_ll_dispatch_send"], max(1, lay.num_experts), THREADS["moe_ll_dispatch_send"],
+           comm.bases, comm.rank, comm.num_ranks, comm.timeout_ns,
            *comm.error_args("low_latency_dispatch/send"), off["payload"], off["meta"],
            off["counts"], lay.count_row_words, msg_stride(hidden, use_fp8), lay.max_tokens,
            x.contiguous(), num_tokens, hidden, topk_idx.contiguous(), topk, lay.num_experts,
@@ -136,8 +134,9 @@ def dispatch_recv(comm: CudaComm, handle: LowLatencyHandle, lay: LLLayout, *, re
     _wait(comm, k, "low_latency_dispatch/recv", off["counts"], lay.count_row_words * 8,
           num_local + 1, handle.seq)
     agree(comm, "low_latency_dispatch/recv")   # elastic: the same sources count on every rank
-    launch(k["moe_ll_dispatch_recv"], (num_local, _split(num_local)), BLOCK, comm.bases,
-           comm.rank, R, comm.timeout_ns, *comm.error_args("low_latency_dispatch/recv"),
+    launch(k["moe_ll_dispatch_recv"], (num_local, _split(num_local)),
+           THREADS["moe_ll_dispatch_recv"], comm.bases, comm.rank, R, comm.timeout_ns,
+           *comm.error_args("low_latency_dispatch/recv"),
            off["payload"], off["meta"], off["counts"], lay.count_row_words,
            msg_stride(handle.hidden, use_fp8), M, handle.hidden, num_local,
            comm.layout.ll_dispatch_free(handle.buf, 0) * 8, handle.seq, recv_x,
@@ -164,8 +163,8 @@ def combine_send(comm: CudaComm, *, x, handle: CudaLowLatencyHandle, lay: LLLayo
     if seq > LL_NUM_BUFFERS:     # every owner has summed its combine rows of call seq - 2
         _wait(comm, k, "low_latency_combine/send", comm.layout.ll_combine_free(buf, 0) * 8,
               SIGNAL_STRIDE, 1, seq - LL_NUM_BUFFERS)
-    launch(k["moe_ll_combine_send"], (num_local, _split(num_local)), BLOCK, comm.bases,
-           comm.rank, comm.num_ranks, comm.timeout_ns,
+    launch(k["moe_ll_combine_send"], (num_local, _split(num_local)),
+           THREADS["moe_ll_combine_send"], comm.bases, comm.rank, comm.num_ranks, comm.timeout_ns,
            *comm.error_args("low_latency_combine/send"), _offsets(comm, lay, buf)["combine"],
            lay.max_tokens, x.contiguous(), hidden, num_local, lay.max_tokens * LL_MAX_TOPK,
            handle.recv_ranges, handle.return_base, comm.layout.ll_combine_done(buf, 0) * 8,
@@ -187,8 +186,8 @@ def combine_recv(comm: CudaComm, seq: int, buf: int, lay: LLLayout, *, handle, t
     _wait(comm, k, "low_latency_combine/recv", comm.layout.ll_combine_done(buf, 0) * 8,
           SIGNAL_STRIDE, 1, seq)
     agree(comm, "low_latency_combine/recv")
-    launch(k["moe_ll_combine_recv"], max(1, min(num_tokens, 64)), BLOCK, comm.bases,
-           comm.rank, comm.num_ranks, comm.timeout_ns,
+    launch(k["moe_ll_combine_recv"], max(1, min(num_tokens, 64)),
+           THREADS["moe_ll_combine_recv"], comm.bases, comm.rank, comm.num_ranks, comm.timeout_ns,
            *comm.error_args("low_latency_combine/recv"), _offsets(comm, lay, buf)["combine"],
            hidden, num_tokens, topk, lay.max_tokens * LL_MAX_TOPK, topk_idx.contiguous(),
            topk_weights.contiguous(), handle.send_index,

@@ -35,10 +35,9 @@ from .comm import SIGNAL_STRIDE, CudaComm
 from .elastic import agree
 from .compiler import load_kernels
 from .launcher import launch
+from .variants import THREADS
 
 DEFAULT_NUM_SMS = 20         # blocks of the data kernels (DeepEP's Buffer.num_sms default)
-BLOCK = 512                  # threads of the data kernels (16 warps, one token/row per warp)
-SIGNAL_BLOCK = 32            # notify / wait: one thread per rank
 EXPERTS_PER_LAYOUT_BLOCK = 1024   # csrc/kernels/layout.cuh kExpertsPerBlock
 REDUCE_KERNEL = {torch.bfloat16: "moe_combine_reduce_bf16", torch.float16: "moe_combine_reduce_f16",
                  torch.float32: "moe_combine_reduce_f32"}
@@ -83,20 +82,20 @@ def _layout(topk_idx, num_experts, num_ranks, *, want_experts, want_pos):
         else None
     grid = num_ranks + (-(-num_experts // EXPERTS_PER_LAYOUT_BLOCK) if want_experts else 0)
     layout_kernel = load_kernels(variants.intranode(num_ranks), device)["moe_layout"]
-    launch(layout_kernel, grid, BLOCK, topk_idx, num_tokens, topk,
+    launch(layout_kernel, grid, THREADS["moe_layout"], topk_idx, num_tokens, topk,
            num_experts, per_rank, per_expert, in_rank, send_pos, device=device)
     return per_rank, per_expert, in_rank, send_pos
 
 
 def _notify(comm: CudaComm, k, epoch: int, counts, matrix, op: str) -> None:
-    launch(k["moe_notify"], 1, SIGNAL_BLOCK, *comm.group_args(), *comm.error_args(op),
+    launch(k["moe_notify"], 1, THREADS["moe_notify"], *comm.group_args(), *comm.error_args(op),
            comm.next_notify_offset(), comm.layout.row_words, epoch, counts, matrix,
            device=comm.device)
 
 
 def _wait_done(comm: CudaComm, k, epoch: int, op: str) -> None:
-    launch(k["moe_wait_done"], 1, SIGNAL_BLOCK, *comm.group_args(), *comm.error_args(op),
-           comm.done_offset(), SIGNAL_STRIDE, epoch, device=comm.device)
+    launch(k["moe_wait_done"], 1, THREADS["moe_wait_done"], *comm.group_args(),
+           *comm.error_args(op), comm.done_offset(), SIGNAL_STRIDE, epoch, device=comm.device)
 
 
 def _check_capacity(comm: CudaComm, what: str, layouts) -> None:
@@ -106,7 +105,7 @@ def _check_capacity(comm: CudaComm, what: str, layouts) -> None:
 
 
 def _grid_for_rows(rows: int, num_sms: int) -> int:
-    return max(1, min(-(-rows // (BLOCK // 32)), 4 * num_sms))
+    return max(1, min(-(-rows // (THREADS["moe_dispatch_copy_out"] // 32)), 4 * num_sms))
 
 
 def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights,
@@ -161,8 +160,8 @@ def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_w
         _check_capacity(comm, "dispatch", [SlabLayout(int(n), row_bytes, scale_cols, topk)
                                            for n in recv_rows])
 
-    launch(k["moe_dispatch_send"], max(1, num_sms), BLOCK, *comm.group_args(),
-           *comm.error_args("dispatch/send"), x_bytes, num_tokens, row_bytes,
+    launch(k["moe_dispatch_send"], max(1, num_sms), THREADS["moe_dispatch_send"],
+           *comm.group_args(), *comm.error_args("dispatch/send"), x_bytes, num_tokens, row_bytes,
            None if scales is None else scales.contiguous(), scale_cols,
            topk_idx if topk else None,
            None if topk_weights is None or not topk else topk_weights.contiguous(), topk,
@@ -178,7 +177,8 @@ def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_w
     recv_w = torch.empty(rows_out, topk, dtype=torch.float32, device=dev) if topk else None
     expert_counts = torch.zeros(num_local, dtype=torch.int32, device=dev) if topk else None
     if rows_out:
-        launch(k["moe_dispatch_copy_out"], _grid_for_rows(rows_out, num_sms), BLOCK,
+        launch(k["moe_dispatch_copy_out"], _grid_for_rows(rows_out, num_sms),
+               THREADS["moe_dispatch_copy_out"],
                *comm.group_args(), row_bytes, scale_cols, topk, matrix, num_worst_tokens,
                rows_out, recv_x, recv_scales, recv_idx, recv_w, expert_counts, num_local,
                device=dev)
@@ -217,8 +217,8 @@ def combine(comm: CudaComm, *, x, handle: CudaDispatchHandle, topk_weights, bias
     if handle.count_matrix is not None:
         sent = handle.count_matrix.sum(1)
         _check_capacity(comm, "combine", [SlabLayout(int(n), row_bytes, 0, topk) for n in sent])
-    launch(k["moe_combine_send"], max(1, num_sms), BLOCK, *comm.group_args(),
-           *comm.error_args("combine/send"), x, row_bytes,
+    launch(k["moe_combine_send"], max(1, num_sms), THREADS["moe_combine_send"],
+           *comm.group_args(), *comm.error_args("combine/send"), x, row_bytes,
            None if topk_weights is None else topk_weights.contiguous(), topk, handle.matrix,
            comm.done_offset(), SIGNAL_STRIDE, epoch, comm.counter("combine_send"), device=dev)
     _wait_done(comm, k, epoch, "combine/payload")
@@ -230,7 +230,8 @@ def combine(comm: CudaComm, *, x, handle: CudaDispatchHandle, topk_weights, bias
     for i, b in enumerate(bias or ()):
         biases[i] = b.to(device=dev, dtype=torch.float32).contiguous()
     if num_tokens:
-        launch(k[REDUCE_KERNEL[x.dtype]], min(num_tokens, 8 * max(1, num_sms)), 256,
+        reduce = REDUCE_KERNEL[x.dtype]
+        launch(k[reduce], min(num_tokens, 8 * max(1, num_sms)), THREADS[reduce],
                *comm.group_args(), hidden, topk, handle.matrix, handle.send_pos, num_tokens,
                biases[0], biases[1], out, w_out, device=dev)
     return out, w_out

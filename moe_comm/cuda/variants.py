@@ -1,7 +1,8 @@
 """Every kernel variant the CUDA backend can request, and which one a call needs.
 
 A variant is one NVRTC program: a source file of ``csrc/kernels`` compiled with a set of
-``-D`` specialisation macros; it holds one or more ``extern "C"`` kernels. The host picks the
+``-D`` specialisation macros (plus each kernel's block size, :data:`THREADS`); it holds one or
+more ``extern "C"`` kernels. The host picks the
 variant from the call's shape, so the device code stays free of run-time branching on those
 parameters:
 
@@ -34,6 +35,42 @@ INTRANODE_KERNELS = ("moe_layout", "moe_notify", "moe_wait_done", "moe_dispatch_
                      "moe_dispatch_copy_out", "moe_combine_send", "moe_combine_reduce_bf16",
                      "moe_combine_reduce_f16", "moe_combine_reduce_f32", "moe_agree")
 
+# Threads per block of every kernel: the one definition of a kernel's block size. The launch
+# sites (normal.py, ll.py, elastic.py, moe_comm/ibgda/selftest.py) launch with THREADS[name],
+# and every build (NVRTC, the nvcc/NVSHMEM build, the emulator) compiles the kernel with
+# __launch_bounds__(MOE_THREADS_<NAME>) of the same number (:func:`thread_defines`), so the
+# compiler keeps each kernel within the registers a block that size can have (65,536 per
+# block on sm_90/sm_100: at most 128 per thread at 512 threads). tests/test_kernel_resources.py
+# reads what each compiled kernel uses back from the cubins.
+THREADS = {
+    # normal mode and layout (intranode.cu): one warp per token / row
+    "moe_layout": 512, "moe_dispatch_send": 512, "moe_dispatch_copy_out": 512,
+    "moe_combine_send": 512,
+    # fp32 reduce: one block per token, 16-byte vectors across the block
+    "moe_combine_reduce_bf16": 256, "moe_combine_reduce_f16": 256,
+    "moe_combine_reduce_f32": 256,
+    # signal waits: one thread per rank
+    "moe_notify": 32, "moe_wait_done": 32, "moe_ll_wait": 32,
+    # elastic mask agreement: one thread per rank up to kMaxErrorRanks
+    "moe_agree": 64,
+    # low latency: one block per expert, one warp per (token, slot) in send
+    "moe_ll_dispatch_send": 512, "moe_ll_dispatch_recv": 256, "moe_ll_combine_send": 256,
+    "moe_ll_combine_recv": 256,
+    # csrc/ibgda/selftest.cu: one warp
+    "moe_ibgda_test_send": 32, "moe_ibgda_test_wait": 32, "moe_ibgda_test_wait_remote": 32,
+    "moe_ibgda_test_pingpong": 32,
+}
+
+
+def threads_macro(kernel: str) -> str:
+    """``moe_dispatch_send`` -> ``MOE_THREADS_DISPATCH_SEND`` (the kernel's launch bound)."""
+    return "MOE_THREADS_" + kernel.removeprefix("moe_").upper()
+
+
+def thread_defines(kernels) -> tuple:
+    """The ``(macro, threads)`` pairs a program holding ``kernels`` is compiled with."""
+    return tuple(sorted((threads_macro(k), THREADS[k]) for k in kernels))
+
 
 @dataclass(frozen=True)
 class Variant:
@@ -45,13 +82,14 @@ class Variant:
 
     @property
     def label(self) -> str:
-        macros = ",".join(f"{k[4:].lower()}={v}" for k, v in self.defines)
+        macros = ",".join(f"{k[4:].lower()}={v}" for k, v in self.defines
+                          if not k.startswith("MOE_THREADS_"))
         return f"{self.source}[{macros}]"
 
 
 def _variant(source, kernels, **defines) -> Variant:
-    return Variant(source, tuple(sorted((f"MOE_{k.upper()}", int(v))
-                                        for k, v in defines.items())), tuple(kernels))
+    shape = tuple((f"MOE_{k.upper()}", int(v)) for k, v in defines.items())
+    return Variant(source, tuple(sorted(shape + thread_defines(kernels))), tuple(kernels))
 
 
 def hidden_key(hidden: int) -> int:

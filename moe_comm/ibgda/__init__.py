@@ -5,8 +5,8 @@ Modules, one job each:
 
 - ``bases``     the ``bases`` words that tell kernels how each rank is reached (pure)
 - ``locate``    the NVSHMEM wheel's headers/libs/version and nvcc (no GPU)
-- ``build``     nvcc -rdc + device link against libnvshmem_device.a -> cubin, disk cache (no GPU)
-- ``elf``       symbol table of a cubin (link check without cuobjdump)
+- ``build``     nvcc -rdc + device link against libnvshmem_device.a -> cubin, disk cache (no GPU;
+                the link check reads the cubin with moe_comm/cuda/elf.py)
 - ``runtime``   init_nvshmem over a torch.distributed group, symmetric buffers, cubin loading
                 with library_init, finalize (GPU)
 - ``selftest``  two-rank put/signal round trip, ping-pong latency, timeout (GPU + RDMA NIC)

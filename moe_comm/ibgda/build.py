@@ -3,8 +3,8 @@
 NVRTC cannot link NVSHMEM's signal entry points and compiles IBGDA out (shared/TOOLING.md), so
 this uses nvcc, in two steps, with no GPU or driver involved:
 
-1. ``nvcc -rdc=true -arch=sm_XY -std=c++17 -DMOE_WITH_NVSHMEM -D<macros> -I csrc/kernels
-   -I <nvshmem>/include -c <source> -o prog.o``  (relocatable device code)
+1. ``nvcc -rdc=true -arch=sm_XY -std=c++17 -lineinfo -DMOE_WITH_NVSHMEM -D<macros>
+   -I csrc/kernels -I <nvshmem>/include -c <source> -o prog.o``  (relocatable device code)
 2. ``nvcc -arch=sm_XY -dlink -cubin prog.o -L <nvshmem>/lib -lnvshmem_device -o prog.cubin``
    (device link against the static device library: a self-contained cubin)
 
@@ -31,11 +31,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import elf
+from ..cuda import elf
+from ..cuda.variants import thread_defines
 from ..cuda.compiler import write_atomic
 from .locate import nvcc_path, nvcc_version, nvshmem_install
 
-OPTIONS_VERSION = "1"            # bump when the commands below change
+OPTIONS_VERSION = "2"            # bump when the commands below change
 _STD = "c++17"
 _TIMEOUT_S = 900
 
@@ -55,7 +56,8 @@ class Program:
 
     @property
     def label(self) -> str:
-        macros = ",".join(f"{k}={v}" for k, v in self.defines)
+        macros = ",".join(f"{k}={v}" for k, v in self.defines
+                          if not k.startswith("MOE_THREADS_"))
         return f"{self.source}[{macros}]"
 
 
@@ -64,7 +66,7 @@ SELFTEST_KERNELS = ("moe_ibgda_test_send", "moe_ibgda_test_wait", "moe_ibgda_tes
 
 
 def selftest_program() -> Program:
-    return Program("ibgda/selftest.cu", (), SELFTEST_KERNELS)
+    return Program("ibgda/selftest.cu", thread_defines(SELFTEST_KERNELS), SELFTEST_KERNELS)
 
 
 def kernel_program(variant) -> Program:
@@ -112,8 +114,11 @@ def cache_key(program: Program, arch: str, root: Path | None = None) -> str:
 def _commands(program: Program, arch: str, root: Path, obj: Path, cubin: Path):
     nv, nvcc = nvshmem_install(), nvcc_path()
     macros = [f"-D{k}={v}" for k, v in program.defines]
-    compile_cmd = [nvcc, "-rdc=true", f"-arch={arch}", f"-std={_STD}", "-DMOE_WITH_NVSHMEM",
-                   *macros, "-I", str(root / "kernels"), "-I", str(nv.include),
+    # -lineinfo: sanitizer reports name source lines. (No --warn-on-spills here: NVSHMEM's own
+    # quiet/flush functions spill a few bytes; our kernels' frames are checked from the cubin.)
+    compile_cmd = [nvcc, "-rdc=true", f"-arch={arch}", f"-std={_STD}", "-lineinfo",
+                   "-DMOE_WITH_NVSHMEM", *macros,
+                   "-I", str(root / "kernels"), "-I", str(nv.include),
                    "-c", str(root / program.source), "-o", str(obj)]
     link_cmd = [nvcc, f"-arch={arch}", "-dlink", "-cubin", str(obj), "-L", str(nv.lib),
                 "-lnvshmem_device", "-o", str(cubin)]

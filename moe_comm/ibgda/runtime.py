@@ -253,8 +253,8 @@ class NvshmemContext:
         kernels = {name: obj.get_kernel(name) for name in program.kernels}
         lib = nvshmem.NvshmemKernelObject.from_obj(obj)
         nvshmem.library_init(lib)
-        for kernel in kernels.values():     # loaded now, not at a first launch (compiler.py)
-            force_load(kernel)
+        for name, kernel in kernels.items():  # loaded now, not at a first launch (compiler.py)
+            force_load(kernel, name)
         self._libraries.append((obj, lib))
         self._kernels[key] = kernels
         return kernels

@@ -51,6 +51,7 @@ def _worker(rank, world, port, opts, queue):
                                 world_size=world)
         from ..cuda.comm import bases_tensor
         from ..cuda.launcher import launch
+        from ..cuda.variants import THREADS
         from .bases import decode_base
         from .build import build_cubin, selftest_program
         from .runtime import init_nvshmem
@@ -92,13 +93,15 @@ def _worker(rank, world, port, opts, queue):
                 torch.cuda.synchronize()
 
             common = (bases, err_host, err_dev, 0)
+
+            def run(name, *args):       # one block of the kernel's own size
+                launch(k[name], 1, THREADS[name], *common, *args)
             # 1. one way: rank 0 puts its pattern into rank 1 and signals; rank 1 waits.
             if rank == 0:
-                launch(k["moe_ibgda_test_send"], 1, 32, *common, peer, DST,
-                       np.uint64(base + SRC), nbytes, SIG_ONEWAY, _tag(1, nbytes))
+                run("moe_ibgda_test_send", peer, DST, np.uint64(base + SRC), nbytes, SIG_ONEWAY,
+                    _tag(1, nbytes))
             else:
-                launch(k["moe_ibgda_test_wait"], 1, 32, *common, peer,
-                       np.uint64(base + SIG_ONEWAY), 1, int(10e9), out)
+                run("moe_ibgda_test_wait", peer, np.uint64(base + SIG_ONEWAY), 1, int(10e9), out)
             sync()
             if rank == 1:
                 got = buf[DST:DST + nbytes].cpu()
@@ -109,9 +112,8 @@ def _worker(rank, world, port, opts, queue):
             reset()
             iters = opts["iters"]
             dist.barrier()
-            launch(k["moe_ibgda_test_pingpong"], 1, 32, *common, rank, peer, int(rank == 0),
-                   iters, DST, np.uint64(base + SRC), opts["ping_bytes"], SIG_PING, 10,
-                   int(10e9), out)
+            run("moe_ibgda_test_pingpong", rank, peer, int(rank == 0), iters, DST,
+                np.uint64(base + SRC), opts["ping_bytes"], SIG_PING, 10, int(10e9), out)
             sync()
             report["pingpong_received"] = int(out[0])
             report["pingpong_iters"] = iters
@@ -122,8 +124,7 @@ def _worker(rank, world, port, opts, queue):
             reset()
             buf[SIG_PULL:SIG_PULL + 8].view(torch.int64).fill_(_tag(5, rank))
             sync()
-            launch(k["moe_ibgda_test_wait_remote"], 1, 32, *common, peer, SIG_PULL, 5,
-                   int(10e9), out)
+            run("moe_ibgda_test_wait_remote", peer, SIG_PULL, 5, int(10e9), out)
             sync()
             report["pull_ok"] = int(out[0]) == 1
             report["pull_error"] = int(err_host[0])
@@ -133,8 +134,8 @@ def _worker(rank, world, port, opts, queue):
             if rank == 0:
                 deadline_ns = int(opts["deadline_ms"] * 1e6)
                 t0 = time.monotonic()
-                launch(k["moe_ibgda_test_wait"], 1, 32, *common, peer,
-                       np.uint64(base + SIG_NEVER), 99, deadline_ns, out)
+                run("moe_ibgda_test_wait", peer, np.uint64(base + SIG_NEVER), 99, deadline_ns,
+                    out)
                 torch.cuda.synchronize()
                 report["timeout_s"] = time.monotonic() - t0
                 report["timeout_value"] = int(out[0])
