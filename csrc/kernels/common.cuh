@@ -84,6 +84,37 @@ struct F32 {
     static MOE_DEVICE Storage from_f32(float f) { return f; }
 };
 
+// ---- vector accesses ---------------------------------------------------------------------
+// A misaligned vector access faults on a GPU and the CUDA context is lost with it, so every
+// 8- and 16-byte access goes through these, after the caller checked `aligned` (or knows it:
+// its own buffer's layout); under the emulator they check again and fail the launch instead.
+MOE_DEVICE bool aligned(const void* p, u64 bytes) { return ((u64)p & (bytes - 1)) == 0; }
+#ifdef MOE_EMU
+MOE_DEVICE void emu_check_aligned(const void* p, u64 bytes) {
+    if (!aligned(p, bytes)) emu::fail("misaligned vector access (a GPU faults here)");
+}
+MOE_DEVICE uint4 ld16(const void* p) {
+    emu_check_aligned(p, 16);
+    uint4 v;
+    memcpy(&v, p, 16);
+    return v;
+}
+MOE_DEVICE void st16(void* p, uint4 v) {
+    emu_check_aligned(p, 16);
+    memcpy(p, &v, 16);
+}
+MOE_DEVICE uint2 ld8(const void* p) {
+    emu_check_aligned(p, 8);
+    uint2 v;
+    memcpy(&v, p, 8);
+    return v;
+}
+#else
+MOE_DEVICE uint4 ld16(const void* p) { return *(const uint4*)p; }
+MOE_DEVICE void st16(void* p, uint4 v) { *(uint4*)p = v; }
+MOE_DEVICE uint2 ld8(const void* p) { return *(const uint2*)p; }
+#endif
+
 // ---- warp reductions ---------------------------------------------------------------------
 MOE_DEVICE float warp_max(float v) {
 #pragma unroll
@@ -106,14 +137,14 @@ MOE_DEVICE void warp_copy(void* dst, const void* src, u64 bytes) {
         const u64 n = bytes / 16;
         u64 i = lane;
         for (; i + 3 * kWarpSize < n; i += 4 * kWarpSize) {
-            uint4 v0 = s[i], v1 = s[i + kWarpSize], v2 = s[i + 2 * kWarpSize],
-                  v3 = s[i + 3 * kWarpSize];
-            d[i] = v0;
-            d[i + kWarpSize] = v1;
-            d[i + 2 * kWarpSize] = v2;
-            d[i + 3 * kWarpSize] = v3;
+            const uint4 v0 = ld16(s + i), v1 = ld16(s + i + kWarpSize),
+                        v2 = ld16(s + i + 2 * kWarpSize), v3 = ld16(s + i + 3 * kWarpSize);
+            st16(d + i, v0);
+            st16(d + i + kWarpSize, v1);
+            st16(d + i + 2 * kWarpSize, v2);
+            st16(d + i + 3 * kWarpSize, v3);
         }
-        for (; i < n; i += kWarpSize) d[i] = s[i];
+        for (; i < n; i += kWarpSize) st16(d + i, ld16(s + i));
     } else if ((bits & 3) == 0) {
         u32* d = (u32*)dst;
         const u32* s = (const u32*)src;

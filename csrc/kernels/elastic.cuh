@@ -59,7 +59,8 @@ MOE_DEVICE void agree_body(const u64* bases, int rank, int num_ranks, i64 timeou
         if (p != rank && was_on) {
             const u64* row = (const u64*)((u8*)bases[rank] + mask_off + (u64)p * row_stride);
             for (int w = 0; w < mask_words; ++w) {
-                const i64 v = wait_from(t, live, row + w, seq, timeout_ns, p);
+                // every value of a mask word is data: no failure mark
+                const i64 v = wait_from(t, live, row + w, seq, timeout_ns, p, false);
                 if (v < 0) {  // silent in this round (now masked), or masked meanwhile
                     silent[p] = true;
                     break;

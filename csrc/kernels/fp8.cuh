@@ -17,14 +17,23 @@ MOE_DEVICE float ceil_pow2(float s) {
 }
 
 // One warp quantises one 128-channel block: lane l owns channels 4l..4l+3. `src` points at the
-// block's 128 bf16 values (8-byte aligned), `dst` at its 128 output bytes (4-byte aligned).
+// block's 128 bf16 values (any 2-byte alignment: the caller's x may be a view; 8-byte loads
+// where it allows), `dst` at its 128 output bytes (4-byte aligned: a message row).
 // Returns the block's scale (the same value in every lane).
 template <bool kRoundScale>
 MOE_DEVICE float quantize_block_e4m3(const u16* src, u8* dst) {
     const int lane = lane_id();
-    const uint2 raw = *(const uint2*)(src + lane * 4);
-    float f[4] = {bf16_to_f32((u16)(raw.x & 0xffff)), bf16_to_f32((u16)(raw.x >> 16)),
-                  bf16_to_f32((u16)(raw.y & 0xffff)), bf16_to_f32((u16)(raw.y >> 16))};
+    const u16* mine = src + lane * 4;
+    u16 v[4];
+    if (aligned(src, 8)) {
+        const uint2 raw = ld8(mine);
+        v[0] = (u16)(raw.x & 0xffff), v[1] = (u16)(raw.x >> 16);
+        v[2] = (u16)(raw.y & 0xffff), v[3] = (u16)(raw.y >> 16);
+    } else {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) v[j] = mine[j];
+    }
+    float f[4] = {bf16_to_f32(v[0]), bf16_to_f32(v[1]), bf16_to_f32(v[2]), bf16_to_f32(v[3])};
     float amax = fmaxf(fmaxf(fabsf(f[0]), fabsf(f[1])), fmaxf(fabsf(f[2]), fabsf(f[3])));
     amax = warp_max(amax);
     // IEEE division (NVRTC's default -prec-div=true), so scales match torch's bit for bit.

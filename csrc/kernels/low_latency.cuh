@@ -94,10 +94,12 @@ moe_ll_wait(const u64* bases, i64 rank, i64 num_ranks, i64 timeout_ns,
 }
 
 // Push "this rank finished reading buffer b of call seq" into every rank's FREE[b][me] slot
-// (`free_off` = FREE[b][0]); release: ordered after this rank's earlier reads.
+// (`free_off` = FREE[b][0]); release: ordered after this rank's earlier reads. kFailedValue
+// once this rank has failed (sync.cuh): the peer's next send fails at once.
 MOE_DEVICE void ll_publish_free(const Transport& t, const LLGroup& g, u64 free_off, u32 seq) {
+    const u32 value = t.err.signal_value(0);
     for (int p = 0; p < g.num_ranks; ++p)
-        if (g.live.on(p)) t.signal(p, free_off + (u64)g.rank * kSignalStride, tag(seq, 0));
+        if (g.live.on(p)) t.signal(p, free_off + (u64)g.rank * kSignalStride, tag(seq, value));
 }
 
 // ---- dispatch send -----------------------------------------------------------------------
@@ -135,11 +137,13 @@ __device__ void ll_dispatch_send_body(const LLGroup g, const ErrorSink err, cons
     __shared__ int warp_counts[32];
     __shared__ int selected[1024];
     const Transport t{g.bases, err};
-    if (err.aborted()) return;
+    // A failed rank (an error of an earlier kernel) writes no messages but still signals its
+    // count words, carrying kFailedValue: the receivers fail at once.
+    const bool failed = block_failed(err);
     const i64 hidden = hidden_size(hidden_rt);
     const i64 R = g.num_ranks, M = lb.max_tokens;
     const i64 num_local = num_experts / R;
-    const i64 pairs = num_tokens * topk;
+    const i64 pairs = failed ? 0 : num_tokens * topk;
     for (i64 e = blockIdx.x; e < num_experts; e += gridDim.x) {
         const int dst = (int)(e / num_local);
         const i64 le = e % num_local;
@@ -197,15 +201,17 @@ __device__ void ll_dispatch_send_body(const LLGroup g, const ErrorSink err, cons
             running += total;
             __syncthreads();  // `selected` is rewritten by the next chunk
         }
-        // The count words go after the rows: every writer fences, the block meets, release
-        // stores publish (see sync.cuh). Each word carries the tag, so order among them is free.
-        __threadfence_system();
+        // The count words go after the rows: the block meets, then its publisher fences and
+        // release-stores them (sync.cuh). Each word carries the tag, so order among them is
+        // free. kFailedValue instead once this rank has failed (this block's overflow too).
         __syncthreads();
         if (threadIdx.x == 0 && live) {
+            __threadfence_system();
             const u64 row_off = lb.counts + (u64)(g.rank * lb.count_row_words) * 8;
-            const u32 rows = (u32)min_of<i64>(running, M);
+            const u32 rows = t.err.signal_value((u32)min_of<i64>(running, M));
             t.signal(dst, row_off + (u64)le * 8, tag(seq, rows));
-            if (le == 0) t.signal(dst, row_off + (u64)num_local * 8, tag(seq, (u32)lower));
+            if (le == 0)
+                t.signal(dst, row_off + (u64)num_local * 8, tag(seq, err.signal_value(lower)));
         }
     }
 }
@@ -225,14 +231,16 @@ __device__ void ll_dispatch_recv_body(const LLGroup g, const ErrorSink err, cons
     __shared__ i64 start[kMaxRanks + 1];
     __shared__ int last;
     const Transport t{g.bases, err};
-    if (err.aborted()) return;
+    // failed (an earlier error): nothing is read or written, the last block still publishes
+    // FREE (kFailedValue) so the peers' next send fails at once
+    const bool failed = block_failed(err);
     const i64 hidden = hidden_size(hidden_rt);
     const i64 R = g.num_ranks, M = lb.max_tokens;
     const i64 le = blockIdx.x;
     if (threadIdx.x < R) {  // the count rows arrived: the wait kernel before this one saw them
         const int s = threadIdx.x;
         const u64* row = (const u64*)g.own(lb.counts + (u64)(s * lb.count_row_words) * 8);
-        const bool live = g.live.on(s);  // elastic: a masked source sent nothing
+        const bool live = !failed && g.live.on(s);  // elastic: a masked source sent nothing
         count[s] = live ? min_of<i64>(tag_value(ld_acquire_sys(row + le)), M) : 0;
         if (le == 0 && blockIdx.y == 0)
             return_base[s] = live ? tag_value(ld_acquire_sys(row + num_local)) : 0;
@@ -300,7 +308,8 @@ __device__ void ll_combine_send_body(const LLGroup g, const ErrorSink err, const
     __shared__ bool live[kMaxRanks];  // elastic: masked owners get nothing back
     __shared__ int last;
     const Transport t{g.bases, err};
-    if (err.aborted()) return;
+    // failed (an earlier error): no rows, the last block still signals DONE (kFailedValue)
+    const bool failed = block_failed(err);
     const i64 hidden = hidden_size(hidden_rt);
     const i64 R = g.num_ranks, M = lb.max_tokens;
     const i64 le = blockIdx.x;
@@ -318,7 +327,7 @@ __device__ void ll_combine_send_body(const LLGroup g, const ErrorSink err, const
         for (int s = 0; s < R; ++s) start[s + 1] = start[s] + recv_ranges[(le * R + s) * 2 + 1];
     }
     __syncthreads();
-    const i64 n = start[R];
+    const i64 n = failed ? 0 : start[R];
     const i64 part = blockIdx.y, parts = gridDim.y;
     for (i64 i = part * warps_per_block() + warp_id(); i < n; i += parts * warps_per_block()) {
         int s = 0;
@@ -336,7 +345,8 @@ __device__ void ll_combine_send_body(const LLGroup g, const ErrorSink err, const
         for (int s = threadIdx.x; s < R; s += blockDim.x) {
             i64 rows = 0;
             for (i64 l = 0; l < num_local; ++l) rows += recv_ranges[(l * R + s) * 2 + 1];
-            if (g.live.on(s)) t.signal(s, done_off + g.rank * done_stride, tag(seq, (u32)rows));
+            const u32 value = err.signal_value((u32)rows);
+            if (g.live.on(s)) t.signal(s, done_off + g.rank * done_stride, tag(seq, value));
         }
     }
 }
@@ -353,11 +363,14 @@ __device__ void ll_combine_recv_body(const LLGroup g, const ErrorSink err, const
     __shared__ i64 row_of[32];  // returned row of slot k, -1 = slot unused
     __shared__ int last;
     const Transport t{g.bases, err};
-    if (err.aborted()) return;
+    // failed (an earlier error): nothing summed, the last block still publishes FREE
+    const bool failed = block_failed(err);
     const i64 hidden = hidden_size(hidden_rt);
     const u16* rows = (const u16*)g.own(lb.combine);
-    const bool vec = (hidden % 8) == 0;
-    for (i64 tok = blockIdx.x; tok < num_tokens; tok += gridDim.x) {
+    // 16-byte stores need a 16-byte aligned `out` (the caller's tensor: a view may start
+    // anywhere); the returned rows are 16-byte aligned whenever hidden % 8 == 0
+    const bool vec = (hidden % 8) == 0 && aligned(out, 16);
+    for (i64 tok = blockIdx.x; !failed && tok < num_tokens; tok += gridDim.x) {
         if (threadIdx.x < topk) {
             const i64 k = threadIdx.x;
             const i64 e = topk_idx[tok * topk + k];
@@ -376,7 +389,7 @@ __device__ void ll_combine_recv_body(const LLGroup g, const ErrorSink err, const
                 for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
                 for (i64 k = 0; k < topk; ++k) {
                     if (row_of[k] < 0) continue;
-                    const uint4 raw = *(const uint4*)(rows + row_of[k] * hidden + c * 8);
+                    const uint4 raw = ld16(rows + row_of[k] * hidden + c * 8);
                     const u16* v = (const u16*)&raw;
                     const float w = weight[k];
 #pragma unroll
@@ -386,7 +399,7 @@ __device__ void ll_combine_recv_body(const LLGroup g, const ErrorSink err, const
                 u16* o = (u16*)&packed;
 #pragma unroll
                 for (int j = 0; j < 8; ++j) o[j] = f32_to_bf16(acc[j]);
-                *(uint4*)(dst + c * 8) = packed;
+                st16(dst + c * 8, packed);
             }
         } else {
             for (i64 c = threadIdx.x; c < hidden; c += blockDim.x) {

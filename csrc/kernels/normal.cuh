@@ -60,19 +60,23 @@ struct Group {
 // ---- notify ------------------------------------------------------------------------------
 // One warp. Thread p writes this rank's row into rank p and then reads rank p's row here.
 // counts: int32 [R] or null (zeros: a pure barrier). matrix: int32 [R, R] out, or null.
+// A rank that has failed still writes its row, of kFailedValue words, and waits for nothing:
+// its peers fail at once instead of waiting for it until their deadline.
 template <int R>
 __device__ void notify_body(const Group g, const ErrorSink err, u64 notify_off, i64 row_words,
                             u32 epoch, const i32* counts, i32* matrix) {
     const Transport t{g.bases, err};
     const int p = threadIdx.x;
-    if (err.aborted() || p >= R) return;
+    const bool failed = block_failed(err);
+    if (p >= R) return;
     // Each word carries its own tag, so a reader never needs an extra "row complete" flag.
     if (g.live.on(p)) {
         for (int d = 0; d < R; ++d) {
-            const u32 c = counts ? (u32)counts[d] : 0u;
+            const u32 c = failed ? kFailedValue : counts ? (u32)counts[d] : 0u;
             t.signal(p, notify_off + (u64)(g.rank * row_words + d) * 8, tag(epoch, c));
         }
     }
+    if (failed) return;
     const u64* row = (const u64*)g.own(notify_off + (u64)(p * row_words) * 8);
     for (int d = 0; d < R; ++d) {
         const i64 v = wait_from(t, g.live, row + d, epoch, g.timeout_ns, p);
@@ -94,12 +98,14 @@ __device__ void wait_done_body(const Group g, const ErrorSink err, u64 done_off,
     wait_from(t, g.live, (const u64*)g.own(done_off + s * done_stride), epoch, g.timeout_ns, s);
 }
 
-// Signal DONE[me] = epoch in every rank (run by the last block of a send kernel).
+// Signal DONE[me] = epoch in every rank (run by the last block of a send kernel); the value is
+// kFailedValue if this rank has failed (its rows may be missing).
 template <int R>
 MOE_DEVICE void signal_done_all(const Transport& t, const Group& g, u64 done_off,
                                 u64 done_stride, u32 epoch) {
+    const u32 value = t.err.signal_value(1);
     for (int d = threadIdx.x; d < R; d += blockDim.x)
-        if (g.live.on(d)) t.signal(d, done_off + g.rank * done_stride, tag(epoch, 1));
+        if (g.live.on(d)) t.signal(d, done_off + g.rank * done_stride, tag(epoch, value));
 }
 
 // ---- dispatch send -----------------------------------------------------------------------
@@ -119,8 +125,10 @@ __device__ void dispatch_send_body(const Group g, const ErrorSink err, const u8*
     __shared__ Slab slab[R];
     __shared__ int last;
     const Transport t{g.bases, err};
-    if (err.aborted()) return;
-    if (threadIdx.x < R) {
+    // A failed rank (an error of an earlier kernel) writes no rows but still arrives and
+    // signals DONE, carrying kFailedValue: its peers fail at once.
+    const bool failed = block_failed(err);
+    if (!failed && threadIdx.x < R) {
         const int d = threadIdx.x;
         const bool live = g.live.on(d);  // a masked destination gets nothing (limit 0)
         u64 before = 0, rows = 0;
@@ -140,7 +148,7 @@ __device__ void dispatch_send_body(const Group g, const ErrorSink err, const u8*
     const int lane = lane_id();
     const i64 warp0 = (i64)blockIdx.x * warps_per_block() + warp_id();
     const i64 nwarps = (i64)gridDim.x * warps_per_block();
-    for (i64 tok = warp0; tok < num_tokens; tok += nwarps) {
+    for (i64 tok = warp0; !failed && tok < num_tokens; tok += nwarps) {
         // Not unrolled: each pass copies a whole row, and R copies of this body would not fit
         // the 128 registers a 512-thread block allows (spills).
 #pragma unroll 1
@@ -253,7 +261,7 @@ __device__ void combine_send_body(const Group g, const ErrorSink err, const u8* 
     __shared__ Slab slab[R];
     __shared__ int last;
     const Transport t{g.bases, err};
-    if (err.aborted()) return;
+    const bool failed = block_failed(err);  // then: no rows, but arrive and signal (above)
     if (threadIdx.x == 0) {
         src_start[0] = 0;
         for (int s = 0; s < R; ++s) src_start[s + 1] = src_start[s] + matrix[s * R + g.rank];
@@ -273,7 +281,7 @@ __device__ void combine_send_body(const Group g, const ErrorSink err, const u8* 
         fits[s] = fits[s] && g.live.on(s);  // a masked token owner gets nothing back
     }
     __syncthreads();
-    const i64 total = src_start[R];
+    const i64 total = failed ? 0 : src_start[R];
     const i64 warp0 = (i64)blockIdx.x * warps_per_block() + warp_id();
     const i64 nwarps = (i64)gridDim.x * warps_per_block();
     for (i64 i = warp0; i < total; i += nwarps) {
@@ -313,7 +321,7 @@ __device__ void combine_reduce_body(const Group g, i64 hidden, i64 topk, const i
         slab = Slab::make(at, row_bytes, 0, topk);
     }
     const u8* region = g.own(g.data_off);
-    const bool vec = (row_bytes % 16) == 0;
+    const bool vec = (row_bytes % 16) == 0 && aligned(out, 16);
     for (i64 tok = blockIdx.x; tok < num_tokens; tok += gridDim.x) {
         __syncthreads();  // slab ready / previous token's pos no longer read
         // elastic: rows of a rank masked during the call are not summed (they never came)
@@ -330,7 +338,7 @@ __device__ void combine_reduce_body(const Group g, i64 hidden, i64 topk, const i
                 for (int d = 0; d < R; ++d) {
                     if (pos[d] < 0) continue;
                     const u64 row = seg_start[d] + (u64)pos[d];
-                    const uint4 raw = *(const uint4*)(region + slab.x + row * row_bytes + c * 16);
+                    const uint4 raw = ld16(region + slab.x + row * row_bytes + c * 16);
                     const S* v = (const S*)&raw;
 #pragma unroll
                     for (int j = 0; j < V; ++j) acc[j] += Elem::to_f32(v[j]);
@@ -347,7 +355,7 @@ __device__ void combine_reduce_body(const Group g, i64 hidden, i64 topk, const i
                 S* o = (S*)&packed;
 #pragma unroll
                 for (int j = 0; j < V; ++j) o[j] = Elem::from_f32(acc[j]);
-                *(uint4*)(dst + c * V) = packed;
+                st16(dst + c * V, packed);
             }
         } else {
             for (i64 c = threadIdx.x; c < hidden; c += blockDim.x) {

@@ -6,13 +6,18 @@
 //  * A writer makes its payload visible before the signal that announces it. The payload is
 //    written with ordinary stores (to a peer's memory through a CUDA IPC mapping, i.e. over
 //    NVLink/PCIe); then
-//      - the threads that wrote it execute `fence.sc.sys` (__threadfence_system) and meet at a
-//        barrier (__syncthreads), or, across blocks, increment a block counter after that fence
-//        (see `last_block_arrives`);
-//      - one thread then stores the signal word with `st.release.sys`.
-//    The release store at system scope is cumulative: every write that precedes it in causality
-//    order (own writes, and writes of other threads ordered before it by barrier + fence) is
-//    visible to any thread of any GPU that observes the signal with an acquire load.
+//      - the threads that wrote it meet at a barrier (__syncthreads): bar.sync orders each
+//        thread's earlier writes before the later operations of every thread of the block
+//        (CTA scope), so one thread - the publisher - now follows all of them in causality
+//        order. Across blocks, each block's publisher increments a block counter after a
+//        fence (see `last_block_arrives`);
+//      - the publisher executes `fence.sc.sys` (__threadfence_system) and stores the signal
+//        word with `st.release.sys`.
+//    Fence and release at system scope are cumulative: every write that precedes them in
+//    causality order (the publisher's own, and those of the threads it met at the barrier) is
+//    visible to any thread of any GPU that observes the signal with an acquire load. One fence
+//    by the publisher is enough; a fence by every writing thread would order nothing more and
+//    costs a system-scope round trip per thread.
 //  * A reader polls the signal word with `ld.acquire.sys`; once it sees the awaited epoch, its
 //    later loads (in this thread, and in threads that synchronise with it through a barrier or
 //    a later kernel on the same stream) see the payload.
@@ -77,7 +82,13 @@ constexpr i32 kErrOverflow = 2;     // more rows than the receive region / num_w
 constexpr i32 kErrNoTransport = 3;  // a rank is neither mapped nor served by a transport
 constexpr i32 kErrMasked = 4;       // elastic: the survivors masked this rank out (elastic.cuh)
 constexpr i32 kErrProxy = 5;        // the host proxy took no command in time (proxy_ring.cuh)
+constexpr i32 kErrPeerFailed = 6;   // a peer's call failed: it signalled kFailedValue
 
+// The value a tagged signal word carries when its sender's call failed (an error of its own,
+// or an earlier one that stopped its kernels): nothing the word would announce arrived, and
+// the receiver fails at once instead of at its deadline (`wait_from`, transport.cuh). Every
+// other value the kernels signal (counts, row numbers, flags) is below 2^31.
+constexpr u32 kFailedValue = 0xffffffffu;
 // Host error word layout (int32): [0] code, [1] op id, [2] epoch, [3] detail,
 // [4 + r] = 1 if rank r is silent. kMaxErrorRanks bounds r.
 constexpr int kErrorHeader = 4;
@@ -88,19 +99,38 @@ struct ErrorSink {
     i32* dev;   // device copy of the code: cheap to test at kernel entry
     i32 op;     // which phase is running (moe_comm/cuda/comm.py OPS)
 
-    // Ranks and details first, the code last (after a system fence): a host that sees the
-    // code sees the rest. Racing reporters write the same kind of values; any wins.
+    // The first error wins the header (later ones are mostly its consequences: a peer that
+    // failed because this rank did); reports of the same code add their rank. Ranks and
+    // details first, the code last (after a system fence): a host that sees the code sees the
+    // rest.
     MOE_DEVICE void report(i32 code, u32 epoch, int rank, i32 detail) const {
+        const i32 first = atomicCAS(dev, 0, code);
+        if (first != 0 && first != code) return;
         if (rank >= 0 && rank < kMaxErrorRanks) st_volatile_i32(host + kErrorHeader + rank, 1);
+        if (first != 0) return;
         st_volatile_i32(host + 1, op);
         st_volatile_i32(host + 2, (i32)epoch);
         st_volatile_i32(host + 3, detail);
         __threadfence_system();
         st_volatile_i32(host + 0, code);
-        st_volatile_i32(dev, code);
     }
     MOE_DEVICE bool aborted() const { return ld_volatile_i32(dev) != 0; }
+    // What a signal announcing `value` carries: kFailedValue once this rank has failed.
+    MOE_DEVICE u32 signal_value(u32 value) const { return aborted() ? kFailedValue : value; }
 };
+
+// Whether an earlier error stops this block: read once, by thread 0, and shared, so every
+// thread of the block takes the same path (a per-thread read lets some threads leave while
+// others wait at a barrier, and leaves a block out of `last_block_arrives`). A failed block
+// skips its work but still arrives and signals, so the counter is reset and peers learn of the
+// failure at once. Every thread of the block calls it.
+MOE_DEVICE bool block_failed(const ErrorSink& err) {
+    __shared__ bool failed;
+    __syncthreads();  // an earlier call's readers are done with `failed`
+    if (threadIdx.x == 0) failed = err.aborted();
+    __syncthreads();
+    return failed;
+}
 
 // Spin until the word at `p` carries `epoch`; returns its value, or -1 after `timeout_ns`
 // (reporting `rank` as silent). The acquire load orders everything the thread reads after.
@@ -118,15 +148,17 @@ MOE_DEVICE i64 wait_tag(const u64* p, u32 epoch, u64 timeout_ns, const ErrorSink
 }
 
 // Cross-block completion: every thread of every block calls this after its last write of
-// the kernel's payload. Returns true in exactly one block, the last to arrive, which may then
-// publish signals covering all blocks' writes. Each thread's fence.sc.sys orders its payload
-// before the barrier; thread 0's atomic then carries the block's writes to the last block,
-// which fences again before its release stores. The last block resets the counter, so the
-// next kernel on the stream (which starts only after this one ends) finds it at 0.
+// the kernel's payload (a failed block too: see `block_failed`). Returns true in exactly one
+// block, the last to arrive, which may then publish signals covering all blocks' writes. The
+// barrier puts the block's writes before thread 0's fence.sc.sys (see the memory model above),
+// and its atomic (a release pattern with the fence) carries them to the last block, whose
+// thread 0 reads the count and fences again (an acquire pattern) before the barrier that lets
+// its threads store the signals. The last block resets the counter, so the next kernel on the
+// stream (which starts only after this one ends) finds it at 0.
 MOE_DEVICE bool last_block_arrives(i32* counter, int* shared_flag) {
-    __threadfence_system();
     __syncthreads();
     if (threadIdx.x == 0) {
+        __threadfence_system();
         const i32 blocks = (i32)(gridDim.x * gridDim.y * gridDim.z);  // 2-D grids too
         const i32 prev = atomicAdd(counter, 1);
         *shared_flag = prev == blocks - 1;

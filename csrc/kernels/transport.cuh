@@ -189,19 +189,33 @@ struct Active {
 
 // Wait for `rank`'s tagged word at `p` in this rank's memory; returns its value, or -1 at once
 // for a masked rank. Past the deadline: elastic, the rank is masked and -1 returned; else
-// Transport::wait_local reports it (the host raises CommTimeoutError).
+// Transport::wait_local reports it (the host raises CommTimeoutError). A word carrying
+// kFailedValue (its sender's call failed, sync.cuh) ends the wait at once the same way:
+// elastic masks the rank, else kErrPeerFailed is reported. `failure_marks` = false for words
+// whose every value is data (the agreement's mask bits).
 MOE_DEVICE i64 wait_from(const Transport& t, const Active& live, const u64* p, u32 epoch,
-                         i64 timeout_ns, int rank) {
+                         i64 timeout_ns, int rank, bool failure_marks = true) {
     if (!live.on(rank)) return -1;
-    if (!live.elastic()) return t.wait_local(p, epoch, timeout_ns, rank);
-    const u64 deadline = globaltimer_ns() + (u64)timeout_ns;
-    for (;;) {
-        if (!live.on(rank)) return -1;
-        const i64 v = t.poll_local(p, epoch);
-        if (v >= 0) return v;
-        if (globaltimer_ns() > deadline) {
-            live.drop(rank);
-            return -1;
+    i64 v = -1;
+    if (!live.elastic()) {
+        v = t.wait_local(p, epoch, timeout_ns, rank);
+    } else {
+        const u64 deadline = globaltimer_ns() + (u64)timeout_ns;
+        while (v < 0) {
+            if (!live.on(rank)) return -1;
+            v = t.poll_local(p, epoch);
+            if (v < 0 && globaltimer_ns() > deadline) {
+                live.drop(rank);
+                return -1;
+            }
         }
     }
+    if (failure_marks && v == (i64)kFailedValue) {
+        if (live.elastic())
+            live.drop(rank);
+        else
+            t.err.report(kErrPeerFailed, epoch, rank, 0);
+        return -1;
+    }
+    return v;
 }

@@ -23,7 +23,10 @@ Two ways to build a group:
 Errors: kernels never trap. A wait that passes its deadline writes the silent rank into an
 error word in pinned host memory; :meth:`CudaComm.check` (called at the start of every
 operation and after every host synchronisation) raises ``moe_comm.CommTimeoutError`` naming the
-silent ranks. After an error the group is out of step: destroy it.
+silent ranks. The first error a rank's kernels report stops its later kernels (they skip their
+work) and is what it raises; its signals to peers then carry a failure mark, so a peer raises
+``CudaCommError`` naming it at once rather than at its deadline. After an error the group is
+out of step: destroy it.
 
 Rank masking: ``active`` (int32 [R] on the device, 1 = taking part) once a rank can be masked
 (``elastic=True``, or after :meth:`CudaComm.mask`). Kernels send nothing to and await nothing
@@ -49,7 +52,8 @@ log = logging.getLogger("moe_comm")
 IPC_HANDLE_BYTES = 64
 ERROR_HEADER = 4                 # csrc/kernels/sync.cuh: kErrorHeader
 MAX_ERROR_RANKS = 64             # ... kMaxErrorRanks
-ERR_TIMEOUT, ERR_OVERFLOW, ERR_NO_TRANSPORT, ERR_MASKED, ERR_PROXY = 1, 2, 3, 4, 5
+ERR_TIMEOUT, ERR_OVERFLOW, ERR_NO_TRANSPORT, ERR_MASKED, ERR_PROXY, ERR_PEER_FAILED = \
+    1, 2, 3, 4, 5, 6
 
 # Phase ids passed to kernels (the `op` argument) and the names errors report.
 OPS = ("", "dispatch/notify", "dispatch/send", "dispatch/payload", "combine/notify",
@@ -501,6 +505,10 @@ class CudaComm:
             raise CudaCommError(f"{op}: the host proxy took no command for "
                                 f"{2 * self.timeout_s + 5:g} s (moe_comm/cuda/proxy.py); this "
                                 "communicator cannot reach other hosts any more: destroy it")
+        if code == ERR_PEER_FAILED:
+            raise CudaCommError(f"{op}: rank(s) {ranks} failed this call (an error of their own, "
+                                "which they raise); this communicator is out of step: destroy "
+                                "it")
         if code == ERR_OVERFLOW:
             raise CudaCommError(f"{op}: more rows than the receive region holds at rank(s) "
                                 f"{ranks} (num_worst_tokens or the buffer too small; "
