@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import cuda_cases as C
+import cuda_fault_cases as F
 
 pytestmark = pytest.mark.skipif(
     not __import__("moe_comm.cuda.emulator", fromlist=["available"]).available(),
@@ -61,6 +62,26 @@ def test_elastic_normal_mode_masks_a_silent_rank(silent):
 
 def test_elastic_low_latency_masks_a_silent_rank():
     C.check_elastic_ll(CPU)
+
+
+# ---- error paths and caller tensors (tests/cuda_fault_cases.py) ------------------------------
+def test_overflow_fails_every_rank_and_resets_the_block_counters():
+    F.check_overflow_fails_every_rank(CPU)
+
+
+@pytest.mark.parametrize("elastic", [False, True], ids=["plain", "elastic"])
+@pytest.mark.parametrize("mode", ["normal", "ll"])
+def test_failed_rank_fails_its_peers_at_once(mode, elastic):
+    F.check_failed_rank_fails_peers_at_once(CPU, mode, elastic)
+
+
+def test_low_latency_overflow_on_one_rank_fails_its_peer_at_once():
+    F.check_ll_overflow_fails_the_peer_at_once(CPU)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_low_latency_x_and_out_at_any_offset(fp8):
+    F.check_ll_views_at_any_offset(CPU, fp8)
 
 
 STUCK = r"""

@@ -30,6 +30,8 @@ MOE_DEVICE int warps_per_block() { return blockDim.x / kWarpSize; }
 
 template <typename T>
 MOE_DEVICE T min_of(T a, T b) { return a < b ? a : b; }
+template <typename T>
+MOE_DEVICE T max_of(T a, T b) { return a > b ? a : b; }
 
 MOE_DEVICE u64 round_up(u64 n, u64 m) { return (n + m - 1) / m * m; }
 

@@ -61,7 +61,8 @@ struct Group {
 // One warp. Thread p writes this rank's row into rank p and then reads rank p's row here.
 // counts: int32 [R] or null (zeros: a pure barrier). matrix: int32 [R, R] out, or null.
 // A rank that has failed still writes its row, of kFailedValue words, and waits for nothing:
-// its peers fail at once instead of waiting for it until their deadline.
+// its peers fail at once instead of waiting for it until their deadline. Its matrix is zeros,
+// so the copy-out and reduce kernels queued after it (they take no error word) do nothing.
 template <int R>
 __device__ void notify_body(const Group g, const ErrorSink err, u64 notify_off, i64 row_words,
                             u32 epoch, const i32* counts, i32* matrix) {
@@ -76,7 +77,10 @@ __device__ void notify_body(const Group g, const ErrorSink err, u64 notify_off, 
             t.signal(p, notify_off + (u64)(g.rank * row_words + d) * 8, tag(epoch, c));
         }
     }
-    if (failed) return;
+    if (failed) {
+        for (int e = 0; matrix && e < R; ++e) matrix[p * R + e] = 0;
+        return;
+    }
     const u64* row = (const u64*)g.own(notify_off + (u64)(p * row_words) * 8);
     for (int d = 0; d < R; ++d) {
         const i64 v = wait_from(t, g.live, row + d, epoch, g.timeout_ns, p);
@@ -300,7 +304,9 @@ __device__ void combine_send_body(const Group g, const ErrorSink err, const u8* 
 // out[t] = sum over ranks d that t was sent to of staging row (d, send_pos[t][d]), in fp32 and
 // in rank order (like moe_comm/host/reduce.py), plus up to two fp32 biases [T, H]; written in
 // Elem. w_out f32 [T, K] or null: the returned top-k weights summed the same way.
-// One block per token (grid-stride); 16-byte vectors when the row size allows.
+// One block per token (grid-stride); 16-byte vectors when the row size and `out` allow.
+// Like the copy-out, nothing here trusts the matrix to match send_pos (a failed call's is
+// zeros): a row past d's segment, or a segment past the region, is not read.
 template <int R, typename Elem>
 __device__ void combine_reduce_body(const Group g, i64 hidden, i64 topk, const i32* matrix,
                                     const i32* send_pos, i64 num_tokens, const float* bias0,
@@ -309,6 +315,7 @@ __device__ void combine_reduce_body(const Group g, i64 hidden, i64 topk, const i
     typedef typename Elem::Storage S;
     constexpr int V = 16 / sizeof(S);  // elements per 16-byte vector
     __shared__ u64 seg_start[R];
+    __shared__ i64 seg_rows[R];
     __shared__ Slab slab;
     __shared__ i32 pos[R];
     const u64 row_bytes = hidden * sizeof(S);
@@ -316,17 +323,23 @@ __device__ void combine_reduce_body(const Group g, i64 hidden, i64 topk, const i
         u64 at = 0;
         for (int d = 0; d < R; ++d) {
             seg_start[d] = at;
-            at += (u64)matrix[g.rank * R + d];
+            seg_rows[d] = matrix[g.rank * R + d];
+            at += (u64)max_of<i64>(seg_rows[d], 0);
         }
         slab = Slab::make(at, row_bytes, 0, topk);
+        if (slab.nbytes > g.capacity)  // refused by every sender (overflow): nothing came
+            for (int d = 0; d < R; ++d) seg_rows[d] = 0;
     }
     const u8* region = g.own(g.data_off);
     const bool vec = (row_bytes % 16) == 0 && aligned(out, 16);
     for (i64 tok = blockIdx.x; tok < num_tokens; tok += gridDim.x) {
         __syncthreads();  // slab ready / previous token's pos no longer read
         // elastic: rows of a rank masked during the call are not summed (they never came)
-        if (threadIdx.x < R)
-            pos[threadIdx.x] = g.live.on(threadIdx.x) ? send_pos[tok * R + threadIdx.x] : -1;
+        if (threadIdx.x < R) {
+            const int d = threadIdx.x;
+            const i32 p = send_pos[tok * R + d];
+            pos[d] = g.live.on(d) && p < seg_rows[d] ? p : -1;
+        }
         __syncthreads();
         S* dst = out + tok * hidden;
         if (vec) {
