@@ -1,85 +1,227 @@
 #!/usr/bin/env python3
 """gpu_check: everything the CUDA backend needs checked on a GPU machine, in one command.
 
-    python bench/gpu_check.py                       # all steps, ~10 min at most
-    python bench/gpu_check.py --skip-tests --skip-sanitizer --iters 5     # the table only
+    python3 bench/gpu_check.py --json $OUT/gpu_check.json    # all steps, 9 min at most
+    python3 bench/gpu_check.py --skip-tests --skip-sanitizer --iters 5     # the table only
+    python3 bench/gpu_check.py --dry-run --json DIR/gpu_check.json   # the same on the CPU
 
-Steps, each in a fresh process with a deadline (the whole run stays within --budget seconds):
+Steps, each in a fresh process with a deadline (the whole run stays within --budget seconds;
+each step's deadline shrinks to what is left, keeping some for the steps after it):
 
-1. tests     pytest tests/test_cuda_compile.py tests/test_cuda_launch_args.py
-             tests/test_cuda_gpu.py tests/test_ibgda_gpu.py (the IBGDA build under NVSHMEM:
-             2 processes on this GPU by P2P; the NIC variants skip without a NIC)
-2. timing    moe_comm on 8 ranks sharing this GPU as 8 streams of one process (threads,
+1. build     every kernel variant (moe_comm.cuda.variants.all_variants) compiled with NVRTC
+             for this GPU's arch, in parallel threads, into one cache folder that every step
+             then reads (MOE_COMM_CACHE_DIR); with nvshmem4py installed also the IBGDA builds
+             (nvcc + NVSHMEM) that the NVSHMEM tests load.
+2. tests     pytest -v --durations=0 tests/test_cuda_gpu.py tests/test_ibgda_gpu.py, with the
+             cases' comm deadlines capped at --test-timeout seconds (MOE_COMM_TEST_TIMEOUT_S,
+             tests/cuda_cases.py) so a hang costs seconds; skip reasons are recorded (the
+             NVSHMEM tests skip without nvshmem4py: docs/PERF.md says how to carry it).
+             CI runs the CPU-only compile tests, so they are not repeated here.
+3. timing    moe_comm on 8 ranks sharing this GPU as 8 streams of one process (threads,
              CudaComm.local_group): normal 4096 tokens and low-latency 128 tokens, H=7168,
              top-8, 256 experts; all ranks' calls are queued behind one gate kernel so they
              start together, each rank's time is taken with CUDA events, the slowest rank's
              mean per call is reported. Also the device copy bandwidth (copy_gbps).
-3. baseline  the same exchanges with torch.distributed all_to_all_single on 8 processes
+4. baseline  the same exchanges with torch.distributed all_to_all_single on 8 processes
              (NCCL refuses two ranks on one GPU, so this is gloo: tensors staged through host
-             memory). A lower bar than NCCL over NVLink; it says so in the JSON.
-4. sanitizer compute-sanitizer memcheck and racecheck (if installed) on --small-case: 1 rank
-             (every kernel) and 2 processes through CUDA IPC.
+             memory). A lower bar than NCCL over NVLink; it says so in the JSON. --baseline ll
+             (the default) runs the LL specs only: the normal ones move gigabytes through the
+             host and could eat the run's time.
+5. memcheck, racecheck: compute-sanitizer (if installed) on a small case: 1 rank (every
+             kernel) and 2 processes through CUDA IPC.
 
-The table uses bench/bench_all_to_all.py's columns; stdout gets the table, --json (default
-$OUT/gpu_check.json where $OUT is set, else bench_out/) gets rows, step results and output
-tails. GB/s: DeepEP's convention, payload bytes a rank receives in dispatch (sends back in combine) per second. Normal-mode
+Failures stay local: a step that fails or runs past its deadline is recorded (exit code, error,
+the end of its log) and the next step runs; inside the build, timing and baseline steps each
+program or spec records its own error (text and traceback tail) and the next one runs.
+
+Output, all in the folder of --json (default $OUT/gpu_check.json where $OUT is set, else
+bench_out/): the JSON (rows, step records, meta), rewritten after every step, and one log per
+step (<stem>_<step>.log, the two sanitizer steps share one), written while the step runs, so a
+step killed at its deadline still leaves what it printed: 6 files at most, what the device tool
+brings back. Steps report results as "@gpu_check {json}" lines of their log. stdout gets a line
+per step and the table (bench/bench_all_to_all.py's columns). GB/s: DeepEP's convention,
+payload bytes a rank receives in dispatch (sends back in combine) per second. Normal-mode
 timings use a cached handle (no count exchange on the host, like DeepEP's tuning runs); the
 notify barrier still runs on the GPU. On one GPU the 8 ranks share its SMs and memory
 bandwidth, so the numbers are a kernel-efficiency check, not NVLink numbers.
 
-Internal modes (what the steps run): --small-case, --timing PATH, --baseline PATH.
+--dry-run runs the same steps on the CPU kernel emulator (CudaComm on device "cpu", what CI
+checks with tests/test_gpu_check.py): build = the emulator libraries of the variants it uses,
+tests = two quick emulator tests, timing and baseline with tiny shapes (2 ranks, H=256) through
+the same code, timed with perf_counter; the sanitizer is skipped with the reason.
+
+Internal: --step {build,timing,baseline,small-case} runs one step's work in this process.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
+import importlib.metadata
+import importlib.util
 import json
 import os
+import re
+import shlex
 import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import asdict, dataclass
+
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(1, os.path.join(ROOT, "tests"))
+# moe_comm is imported inside the step functions, not here: while the kernels and their Python
+# side change, an import error then fails the step that needs it, not the whole run.
 
 COLUMNS = ("mode", "ranks", "tokens", "hidden", "topk", "experts", "dtype", "dispatch_us",
            "combine_us", "dispatch_gbps", "combine_gbps", "baseline_dispatch_us",
            "baseline_combine_us", "copy_gbps")
-RANKS, HIDDEN, TOPK, EXPERTS = 8, 7168, 8, 256
-SPECS = [  # (mode, tokens per rank, dispatch dtype); combine is bf16 everywhere
-    ("normal", 4096, "bfloat16"),
-    ("normal", 4096, "fp8"),
-    ("ll", 128, "fp8"),
-    ("ll", 128, "bfloat16"),
-]
+MARK = "@gpu_check "                 # a step's result line in its log (see emit)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the timing and baseline steps run: ``ranks`` ranks, ``hidden`` channels, top-``topk``
+    routing over ``experts`` experts; ``specs``: (mode, tokens per rank, dispatch dtype), combine
+    is bf16 everywhere; ``copy_bytes``: the buffer of the copy-bandwidth measurement."""
+
+    ranks: int
+    hidden: int
+    topk: int
+    experts: int
+    specs: tuple
+    copy_bytes: int
+
+
+GPU_SHAPE = Shape(8, 7168, 8, 256, (("normal", 4096, "bfloat16"), ("normal", 4096, "fp8"),
+                                    ("ll", 128, "fp8"), ("ll", 128, "bfloat16")), 1 << 30)
+# The dry run: the same specs, tiny. One rank count and one hidden size, so the emulator builds
+# only 8 libraries (g++, seconds each) and they are the ones tests/test_cuda_emulator.py uses.
+DRY_SHAPE = Shape(2, 256, 4, 8, (("normal", 32, "bfloat16"), ("normal", 32, "fp8"),
+                                 ("ll", 16, "fp8"), ("ll", 16, "bfloat16")), 16 << 20)
+
+
+def spec_label(spec) -> str:
+    return f"{spec[0]}-{spec[2]}"
+
+
+def row_label(row) -> str:
+    return f"{row['mode']}-{row['dtype']}"
+
+
+# ---- results: lines of a step's log, failures as records ---------------------------------------
+def emit(kind, **data):
+    """One result of a step as a line of its log: the log is written as the step goes, so a
+    step killed at its deadline keeps every result it finished."""
+    print(MARK + json.dumps(dict(data, kind=kind)), flush=True)
+
+
+def read_results(text):
+    out = []
+    for line in text.splitlines():
+        if line.startswith(MARK):
+            try:
+                out.append(json.loads(line[len(MARK):]))
+            except ValueError:      # the last line of a killed step may be cut short
+                pass
+    return out
+
+
+def failure(exc) -> dict:
+    """An exception as the JSON records it: its text and the end of its traceback."""
+    trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return dict(error=f"{type(exc).__name__}: {exc}"[:3000], traceback=trace[-3000:])
+
+
+class InjectedFailure(RuntimeError):
+    """--inject-failure: a planted failure, to check that it does not hide the rest."""
+
+
+def inject(names, what):
+    if what in names:
+        raise InjectedFailure(f"injected failure in {what} (--inject-failure)")
+
+
+# ---- devices: timers and synchronisation -------------------------------------------------------
+def sync(device):
+    """Wait for the device's queued work (nothing to wait for on the emulator: an emulated
+    launch returns when its kernel is done)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def elapsed(device, fn):
+    """Seconds ``fn``'s work takes: CUDA events on a GPU (fn only queues it), perf_counter on
+    the CPU (no events there; the work is done when fn returns)."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / 1e3
+
+
+def device_name(device):
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else \
+        "CPU (kernel emulator)"
 
 
 # ---- shared inputs ----------------------------------------------------------------------------
-def _inputs(mode, tokens, dtype, rank, device):
+def make_inputs(shape, mode, tokens, dtype, rank, device):
     """x (bf16, or (fp8, f32 scales) for normal fp8), topk_idx, topk_weights on ``device``:
-    uniform random top-8 routing (DeepEP's benchmark routing)."""
-    import torch
+    uniform random top-k routing (DeepEP's benchmark routing)."""
+    H = shape.hidden
     gen = torch.Generator(device=device).manual_seed(1234 + rank)
-    x = torch.randn(tokens, HIDDEN, generator=gen, device=device)
-    idx = torch.rand(tokens, EXPERTS, generator=gen, device=device).topk(TOPK, dim=1).indices
-    w = torch.rand(tokens, TOPK, generator=gen, device=device)
+    x = torch.randn(tokens, H, generator=gen, device=device)
+    idx = torch.rand(tokens, shape.experts, generator=gen, device=device).topk(
+        shape.topk, dim=1).indices
+    w = torch.rand(tokens, shape.topk, generator=gen, device=device)
     if mode == "normal" and dtype == "fp8":
-        blocks = x.view(tokens, HIDDEN // 128, 128)
+        blocks = x.view(tokens, H // 128, 128)
         s = blocks.abs().amax(-1).clamp(min=1e-4) / 448.0
-        return ((blocks / s.unsqueeze(-1)).view(tokens, HIDDEN).to(torch.float8_e4m3fn), s), \
-            idx, w
+        return ((blocks / s.unsqueeze(-1)).view(tokens, H).to(torch.float8_e4m3fn), s), idx, w
     return x.bfloat16(), idx, w
 
 
-# ---- step 2: moe_comm timings (8 ranks = 8 streams of this process) ------------------------
-def _gated(ops, streams, comms, iters):
-    """Seconds per call: every rank's ``iters`` calls queued behind one gate (a sleep kernel
-    on its own stream), so all ranks start together; slowest rank's mean."""
-    import torch
+def ll_variants(hidden):
+    """The 7 LL programs of one hidden size (what tests/cuda_cases.preload builds for it)."""
+    from moe_comm.cuda import variants as V
+    flags = ((False, False), (True, False), (True, True))
+    return ([V.ll_dispatch_send(hidden, a, b) for a, b in flags] +
+            [V.ll_dispatch_recv(hidden, a, b) for a, b in flags] + [V.ll_combine(hidden)])
+
+
+def timing_variants(shape):
+    from moe_comm.cuda import variants as V
+    return [V.intranode(shape.ranks)] + ll_variants(shape.hidden)
+
+
+# ---- step: timing (ranks = streams of this process, or threads on the emulator) ----------------
+def time_calls(ops, comms, iters, timeout):
+    """Seconds per call of the slowest rank, all ranks starting together (``ops[r]``: one call
+    of rank r)."""
+    if comms[0].device.type == "cuda":
+        return _time_gated(ops, comms, iters)
+    return _time_threads(ops, comms, iters, timeout)
+
+
+def _time_gated(ops, comms, iters):
+    """GPU: every rank's ``iters`` calls queued behind one gate (a sleep kernel on its own
+    stream), so all ranks start together; each rank timed with CUDA events."""
+    streams = [torch.cuda.Stream() for _ in ops]
     for r, op in enumerate(ops):                       # warm: kernels, allocator, handles
         with torch.cuda.stream(streams[r]):
             op()
@@ -112,32 +254,50 @@ def _gated(ops, streams, comms, iters):
     raise RuntimeError("could not queue all ranks' calls behind the gate")
 
 
-def _time_normal(comms, tokens, dtype, iters):
-    import torch
+def _time_threads(ops, comms, iters, timeout):
+    """Emulator: a launch returns when its kernel is done, so each rank's thread times its own
+    calls with perf_counter; a barrier after the warm-up starts them together."""
+    from moe_comm.cuda.local import run_local
+    start = threading.Barrier(len(ops))
+
+    def rank(comm):
+        op = ops[comm.rank]
+        op()                                           # warm
+        start.wait(timeout)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            op()
+        return time.perf_counter() - t0
+
+    return max(run_local(rank, comms, timeout=timeout)) / iters
+
+
+def time_normal(comms, shape, spec, iters, timeout):
     from moe_comm.cuda import normal as cn
     from moe_comm.cuda.local import run_local
-    dev = comms[0].device
-    ins = [_inputs("normal", tokens, dtype, r, dev) for r in range(RANKS)]
+    _, tokens, dtype = spec
+    dev, H = comms[0].device, shape.hidden
+    ins = [make_inputs(shape, "normal", tokens, dtype, r, dev) for r in range(shape.ranks)]
+    sync(dev)       # built on the default stream; the ranks' streams do not wait for it
 
     def first(comm):
         x, idx, w = ins[comm.rank]
         data, scales = x if isinstance(x, tuple) else (x, None)
         rx, rs, _, _, handle = cn.dispatch(
-            comm, x_bytes=data.view(torch.uint8), dtype=data.dtype, hidden=HIDDEN,
-            scales=scales, topk_idx=idx, topk_weights=w, is_token_in_rank=None,
-            num_tokens_per_rank=None, handle=None, num_experts=EXPERTS, num_worst_tokens=0,
-            buffer_key=("bench",))
+            comm, x_bytes=data.view(torch.uint8), dtype=data.dtype, hidden=H, scales=scales,
+            topk_idx=idx, topk_weights=w, is_token_in_rank=None, num_tokens_per_rank=None,
+            handle=None, num_experts=shape.experts, num_worst_tokens=0, buffer_key=("bench",))
         y = (rx.float() if rs is None else rx.float() * rs.repeat_interleave(128, 1)).bfloat16()
         recv_bytes = rx.numel() * rx.element_size() + (0 if rs is None else rs.numel() * 4)
         return handle, y, recv_bytes
 
-    state = run_local(first, comms, timeout=300)
+    state = run_local(first, comms, timeout=timeout)
 
     def dispatch(r):
         x = ins[r][0]
         data, scales = x if isinstance(x, tuple) else (x, None)
         return lambda: cn.dispatch(
-            comms[r], x_bytes=data.view(torch.uint8), dtype=data.dtype, hidden=HIDDEN,
+            comms[r], x_bytes=data.view(torch.uint8), dtype=data.dtype, hidden=H,
             scales=scales, topk_idx=None, topk_weights=None, is_token_in_rank=None,
             num_tokens_per_rank=None, handle=state[r][0], num_experts=None,
             num_worst_tokens=0, buffer_key=("bench",))
@@ -146,30 +306,31 @@ def _time_normal(comms, tokens, dtype, iters):
         return lambda: cn.combine(comms[r], x=state[r][1], handle=state[r][0],
                                   topk_weights=None, bias=())
 
-    streams = [torch.cuda.Stream() for _ in range(RANKS)]
-    t_d = _gated([dispatch(r) for r in range(RANKS)], streams, comms, iters)
-    t_c = _gated([combine(r) for r in range(RANKS)], streams, comms, iters)
+    ranks = range(shape.ranks)
+    t_d = time_calls([dispatch(r) for r in ranks], comms, iters, timeout)
+    t_c = time_calls([combine(r) for r in ranks], comms, iters, timeout)
     recv = statistics.mean(s[2] for s in state)
     back = statistics.mean(s[1].numel() * 2 for s in state)
     return t_d, t_c, recv, back
 
 
-def _time_ll(comms, tokens, dtype, iters):
-    import torch
+def time_ll(comms, shape, spec, iters, timeout):
     from moe_comm.cuda import ll as cll
     from moe_comm.cuda.local import run_local
     from moe_comm.wire import LLLayout
-    dev, fp8 = comms[0].device, dtype == "fp8"
-    lay = LLLayout(tokens, HIDDEN, RANKS, EXPERTS)
-    L, rows = lay.num_local, RANKS * tokens
-    ins = [_inputs("ll", tokens, dtype, r, dev) for r in range(RANKS)]
-    outs = [dict(x=torch.empty(L, rows, HIDDEN, dtype=torch.float8_e4m3fn if fp8 else
+    _, tokens, dtype = spec
+    dev, fp8, R, H = comms[0].device, dtype == "fp8", shape.ranks, shape.hidden
+    lay = LLLayout(tokens, H, R, shape.experts)
+    L, rows = lay.num_local, R * tokens
+    ins = [make_inputs(shape, "ll", tokens, dtype, r, dev) for r in range(R)]
+    outs = [dict(x=torch.empty(L, rows, H, dtype=torch.float8_e4m3fn if fp8 else
                                torch.bfloat16, device=dev),
-                 s=torch.empty(L, rows, HIDDEN // 128, device=dev) if fp8 else None,
+                 s=torch.empty(L, rows, H // 128, device=dev) if fp8 else None,
                  cnt=torch.zeros(L, dtype=torch.int32, device=dev),
-                 y=torch.randn(L, rows, HIDDEN, device=dev).bfloat16(),
-                 out=torch.empty(tokens, HIDDEN, dtype=torch.bfloat16, device=dev))
-            for _ in range(RANKS)]
+                 y=torch.randn(L, rows, H, device=dev).bfloat16(),
+                 out=torch.empty(tokens, H, dtype=torch.bfloat16, device=dev))
+            for _ in range(R)]
+    sync(dev)       # built on the default stream; the ranks' streams do not wait for it
 
     def dispatch(r):
         comm, (x, idx, _), o = comms[r], ins[r], outs[r]
@@ -186,7 +347,7 @@ def _time_ll(comms, tokens, dtype, iters):
         dispatch(comm.rank)()
         return int(outs[comm.rank]["cnt"].sum())
 
-    msgs = run_local(first, comms, timeout=300)
+    msgs = run_local(first, comms, timeout=timeout)
 
     def combine(r):
         comm, (_, idx, w), o = comms[r], ins[r], outs[r]
@@ -197,73 +358,100 @@ def _time_ll(comms, tokens, dtype, iters):
                              topk_weights=w, out=o["out"])
         return op
 
-    streams = [torch.cuda.Stream() for _ in range(RANKS)]
-    t_d = _gated([dispatch(r) for r in range(RANKS)], streams, comms, iters)
-    t_c = _gated([combine(r) for r in range(RANKS)], streams, comms, iters)
-    msg_bytes = HIDDEN + HIDDEN // 128 * 4 if fp8 else 2 * HIDDEN
-    return t_d, t_c, statistics.mean(msgs) * msg_bytes, statistics.mean(msgs) * 2 * HIDDEN
+    t_d = time_calls([dispatch(r) for r in range(R)], comms, iters, timeout)
+    t_c = time_calls([combine(r) for r in range(R)], comms, iters, timeout)
+    msg_bytes = H + H // 128 * 4 if fp8 else 2 * H
+    return t_d, t_c, statistics.mean(msgs) * msg_bytes, statistics.mean(msgs) * 2 * H
 
 
-def _copy_gbps(nbytes=1 << 30, iters=20):
-    import torch
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+def time_spec(shape, spec, device, iters, comm_timeout):
+    from moe_comm.cuda.comm import CudaComm
+    from moe_comm.wire import LLLayout, SlabLayout
+    mode, tokens, _ = spec
+    R, H = shape.ranks, shape.hidden
+    if mode == "normal":
+        heap = SlabLayout(tokens * R, H * 2, H // 128, shape.topk).nbytes
+        comms = CudaComm.local_group(R, heap, 0, comm_timeout, device)
+    else:
+        ll_bytes = LLLayout(tokens, H, R, shape.experts).nbytes
+        comms = CudaComm.local_group(R, 1 << 20, ll_bytes, comm_timeout, device)
+    # the host side of one spec (threads, first calls): a few comm deadlines at most
+    outer = max(30.0, 6 * comm_timeout)
+    try:
+        fn = time_normal if mode == "normal" else time_ll
+        t_d, t_c, recv, back = fn(comms, shape, spec, iters, outer)
+    finally:
+        destroy(comms)
+    return dict(dispatch_us=t_d * 1e6, combine_us=t_c * 1e6, dispatch_gbps=recv / t_d / 1e9,
+                combine_gbps=back / t_c / 1e9)
+
+
+def destroy(comms):
+    """Free a group, even one a failure left out of step (a destroy error must not hide the
+    failure that caused it)."""
+    for c in comms:
+        try:
+            c.destroy()
+        except Exception as e:  # noqa: BLE001 - printed to the log, the spec's error stands
+            print(f"destroy of rank {c.rank} failed: {type(e).__name__}: {e}", flush=True)
+    if comms and comms[0].device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def copy_gbps(device, nbytes, iters=20):
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
     dst = torch.empty_like(src)
     dst.copy_(src)
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        dst.copy_(src)
-    b.record()
-    torch.cuda.synchronize()
-    return nbytes * iters / (a.elapsed_time(b) / 1e3) / 1e9
+    seconds = elapsed(device, lambda: [dst.copy_(src) for _ in range(iters)])
+    return nbytes * iters / seconds / 1e9
 
 
-def run_timing(path, iters):
-    import torch
-    from moe_comm.cuda import variants
-    from moe_comm.cuda.comm import CudaComm
+def spec_row(shape, spec):
+    mode, tokens, dtype = spec
+    return dict(mode=mode, ranks=shape.ranks, tokens=tokens, hidden=shape.hidden,
+                topk=shape.topk, experts=shape.experts, dtype=dtype)
+
+
+def run_timing(shape, device, iters, comm_timeout, injected):
+    """One row per spec, each written to the log when done; a spec that fails records its
+    error and the next one runs. Returns the exit code."""
     from moe_comm.cuda.compiler import preload
-    from moe_comm.wire import LLLayout, SlabLayout
-    dev = torch.device("cuda", torch.cuda.current_device())
-    preload([variants.intranode(RANKS), variants.ll_combine(HIDDEN)] +
-            [variants.ll_dispatch_send(HIDDEN, f, False) for f in (False, True)] +
-            [variants.ll_dispatch_recv(HIDDEN, f, False) for f in (False, True)], dev)
-    rows = []
-    for mode, tokens, dtype in SPECS:
-        t0 = time.monotonic()
-        if mode == "normal":
-            heap = SlabLayout(tokens * RANKS, HIDDEN * 2, HIDDEN // 128, TOPK).nbytes
-            comms = CudaComm.local_group(RANKS, heap, 0, 60.0, dev)
-        else:
-            comms = CudaComm.local_group(RANKS, 1 << 20,
-                                         LLLayout(tokens, HIDDEN, RANKS, EXPERTS).nbytes, 60.0,
-                                         dev)
+    ok = True
+    emit("meta", device=device_name(device), torch=torch.__version__,
+         ranks_as=(f"{shape.ranks} CUDA streams of one process (threads) on one GPU"
+                   if device.type == "cuda" else
+                   f"{shape.ranks} threads on the CPU kernel emulator"),
+         normal_dispatch="cached handle (no host count exchange)", comm_timeout_s=comm_timeout,
+         iters=iters)
+    try:
+        emit("copy", copy_gbps=copy_gbps(device, shape.copy_bytes))
+    except Exception as e:  # noqa: BLE001 - recorded, the specs still run
+        ok = False
+        emit("copy", **failure(e))
+    try:
+        preload(timing_variants(shape), device)    # before ranks start waiting on each other
+    except Exception as e:  # noqa: BLE001 - each spec then fails with its own error
+        ok = False
+        emit("preload", **failure(e))
+    for spec in shape.specs:
+        row, t0 = dict(label=spec_label(spec)), time.monotonic()
         try:
-            fn = _time_normal if mode == "normal" else _time_ll
-            t_d, t_c, recv, back = fn(comms, tokens, dtype, iters)
-        finally:
-            for c in comms:
-                c.destroy()
-            torch.cuda.empty_cache()
-        rows.append(dict(mode=mode, ranks=RANKS, tokens=tokens, hidden=HIDDEN, topk=TOPK,
-                         experts=EXPERTS, dtype=dtype, dispatch_us=t_d * 1e6,
-                         combine_us=t_c * 1e6, dispatch_gbps=recv / t_d / 1e9,
-                         combine_gbps=back / t_c / 1e9))
-        print(f"timed {mode} {dtype} in {time.monotonic() - t0:.1f} s", flush=True)
-    copy = _copy_gbps()
-    for row in rows:
-        row["copy_gbps"] = copy
-    meta = dict(device=torch.cuda.get_device_name(dev), torch=torch.__version__,
-                ranks_as="8 CUDA streams of one process (threads) on one GPU",
-                normal_dispatch="cached handle (no host count exchange)")
-    with open(path, "w") as f:
-        json.dump(dict(rows=rows, meta=meta), f, indent=1)
+            inject(injected, spec_label(spec))
+            row.update(time_spec(shape, spec, device, iters, comm_timeout))
+        except Exception as e:  # noqa: BLE001 - recorded, the next spec runs
+            ok = False
+            row.update(failure(e))
+        row["seconds"] = round(time.monotonic() - t0, 1)
+        emit("row", **row)
+    return 0 if ok else 1
 
 
-# ---- step 3: all_to_all_single baseline (8 processes) -------------------------------------
+# ---- step: all_to_all_single baseline (processes) ---------------------------------------------
+_STAGED = False
+
+
 def _a2a(out, inp, out_splits=None, in_splits=None):
-    """all_to_all_single on CUDA tensors; gloo may refuse CUDA tensors: stage through host."""
-    import torch
+    """all_to_all_single; gloo may refuse CUDA tensors: stage through host memory."""
     import torch.distributed as dist
     global _STAGED
     if not _STAGED:
@@ -271,22 +459,20 @@ def _a2a(out, inp, out_splits=None, in_splits=None):
             dist.all_to_all_single(out, inp, out_splits, in_splits)
             return
         except (RuntimeError, ValueError):
+            if out.device.type == "cpu":
+                raise
             _STAGED = True
     host = torch.empty(out.shape, dtype=out.dtype)
     dist.all_to_all_single(host, inp.cpu(), out_splits, in_splits)
     out.copy_(host)
 
 
-_STAGED = False
-
-
-def _normal_baseline(x, idx, w):
+def _normal_baseline(shape, x, idx, w):
     """Permute, exchange counts, exchange payload rows (x, scales, top-k), unpermute."""
-    import torch
     from moe_comm.layout import dispatch_layout
-    R = RANKS
+    R, H = shape.ranks, shape.hidden
     data, scales = x if isinstance(x, tuple) else (x, None)
-    per_rank, _, in_rank = dispatch_layout(idx, EXPERTS, R)
+    per_rank, _, in_rank = dispatch_layout(idx, shape.experts, R)
     parts = [data.view(torch.uint8)] + ([scales.view(torch.uint8)] if scales is not None
                                         else []) + [idx.view(torch.uint8), w.view(torch.uint8)]
     rows = torch.cat(parts, 1)
@@ -304,35 +490,35 @@ def _normal_baseline(x, idx, w):
         st.update(rc=rc, sc=sc, n=sum(rc))
 
     def combine():
-        y = torch.zeros(st["n"], HIDDEN, dtype=torch.bfloat16, device=rows.device)
-        back = torch.empty(len(send_ids), HIDDEN, dtype=torch.bfloat16, device=rows.device)
+        y = torch.zeros(st["n"], H, dtype=torch.bfloat16, device=rows.device)
+        back = torch.empty(len(send_ids), H, dtype=torch.bfloat16, device=rows.device)
         _a2a(back.view(torch.uint8), y.view(torch.uint8), st["sc"], st["rc"])
-        out = torch.zeros(data.shape[0], HIDDEN, device=rows.device)
+        out = torch.zeros(data.shape[0], H, device=rows.device)
         out.index_add_(0, send_ids, back.float())
         return out.bfloat16()
 
     return dispatch, combine
 
 
-def _ll_baseline(x, idx, w, tokens, fp8):
+def _ll_baseline(shape, x, idx, w, tokens, fp8):
     """The padded fixed-shape exchange an all_to_all needs without a count exchange: every
     rank sends each destination tokens x min(top-k, experts per rank) message slots."""
-    import torch
-    R, L = RANKS, EXPERTS // RANKS
-    slots = tokens * min(TOPK, L)
+    R, H = shape.ranks, shape.hidden
+    L = shape.experts // R
+    slots = tokens * min(shape.topk, L)
     tok, k = (idx >= 0).nonzero(as_tuple=True)
     expert = idx[tok, k]
     order = torch.sort(expert, stable=True).indices
     tok, k, expert = tok[order], k[order], expert[order]
     dst = expert // L
     pos = torch.arange(tok.numel(), device=x.device) - torch.searchsorted(dst, dst)
-    msg = HIDDEN + HIDDEN // 32 if fp8 else 2 * HIDDEN
+    msg = H + H // 32 if fp8 else 2 * H
 
     def dispatch():
         if fp8:
-            blocks = x.float().view(x.shape[0], HIDDEN // 128, 128)
+            blocks = x.float().view(x.shape[0], H // 128, 128)
             s = blocks.abs().amax(-1).clamp(min=1e-4) / 448.0
-            q = (blocks / s.unsqueeze(-1)).view(x.shape[0], HIDDEN).to(torch.float8_e4m3fn)
+            q = (blocks / s.unsqueeze(-1)).view(x.shape[0], H).to(torch.float8_e4m3fn)
             msgs = torch.cat([q.view(torch.uint8), s.view(torch.uint8)], 1)
         else:
             msgs = x.view(torch.uint8)
@@ -345,61 +531,145 @@ def _ll_baseline(x, idx, w, tokens, fp8):
         _a2a(torch.empty_like(meta), meta)
 
     def combine():
-        back = torch.zeros(R, slots, HIDDEN, dtype=torch.bfloat16, device=x.device)
+        back = torch.zeros(R, slots, H, dtype=torch.bfloat16, device=x.device)
         recv = torch.empty_like(back)
         _a2a(recv.view(torch.uint8), back.view(torch.uint8))
-        out = torch.zeros(x.shape[0], HIDDEN, device=x.device)
+        out = torch.zeros(x.shape[0], H, device=x.device)
         out.index_add_(0, tok, recv[dst, pos].float() * w[tok, k, None])
         return out.bfloat16()
 
     return dispatch, combine
 
 
-def _baseline_rank(rank, n, iters):
-    import torch
+def _baseline_rank(rank, n, shape, spec, iters, device_type):
+    """One spec on one rank (a forked process of moe_comm.launch.run_ranks)."""
     import torch.distributed as dist
-    torch.cuda.set_device(0)
-    dev = torch.device("cuda", 0)
+    dev = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
 
     def timed(fn):
         fn()
-        torch.cuda.synchronize()
+        sync(dev)
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(iters):
             fn()
-        torch.cuda.synchronize()
+        sync(dev)
         t = (time.perf_counter() - t0) / iters
         everyone = [None] * n
         dist.all_gather_object(everyone, t)
         return max(everyone)
 
-    out = []
-    for mode, tokens, dtype in SPECS:
-        x, idx, w = _inputs(mode, tokens, dtype, rank, dev)
-        d, c = (_normal_baseline(x, idx, w) if mode == "normal" else
-                _ll_baseline(x, idx, w, tokens, dtype == "fp8"))
-        out.append(dict(mode=mode, dtype=dtype, baseline_dispatch_us=timed(d) * 1e6,
-                        baseline_combine_us=timed(c) * 1e6))
-    return out, _STAGED
+    mode, tokens, dtype = spec
+    x, idx, w = make_inputs(shape, mode, tokens, dtype, rank, dev)
+    d, c = (_normal_baseline(shape, x, idx, w) if mode == "normal" else
+            _ll_baseline(shape, x, idx, w, tokens, dtype == "fp8"))
+    return dict(baseline_dispatch_us=timed(d) * 1e6, baseline_combine_us=timed(c) * 1e6), _STAGED
 
 
-def run_baseline(path, iters):
+def run_baseline(shape, device_type, which, iters, deadline, injected):
+    """One spec at a time, each its own set of processes with its own deadline (a fair share of
+    what is left), so a spec that fails or hangs costs only its share. Returns the exit code."""
     from moe_comm.launch import run_ranks
-    results = run_ranks(_baseline_rank, RANKS, iters, timeout=540)
-    rows, staged = results[0]
-    with open(path, "w") as f:
-        json.dump(dict(rows=rows, meta=dict(
-            baseline="torch.distributed all_to_all_single, gloo, 8 processes on one GPU" +
-            (" (CUDA tensors staged through host memory)" if staged else ""))), f, indent=1)
+    specs = [s for s in shape.specs if which == "all" or s[0] == "ll"]
+    end, ok, staged = time.monotonic() + deadline, True, False
+    for i, spec in enumerate(specs):
+        timeout = max(10.0, (end - time.monotonic() - 5) / (len(specs) - i))
+        row, t0 = dict(label=spec_label(spec)), time.monotonic()
+        try:
+            inject(injected, spec_label(spec))
+            got, was_staged = run_ranks(_baseline_rank, shape.ranks, shape, spec, iters,
+                                        device_type, timeout=timeout)[0]
+            row.update(got)
+            staged |= was_staged
+        except Exception as e:  # noqa: BLE001 - recorded, the next spec runs
+            ok = False
+            row.update(failure(e))
+        row["seconds"] = round(time.monotonic() - t0, 1)
+        emit("baseline", **row)
+    where = "on one GPU" if device_type == "cuda" else "on the CPU"
+    emit("meta", baseline=f"torch.distributed all_to_all_single, gloo, {shape.ranks} processes "
+         f"{where}" + (" (CUDA tensors staged through host memory)" if staged else ""))
+    return 0 if ok else 1
 
 
-# ---- step 4 workload: small case for compute-sanitizer -------------------------------------
+# ---- step: build every variant into the one cache folder -------------------------------------
+def _nvshmem_missing():
+    """Why the NVSHMEM tests will skip (then their IBGDA builds are not needed), or None."""
+    from moe_comm.ibgda import locate
+    if importlib.util.find_spec("nvshmem") is None:
+        return "nvshmem4py not installed (docs/PERF.md: how to carry its wheel)"
+    try:    # the tests' skip says only "not installed": record why it does not import
+        import nvshmem.core  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        return f"nvshmem4py does not import: {type(e).__name__}: {e}"
+    try:
+        locate.nvshmem_install()
+        locate.nvcc_path()
+    except locate.NvshmemNotFoundError as e:
+        return str(e)
+    return None
+
+
+def build_jobs(shape, dry_run):
+    """(label, function) per program this run loads."""
+    if dry_run:
+        from moe_comm.cuda import emulator
+        return [(f"{v.label} (emulator)", functools.partial(emulator.build, v))
+                for v in timing_variants(shape)]
+    from moe_comm.cuda import variants as V
+    from moe_comm.cuda.compiler import compile_cubin, device_arch
+    arch = device_arch(torch.device("cuda", 0))
+    jobs = [(f"{v.label} {arch}", functools.partial(compile_cubin, v, arch))
+            for v in V.all_variants()]
+    why = _nvshmem_missing()
+    if why:
+        emit("note", note=f"IBGDA builds skipped: {why}")
+        return jobs
+    from moe_comm.ibgda.build import build_cubin, kernel_program, selftest_program
+    # what tests/test_ibgda_gpu.py and test_two_processes_through_nvshmem load (2 ranks,
+    # generic hidden size)
+    programs = [selftest_program(), kernel_program(V.intranode(2))] + \
+        [kernel_program(v) for v in ll_variants(128)]
+    return jobs + [(f"{p.label} {arch} (nvcc + NVSHMEM)", functools.partial(build_cubin, p, arch))
+                   for p in programs]
+
+
+def run_build(shape, dry_run):
+    """Compile in parallel threads (NVRTC releases the GIL; g++ and nvcc are processes); every
+    program records its own failure. Returns the exit code."""
+    t0 = time.monotonic()
+    jobs = build_jobs(shape, dry_run)
+    workers = os.cpu_count() or 1
+
+    def one(label, fn):
+        start = time.monotonic()
+        try:
+            fn()
+            return label, time.monotonic() - start, None
+        except Exception as e:  # noqa: BLE001 - recorded, the other programs still build
+            return label, time.monotonic() - start, failure(e)
+
+    failed = []
+    with ThreadPoolExecutor(workers) as pool:
+        for done in as_completed([pool.submit(one, *job) for job in jobs]):
+            label, seconds, err = done.result()
+            print(f"built {label} in {seconds:.1f} s" + (" FAILED" if err else ""), flush=True)
+            if err:
+                failed.append(label)
+                emit("build_error", program=label, **err)
+    emit("build", programs=len(jobs), failed=failed, workers=workers,
+         target="emulator" if dry_run else "cubin",
+         build_seconds=round(time.monotonic() - t0, 1))
+    return 1 if failed else 0
+
+
+# ---- step: small case for compute-sanitizer ----------------------------------------------------
 def run_small_case():
     """Every kernel on one rank (no rank waits on another thread's kernel, so a sanitizer that
     serialises launches cannot deadlock it), then 2 processes through CUDA IPC."""
-    import torch
-    import cuda_cases as C
+    import cuda_cases as C        # the GPU tests' cases (tests/ is on sys.path)
     import test_cuda_gpu as T
     n, dev = 1, torch.device("cuda", torch.cuda.current_device())
     normal = [c for c in C.normal_cases(n) if c["routing"] == "random"][:4] + \
@@ -408,36 +678,229 @@ def run_small_case():
     C.check_ll_group(n, dev, [c for c in C.ll_cases(n) if c["hidden"] <= 512])
     T.test_two_processes_through_cuda_ipc()
     print("small case OK")
+    return 0
 
 
-# ---- orchestration -------------------------------------------------------------------------
-def _step(name, cmd, timeout, env_extra, log):
-    env = dict(os.environ, **env_extra)
-    t0 = time.monotonic()
-    # its own process group: on a timeout the ranks it forked or spawned die with it, instead
-    # of holding GPU contexts that time-slice the GPU under the next steps
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = p.communicate(timeout=max(1, timeout))
-        rc = p.returncode
-    except subprocess.TimeoutExpired:
-        rc = "timeout"
+# ---- orchestration ----------------------------------------------------------------------------
+# Per step: (most seconds it may take, seconds kept for the steps after it). A step's deadline
+# is the smaller of its cap and what is left of --budget minus what it keeps, so the late steps
+# still run when an early one hangs; a step left with under MIN_STEP_S is skipped.
+PLAN = {"build": (120, 330), "tests": (240, 150), "timing": (150, 60), "baseline": (60, 60),
+        "memcheck": (120, 30), "racecheck": (120, 0)}
+MIN_STEP_S = 15
+# The two quick emulator tests of the dry run: comm deadlines, both modes, 2 ranks (the same
+# libraries as DRY_SHAPE's timing).
+DRY_TESTS = ("tests/test_cuda_emulator.py::test_silent_rank_is_named_not_hung",)
+GPU_TESTS = ("tests/test_cuda_gpu.py", "tests/test_ibgda_gpu.py")
+PACKAGES = ("torch", "cuda-core", "cuda-bindings", "nvidia-nvshmem-cu13", "nvshmem4py-cu13",
+            "pytest", "pytest-timeout")
+
+
+class Run:
+    """One gpu_check run: its JSON (rewritten after every step) and the step logs beside it."""
+
+    def __init__(self, args, shape):
+        self.json = os.path.abspath(args.json)
+        self.folder = os.path.dirname(self.json)
+        self.stem = os.path.splitext(os.path.basename(self.json))[0]
+        self.budget, self.started = args.budget, time.monotonic()
+        os.makedirs(self.folder, exist_ok=True)
+        self.rows = [spec_row(shape, s) for s in shape.specs]
+        self.steps, self.meta = {}, dict(packages=_versions(), dry_run=args.dry_run)
+        self.head = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                         argv=sys.argv[1:], budget_s=args.budget, cache_dir=args.cache_dir,
+                         shape=asdict(shape))
+
+    def left(self):
+        return self.budget - (time.monotonic() - self.started)
+
+    def deadline(self, step):
+        cap, keep = PLAN[step]
+        return min(cap, self.left() - keep)
+
+    def log_path(self, step):
+        return os.path.join(self.folder, f"{self.stem}_{step}.log")
+
+    def row(self, label):
+        return next(r for r in self.rows if row_label(r) == label)
+
+    def failed(self):
+        bad = [k for k, v in self.steps.items() if v.get("status") in ("failed", "timeout")]
+        return bad + [row_label(r) for r in self.rows if "dispatch_us" not in r]
+
+    def save(self):
+        data = dict(self.head, rows=self.rows, meta=self.meta, steps=self.steps,
+                    failed=self.failed(), seconds=round(time.monotonic() - self.started, 1))
+        tmp = self.json + ".tmp"          # atomic: a reader never sees half a file
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, self.json)
+
+
+def _versions():
+    out = {}
+    for name in PACKAGES:
         try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        out, _ = p.communicate()
-    took = time.monotonic() - t0
-    log[name] = dict(cmd=" ".join(cmd), rc=rc, seconds=round(took, 1), tail=out[-6000:])
-    status = "ok" if rc == 0 else f"FAILED (rc={rc})"
-    print(f"[{name}] {status} in {took:.0f} s", flush=True)
-    if rc != 0:
-        print(out[-3000:], flush=True)
-    return rc == 0
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
 
 
-def _sanitizer():
+def _kill_group(proc):
+    """The step's whole process group: on a timeout the ranks it forked or spawned die with it,
+    instead of holding GPU contexts that time-slice the GPU under the next steps."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+def _read_from(path, start):
+    with open(path, "rb") as f:
+        f.seek(start)
+        return f.read().decode(errors="replace")
+
+
+def run_step(run, name, cmd, deadline, env, log_name=None):
+    """Run one step's command with its output streamed into its log; returns (record, the
+    log text of this step)."""
+    log = run.log_path(log_name or name)
+    start = os.path.getsize(log) if log_name and os.path.exists(log) else 0   # a shared log
+    rec = run.steps[name] = dict(status="running", cmd=shlex.join(cmd),
+                                 deadline_s=round(deadline), log=os.path.basename(log))
+    run.save()
+    t0 = time.monotonic()
+    with open(log, "ab" if start else "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=deadline)
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        finally:                  # also when this run is interrupted: no orphaned ranks
+            _kill_group(proc)
+    text = _read_from(log, start)
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    rec.update(rc=rc, seconds=round(time.monotonic() - t0, 1), tail=text[-6000:],
+               status="ok" if rc == 0 else "timeout" if rc == "timeout" else "failed")
+    if rc == "timeout":
+        rec["error"] = (f"killed at its deadline of {deadline:.0f} s; its log ends with: "
+                        f"{lines[-1].strip() if lines else '(nothing)'}")
+    elif rc != 0:
+        rec["error"] = f"exit code {rc}"
+    return rec, text
+
+
+def step_env(args, cache, extra=(), cap_deadlines=True):
+    env = dict(os.environ, MOE_COMM_CACHE_DIR=cache, PYTHONUNBUFFERED="1", **dict(extra))
+    if cap_deadlines and args.test_timeout > 0:
+        env["MOE_COMM_TEST_TIMEOUT_S"] = str(args.test_timeout)
+    return env
+
+
+# ranks as threads of one process on a GPU: see moe_comm/cuda/local.py
+EAGER = {"CUDA_MODULE_LOADING": "EAGER", "CUDA_DEVICE_MAX_CONNECTIONS": "32"}
+LAZY = {"CUDA_MODULE_LOADING": "LAZY"}
+
+
+def _me(args):
+    """This script as a step runs it: the same shape and output options."""
+    cmd = [sys.executable, os.path.abspath(__file__)]
+    if args.dry_run:
+        cmd.append("--dry-run")
+    for name in args.inject_failure or ():
+        cmd += ["--inject-failure", name]
+    return cmd
+
+
+def _failing(name):
+    """--inject-failure STEP: the step's command replaced by one that fails."""
+    return [sys.executable, "-c", f"print('injected failure in step {name}'); raise "
+            f"SystemExit(3)"]
+
+
+def step_build(run, args, deadline):
+    cmd = _me(args) + ["--step", "build"]
+    rec, text = run_step(run, "build", cmd, deadline, step_env(args, args.cache_dir, EAGER))
+    for res in read_results(text):
+        if res["kind"] == "build":
+            rec.update(programs=res["programs"], build_seconds=res["build_seconds"],
+                       workers=res["workers"], target=res["target"])
+        elif res["kind"] == "build_error":
+            rec.setdefault("failures", []).append(
+                {k: res[k] for k in ("program", "error", "traceback")})
+        elif res["kind"] == "note":
+            rec.setdefault("notes", []).append(res["note"])
+
+
+def _pytest_cmd(args):
+    cmd = [sys.executable, "-m", "pytest", "-v", "--durations=0", "-rfEs", "-p",
+           "no:cacheprovider"]
+    # a per-test bound where pytest-timeout is installed (the GPU image has it): a test hung
+    # past its comm deadlines is stopped and the next ones still run
+    if importlib.util.find_spec("pytest_timeout") and args.test_timeout > 0:
+        cmd.append(f"--timeout={max(60, 15 * args.test_timeout):.0f}")
+    return cmd + list(DRY_TESTS if args.dry_run else GPU_TESTS)
+
+
+def step_tests(run, args, deadline):
+    rec, text = run_step(run, "tests", _pytest_cmd(args), deadline,
+                         step_env(args, args.cache_dir, EAGER))
+    rec["skipped"] = re.findall(r"^SKIPPED \[\d+\] (.+)$", text, re.M)
+    rec["failures"] = re.findall(r"^(?:FAILED|ERROR) (.+)$", text, re.M)
+    summary = re.findall(r"^=+ (.*\b(?:passed|failed|skipped|error|errors)\b.*) =+$", text,
+                         re.M)
+    if summary:
+        rec["summary"] = summary[-1]
+
+
+def step_timing(run, args, deadline):
+    cmd = _me(args) + ["--step", "timing", "--iters", str(args.iters), "--comm-timeout",
+                       str(args.comm_timeout)]
+    rec, text = run_step(run, "timing", cmd, deadline, step_env(args, args.cache_dir, EAGER))
+    for res in read_results(text):
+        kind = res.pop("kind")
+        if kind == "row":
+            run.row(res.pop("label")).update(res)
+        elif kind == "meta":
+            run.meta.update(res)
+        elif kind == "copy":
+            if "copy_gbps" in res:
+                for row in run.rows:
+                    row["copy_gbps"] = res["copy_gbps"]
+            else:
+                rec["copy_error"] = res
+        elif kind == "preload":
+            rec["preload_error"] = res
+    for row in run.rows:
+        if "dispatch_us" not in row and "error" not in row:
+            row["error"] = f"not timed: the timing step ended first ({rec['status']})"
+        if "error" in row:
+            rec.setdefault("failures", []).append(dict(spec=row_label(row), error=row["error"]))
+
+
+def step_baseline(run, args, deadline):
+    cmd = _me(args) + ["--step", "baseline", "--baseline", args.baseline, "--baseline-iters",
+                       str(args.baseline_iters), "--deadline", str(deadline)]
+    # a little longer than the specs' own deadlines: they end first and say which spec hung
+    rec, text = run_step(run, "baseline", cmd, deadline + 15,
+                         step_env(args, args.cache_dir, LAZY))
+    for res in read_results(text):
+        kind = res.pop("kind")
+        if kind == "meta":
+            run.meta.update(res)
+            continue
+        row = run.row(res.pop("label"))
+        if "error" in res:
+            rec.setdefault("failures", []).append(dict(spec=row_label(row), **res))
+        else:
+            row.update(baseline_dispatch_us=res["baseline_dispatch_us"],
+                       baseline_combine_us=res["baseline_combine_us"])
+
+
+def sanitizer_tool():
     found = shutil.which("compute-sanitizer")
     for cand in ("/usr/local/cuda/bin/compute-sanitizer",
                  "/usr/local/cuda/compute-sanitizer/compute-sanitizer"):
@@ -446,99 +909,190 @@ def _sanitizer():
     return found
 
 
-def _table(rows):
+def step_sanitizer(kind):
+    def step(run, args, deadline):
+        cmd = [sanitizer_tool(), "--tool", kind, "--target-processes", "all",
+               "--error-exitcode", "99", "--print-limit", "30"] + _me(args) + \
+            ["--step", "small-case"]
+        # no deadline cap: instrumented kernels run many times slower, and a short comm
+        # deadline would report a slow peer as a silent one
+        run_step(run, kind, cmd, deadline,
+                 step_env(args, args.cache_dir, LAZY, cap_deadlines=False),
+                 log_name="sanitizer")
+    return step
+
+
+def _skip_reason(name, args):
+    """Why a step does not run, or None."""
+    if name == "tests" and args.skip_tests:
+        return "--skip-tests"
+    if name == "baseline" and args.baseline == "none":
+        return "--baseline none"
+    if name == "sanitizer":
+        if args.dry_run:
+            return "dry run: compute-sanitizer checks the kernels on a GPU"
+        if args.skip_sanitizer:
+            return "--skip-sanitizer"
+        if sanitizer_tool() is None:
+            return "compute-sanitizer not found"
+    return None
+
+
+def _steps(args):
+    steps = [("build", step_build), ("tests", step_tests), ("timing", step_timing),
+             ("baseline", step_baseline)]
+    if _skip_reason("sanitizer", args):
+        return steps + [("sanitizer", None)]
+    return steps + [("memcheck", step_sanitizer("memcheck")),
+                    ("racecheck", step_sanitizer("racecheck"))]
+
+
+def attempt(run, name, fn, args):
+    """Run one step; whatever goes wrong is recorded as that step's failure."""
+    why = _skip_reason(name, args)
+    deadline = run.deadline(name) if fn else 0
+    if why is None and deadline < MIN_STEP_S:
+        why = f"out of time ({run.left():.0f} s of the budget left)"
+    if why:
+        run.steps[name] = dict(status="skipped", reason=why)
+    elif name in (args.inject_failure or ()):
+        run_step(run, name, _failing(name), deadline, step_env(args, args.cache_dir))
+    else:
+        try:
+            fn(run, args, deadline)
+        except Exception as e:  # noqa: BLE001 - recorded, the next step runs
+            run.steps[name] = dict(run.steps.get(name, {}), status="failed", **failure(e))
+    run.save()
+    rec = run.steps[name]
+    took = f" in {rec['seconds']:.0f} s" if "seconds" in rec else ""
+    print(f"[{name}] {rec['status']}{took}" + (f": {rec['reason']}" if why else ""), flush=True)
+    if rec["status"] in ("failed", "timeout"):
+        print(rec.get("error", ""), rec.get("tail", rec.get("traceback", ""))[-3000:], sep="\n",
+              flush=True)
+
+
+def table(rows):
     lines = [" ".join(f"{c:>12}" for c in COLUMNS)]
     for row in rows:
-        lines.append(" ".join(f"{row.get(c, float('nan')):>12.1f}"
-                              if isinstance(row.get(c), float) or row.get(c) is None
-                              else f"{row[c]:>12}" for c in COLUMNS))
+        cells = []
+        for c in COLUMNS:
+            v = row.get(c)
+            cells.append(f"{v:>12}" if isinstance(v, (str, int)) else
+                         f"{float('nan') if v is None else v:>12.1f}")
+        lines.append(" ".join(cells))
+    for row in rows:
+        if "error" in row:
+            lines.append(f"{row_label(row)}: {row['error']}")
     return "\n".join(lines)
 
 
-def main(argv=None):
+def orchestrate(args):
+    shape = DRY_SHAPE if args.dry_run else GPU_SHAPE
+    run = Run(args, shape)
+    problem = _device_problem(args)
+    if problem:
+        run.steps["setup"] = dict(status="failed", error=problem)
+        run.save()
+        print(f"gpu_check: {problem}")
+        return 2
+    try:
+        for name, fn in _steps(args):
+            attempt(run, name, fn, args)
+    finally:                      # also when interrupted: the JSON says how far it got
+        for rec in run.steps.values():
+            if rec.get("status") == "running":
+                rec["status"] = "interrupted"
+        run.save()
+    print(table(run.rows))
+    print(f"wrote {run.json} ({time.monotonic() - run.started:.0f} s); logs beside it")
+    bad = run.failed()
+    if bad:
+        print(f"FAILED: {', '.join(bad)}")
+    return 1 if bad else 0
+
+
+def _device_problem(args):
+    if args.dry_run:
+        try:
+            from moe_comm.cuda import emulator
+            found = emulator.available()
+        except Exception as e:  # noqa: BLE001 - reported as the run's problem
+            return f"the kernel emulator does not load: {type(e).__name__}: {e}"
+        return None if found else \
+            "the dry run needs the kernel emulator's C++ compiler (g++; set CXX)"
+    if not torch.cuda.is_available():
+        return "gpu_check needs a CUDA GPU (torch.cuda.is_available() is False); " \
+               "--dry-run runs it on the CPU kernel emulator"
+    return None
+
+
+def _on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)    # unwinds run_step: the step's processes are killed
+
+
+def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     # $OUT: the device tool brings back only what is written there
     p.add_argument("--json", default=os.path.join(os.environ.get("OUT") or
                                                   os.path.join(ROOT, "bench_out"),
-                                                  "gpu_check.json"))
-    p.add_argument("--iters", type=int, default=10, help="timed calls per rank")
+                                                  "gpu_check.json"),
+                   help="the JSON; the step logs go beside it")
+    p.add_argument("--dry-run", action="store_true",
+                   help="the same steps on the CPU kernel emulator with tiny shapes (CI)")
+    p.add_argument("--iters", type=int, help="timed calls per rank (10; dry run 2)")
+    p.add_argument("--baseline", choices=("ll", "all", "none"), default="ll",
+                   help="gloo all_to_all baseline for the LL specs only (default), all, none")
+    p.add_argument("--skip-baseline", action="store_const", dest="baseline", const="none",
+                   help="same as --baseline none")
     p.add_argument("--baseline-iters", type=int, default=3)
-    p.add_argument("--budget", type=float, default=570.0, help="seconds for all steps")
+    p.add_argument("--budget", type=float, default=540.0, help="seconds for all steps")
     p.add_argument("--skip-tests", action="store_true")
     p.add_argument("--skip-sanitizer", action="store_true")
-    p.add_argument("--skip-baseline", action="store_true")
-    p.add_argument("--small-case", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--timing", metavar="PATH", help=argparse.SUPPRESS)
-    p.add_argument("--baseline", metavar="PATH", help=argparse.SUPPRESS)
+    p.add_argument("--test-timeout", type=float, default=10.0,
+                   help="cap on the tests' comm deadlines, seconds (0: the tests' own)")
+    p.add_argument("--comm-timeout", type=float,
+                   help="comm deadline of the timing step, seconds (10; dry run 30: the "
+                        "emulator on a busy CI machine is slow)")
+    p.add_argument("--cache-dir", default=None,
+                   help="the kernel cache every step uses (default: $MOE_COMM_CACHE_DIR, else "
+                        "/tmp/moe_comm_gpu_check/kernels; dry run: the emulator tests' "
+                        "~/.cache/moe_comm/kernels)")
+    p.add_argument("--step", choices=("build", "timing", "baseline", "small-case"),
+                   help=argparse.SUPPRESS)
+    p.add_argument("--deadline", type=float, default=60.0, help=argparse.SUPPRESS)
+    p.add_argument("--inject-failure", action="append", metavar="STEP_OR_SPEC",
+                   help=argparse.SUPPRESS)     # tests: e.g. "tests" or "normal-fp8"
     args = p.parse_args(argv)
-    if args.small_case:
+    if args.iters is None:
+        args.iters = 2 if args.dry_run else 10
+    if args.comm_timeout is None:
+        args.comm_timeout = 30.0 if args.dry_run else 10.0
+    if args.cache_dir is None:
+        # a bare GPU machine: somewhere surely writable, not $OUT; the dry run shares
+        # moe_comm.cuda.compiler.cache_dir()'s default with the emulator tests (CI builds once)
+        args.cache_dir = os.environ.get("MOE_COMM_CACHE_DIR") or (
+            os.path.join(os.path.expanduser("~"), ".cache", "moe_comm", "kernels")
+            if args.dry_run else "/tmp/moe_comm_gpu_check/kernels")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    shape = DRY_SHAPE if args.dry_run else GPU_SHAPE
+    device = torch.device("cpu") if args.dry_run else None
+    injected = args.inject_failure or ()
+    if args.step == "build":
+        return run_build(shape, args.dry_run)
+    if args.step == "timing":
+        device = device or torch.device("cuda", torch.cuda.current_device())
+        return run_timing(shape, device, args.iters, args.comm_timeout, injected)
+    if args.step == "baseline":
+        return run_baseline(shape, "cpu" if args.dry_run else "cuda", args.baseline,
+                            args.baseline_iters, args.deadline, injected)
+    if args.step == "small-case":
         return run_small_case()
-    if args.timing:
-        return run_timing(args.timing, args.iters)
-    if args.baseline:
-        return run_baseline(args.baseline, args.baseline_iters)
-
-    import torch
-    if not torch.cuda.is_available():
-        print("gpu_check needs a CUDA GPU (torch.cuda.is_available() is False)")
-        return 2
-    start = time.monotonic()
-    left = lambda: args.budget - (time.monotonic() - start)  # noqa: E731
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    me = [sys.executable, os.path.abspath(__file__)]
-    # ranks as threads: see moe_comm/cuda/local.py
-    eager = {"CUDA_MODULE_LOADING": "EAGER", "CUDA_DEVICE_MAX_CONNECTIONS": "32"}
-    lazy = {"CUDA_MODULE_LOADING": "LAZY"}
-    log = {}
-    if not args.skip_tests:
-        _step("tests", [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider",
-                        "tests/test_cuda_compile.py", "tests/test_cuda_launch_args.py",
-                        "tests/test_cuda_gpu.py", "tests/test_ibgda_gpu.py"],
-              min(240, left() - 200), eager, log)
-    timing_path, base_path = args.json + ".timing", args.json + ".baseline"
-    _step("timing", me + ["--timing", timing_path, "--iters", str(args.iters)],
-          min(180, left() - 120), eager, log)
-    if not args.skip_baseline:
-        _step("baseline", me + ["--baseline", base_path, "--baseline-iters",
-                                str(args.baseline_iters)], min(150, left() - 60), lazy, log)
-    tool = _sanitizer()
-    if args.skip_sanitizer:
-        pass
-    elif tool is None:
-        log["sanitizer"] = "compute-sanitizer not found"
-        print("[sanitizer] compute-sanitizer not found: skipped", flush=True)
-    else:
-        for kind in ("memcheck", "racecheck"):
-            if left() < 30:
-                log[kind] = "skipped: out of time"
-                print(f"[{kind}] skipped: out of time", flush=True)
-                continue
-            _step(kind, [tool, "--tool", kind, "--target-processes", "all",
-                         "--error-exitcode", "99", "--print-limit", "30"] + me +
-                  ["--small-case"], left() - 5, lazy, log)
-
-    rows, meta = [], {}
-    if os.path.exists(timing_path):
-        with open(timing_path) as f:
-            t = json.load(f)
-        rows, meta = t["rows"], t["meta"]
-    if os.path.exists(base_path):
-        with open(base_path) as f:
-            b = json.load(f)
-        for row in rows:
-            for brow in b["rows"]:
-                if (brow["mode"], brow["dtype"]) == (row["mode"], row["dtype"]):
-                    row.update(baseline_dispatch_us=brow["baseline_dispatch_us"],
-                               baseline_combine_us=brow["baseline_combine_us"])
-        meta.update(b["meta"])
-    print(_table(rows))
-    result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), rows=rows,
-                  meta=meta, steps=log, seconds=round(time.monotonic() - start, 1))
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {args.json} ({result['seconds']} s)")
-    failed = [k for k, v in log.items() if isinstance(v, dict) and v["rc"] != 0]
-    return 1 if failed or not rows else 0
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    return orchestrate(args)
 
 
 if __name__ == "__main__":

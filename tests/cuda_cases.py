@@ -13,6 +13,7 @@ token counts including ranks with 0 tokens.
 """
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -24,6 +25,27 @@ from inputs import expert_fn, make_inputs
 
 KEY = ("test",)
 HEAP = 32 << 20
+# MOE_COMM_TEST_TIMEOUT_S caps every comm deadline below (bench/gpu_check.py sets about 10 s on
+# a first GPU run, so a hang costs seconds, not minutes); unset, the defaults stand.
+OUTER_FACTOR = 12      # a whole check's host work (rank threads, processes): this many deadlines
+
+
+def _cap():
+    value = os.environ.get("MOE_COMM_TEST_TIMEOUT_S")
+    return float(value) if value else None
+
+
+def deadline(default):
+    """A comm deadline (seconds): ``default``, capped by MOE_COMM_TEST_TIMEOUT_S."""
+    cap = _cap()
+    return default if cap is None else min(default, cap)
+
+
+def outer_timeout(default):
+    """How long to wait for a check's rank threads or processes: ``default``, capped at
+    OUTER_FACTOR comm deadlines when MOE_COMM_TEST_TIMEOUT_S is set."""
+    cap = _cap()
+    return default if cap is None else min(default, OUTER_FACTOR * cap)
 
 
 # ---- helpers ---------------------------------------------------------------------------------
@@ -35,11 +57,12 @@ def _cpu(t):
     return t.detach().cpu().clone()
 
 
-def group(n, device, ll_bytes=0, timeout_s=60.0, elastic=False, network=0):
+def group(n, device, ll_bytes=0, timeout_s=None, elastic=False, network=0):
     """A local group of n ranks on `device` (a GPU, or "cpu" for the kernel emulator);
     `network`: that many emulated hosts, reached as network ranks of the IBGDA build
-    (emulator only; n = every peer a network rank)."""
+    (emulator only; n = every peer a network rank). `timeout_s`: default 60 s, capped."""
     from moe_comm.cuda.comm import CudaComm
+    timeout_s = deadline(60.0) if timeout_s is None else timeout_s
     return CudaComm.local_group(n, HEAP, ll_bytes, timeout_s, device=device, elastic=elastic,
                                 network_hosts=network)
 
@@ -47,7 +70,7 @@ def group(n, device, ll_bytes=0, timeout_s=60.0, elastic=False, network=0):
 def run(fn, comms, *args):
     from moe_comm.cuda.local import run_local
     try:
-        return run_local(fn, comms, *args, timeout=600)
+        return run_local(fn, comms, *args, timeout=outer_timeout(600))
     finally:
         for c in comms:
             c.destroy()
@@ -322,9 +345,10 @@ def check_silent_rank(mode, device, network=0):
     """Rank 1 never calls: rank 0 gets CommTimeoutError naming it, within the deadline."""
     from moe_comm.cuda.local import run_local
     preload(device, 2, {256}, ll=True, network=network)
-    comms = group(2, device, LLLayout(4, 256, 2, 8).nbytes, timeout_s=2.0, network=network)
+    comms = group(2, device, LLLayout(4, 256, 2, 8).nbytes, timeout_s=deadline(2.0),
+                  network=network)
     try:
-        got = run_local(silent_peer, comms, mode, timeout=120, check=False)[0]
+        got = run_local(silent_peer, comms, mode, timeout=outer_timeout(120), check=False)[0]
     finally:
         for c in comms:           # out of step now: only good for destroying
             c.destroy()
@@ -383,12 +407,13 @@ def _elastic_rank(comm, case, steps, silent="start"):
     return out
 
 
-def check_elastic_normal(device, timeout_s=2.0, silent="start", network=0):
+def check_elastic_normal(device, timeout_s=None, silent="start", network=0):
     """Survivors' outputs equal the reference over the healthy ranks (the silent rank's
     tokens gone, its experts' slots -1), the mask says which rank is gone, and a round after
     the masking does not wait for it. With `silent="after_agree"` the first dispatch already
     counted the silent rank's rows: they arrive as padding (x 0, ids -1, weights 0)."""
     n, steps = 4, 2
+    timeout_s = deadline(2.0) if timeout_s is None else timeout_s     # the bounds below use it
     case = dict(seed=77, tokens=[40, 0, 33, 25], hidden=256, experts=4 * n, topk=4,
                 routing="random", dtype="bfloat16", bias=False, alignment=1, worst=0)
     preload(device, n, network=network)
@@ -450,12 +475,13 @@ def _elastic_ll_rank(comm, case, steps):
     return out
 
 
-def check_elastic_ll(device, timeout_s=2.0):
+def check_elastic_ll(device, timeout_s=None):
     """LL on 4 ranks with rank SILENT never calling: survivors finish, mask it, and their
     receive counts, rows and combined outputs equal the reference over the healthy ranks;
     the round after the masking does not wait for it."""
     from moe_comm.reference import reference_ll_combine, reference_ll_dispatch
     n, steps = 4, 3
+    timeout_s = deadline(2.0) if timeout_s is None else timeout_s     # the bounds below use it
     case = dict(seed=41, hidden=256, fp8=False, round_scale=False, ue8m0=False,
                 routing="random", max_tokens=16, tokens=[16, 0, 11, 9], experts=4 * n, topk=3)
     preload(device, n, {256}, ll=True)

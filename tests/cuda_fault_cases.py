@@ -9,9 +9,10 @@ tests/cuda_cases.py for the reference checks:
 * LL dispatch from an ``x`` and LL combine into an ``out`` that are views at a 2-byte offset
   (a GPU faults on a misaligned 16-byte access): results equal to aligned tensors'.
 
-"At once" is measured against the deadline: the group's deadline is TIMEOUT_S and a peer must
-see the failure in under half of it. A small call takes well under a second on the emulator,
-so the bound holds on a loaded machine, and the code before the fix waited the whole deadline.
+"At once" is measured against the deadline: the group's deadline is TIMEOUT_S (30 s, capped
+by MOE_COMM_TEST_TIMEOUT_S like tests/cuda_cases.py) and a peer must see the failure in under
+half of it. A small call takes well under a second on the emulator and milliseconds on a GPU,
+so the bound holds on a loaded machine; the code before the fix waited the whole deadline.
 """
 from __future__ import annotations
 
@@ -19,24 +20,27 @@ import time
 
 import torch
 
+from cuda_cases import deadline, outer_timeout, preload
 from moe_comm.cuda.comm import CudaComm, CudaCommError
 from moe_comm.cuda.local import run_local
 from moe_comm.wire import LLLayout
 
-TIMEOUT_S = 30.0
+TIMEOUT_S = deadline(30.0)
 FAST_S = TIMEOUT_S / 2
 KEY = ("faults",)
 HEAP = 8 << 20
 
 
 def _group(n, device, ll_bytes=0, elastic=False):
+    """Two ranks with every kernel the checks use loaded (before any rank waits on another)."""
+    preload(device, n, {256}, ll=True)
     return CudaComm.local_group(n, HEAP, ll_bytes, TIMEOUT_S, device=device, elastic=elastic)
 
 
 def _run(fn, comms, *args):
     """fn on every rank; errors are the rank bodies' to return, so none is re-raised."""
     try:
-        return run_local(fn, comms, *args, timeout=4 * TIMEOUT_S, check=False)
+        return run_local(fn, comms, *args, timeout=outer_timeout(4 * TIMEOUT_S), check=False)
     finally:
         for c in comms:
             c.destroy(barrier=False)

@@ -19,12 +19,14 @@ os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 
 import io  # noqa: E402
 import multiprocessing as mp  # noqa: E402
+import time  # noqa: E402
 import traceback  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import cuda_cases as C  # noqa: E402
+import cuda_fault_cases as F  # noqa: E402
 from checks import check_ll, check_normal  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -63,6 +65,26 @@ def test_elastic_low_latency_masks_a_silent_rank():
     C.check_elastic_ll(_gpu())
 
 
+# ---- error paths and caller tensors (tests/cuda_fault_cases.py) ------------------------------
+def test_overflow_fails_every_rank_and_resets_the_block_counters():
+    F.check_overflow_fails_every_rank(_gpu())
+
+
+@pytest.mark.parametrize("elastic", [False, True], ids=["plain", "elastic"])
+@pytest.mark.parametrize("mode", ["normal", "ll"])
+def test_failed_rank_fails_its_peers_at_once(mode, elastic):
+    F.check_failed_rank_fails_peers_at_once(_gpu(), mode, elastic)
+
+
+def test_low_latency_overflow_on_one_rank_fails_its_peer_at_once():
+    F.check_ll_overflow_fails_the_peer_at_once(_gpu())
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_low_latency_x_and_out_at_any_offset(fp8):
+    F.check_ll_views_at_any_offset(_gpu(), fp8)
+
+
 # ---- real processes through CUDA IPC -----------------------------------------------------------
 def _ipc_child(rank, n, port, queue, normal_cases, ll_cases, transport="auto"):
     try:
@@ -74,8 +96,8 @@ def _ipc_child(rank, n, port, queue, normal_cases, ll_cases, transport="auto"):
         torch.cuda.set_device(0)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=n)
-        comm = CudaComm.from_group(dist.group.WORLD, C.HEAP, C.ll_bytes(ll_cases, n), 120.0,
-                                   transport=transport)
+        comm = CudaComm.from_group(dist.group.WORLD, C.HEAP, C.ll_bytes(ll_cases, n),
+                                   C.deadline(120.0), transport=transport)
         res = (C.normal_rank(comm, normal_cases, dist.barrier),
                C.ll_rank(comm, ll_cases, dist.barrier))
         comm.destroy()                      # collective: unmap, barrier, free
@@ -116,12 +138,14 @@ def _two_processes(transport):
                                                   transport)) for r in range(n)]
     for p in procs:
         p.start()
+    limit = C.outer_timeout(300)          # start, import, build and the cases
+    end = time.monotonic() + limit
     for p in procs:
-        p.join(300)
+        p.join(max(0.0, end - time.monotonic()))
     alive = [p for p in procs if p.is_alive()]
     for p in alive:
         p.kill()
-    assert not alive, f"{transport} ranks did not finish within 300 s"
+    assert not alive, f"{transport} ranks did not finish within {limit:.0f} s"
     results = {}
     while not queue.empty():
         rank, ok, val = queue.get()

@@ -35,8 +35,10 @@ def _missing_gpu_stack():
 
 
 def _run(force_network: bool):
+    from cuda_cases import outer_timeout      # capped by MOE_COMM_TEST_TIMEOUT_S
     from moe_comm.ibgda import selftest
-    reports = selftest.run(force_network=force_network, iters=200, timeout_s=300)
+    reports = selftest.run(force_network=force_network, iters=200,
+                           timeout_s=outer_timeout(300))
     for r in reports:
         print({k: v for k, v in r.items() if k != "env"})
     problems = selftest.check(reports, expect_network=force_network)
