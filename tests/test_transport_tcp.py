@@ -23,7 +23,8 @@ from moe_comm.transport import open_transport, requested_kind
 from moe_comm.transport import select as select_mod
 from moe_comm.transport import tcp as tcp_mod
 from moe_comm.transport.addr import local_address, route_address
-from moe_comm.transport.auth import AuthError, client_handshake, server_handshake
+from moe_comm.transport.auth import (CLIENT_HELLO, MAGIC, AuthError, client_handshake,
+                                     server_handshake)
 from moe_comm.transport.commands import FRAME, OP_PUT, OP_SIGNAL
 from moe_comm.transport.proxy import ProxyTransport
 from moe_comm.transport.receiver import Refused, Region, serve_connection
@@ -197,7 +198,7 @@ def _attack(addr, secret, frame: bytes | None):
             s.sendall(b"GET / HTTP/1.0\r\n\r\n" + bytes(64))
             return "closed" if _closed_by_peer(s) else "open"
         try:
-            client_handshake(s, secret, 0, 1)
+            client_handshake(s, secret, 0, 1, time.monotonic() + 10)
         except AuthError:
             return "auth refused"
         try:
@@ -416,14 +417,14 @@ def test_handshake_needs_the_secret_and_a_known_rank():
 
         def server():
             try:
-                out["server"] = server_handshake(b, SECRET, 1, allowed)
+                out["server"] = server_handshake(b, SECRET, 1, allowed, time.monotonic() + 5)
             except AuthError as e:
                 out["server"] = f"refused: {e}"
             b.close()
         th = threading.Thread(target=server)
         th.start()
         try:
-            client_handshake(a, client_secret, src, dst)
+            client_handshake(a, client_secret, src, dst, time.monotonic() + 5)
             out["client"] = "ok"
         except AuthError as e:
             out["client"] = f"refused: {e}"
@@ -438,22 +439,40 @@ def test_handshake_needs_the_secret_and_a_known_rank():
     assert "not a peer" in run(SECRET, 3, 1)["server"]
 
 
-def test_ring_credits_bound_the_queue_with_a_deadline():
-    ring = CommandRing(depth=2)
-    end = time.monotonic() + 5
-    ring.push(OP_SIGNAL, 1, 0, 8, 5, 0, None, end)
-    ring.push(OP_PUT, 1, 8, 3, 0, 0, b"abc", end)
-    t0 = time.monotonic()
-    with pytest.raises(RingTimeout):
-        ring.push(OP_SIGNAL, 1, 0, 8, 6, 0, None, t0 + 0.1)
-    assert time.monotonic() - t0 < 1.0
-    cmds = ring.take(10, 0.0)
-    assert [c[0] for c in cmds] == [OP_SIGNAL, OP_PUT] and cmds[1][6] == b"abc"
-    assert not ring.wait_done(1, 2, time.monotonic() + 0.05)
-    ring.finish(cmds)
-    assert ring.wait_done(1, 2, time.monotonic()) and ring.refs == [None, None]
-    ring.push(OP_SIGNAL, 1, 0, 8, 7, 0, None, end)     # wraps around
-    assert ring.take(10, 0.0)[0][4] == 7
+def test_a_dribbling_client_is_dropped_at_the_handshake_deadline():
+    """A client that sends its hello one byte at a time (each read of the server succeeds long
+    before any per-read timeout) is dropped when the whole handshake's deadline passes, which
+    frees its listener slot; a per-read timeout would have held the slot for the ~14 s the
+    dribble takes."""
+    deadline_s, step_s = 1.0, 0.25
+    a, b = socket.socketpair()
+    out = {}
+
+    def server():
+        t0 = time.monotonic()
+        try:
+            out["result"] = server_handshake(b, SECRET, 1, (0,), t0 + deadline_s)
+        except AuthError as e:
+            out["result"] = f"refused: {e}"
+        out["seconds"] = time.monotonic() - t0
+        b.close()
+
+    th = threading.Thread(target=server)
+    th.start()
+    a.recv(len(MAGIC) + 16)                        # the server's hello
+    try:
+        for byte in MAGIC + bytes(CLIENT_HELLO - len(MAGIC)):
+            if not th.is_alive():
+                break
+            a.send(bytes([byte]))
+            time.sleep(step_s)
+    except OSError:
+        pass                                       # the server closed on us: dropped
+    th.join(CLIENT_HELLO * step_s)
+    a.close()
+    assert out["result"].startswith("refused") and "deadline" in out["result"], out
+    # refused at its deadline, give or take one dribble step and a loaded machine's jitter
+    assert out["seconds"] < deadline_s + step_s + 1.0, out
 
 
 class _FakeEngine:

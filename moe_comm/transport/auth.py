@@ -14,8 +14,9 @@ Messages (``MAGIC`` guards against a stray protocol talking to the port):
   client -> server: MAGIC | src_rank i32 | dst_rank i32 | client_nonce[16] | mac_c[32]
   server -> client: mac_s[32]        (only when mac_c verified)
 with ``mac_c = HMAC-SHA256(secret, "client" | server_nonce | client_nonce | ranks)`` and
-``mac_s`` the same with ``"server"``. Both sockets carry a timeout so a silent peer cannot
-hold a handshake forever.
+``mac_s`` the same with ``"server"``. Each side gives the whole handshake one deadline (not a
+timeout per read), so neither a silent peer nor one that dribbles a byte at a time can hold a
+handshake - and the listener's slot for it - past that deadline.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import hmac
 import os
 import socket
 import struct
+import time
 
 MAGIC = b"MOECOMM1"
 NONCE = 16
@@ -40,38 +42,63 @@ def _mac(secret: bytes, role: bytes, n1: bytes, n2: bytes, ranks: bytes) -> byte
     return hmac.new(secret, role + n1 + n2 + ranks, hashlib.sha256).digest()
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
+def _bound(sock: socket.socket, deadline: float, got: int, n: int) -> None:
+    """Give the socket's next call what is left until ``deadline`` (time.monotonic)."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise AuthError(f"handshake not done by its deadline ({got} of {n} bytes in)")
+    sock.settimeout(left)
+
+
+def recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
-        k = sock.recv_into(view[got:])
+        _bound(sock, deadline, got, n)
+        try:
+            k = sock.recv_into(view[got:])
+        except socket.timeout:
+            raise AuthError(f"handshake not done by its deadline ({got} of {n} bytes in)") \
+                from None
         if k == 0:
             raise AuthError(f"connection closed after {got} of {n} handshake bytes")
         got += k
     return bytes(buf)
 
 
-def client_handshake(sock: socket.socket, secret: bytes, src_rank: int, dst_rank: int) -> None:
-    """Run on the connecting side; raises :class:`AuthError` if the server is not genuine."""
-    hello = recv_exact(sock, len(MAGIC) + NONCE)
+def _send(sock: socket.socket, data: bytes, deadline: float) -> None:
+    _bound(sock, deadline, 0, len(data))
+    try:
+        sock.sendall(data)                 # the timeout bounds the whole call
+    except socket.timeout:
+        raise AuthError("handshake not done by its deadline (peer not reading)") from None
+
+
+def client_handshake(sock: socket.socket, secret: bytes, src_rank: int, dst_rank: int,
+                     deadline: float) -> None:
+    """Run on the connecting side; raises :class:`AuthError` if the server is not genuine or
+    the handshake is not done by ``deadline`` (time.monotonic)."""
+    hello = recv_exact(sock, len(MAGIC) + NONCE, deadline)
     if hello[:len(MAGIC)] != MAGIC:
         raise AuthError("peer does not speak the moe_comm transport protocol")
     server_nonce = hello[len(MAGIC):]
     client_nonce = os.urandom(NONCE)
     ranks = _RANKS.pack(src_rank, dst_rank)
-    sock.sendall(MAGIC + ranks + client_nonce +
-                 _mac(secret, b"client", server_nonce, client_nonce, ranks))
-    proof = recv_exact(sock, MAC)
+    _send(sock, MAGIC + ranks + client_nonce +
+          _mac(secret, b"client", server_nonce, client_nonce, ranks), deadline)
+    proof = recv_exact(sock, MAC, deadline)
     if not hmac.compare_digest(proof, _mac(secret, b"server", client_nonce, server_nonce, ranks)):
         raise AuthError(f"listener of rank {dst_rank} failed to prove the job secret")
 
 
-def server_handshake(sock: socket.socket, secret: bytes, my_rank: int, allowed) -> int:
+def server_handshake(sock: socket.socket, secret: bytes, my_rank: int, allowed,
+                     deadline: float) -> int:
     """Run on the accepting side; returns the authenticated source rank or raises
-    :class:`AuthError` (the caller logs and closes)."""
+    :class:`AuthError` (the caller logs and closes), also when the handshake is not done by
+    ``deadline`` (time.monotonic)."""
     server_nonce = os.urandom(NONCE)
-    sock.sendall(MAGIC + server_nonce)
-    hello = recv_exact(sock, CLIENT_HELLO)
+    _send(sock, MAGIC + server_nonce, deadline)
+    hello = recv_exact(sock, CLIENT_HELLO, deadline)
     if hello[:len(MAGIC)] != MAGIC:
         raise AuthError("bad magic (not a moe_comm transport client)")
     at = len(MAGIC)
@@ -86,5 +113,5 @@ def server_handshake(sock: socket.socket, secret: bytes, my_rank: int, allowed) 
         raise AuthError(f"connection meant for rank {dst}, this is rank {my_rank}")
     if src not in allowed:
         raise AuthError(f"rank {src} is not a peer of rank {my_rank}")
-    sock.sendall(_mac(secret, b"server", client_nonce, server_nonce, ranks))
+    _send(sock, _mac(secret, b"server", client_nonce, server_nonce, ranks), deadline)
     return src

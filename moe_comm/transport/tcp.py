@@ -11,7 +11,7 @@ payload in Python; many small commands share one call). The socket timeout bound
 is dead or unreachable, the engine raises :class:`PeerLost` and the proxy drops that peer.
 
 Receiving: an acceptor thread hands each new connection to its own thread, which runs the
-handshake (``auth.py``; at most ``MAX_UNAUTHENTICATED`` at a time, each with a timeout), then
+handshake (``auth.py``; at most ``MAX_UNAUTHENTICATED`` at a time, each with one deadline), then
 applies frames until the stream ends. All threads are daemons; :meth:`close` shuts the
 sockets down (which wakes every blocked call) and joins with a timeout.
 """
@@ -31,6 +31,7 @@ from .receiver import Refused, Region, serve_connection
 log = logging.getLogger("moe_comm.transport")
 
 MAX_UNAUTHENTICATED = 64
+HANDSHAKE_S = 10.0              # at most this long for a connection's whole handshake
 IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 CALL_BYTES = int(os.environ.get("MOE_COMM_TCP_CALL_BYTES", 256 << 10))
 
@@ -140,9 +141,10 @@ class TcpEngine:
         while True:
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             try:
-                s.settimeout(max(0.05, min(10.0, deadline - time.monotonic())))
+                attempt = time.monotonic() + max(0.05, min(10.0, deadline - time.monotonic()))
+                s.settimeout(attempt - time.monotonic())
                 s.connect(tuple(where))
-                client_handshake(s, self.secret, self.rank, dst)
+                client_handshake(s, self.secret, self.rank, dst, attempt)
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 s.settimeout(self.timeout_s)    # bounds every later send: no progress = lost
                 return s
@@ -180,9 +182,11 @@ class TcpEngine:
     def _serve(self, sock: socket.socket, peer) -> None:
         src = None
         try:
-            sock.settimeout(min(self.timeout_s, 10.0))   # a silent client cannot linger
+            # one deadline for the whole handshake: a silent or dribbling client cannot hold
+            # one of the MAX_UNAUTHENTICATED slots past it
+            until = time.monotonic() + min(self.timeout_s, HANDSHAKE_S)
             try:
-                src = server_handshake(sock, self.secret, self.rank, self.remote)
+                src = server_handshake(sock, self.secret, self.rank, self.remote, until)
             except (AuthError, OSError) as e:
                 self._count_refusal()
                 log.warning("rank %d: refused connection from %s: %s", self.rank, peer, e)
