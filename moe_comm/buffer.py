@@ -6,6 +6,10 @@ machine, shared memory), the CUDA backend for GPU tensors.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+import threading
+
 import torch
 import torch.distributed as dist
 
@@ -20,6 +24,15 @@ from .wire import LL_MAX_TOPK, LL_NUM_BUFFERS, LLLayout
 
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_NVL_BYTES = 256 << 20
+
+
+def _one_thread(method):
+    """Run ``method`` as the Buffer's only call in progress (see Buffer._exclusive)."""
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        with self._exclusive(method.__name__):
+            return method(self, *args, **kwargs)
+    return guarded
 
 
 class Buffer:
@@ -100,10 +113,46 @@ class Buffer:
                                    self.timeout_s, elastic=self.elastic, transport=transport)
         self._comm = self._be.comm
         self._key = (id(self), self._be.job)
+        self._owner_lock = threading.Lock()
+        self._owner = None                  # (thread id, call) of the call in progress
+        self._depth = 0
         # per LL kind, the receive hook still pending on each of the two buffers
         self._ll_pending = {"dispatch": [None] * LL_NUM_BUFFERS,
                             "combine": [None] * LL_NUM_BUFFERS}
         self._zero_copy = [None] * LL_NUM_BUFFERS
+
+    @contextlib.contextmanager
+    def _exclusive(self, what: str):
+        """One thread at a time: a call (or receive hook) while another thread is inside one
+        raises RuntimeError before anything moves. Interleaving them is never safe: every
+        rank must issue its collective calls in one order, which two threads sharing a Buffer
+        cannot promise, and the call numbers, pending hooks and pooled outputs are per
+        Buffer. The same thread may nest (a call using another public method)."""
+        me = threading.get_ident()
+        with self._owner_lock:
+            if self._owner is not None and self._owner[0] != me:
+                raise RuntimeError(f"{what}: another thread is inside {self._owner[1]} on this "
+                                   "Buffer; calls on one Buffer must come from one thread at a "
+                                   "time (or give each thread its own Buffer and group)")
+            if self._owner is None:
+                self._owner = (me, what)
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._owner_lock:
+                self._depth -= 1
+                if not self._depth:
+                    self._owner = None
+
+    @contextlib.contextmanager
+    def _hook_call(self, what: str):
+        """A receive hook runs like a call: not after destroy(), not beside another thread's
+        call (refused before the hook is used up, so it can be called again)."""
+        if self._comm is None:
+            raise RuntimeError(f"{what} called after this Buffer was destroyed")
+        with self._exclusive(what):
+            yield
 
     # -- static helpers (DeepEP) ----------------------------------------------------------
     @staticmethod
@@ -144,6 +193,7 @@ class Buffer:
         self._live()
         return self._be.active_ranks()
 
+    @_one_thread
     def set_active_ranks(self, mask) -> None:
         """Mask ranks a controller knows are gone (entries 0); a mask never re-activates a
         rank (a rank that left needs a new Buffer). Call it with the same mask on every
@@ -191,6 +241,7 @@ class Buffer:
             raise RuntimeError("this Buffer was destroyed")
         return self._comm
 
+    @_one_thread
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
                             previous_event: EventOverlap | None = None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False,
@@ -213,6 +264,7 @@ class Buffer:
         self._leave(active_ranks)
         return per_rank, None, per_expert, in_rank, self._be.event()
 
+    @_one_thread
     def dispatch(self, x, handle: DispatchHandle | None = None,
                  num_tokens_per_rank: torch.Tensor | None = None,
                  num_tokens_per_rdma_rank: torch.Tensor | None = None,
@@ -307,6 +359,7 @@ class Buffer:
         out_x = recv_x if recv_s is None else (recv_x, recv_s)
         return out_x, recv_i, recv_w, counts, handle, self._be.event()
 
+    @_one_thread
     def combine(self, x: torch.Tensor, handle: DispatchHandle,
                 topk_weights: torch.Tensor | None = None, bias=None,
                 config: Config | None = None, previous_event: EventOverlap | None = None,
@@ -416,10 +469,12 @@ class Buffer:
         if not return_recv_hook:
             receive()
             return lambda: None
-        hook = RecvHook(receive)
+        what = f"low_latency_{kind} receive hook"
+        hook = RecvHook(receive, enter=lambda: self._hook_call(what))
         self._ll_pending[kind][buf] = hook
         return hook
 
+    @_one_thread
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
                              num_max_dispatch_tokens_per_rank: int, num_experts: int,
                              cumulative_local_expert_recv_stats: torch.Tensor | None = None,
@@ -508,6 +563,7 @@ class Buffer:
         out_x = (recv_x, recv_scales) if use_fp8 else recv_x
         return out_x, recv_count, handle, self._be.event(), hook
 
+    @_one_thread
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """bf16 [E/R, R*M, H]: write expert outputs here and call
         ``low_latency_combine(..., zero_copy=True)`` to send them without another copy."""
@@ -522,6 +578,7 @@ class Buffer:
                                                    device=self.device)
         return t
 
+    @_one_thread
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor,
                             topk_weights: torch.Tensor, handle: LowLatencyHandle,
                             zero_copy: bool = False, async_finish: bool = False,
@@ -583,6 +640,7 @@ class Buffer:
         hook = self._ll_finish("combine", buf, receive, return_recv_hook)
         return out, self._be.event(), hook
 
+    @_one_thread
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None:
         """Reset the low-latency buffers (collective: every rank calls it; no LL call may be
@@ -605,6 +663,7 @@ class Buffer:
             raise ValueError("handle comes from another Buffer")
 
     # -- lifetime ---------------------------------------------------------------------------
+    @_one_thread
     def destroy(self) -> None:
         """Release the shared memory (received tensors still alive keep their pages mapped
         until they are dropped; nothing outlives the process)."""

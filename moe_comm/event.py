@@ -1,6 +1,8 @@
 """EventOverlap: DeepEP's handle for work that may finish asynchronously."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -36,17 +38,20 @@ def capture_event() -> EventOverlap:
 
 class RecvHook:
     """The receive half of a low-latency call (``return_recv_hook=True``): calling it waits
-    for the data and fills the tensors the call returned. It runs exactly once."""
+    for the data and fills the tensors the call returned. It runs exactly once. ``enter``: a
+    context manager factory the hook runs inside; what it refuses (a destroyed Buffer, another
+    thread's call) is raised before the hook is used up."""
 
-    def __init__(self, receive, on_done=None):
-        self._receive, self._on_done, self.done = receive, on_done, False
+    def __init__(self, receive, on_done=None, enter=None):
+        self._receive, self._on_done, self._enter, self.done = receive, on_done, enter, False
 
     def __call__(self):
-        if self.done:
-            raise RuntimeError("this receive hook already ran; each hook runs once")
-        self.done = True
-        try:
-            self._receive()
-        finally:
-            if self._on_done is not None:
-                self._on_done()
+        with self._enter() if self._enter is not None else contextlib.nullcontext():
+            if self.done:
+                raise RuntimeError("this receive hook already ran; each hook runs once")
+            self.done = True
+            try:
+                self._receive()
+            finally:
+                if self._on_done is not None:
+                    self._on_done()

@@ -155,3 +155,81 @@ def test_a_refusing_receiver_leaves_the_buffer_usable():
         ranks = (idx // 4).sort(1).values
         copies = 1 + (ranks[:, 1] != ranks[:, 0]).float()
         torch.testing.assert_close(out, x * copies.unsqueeze(1))
+
+
+def _two_threads(rank, n):
+    """Rank 0 calls dispatch from two threads at once. The first is held inside the call by
+    rank 1, which starts only when rank 0 says so; the second is refused at once with a clear
+    error; the first then completes with the right rows, a receive hook called from a second
+    thread while the first is in a call is refused without being used up, the Buffer serves
+    the calls after, and a hook called after destroy() gets a clear error."""
+    import threading
+    import torch.distributed as dist
+    buf = moe_comm.Buffer(None, 4 << 20, num_rdma_bytes=1 << 20, low_latency_mode=True,
+                          timeout_s=20)
+    torch.manual_seed(rank)
+    x = torch.randn(8, 128)
+    idx = torch.tensor([[0, 2]] * 8)                  # E=4 on 2 ranks: every token to both
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, 4)
+    args = dict(topk_idx=idx, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                num_tokens_per_expert=per_expert)
+    refused = None
+    if rank == 0:
+        first = {}
+        t = threading.Thread(target=lambda: first.update(out=buf.dispatch(x, **args)))
+        t.start()
+        deadline = time.monotonic() + 10
+        while buf._owner is None and time.monotonic() < deadline:
+            time.sleep(0.01)                          # the first thread is inside dispatch
+        try:
+            buf.dispatch(x, **args)
+        except RuntimeError as e:
+            refused = str(e)
+        dist.barrier()                                # now rank 1 may call
+        t.join(30)
+        rx, _, _, _, handle, _ = first["out"]
+    else:
+        dist.barrier()
+        rx, _, _, _, handle, _ = buf.dispatch(x, **args)
+    out, _, _ = buf.combine(rx, handle)
+    # a pending receive hook called by another thread while this one is inside a call
+    _, _, ll_handle, _, hook = buf.low_latency_dispatch(
+        x.bfloat16(), idx, 8, 4, use_fp8=False, return_recv_hook=True)
+    hook_refused = None
+    if rank == 0:
+        inside, go = threading.Event(), threading.Event()
+
+        def hold():
+            with buf._exclusive("a test call"):
+                inside.set()
+                go.wait(10)
+        t = threading.Thread(target=hold)
+        t.start()
+        inside.wait(10)
+        try:
+            hook()
+        except RuntimeError as e:
+            hook_refused = str(e)
+        go.set()
+        t.join(10)
+    hook()                                            # not used up by the refusal
+    *_, late_hook = buf.low_latency_dispatch(x.bfloat16(), idx, 8, 4, use_fp8=False,
+                                             return_recv_hook=True)
+    buf.destroy()
+    try:
+        late_hook()
+        after_destroy = "no error"
+    except RuntimeError as e:
+        after_destroy = str(e)
+    return refused, hook_refused, after_destroy, out, x
+
+
+def test_calls_from_two_threads_are_refused_not_interleaved():
+    results = run_ranks(_two_threads, 2, timeout=90)
+    refused, hook_refused, _, _, _ = results[0]
+    assert refused and "another thread is inside dispatch" in refused, refused
+    assert hook_refused and "low_latency_dispatch receive hook: another thread is inside " \
+        "a test call" in hook_refused, hook_refused
+    for _, _, after_destroy, out, x in results:
+        torch.testing.assert_close(out, 2 * x)        # both copies came back: a clean call
+        assert "receive hook called after this Buffer was destroyed" in after_destroy
