@@ -50,12 +50,19 @@ class HostBackend:
         self._pool = OutputPool()
 
     def layout(self, topk_idx, num_experts, num_ranks):
-        per_rank, per_expert, in_rank = dispatch_layout(topk_idx, num_experts, num_ranks)
-        if not self.comm.active.all():      # masked ranks' experts count no tokens
+        return self.masked(*dispatch_layout(topk_idx, num_experts, num_ranks))
+
+    def masked(self, per_rank, per_expert, in_rank):
+        """A layout with the masked ranks' experts counting no tokens (in place; any of the
+        three may be None)."""
+        if not self.comm.active.all():
             gone = torch.from_numpy(~self.comm.active)
-            per_rank[gone] = 0
-            in_rank[:, gone] = False
-            per_expert.view(num_ranks, -1)[gone] = 0
+            if per_rank is not None:
+                per_rank[gone] = 0
+            if in_rank is not None:
+                in_rank[:, gone] = False
+            if per_expert is not None:
+                per_expert.view(len(gone), -1)[gone] = 0
         return per_rank, per_expert, in_rank
 
     # rank masks: numpy bool [R] in HostComm.active
@@ -97,13 +104,19 @@ class CudaBackend:
         self.job = secrets.token_hex(8)
 
     def layout(self, topk_idx, num_experts, num_ranks):
-        per_rank, per_expert, in_rank = self.normal.get_dispatch_layout(topk_idx, num_experts,
-                                                                       num_ranks)
+        return self.masked(*self.normal.get_dispatch_layout(topk_idx, num_experts, num_ranks))
+
+    def masked(self, per_rank, per_expert, in_rank):
+        """A layout with the masked ranks' experts counting no tokens (in place, on the device:
+        no host synchronisation; any of the three may be None)."""
         keep = self.comm.active
-        if keep is not None:                # on the device: no host synchronisation
-            per_rank.mul_(keep)
-            in_rank &= keep.bool()
-            per_expert.view(num_ranks, -1).mul_(keep[:, None])
+        if keep is not None:
+            if per_rank is not None:
+                per_rank.mul_(keep)
+            if in_rank is not None:
+                in_rank &= keep.bool()
+            if per_expert is not None:
+                per_expert.view(keep.shape[0], -1).mul_(keep[:, None])
         return per_rank, per_expert, in_rank
 
     # rank masks: int32 [R] on the device (CudaComm.active), read and written on the stream

@@ -257,8 +257,9 @@ class Buffer:
             num_tokens_per_expert int32 [E], is_token_in_rank bool [T, R], EventOverlap.
         """
         check.num_experts(num_experts, self.group_size)
+        check.tensor("topk_idx", topk_idx, ndim=2, dtypes=(torch.int64,))
+        self._on_device(topk_idx=topk_idx)            # before its values are read
         check.topk_idx(topk_idx, num_experts)
-        self._on_device(topk_idx=topk_idx)
         self._enter(active_ranks)
         per_rank, per_expert, in_rank = self._be.layout(topk_idx, num_experts, self.group_size)
         self._leave(active_ranks)
@@ -311,10 +312,11 @@ class Buffer:
             raise ValueError(f"num_worst_tokens must be an int >= 0, got {num_worst_tokens!r}")
         R = self.group_size
         if handle is not None:
-            self._check_handle(handle, num_tokens)
+            self._check_handle(handle, num_tokens, hidden)
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError("pass either handle or topk_idx/topk_weights, not both")
             num_experts = None
+            self._on_device(x=data, scales=scales)
         else:
             if topk_idx is None:
                 raise ValueError("topk_idx is required when no handle is given")
@@ -326,8 +328,6 @@ class Buffer:
                 raise ValueError("num_tokens_per_expert (from get_dispatch_layout) is required "
                                  "with topk_idx: it fixes num_experts")
             check.num_experts(num_experts, R)
-            check.topk_idx(topk_idx, num_experts, num_tokens)
-            check.topk_weights(topk_weights, topk_idx)
             if num_tokens_per_rank is not None:
                 check.tensor("num_tokens_per_rank", num_tokens_per_rank, ndim=1)
                 if num_tokens_per_rank.shape[0] != R:
@@ -339,13 +339,16 @@ class Buffer:
                 if tuple(is_token_in_rank.shape) != (num_tokens, R):
                     raise ValueError(f"is_token_in_rank must have shape {(num_tokens, R)}, "
                                      f"got {tuple(is_token_in_rank.shape)}")
-            if num_tokens_per_rank is None or is_token_in_rank is None:
-                num_tokens_per_rank, _, is_token_in_rank = self._be.layout(topk_idx,
-                                                                           num_experts, R)
-        self._on_device(x=data, scales=scales, topk_idx=topk_idx, topk_weights=topk_weights,
-                        num_tokens_per_rank=num_tokens_per_rank,
-                        is_token_in_rank=is_token_in_rank,
-                        num_tokens_per_expert=num_tokens_per_expert)
+            # every tensor where this Buffer works, before any of their values is read
+            self._on_device(x=data, scales=scales, topk_idx=topk_idx, topk_weights=topk_weights,
+                            num_tokens_per_rank=num_tokens_per_rank,
+                            is_token_in_rank=is_token_in_rank,
+                            num_tokens_per_expert=num_tokens_per_expert)
+            check.topk_idx(topk_idx, num_experts, num_tokens)
+            check.topk_weights(topk_weights, topk_idx)
+            num_tokens_per_rank, is_token_in_rank = self._layout_of(
+                topk_idx, num_experts, num_tokens_per_rank, num_tokens_per_expert,
+                is_token_in_rank)
         self._enter(active_ranks)
         recv_x, recv_s, recv_i, recv_w, handle = self._be.normal.dispatch(
             comm, x_bytes=data.view(torch.uint8), dtype=data.dtype, hidden=hidden,
@@ -422,7 +425,23 @@ class Buffer:
                 raise ValueError(f"bias[{i}] must have shape {shape}, got {tuple(b.shape)}")
         return tuple(b.float() for b in items)
 
-    def _check_handle(self, handle, num_tokens):
+    def _layout_of(self, topk_idx, num_experts, num_tokens_per_rank, num_tokens_per_expert,
+                   is_token_in_rank):
+        """The layout dispatch uses: ``topk_idx``'s (under the current mask), after checking
+        that what the caller passed agrees with it (masked the same way, so a layout made
+        before a rank was masked still passes)."""
+        per_rank, per_expert, in_rank = self._be.layout(topk_idx, num_experts, self.group_size)
+        given = [t if t is None else t.clone() for t in
+                 (num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)]
+        given = self._be.masked(*given)
+        check.layout_matches(
+            {"num_tokens_per_rank": given[0], "num_tokens_per_expert": given[1],
+             "is_token_in_rank": given[2]},
+            {"num_tokens_per_rank": per_rank, "num_tokens_per_expert": per_expert,
+             "is_token_in_rank": in_rank})
+        return per_rank, in_rank
+
+    def _check_handle(self, handle, num_tokens, hidden=None):
         if not isinstance(handle, DispatchHandle):
             raise TypeError(f"handle must be a moe_comm dispatch handle, got "
                             f"{type(handle).__name__}")
@@ -432,6 +451,9 @@ class Buffer:
         if num_tokens is not None and num_tokens != handle.num_tokens:
             raise ValueError(f"x has {num_tokens} tokens but handle was made for "
                              f"{handle.num_tokens}")
+        if hidden is not None and hidden != handle.hidden:
+            raise ValueError(f"x has hidden size {hidden} but handle was made for "
+                             f"{handle.hidden} (a cached dispatch repeats the handle's rows)")
 
     # -- low-latency mode -------------------------------------------------------------------
     @staticmethod
@@ -447,6 +469,7 @@ class Buffer:
             raise ValueError(f"num_max_dispatch_tokens_per_rank must be a positive int, got "
                              f"{max_tokens!r}")
         check.num_experts(num_experts, self.group_size)
+        check.hidden_size("x", hidden)
         if hidden % 128:
             raise ValueError(f"hidden size {hidden} must be a multiple of 128 in low-latency "
                              "mode (one fp8 scale per 128 channels)")
@@ -513,6 +536,8 @@ class Buffer:
         if num_tokens > num_max_dispatch_tokens_per_rank:
             raise ValueError(f"x has {num_tokens} tokens, more than "
                              f"num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}")
+        check.tensor("topk_idx", topk_idx, ndim=2, dtypes=(torch.int64,))
+        self._on_device(x=x, topk_idx=topk_idx)       # before topk_idx's values are read
         check.topk_idx(topk_idx, num_experts, num_tokens)
         if topk_idx.shape[1] > LL_MAX_TOPK:
             raise ValueError(f"topk_idx has {topk_idx.shape[1]} columns; low-latency mode "

@@ -55,6 +55,11 @@ def topk_weights(t, idx, device=None):
     return t
 
 
+def hidden_size(name, hidden):
+    if hidden <= 0:
+        raise ValueError(f"{name} has hidden size {hidden}: rows of 0 channels carry nothing")
+
+
 def dispatch_x(x, device=None):
     """Returns ``(data [T, H], scales [T, H/128] or None)``, both contiguous."""
     if isinstance(x, tuple):
@@ -64,6 +69,7 @@ def dispatch_x(x, device=None):
         data, scales = x
         tensor("x[0]", data, ndim=2, dtypes=(FP8,), device=device)
         tensor("x[1]", scales, ndim=2, dtypes=(torch.float32,), device=device)
+        hidden_size("x[0]", data.shape[1])
         if data.shape[1] % 128:
             raise ValueError(f"hidden size {data.shape[1]} of fp8 x must be a multiple of 128 "
                              "(one scale per 128 channels)")
@@ -74,7 +80,22 @@ def dispatch_x(x, device=None):
     tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES + (FP8,), device=device)
     if x.dtype == FP8:
         raise TypeError("fp8 x must come with its scales: pass x=(data, scales)")
+    hidden_size("x", x.shape[1])
     return x.contiguous(), None
+
+
+def layout_matches(given: dict, computed: dict) -> None:
+    """The caller's ``get_dispatch_layout`` outputs (``{name: tensor or None}``) must be what
+    ``topk_idx`` gives (``computed``, same names): a rank that sent by one and sized by the
+    other would disagree with its peers about how many rows move. Reads the tensors (a host
+    synchronisation on a GPU; skipped while a CUDA graph is being captured)."""
+    for name, t in given.items():
+        if t is None or (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+            continue
+        want = computed[name]
+        if tuple(t.shape) != tuple(want.shape) or not torch.equal(t.to(want.dtype), want):
+            raise ValueError(f"{name} does not match topk_idx (pass the outputs of "
+                             "get_dispatch_layout for this topk_idx and num_experts)")
 
 
 def alignment(n):

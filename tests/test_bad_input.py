@@ -84,6 +84,20 @@ def _bad_calls(rank, n):
          lambda: buf.dispatch(x, topk_idx=idx, expert_alignment=0, **kw)),
         ("no topk", ValueError, "topk_idx is required",
          lambda: buf.dispatch(x)),
+        ("hidden 0", ValueError, "x has hidden size 0",
+         lambda: buf.dispatch(torch.zeros(10, 0), topk_idx=idx, **kw)),
+        ("per rank vs topk", ValueError, "num_tokens_per_rank does not match topk_idx",
+         lambda: buf.dispatch(x, topk_idx=idx, **dict(kw, num_tokens_per_rank=ntr + 1))),
+        ("per expert vs topk", ValueError, "num_tokens_per_expert does not match topk_idx",
+         lambda: buf.dispatch(x, topk_idx=idx, **dict(kw, num_tokens_per_expert=nte.flip(0)))),
+        ("in rank vs topk", ValueError, "is_token_in_rank does not match topk_idx",
+         lambda: buf.dispatch(x, topk_idx=idx, **dict(kw, is_token_in_rank=~itr))),
+        ("cached hidden", ValueError, "x has hidden size 128 but handle was made for 256",
+         lambda: buf.dispatch(x[:, :128], handle=handle)),
+        ("device before values", ValueError, "topk_idx is on meta",
+         lambda: buf.dispatch(x, topk_idx=idx.to("meta"), **kw)),
+        ("layout device", ValueError, "topk_idx is on meta",
+         lambda: buf.get_dispatch_layout(idx.to("meta"), E)),
     ]
     seen = []
     for name, exc, pattern, call in calls:
@@ -128,6 +142,6 @@ def test_bad_input_is_named_and_buffer_survives():
     n = 2
     results = run_ranks(_bad_calls, n, timeout=120)
     for r in range(n):
-        assert len(results[r][0]) == 23, results[r][0]
+        assert len(results[r][0]) == 30, results[r][0]
     _check_roundtrip(results, 1, 5, n)
     _check_roundtrip(results, 2, 7, n)
