@@ -12,7 +12,7 @@
 
 // One warp: put `bytes` from `src` (registered memory: our symmetric buffer) to `dst_off` of
 // `peer`'s buffer, then lane 0 signals `word` at `sig_off` of `peer`'s buffer.
-MOE_KERNEL void __launch_bounds__(MOE_THREADS_IBGDA_TEST_SEND)
+MOE_KERNEL void __launch_bounds__(MOE_THREADS_IBGDA_TEST_SEND, 1)
 moe_ibgda_test_send(const u64* bases, i32* err_host, i32* err_dev, i64 op,
                     i64 peer, i64 dst_off, const u8* src, i64 bytes,
                     i64 sig_off, i64 word) {
@@ -25,7 +25,7 @@ moe_ibgda_test_send(const u64* bases, i32* err_host, i32* err_dev, i64 op,
 
 // One thread: wait (deadline-bounded) until the local word `word` carries `epoch`, pushed by
 // `peer`; out[0] = its value, or -1 on timeout (then the error word names `peer`).
-MOE_KERNEL void __launch_bounds__(MOE_THREADS_IBGDA_TEST_WAIT)
+MOE_KERNEL void __launch_bounds__(MOE_THREADS_IBGDA_TEST_WAIT, 1)
 moe_ibgda_test_wait(const u64* bases, i32* err_host, i32* err_dev, i64 op,
                     i64 peer, const u64* word, i64 epoch, i64 timeout_ns,
                     i64* out) {
@@ -36,7 +36,7 @@ moe_ibgda_test_wait(const u64* bases, i32* err_host, i32* err_dev, i64 op,
 
 // One thread: the pull fallback, wait_peer_tag on the word at `off` of `peer`'s buffer (an
 // RDMA read per poll for a network peer). out[0] = 1 if it showed `epoch` in time, else 0.
-MOE_KERNEL void __launch_bounds__(MOE_THREADS_IBGDA_TEST_WAIT_REMOTE)
+MOE_KERNEL void __launch_bounds__(MOE_THREADS_IBGDA_TEST_WAIT_REMOTE, 1)
 moe_ibgda_test_wait_remote(const u64* bases, i32* err_host, i32* err_dev,
                            i64 op, i64 peer, i64 off, i64 epoch,
                            i64 timeout_ns, i64* out) {
@@ -49,7 +49,7 @@ moe_ibgda_test_wait_remote(const u64* bases, i32* err_host, i32* err_dev,
 // sends first. Each leg puts `bytes` from `src` to `dst_off` and signals tag(epoch0 + i, i)
 // at `sig_off`; the other side waits for it on its own copy of the word. out[0] = legs received
 // in time (`iters` when all were), out[1] = %globaltimer ns the loop took.
-MOE_KERNEL void __launch_bounds__(MOE_THREADS_IBGDA_TEST_PINGPONG)
+MOE_KERNEL void __launch_bounds__(MOE_THREADS_IBGDA_TEST_PINGPONG, 1)
 moe_ibgda_test_pingpong(const u64* bases, i32* err_host, i32* err_dev, i64 op,
                         i64 rank, i64 peer, i64 first, i64 iters, i64 dst_off,
                         const u8* src, i64 bytes, i64 sig_off, i64 epoch0,

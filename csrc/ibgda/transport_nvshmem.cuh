@@ -25,8 +25,8 @@
 //    unregistered source is an assert in NVSHMEM. Non-blocking: the source must not change
 //    until a later quiet, which `signal` performs.
 //  * signal: nvshmem_quiet, then nvshmemx_signal_op(SET). The kernels call it from one thread
-//    after `__threadfence_system(); __syncthreads();` (or after last_block_arrives), so every
-//    put of the block (or grid) has been posted before it. In NVSHMEM's IBGDA implementation
+//    after `__syncthreads()` (or after last_block_arrives), so every put of the block (or
+//    grid) has been posted before it. In NVSHMEM's IBGDA implementation
 //    quiet (and fence) drain every QP of this PE, not only the calling thread's, so it covers
 //    those puts: once it returns they are delivered at the target and their sources are free
 //    (quiet is completion, fence only ordering; quiet also makes the kernel's end a safe point

@@ -44,11 +44,19 @@ MOE_DEVICE void agree_body(const u64* bases, int rank, int num_ranks, i64 timeou
     if (p == 0) aborted = err.aborted();  // one reading: every thread leaves, or none
     if (p < kMaxMaskWords) mine[p] = 0;
     __syncthreads();
-    if (aborted) return;
     if (p == 0)
         for (int r = 0; r < num_ranks; ++r)
-            if (live.on(r)) mine[r / kMaskBits] |= 1u << (r % kMaskBits);
+            if (live.on(r) && !(aborted && r == rank)) mine[r / kMaskBits] |= 1u << (r % kMaskBits);
     __syncthreads();
+    if (aborted) {
+        // This rank failed (its own error stands): it tells every rank of the call that it is
+        // out - its own bit cleared - so they mask it now instead of at their deadline, and
+        // waits for nothing.
+        if (p < num_ranks && p != rank && call_active[p])
+            for (int w = 0; w < mask_words; ++w)
+                t.signal(p, mask_off + (u64)rank * row_stride + 8 * (u64)w, tag(seq, mine[w]));
+        return;
+    }
     if (p < num_ranks) {
         silent[p] = false;
         for (int w = 0; w < kMaxMaskWords; ++w) heard[p][w] = ~0u;

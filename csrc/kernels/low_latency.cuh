@@ -241,9 +241,20 @@ __device__ void ll_dispatch_recv_body(const LLGroup g, const ErrorSink err, cons
         const int s = threadIdx.x;
         const u64* row = (const u64*)g.own(lb.counts + (u64)(s * lb.count_row_words) * 8);
         const bool live = !failed && g.live.on(s);  // elastic: a masked source sent nothing
-        count[s] = live ? min_of<i64>(tag_value(ld_acquire_sys(row + le)), M) : 0;
-        if (le == 0 && blockIdx.y == 0)
-            return_base[s] = live ? tag_value(ld_acquire_sys(row + num_local)) : 0;
+        // Checked again, word by word: a source that failed after the wait kernel (its kernels
+        // no longer wait for FREE) may have stored a later call's failure mark here.
+        const u64 c = live ? ld_acquire_sys(row + le) : 0;
+        const u64 b = live ? ld_acquire_sys(row + num_local) : 0;
+        const bool ok = live && tag_epoch(c) == seq && tag_value(c) != kFailedValue &&
+                        tag_epoch(b) == seq && tag_value(b) != kFailedValue;
+        if (live && !ok) {
+            if (g.live.elastic())
+                g.live.drop(s);
+            else
+                err.report(kErrPeerFailed, seq, s, 0);
+        }
+        count[s] = ok ? min_of<i64>(tag_value(c), M) : 0;
+        if (le == 0 && blockIdx.y == 0) return_base[s] = ok ? tag_value(b) : 0;
     }
     __syncthreads();
     if (threadIdx.x == 0) {

@@ -61,8 +61,11 @@ struct Group {
 // One warp. Thread p writes this rank's row into rank p and then reads rank p's row here.
 // counts: int32 [R] or null (zeros: a pure barrier). matrix: int32 [R, R] out, or null.
 // A rank that has failed still writes its row, of kFailedValue words, and waits for nothing:
-// its peers fail at once instead of waiting for it until their deadline. Its matrix is zeros,
-// so the copy-out and reduce kernels queued after it (they take no error word) do nothing.
+// its peers fail at once instead of waiting for it until their deadline. A fresh dispatch's
+// matrix is zeros then, so its copy-out moves nothing; calls with a handle keep the handle's
+// matrix, and their copy-out/reduce (which take no error word) read only inside the region:
+// their outputs are meaningless, and the call raises. (Its row may land in a NOTIFY slot a
+// peer still waits on for an older epoch: that peer meets its deadline, as before.)
 template <int R>
 __device__ void notify_body(const Group g, const ErrorSink err, u64 notify_off, i64 row_words,
                             u32 epoch, const i32* counts, i32* matrix) {

@@ -39,7 +39,10 @@ struct ProxyRing {
     u64* words;  // the ring in host memory (null: no proxy in this group)
 
     // Reserve a slot and publish one command; false (reported) if no slot frees up in time.
+    // Once the ring is known to be stuck (kErrProxy) nothing waits on it again: a failed
+    // rank's kernels still signal, and each push would otherwise wait the whole timeout.
     MOE_DEVICE bool push(const ErrorSink& err, u64 op, int rank, u64 offset, u64 arg) const {
+        if (ld_volatile_i32(err.dev) == kErrProxy) return false;
         u64* head = (u64*)ld_volatile_u64(words + 0);
         const u64 depth = ld_volatile_u64(words + 1);
         const u64 n = atomicAdd((unsigned long long*)head, 1ull);
@@ -47,7 +50,7 @@ struct ProxyRing {
         while (n - ld_acquire_sys(words + 8) >= depth) {
             // The proxy thread stopped taking commands (its slot n stays unpublished, so the
             // ring is stuck for good): not a peer's fault, the host raises CudaCommError.
-            if (globaltimer_ns() > deadline) {
+            if (globaltimer_ns() > deadline || ld_volatile_i32(err.dev) == kErrProxy) {
                 err.report(kErrProxy, 0, rank, 0);
                 return false;
             }

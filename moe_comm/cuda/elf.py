@@ -97,6 +97,8 @@ def _attributes(data: bytes, offset: int, size: int):
     while at + 4 <= end:
         fmt, attr, half = struct.unpack_from("<BBH", data, at)
         if fmt == EIFMT_SVAL:
+            if at + 4 + half > end:
+                raise ElfError(f"attribute 0x{attr:x} runs past its .nv.info section")
             yield attr, data[at + 4:at + 4 + half]
             at += 4 + half
         else:
