@@ -23,11 +23,13 @@ import torch.distributed as dist
 import moe_comm
 from moe_comm import eplb
 from moe_comm.cuda import emulator
+from moe_comm.host.comm import AGREE_GRACE_S
 from moe_comm.launch import run_ranks
 
 R, VICTIM = 4, 2
 LOGICAL, SLOTS_PER_RANK, TOPK, HIDDEN, MAX_TOKENS = 8, 4, 3, 128, 24
 TIMEOUT = 1.5
+AGREE_WAIT = TIMEOUT + min(TIMEOUT, AGREE_GRACE_S)   # the longest an agreement waits
 
 
 @pytest.fixture(autouse=True, params=["host", "cuda_emulated"])
@@ -122,7 +124,9 @@ def _worker(rank, n, point, timeout_s):
     # the next step: experts re-placed over the survivors, ids remapped
     phy2, w2 = _route(idx, w, n, active=mask)
     step = _ll_step if point == "ll_hook" else _normal_step
+    t1 = time.monotonic()
     second = step(buf, x, phy2, w2)
+    first["fault_free"] = time.monotonic() - t1    # the same step's work, no peer to wait for
     arg = torch.ones(n, dtype=torch.int32)
     buf.get_dispatch_layout(phy2, _slots(n), active_ranks=arg)      # Mooncake-style argument
     buf.destroy()
@@ -144,7 +148,11 @@ def _check_run(results, n, point):
         got = results[r]
         assert torch.equal(got["mask"], mask), (point, r, got["mask"])
         assert torch.equal(got["arg"], mask), (point, r, "active_ranks argument")
-        assert got["first"]["elapsed"] < TIMEOUT + 2.0, (point, r, got["first"]["elapsed"])
+        # At most one wait for the dead rank (the agreement's deadline plus grace) on top of
+        # the step's own work, which a loaded machine stretches: measured as the fault-free
+        # step after it in the same run, with slack for load that varies between the two.
+        bound = AGREE_WAIT + 2 * got["first"]["fault_free"] + 1.0
+        assert got["first"]["elapsed"] < bound, (point, r, got["first"], bound)
         x, idx, w = _inputs(r)
         # step 1: what the healthy ranks served (identity experts, bf16 rows)
         want = _served_sum(x, got["phy"], _route(idx, w, n)[1], n, mask)
