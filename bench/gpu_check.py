@@ -597,19 +597,8 @@ def run_baseline(shape, device_type, which, iters, deadline, injected):
 # ---- step: build every variant into the one cache folder -------------------------------------
 def _nvshmem_missing():
     """Why the NVSHMEM tests will skip (then their IBGDA builds are not needed), or None."""
-    from moe_comm.ibgda import locate
-    if importlib.util.find_spec("nvshmem") is None:
-        return "nvshmem4py not installed (docs/PERF.md: how to carry its wheel)"
-    try:    # the tests' skip says only "not installed": record why it does not import
-        import nvshmem.core  # noqa: F401
-    except Exception as e:  # noqa: BLE001
-        return f"nvshmem4py does not import: {type(e).__name__}: {e}"
-    try:
-        locate.nvshmem_install()
-        locate.nvcc_path()
-    except locate.NvshmemNotFoundError as e:
-        return str(e)
-    return None
+    from moe_comm.ibgda.runtime import missing_stack
+    return missing_stack()
 
 
 def build_jobs(shape, dry_run):

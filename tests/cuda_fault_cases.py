@@ -64,6 +64,24 @@ def _normal_dispatch(comm, x, idx, worst, experts):
                        num_worst_tokens=worst, buffer_key=KEY)
 
 
+def _ll_round(comm, x, idx, lay):
+    """One bf16 LL dispatch + combine (weights 1) of ``x``/``idx``; returns the combined rows."""
+    from moe_comm.cuda import ll as cll
+    dev, tokens = comm.device, x.shape[0]
+    h = cll.dispatch_send(comm, x=x, topk_idx=idx, lay=lay, use_fp8=False, round_scale=False,
+                          buffer_key=KEY)
+    rx = torch.empty(lay.num_local, comm.num_ranks * lay.max_tokens, x.shape[1],
+                     dtype=torch.bfloat16, device=dev)
+    cll.dispatch_recv(comm, h, lay, recv_x=rx, recv_scales=None,
+                      recv_count=torch.zeros(lay.num_local, dtype=torch.int32, device=dev),
+                      use_fp8=False, use_ue8m0=False, stats=None)
+    seq, buf = cll.combine_send(comm, x=rx, handle=h, lay=lay)
+    out = torch.empty(tokens, x.shape[1], dtype=torch.bfloat16, device=dev)
+    cll.combine_recv(comm, seq, buf, lay, handle=h, topk_idx=idx,
+                     topk_weights=torch.ones(idx.shape, device=dev), out=out)
+    return out
+
+
 # ---- an overflow every rank sees ---------------------------------------------------------------
 def _overflow_rank(comm):
     dev = comm.device
@@ -89,7 +107,6 @@ def _failed_rank(comm, mode, elastic):
     """Rank 1 enters the call with its device error word set - the state a rank is in when a
     kernel failed after its host last checked (the host check passes, the queued kernels find
     the failure) - and runs it; rank 0 runs it normally."""
-    from moe_comm.cuda import ll as cll
     from moe_comm.cuda import normal as cn
     dev = comm.device
     x = torch.randn(8, 256, device=dev).bfloat16()
@@ -104,16 +121,7 @@ def _failed_rank(comm, mode, elastic):
             y = torch.randn(16, 256, device=dev).bfloat16()
             cn.combine(comm, x=y, handle=handle, topk_weights=None, bias=())
         else:
-            h = cll.dispatch_send(comm, x=x, topk_idx=idx, lay=lay, use_fp8=False,
-                                  round_scale=False, buffer_key=KEY)
-            rx = torch.empty(4, 16, 256, dtype=torch.bfloat16, device=dev)
-            cll.dispatch_recv(comm, h, lay, recv_x=rx, recv_scales=None,
-                              recv_count=torch.zeros(4, dtype=torch.int32, device=dev),
-                              use_fp8=False, use_ue8m0=False, stats=None)
-            seq, buf = cll.combine_send(comm, x=rx, handle=h, lay=lay)
-            out = torch.empty(8, 256, dtype=torch.bfloat16, device=dev)
-            cll.combine_recv(comm, seq, buf, lay, handle=h, topk_idx=idx,
-                             topk_weights=torch.ones(8, 2, device=dev), out=out)
+            _ll_round(comm, x, idx, lay)
         comm.synchronize()
     error, seconds = _outcome(call)
     return error, seconds, comm.active_ranks().cpu().tolist(), comm.counters.cpu().tolist()
@@ -139,23 +147,13 @@ def _ll_overflow_rank(comm, tokens):
     fit - an overflow only rank 0, the sender, sees, and whose count word rank 1 awaits; rank 1
     routes normally. (A failure whose rank then stops calling is a silent rank for the calls it
     misses: its peers meet their deadline there, and the timeout names it.)"""
-    from moe_comm.cuda import ll as cll
     dev = comm.device
     lay = LLLayout(tokens, 256, 2, 8)
     x = torch.randn(tokens, 256, device=dev).bfloat16()
     idx = torch.tensor([[4, 4]] * tokens if comm.rank == 0 else [[1, 5]] * tokens, device=dev)
 
     def call():
-        h = cll.dispatch_send(comm, x=x, topk_idx=idx, lay=lay, use_fp8=False,
-                              round_scale=False, buffer_key=KEY)
-        rx = torch.empty(4, 2 * tokens, 256, dtype=torch.bfloat16, device=dev)
-        cll.dispatch_recv(comm, h, lay, recv_x=rx, recv_scales=None,
-                          recv_count=torch.zeros(4, dtype=torch.int32, device=dev),
-                          use_fp8=False, use_ue8m0=False, stats=None)
-        seq, buf = cll.combine_send(comm, x=rx, handle=h, lay=lay)
-        out = torch.empty(tokens, 256, dtype=torch.bfloat16, device=dev)
-        cll.combine_recv(comm, seq, buf, lay, handle=h, topk_idx=idx,
-                         topk_weights=torch.ones(tokens, 2, device=dev), out=out)
+        _ll_round(comm, x, idx, lay)
         comm.synchronize()
     return _outcome(call)
 

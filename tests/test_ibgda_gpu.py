@@ -21,17 +21,7 @@ from moe_comm.ibgda import runtime
 
 
 def _missing_gpu_stack():
-    if runtime.cuda_device_count() == 0:
-        return "no CUDA GPU (IBGDA runs only on a GPU machine)"
-    if not runtime.nvshmem4py_available():
-        return "nvshmem4py not installed (pip install nvshmem4py-cu13)"
-    from moe_comm.ibgda import locate
-    try:
-        locate.nvshmem_install()
-        locate.nvcc_path()
-    except locate.NvshmemNotFoundError as e:
-        return str(e)
-    return None
+    return runtime.missing_stack()
 
 
 def _run(force_network: bool):

@@ -62,6 +62,27 @@ def nvshmem4py_available() -> bool:
         return False
 
 
+def missing_stack() -> str | None:
+    """Why the IBGDA build cannot run in this process (no GPU, nvshmem4py missing or not
+    importing, no NVSHMEM wheel or nvcc), or None when it can."""
+    if cuda_device_count() == 0:
+        return "no CUDA GPU (IBGDA runs only on a GPU machine)"
+    try:
+        import nvshmem.core  # noqa: F401
+    except ImportError as e:
+        return f"nvshmem4py not installed or not importing ({e}); docs/PERF.md: carrying its " \
+               "wheel to a GPU machine"
+    except Exception as e:  # noqa: BLE001 - anything it raises at import
+        return f"nvshmem4py does not import: {type(e).__name__}: {e}"
+    from . import locate
+    try:
+        locate.nvshmem_install()
+        locate.nvcc_path()
+    except locate.NvshmemNotFoundError as e:
+        return str(e)
+    return None
+
+
 def _require_gpu() -> None:
     if cuda_device_count() == 0:
         raise NvshmemUnavailableError(
