@@ -1,7 +1,7 @@
 """moe_comm: expert-parallel all-to-all (dispatch/combine) for Mixture-of-Experts models."""
 from .buffer import Buffer
 from .config import Config
-from .errors import BufferTooSmallError, CommTimeoutError, RankMaskedError
+from .errors import BufferTooSmallError, CallMismatchError, CommTimeoutError, RankMaskedError
 from .event import EventOverlap
 from .handle import DispatchHandle
 from .hf import replace_moe_blocks
@@ -9,6 +9,6 @@ from .layer import MoELayer
 from .reference import reference_combine, reference_dispatch
 
 __all__ = ["Buffer", "Config", "EventOverlap", "DispatchHandle", "CommTimeoutError",
-           "RankMaskedError", "BufferTooSmallError", "reference_dispatch", "reference_combine",
-           "MoELayer", "replace_moe_blocks"]
+           "RankMaskedError", "BufferTooSmallError", "CallMismatchError", "reference_dispatch",
+           "reference_combine", "MoELayer", "replace_moe_blocks"]
 __version__ = "0.1.0"

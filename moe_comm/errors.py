@@ -39,6 +39,21 @@ class BufferTooSmallError(ValueError):
             f"{argument} >= {self.needed} (plus room for received tensors you keep alive)")
 
 
+class CallMismatchError(ValueError):
+    """The ranks disagree about a call: each passed other shape parameters (hidden size,
+    dtype, top-k, number of experts, num_worst_tokens, ...) or another cached handle. Raised on
+    every rank, naming the fields and the ranks, before any payload moves; the buffer serves
+    the next call on which they agree. ``fields`` maps each field that differs to
+    ``{rank: value}``."""
+
+    def __init__(self, op: str, fields: dict):
+        self.op = op
+        self.fields = fields
+        parts = [f"{name}: " + ", ".join(f"rank {r} has {v}" for r, v in sorted(vals.items()))
+                 for name, vals in fields.items()]
+        super().__init__(f"{op}: the ranks disagree about this call; " + "; ".join(parts))
+
+
 class RankMaskedError(RuntimeError):
     """This rank was masked out of an elastic Buffer (by ``set_active_ranks``, or by its peers
     when it missed their deadline); it takes no further part: a new Buffer is needed to

@@ -13,7 +13,9 @@ class DispatchHandle:
 
     ``count_matrix[s, d]`` = tokens rank s sent to rank d (every rank holds the whole matrix);
     ``send_token_ids[d]`` = this rank's token indices sent to rank d, ascending;
-    ``is_token_in_rank`` bool [T, R]; ``num_recv_tokens`` = rows this rank received.
+    ``is_token_in_rank`` bool [T, R]; ``num_recv_tokens`` = rows this rank received;
+    ``call_id`` = the epoch of the dispatch that made it (the same on every rank: the call
+    signature of a cached dispatch or a combine carries it, moe_comm/signature.py).
     """
 
     buffer_key: tuple
@@ -24,6 +26,7 @@ class DispatchHandle:
     send_token_ids: list
     num_recv_tokens: int
     num_worst_tokens: int = 0
+    call_id: int = 0
 
     def rows_from(self, rank: int) -> int:
         return int(self.count_matrix[:, rank].sum())
@@ -68,3 +71,4 @@ class LowLatencyHandle:
     send_tok: torch.Tensor = None
     send_slot: torch.Tensor = None
     received: bool = False
+    call_row: np.ndarray = None         # this call's signature (moe_comm/signature.py)

@@ -18,11 +18,18 @@ Each slot sits on its own 64-byte line so peers never false-share:
 - ``DONE[src]``: source ``src`` finished writing its payload for op ``epoch``.
 - ``MASK[parity][src]``: elastic mode's agreement round: ``src``'s view of the active ranks
   (bit r of word r // 32), two parities like NOTIFY.
+- ``CALL[parity][src]``: ``src``'s signature of the normal-mode call ``epoch`` (one line of
+  tagged words, :data:`NORMAL_CALL_FIELDS`): every rank writes it into every peer first and
+  compares the peers' with its own, so ranks that disagree about a call all raise before any
+  payload moves (moe_comm/signature.py). Two parities like NOTIFY.
 - ``LL_DISPATCH_FREE[buf][src]`` / ``LL_COMBINE_FREE[buf][src]``: rank ``src`` finished
   reading its low-latency receive buffer ``buf`` for LL call number ``epoch`` (a sender of call
   s waits for s-2 from every destination before overwriting: flow control of the double
   buffers).
 - ``LL_COMBINE_DONE[buf][src]``: src finished writing its LL combine rows (value = rows).
+- ``LL_CALL[buf][src]``: ``src``'s signature of LL dispatch call ``epoch``
+  (:data:`LL_CALL_FIELDS`), written before its messages; the receiver checks it before it
+  trusts the count rows (which a rank with another layout writes elsewhere).
 
 The low-latency region (after the heap) is laid out by :class:`LLLayout`; its dispatch count
 words ``[src][local_expert]`` carry the number of tokens src sent to that expert, written
@@ -43,13 +50,19 @@ from dataclasses import dataclass
 PAGE = 4096
 LINE_WORDS = 8                       # 64-byte cache line / 8-byte words
 MAGIC = 0x6D6F655F636F6D6D           # "moe_comm"
-VERSION = 2
+VERSION = 3
 VALUE_BITS = 32
 VALUE_MASK = (1 << VALUE_BITS) - 1
 MAX_EPOCH = (1 << 31) - 1
 GRANT_FAILED = VALUE_MASK            # grant value meaning "receiver could not allocate"
 LL_NUM_BUFFERS = 2                   # low-latency double buffering
 MASK_BITS = 32                       # rank bits per MASK word (the value field of a tag)
+# What every rank must pass alike, one tagged word each (one line): the call's signature.
+NORMAL_CALL_FIELDS = ("call", "hidden", "dtype", "scale_cols", "topk", "num_experts",
+                      "num_worst_tokens", "handle")
+LL_CALL_FIELDS = ("call", "hidden", "use_fp8", "round_scale", "topk", "num_experts",
+                  "num_max_dispatch_tokens_per_rank")
+CALL_WORDS = LINE_WORDS
 
 
 def tag(epoch: int, value: int) -> int:
@@ -99,8 +112,11 @@ class HeaderLayout:
         row = round_up(self.mask_words, LINE_WORDS)
         return self.done(self.num_ranks) + row * (parity * self.num_ranks + src)
 
+    def call(self, parity: int, src: int) -> int:
+        return self.mask(2, 0) + CALL_WORDS * (parity * self.num_ranks + src)
+
     def ll_dispatch_free(self, buf: int, src: int) -> int:
-        return self.mask(2, 0) + LINE_WORDS * (buf * self.num_ranks + src)
+        return self.call(2, 0) + LINE_WORDS * (buf * self.num_ranks + src)
 
     def ll_combine_free(self, buf: int, src: int) -> int:
         return self.ll_dispatch_free(LL_NUM_BUFFERS, 0) + LINE_WORDS * (buf * self.num_ranks
@@ -109,6 +125,10 @@ class HeaderLayout:
     def ll_combine_done(self, buf: int, src: int) -> int:
         return self.ll_combine_free(LL_NUM_BUFFERS, 0) + LINE_WORDS * (buf * self.num_ranks + src)
 
+    def ll_call(self, buf: int, src: int) -> int:
+        return self.ll_combine_done(LL_NUM_BUFFERS, 0) + CALL_WORDS * (buf * self.num_ranks +
+                                                                       src)
+
     @property
     def ll_first(self) -> int:
         """First word of the low-latency slots (zeroed by a low-latency reset)."""
@@ -116,7 +136,7 @@ class HeaderLayout:
 
     @property
     def num_words(self) -> int:
-        return self.ll_combine_done(LL_NUM_BUFFERS, 0)
+        return self.ll_call(LL_NUM_BUFFERS, 0)
 
     @property
     def nbytes(self) -> int:

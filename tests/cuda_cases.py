@@ -19,6 +19,7 @@ import threading
 import torch
 
 import moe_comm
+from moe_comm import signature
 from moe_comm.wire import LLLayout
 from checks import check_ll, check_normal, expert_ll, ll_inputs
 from inputs import expert_fn, make_inputs
@@ -381,8 +382,12 @@ def _elastic_rank(comm, case, steps, silent="start"):
             comm.begin_call()
             if silent == "mid_notify":
                 comm.mask([0], "test: rank 0 gets no counts")
+            x = make_inputs(case, comm.rank)[0]
+            row = signature.of_dispatch(hidden=x.shape[1], dtype=x.dtype, scales=None,
+                                        topk_idx=idx, num_experts=case["experts"],
+                                        num_worst_tokens=0, handle=None)
             cn._notify(comm, comm.kernels(variants.intranode(R)), comm.next_epoch(), per_rank,
-                       matrix, "dispatch/notify")
+                       matrix, "dispatch/notify", row)
             if silent == "after_agree":
                 agree(comm, "dispatch/notify", matrix)
             comm.synchronize()

@@ -83,6 +83,7 @@ constexpr i32 kErrNoTransport = 3;  // a rank is neither mapped nor served by a 
 constexpr i32 kErrMasked = 4;       // elastic: the survivors masked this rank out (elastic.cuh)
 constexpr i32 kErrProxy = 5;        // the host proxy took no command in time (proxy_ring.cuh)
 constexpr i32 kErrPeerFailed = 6;   // a peer's call failed: it signalled kFailedValue
+constexpr i32 kErrMismatch = 7;     // the ranks' call signatures differ (moe_comm/signature.py)
 
 // The value a tagged signal word carries when its sender's call failed (an error of its own,
 // or an earlier one that stopped its kernels): nothing the word would announce arrived, and

@@ -42,8 +42,9 @@ import socket
 import numpy as np
 import torch
 
+from .. import signature
 from ..errors import CommTimeoutError, RankMaskedError
-from ..wire import LINE_WORDS, MAX_EPOCH, PAGE, HeaderLayout, round_up
+from ..wire import CALL_WORDS, LINE_WORDS, MAX_EPOCH, PAGE, VALUE_MASK, HeaderLayout, round_up
 from . import ibgda
 from .variants import MAX_RANKS
 
@@ -54,6 +55,7 @@ ERROR_HEADER = 4                 # csrc/kernels/sync.cuh: kErrorHeader
 MAX_ERROR_RANKS = 64             # ... kMaxErrorRanks
 ERR_TIMEOUT, ERR_OVERFLOW, ERR_NO_TRANSPORT, ERR_MASKED, ERR_PROXY, ERR_PEER_FAILED = \
     1, 2, 3, 4, 5, 6
+ERR_MISMATCH = 7
 
 # Phase ids passed to kernels (the `op` argument) and the names errors report.
 OPS = ("", "dispatch/notify", "dispatch/send", "dispatch/payload", "combine/notify",
@@ -415,11 +417,29 @@ class CudaComm:
         self.epoch = self.epoch % MAX_EPOCH + 1
         return self.epoch
 
-    def next_notify_offset(self) -> int:
-        """Byte offset of NOTIFY[parity][0] for the next notify (parities alternate)."""
+    def next_notify_offsets(self):
+        """Byte offsets of NOTIFY[parity][0] and CALL[parity][0] for the next notify (parities
+        alternate; every normal op has one notify, which carries its call signature)."""
         parity = self.notify_seq % 2
         self.notify_seq += 1
-        return self.layout.notify(parity, 0) * 8
+        return self.layout.notify(parity, 0) * 8, self.layout.call(parity, 0) * 8
+
+    def _call_rows(self) -> dict:
+        """{rank: signature values} of the last notify, read from this rank's header (after
+        the stream is idle): what the ranks said about their last normal call."""
+        parity = (self.notify_seq - 1) % 2
+        first, n = self.layout.call(parity, 0), self.num_ranks * CALL_WORDS
+        base = self.pointers[self.rank]
+        if self.device.type == "cpu":            # the emulator: host memory
+            words = np.frombuffer((ctypes.c_char * (n * 8)).from_address(base + first * 8),
+                                  dtype=np.int64).copy()
+        else:
+            from cuda.bindings import driver as cu
+            words = np.empty(n, dtype=np.int64)
+            _cu(cu.cuMemcpyDtoH(words.ctypes.data, base + first * 8, n * 8), "cuMemcpyDtoH")
+        rows = words.reshape(self.num_ranks, CALL_WORDS) & VALUE_MASK
+        live = self.active_ranks().cpu().tolist()
+        return {r: rows[r] for r in range(self.num_ranks) if live[r]}
 
     def done_offset(self) -> int:
         return self.layout.done(0) * 8
@@ -505,6 +525,17 @@ class CudaComm:
             raise CudaCommError(f"{op}: the host proxy took no command for "
                                 f"{2 * self.timeout_s + 5:g} s (moe_comm/cuda/proxy.py); this "
                                 "communicator cannot reach other hosts any more: destroy it")
+        if code == ERR_MISMATCH:
+            # every rank saw the same signatures and failed this call at its notify, before
+            # any payload moved: once this rank's kernels of it are done, it is in step
+            # with its peers again and the buffer serves the next call
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            rows = self._call_rows()
+            self.err_host.zero_()
+            self.err_dev.zero_()
+            signature.check(op.split("/")[0], rows)
+            raise CudaCommError(f"{op}: the ranks' call signatures differ at rank(s) {ranks}")
         if code == ERR_PEER_FAILED:
             raise CudaCommError(f"{op}: rank(s) {ranks} failed this call (an error of their own, "
                                 "which they raise); this communicator is out of step: destroy "

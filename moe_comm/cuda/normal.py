@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .. import signature
 from ..errors import BufferTooSmallError
 from ..handle import DispatchHandle
 from ..wire import SlabLayout
@@ -87,10 +88,13 @@ def _layout(topk_idx, num_experts, num_ranks, *, want_experts, want_pos):
     return per_rank, per_expert, in_rank, send_pos
 
 
-def _notify(comm: CudaComm, k, epoch: int, counts, matrix, op: str) -> None:
+def _notify(comm: CudaComm, k, epoch: int, counts, matrix, op: str, call_row) -> None:
+    """Notify (normal.cuh), carrying the call's signature ``call_row`` (moe_comm/signature.py):
+    ranks that disagree about the call fail it together (CallMismatchError)."""
+    notify_off, call_off = comm.next_notify_offsets()
     launch(k["moe_notify"], 1, THREADS["moe_notify"], *comm.group_args(), *comm.error_args(op),
-           comm.next_notify_offset(), comm.layout.row_words, epoch, counts, matrix,
-           device=comm.device)
+           notify_off, comm.layout.row_words, epoch, counts, matrix, call_off,
+           *(int(v) for v in call_row), device=comm.device)
 
 
 def _wait_done(comm: CudaComm, k, epoch: int, op: str) -> None:
@@ -137,7 +141,10 @@ def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_w
         matrix = torch.empty(R, R, dtype=torch.int32, device=dev)
         matrix_host = None
     epoch = comm.next_epoch()
-    _notify(comm, k, epoch, per_rank, None if cached else matrix, "dispatch/notify")
+    call_row = signature.of_dispatch(hidden=hidden, dtype=dtype, scales=scales,
+                                     topk_idx=topk_idx, num_experts=num_experts or 0,
+                                     num_worst_tokens=num_worst_tokens, handle=handle)
+    _notify(comm, k, epoch, per_rank, None if cached else matrix, "dispatch/notify", call_row)
     if not cached:        # elastic: one mask, and one count matrix, on every survivor
         agree(comm, "dispatch/notify", matrix)
 
@@ -185,8 +192,8 @@ def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_w
     if not cached:
         handle = CudaDispatchHandle(
             buffer_key, num_tokens, hidden, matrix_host, in_rank, None,
-            rows_out, num_worst_tokens, per_rank=per_rank, send_pos=send_pos, matrix=matrix,
-            recv_expert_counts=expert_counts)
+            rows_out, num_worst_tokens, call_id=epoch, per_rank=per_rank, send_pos=send_pos,
+            matrix=matrix, recv_expert_counts=expert_counts)
     return recv_x.view(dtype), recv_scales, recv_idx, recv_w, handle
 
 
@@ -213,7 +220,8 @@ def combine(comm: CudaComm, *, x, handle: CudaDispatchHandle, topk_weights, bias
     row_bytes = hidden * x.element_size()
     topk = 0 if topk_weights is None else topk_weights.shape[1]
     epoch = comm.next_epoch()
-    _notify(comm, k, epoch, None, None, "combine/notify")
+    _notify(comm, k, epoch, None, None, "combine/notify",
+            signature.of_combine(x=x, topk_weights=topk_weights, handle=handle))
     if handle.count_matrix is not None:
         sent = handle.count_matrix.sum(1)
         _check_capacity(comm, "combine", [SlabLayout(int(n), row_bytes, 0, topk) for n in sent])

@@ -32,9 +32,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .. import signature
 from ..errors import RankMaskedError
-from ..wire import (MAGIC, MASK_BITS, PAGE, VERSION, HeaderLayout, MAX_EPOCH, round_up,
-                    tag_value)
+from ..wire import (CALL_WORDS, MAGIC, MASK_BITS, PAGE, VERSION, HeaderLayout, MAX_EPOCH,
+                    round_up, tag_value)
 from . import atomics
 from .heap import PageHeap
 from .segment import Segment, reclaim_stale_segments, segment_name
@@ -75,6 +76,7 @@ class HostComm:
         size = self.ll_offset + self.ll_bytes
         self.epoch = 0
         self.notify_seq = 0
+        self.call_seq = 0                # signature rounds (CALL parity)
         self.segments = []
         self._own = None
         self.transport = None
@@ -177,6 +179,24 @@ class HostComm:
             # deadline for the rest of this call instead of being masked behind it.
             self._deadline = time.monotonic() + self.timeout_s
         return silent
+
+    def post_call(self, epoch: int, row) -> dict:
+        """Send this normal call's signature (moe_comm/signature.py) to every active rank;
+        returns the views :meth:`verify_call` waits on. Two parities, like NOTIFY: a rank
+        finishes a round only once every peer has written its row of it."""
+        lay, me = self.layout, self.rank
+        parity = self.call_seq % 2
+        self.call_seq += 1
+        for p in np.flatnonzero(self.active):
+            self.signal(p, lay.call(parity, me), epoch, row)
+        return {s: self.slot(me, lay.call(parity, s), CALL_WORDS)
+                for s in range(self.num_ranks)}
+
+    def verify_call(self, waits: dict, epoch: int, op: str) -> None:
+        """Wait for every active rank's signature; CallMismatchError on every rank if any two
+        differ (each rank hears every signature, so all decide alike)."""
+        self.wait(waits, epoch, op + "/notify")
+        signature.check(op, {s: tag_value(waits[s]) for s in np.flatnonzero(self.active)})
 
     def mask(self, ranks, why: str) -> None:
         ranks = sorted(r for r in ranks if self.active[r])

@@ -26,9 +26,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .. import signature
+from ..errors import CallMismatchError
 from ..handle import LowLatencyHandle
 from ..quant import pack_ue8m0, quantize_fp8
-from ..wire import LL_MAX_TOPK, LL_NUM_BUFFERS, LLLayout, round_up, tag_value
+from ..wire import (CALL_WORDS, LL_CALL_FIELDS, LL_MAX_TOPK, LL_NUM_BUFFERS, LLLayout,
+                    round_up, tag_value)
 
 
 COMBINE_CHUNK_ROWS = 64           # float32 copy of 64 returned rows stays in cache
@@ -97,8 +100,14 @@ def dispatch_send(comm, *, x, topk_idx, lay: LLLayout, use_fp8, round_scale, buf
 
     msg_words, meta_rows = _words(msgs), meta.view(-1, 1)
     M = lay.max_tokens
+    call_row = signature.low_latency(hidden=hidden, use_fp8=use_fp8, round_scale=round_scale,
+                                     topk=topk_idx.shape[1], num_experts=lay.num_experts,
+                                     max_tokens=M)
 
     def send(dst, _grant):
+        # the signature first: a receiver with another layout still finds it (moe_comm/
+        # signature.py), and checks it before it trusts the count row
+        comm.signal(dst, comm.layout.ll_call(buf, me), seq, call_row)
         region = comm.peer_ll(dst)
         rows = _words(region[payload:payload + slots * stride].view(slots, stride))
         metas = region[meta_off:meta_off + slots * 8].view(torch.int64).view(slots, 1)
@@ -117,7 +126,24 @@ def dispatch_send(comm, *, x, topk_idx, lay: LLLayout, use_fp8, round_scale, buf
     _wait_free(comm, "dispatch", lambda r: comm.layout.ll_dispatch_free(buf, r), seq,
                "low_latency_dispatch/free", send)
     return LowLatencyHandle(buffer_key, seq, buf, lay.max_tokens, hidden, lay.num_experts,
-                            num_tokens, topk_idx.shape[1], send_tok=tok, send_slot=slot)
+                            num_tokens, topk_idx.shape[1], send_tok=tok, send_slot=slot,
+                            call_row=call_row)
+
+
+def _check_signatures(comm, handle) -> None:
+    """Every source's signature of this call (written before its messages) must equal this
+    rank's; else every rank raises CallMismatchError here, before reading what a source with
+    another layout wrote, and frees the buffer so the next agreeing calls go on."""
+    me, buf = comm.rank, handle.buf
+    waits = {s: comm.slot(me, comm.layout.ll_call(buf, s), CALL_WORDS)
+             for s in range(comm.num_ranks)}
+    comm.wait(waits, handle.seq, "low_latency_dispatch/signature")
+    try:
+        signature.check("low_latency_dispatch", {s: tag_value(waits[s]) for s in
+                                                 np.flatnonzero(comm.active)}, LL_CALL_FIELDS)
+    except CallMismatchError:
+        _publish_free(comm, comm.layout.ll_dispatch_free(buf, me), handle.seq)
+        raise
 
 
 def dispatch_recv(comm, handle: LowLatencyHandle, lay: LLLayout, *, recv_x, recv_scales,
@@ -129,6 +155,7 @@ def dispatch_recv(comm, handle: LowLatencyHandle, lay: LLLayout, *, recv_x, recv
     stride = msg_stride(hidden, use_fp8)
     count_off = lay.offset(buf, "counts")
     comm.start_call()
+    _check_signatures(comm, handle)
     waits = {s: comm.ll_slot(me, count_off + s * lay.count_row_words * 8, num_local + 1)
              for s in range(R)}
     comm.wait(waits, handle.seq, "low_latency_dispatch/recv")

@@ -29,6 +29,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .. import signature
 from ..errors import BufferTooSmallError
 from ..handle import DispatchHandle
 from ..layout import local_topk
@@ -46,14 +47,17 @@ def _check_capacity(comm, what: str, layouts) -> None:
         raise BufferTooSmallError(what, need, comm.heap.capacity)
 
 
-def exchange_counts(comm, epoch: int, row: np.ndarray) -> np.ndarray:
-    """Notify phase: returns the R x R matrix, ``m[s, d]`` = tokens s sends to d (zero rows
-    for inactive ranks)."""
+def exchange_counts(comm, epoch: int, row: np.ndarray, call_row: np.ndarray) -> np.ndarray:
+    """Notify phase: the call's signature and this rank's counts to every rank, the
+    signatures checked (CallMismatchError), then the R x R matrix, ``m[s, d]`` = tokens s sends
+    to d (zero rows for inactive ranks)."""
     lay, me, R = comm.layout, comm.rank, comm.num_ranks
     parity = comm.notify_seq % 2
     comm.notify_seq += 1
+    calls = comm.post_call(epoch, call_row)
     for p in np.flatnonzero(comm.active):
         comm.signal(p, lay.notify(parity, me), epoch, row)
+    comm.verify_call(calls, epoch, "dispatch")
     waits = {s: comm.slot(me, lay.notify(parity, s), R) for s in range(R)}
     comm.wait(waits, epoch, "dispatch/notify")
     return np.stack([tag_value(waits[s]) if comm.active[s] else np.zeros(R, np.int64)
@@ -125,11 +129,16 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, is
     me, R = comm.rank, comm.num_ranks
     comm.start_call()
     epoch = comm.next_epoch()
+    call_row = signature.of_dispatch(
+        hidden=hidden, dtype=dtype, scales=scales, topk_idx=topk_idx, num_experts=num_experts,
+        num_worst_tokens=num_worst_tokens, handle=handle)
     num_tokens, row_bytes = x_bytes.shape
-    if handle is None:
+    if handle is not None:           # no count exchange: the signatures alone
+        comm.verify_call(comm.post_call(epoch, call_row), epoch, "dispatch")
+    else:
         row = num_tokens_per_rank.numpy().astype(np.int64)
         row[~comm.active] = 0
-        matrix = exchange_counts(comm, epoch, row)
+        matrix = exchange_counts(comm, epoch, row, call_row)
         if comm.elastic:
             comm.agree("dispatch/notify")
         if not comm.active.all():                  # nothing goes to masked ranks
@@ -137,7 +146,8 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, is
             is_token_in_rank[:, torch.from_numpy(~comm.active)] = False
         send_ids = [is_token_in_rank[:, d].nonzero().flatten() for d in range(R)]
         handle = DispatchHandle(buffer_key, num_tokens, hidden, matrix, is_token_in_rank,
-                                send_ids, int(matrix[:, me].sum()), num_worst_tokens)
+                                send_ids, int(matrix[:, me].sum()), num_worst_tokens,
+                                call_id=epoch)
     handle = handle.without_inactive(comm.active, me)
     matrix, send_ids = handle.count_matrix, handle.send_token_ids
     scale_cols = 0 if scales is None else scales.shape[1]
@@ -230,6 +240,8 @@ def combine(comm, *, x, handle, topk_weights, bias):
     me, R = comm.rank, comm.num_ranks
     comm.start_call()
     epoch = comm.next_epoch()
+    comm.verify_call(comm.post_call(epoch, signature.of_combine(
+        x=x, topk_weights=topk_weights, handle=handle)), epoch, "combine")
     matrix, send_ids = handle.count_matrix, handle.send_token_ids
     hidden, dtype = x.shape[1], x.dtype
     x_bytes = x.view(torch.uint8)

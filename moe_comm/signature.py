@@ -1,0 +1,91 @@
+"""The signature of a collective call: the parameters every rank must pass alike.
+
+Each rank sends its signature - one line of small integers (wire.NORMAL_CALL_FIELDS or
+wire.LL_CALL_FIELDS) - to every peer ahead of the call's payload and compares what it hears
+with its own. Every rank hears every signature, so when any two ranks differ they all see it
+and all raise :class:`moe_comm.CallMismatchError` naming the fields and the ranks, at the same
+point of the call: the group stays in step and the buffer serves the next call on which the
+ranks agree. (Without it, a rank passing another hidden size or dtype would compute other
+row sizes and offsets than its peers, and write where they do not expect it.)
+
+``handle`` identifies a cached dispatch's or a combine's handle by the epoch of the dispatch
+that made it, which is the same on every rank: ranks that pass handles of different dispatches
+disagree.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .errors import CallMismatchError
+from .wire import CALL_WORDS, LL_CALL_FIELDS, NORMAL_CALL_FIELDS
+
+CALLS = {1: "dispatch", 2: "cached dispatch", 3: "combine", 4: "low-latency dispatch"}
+CALL_CODE = {name: code for code, name in CALLS.items()}
+DTYPES = {1: torch.bfloat16, 2: torch.float16, 3: torch.float32, 4: torch.float8_e4m3fn}
+DTYPE_CODE = {dtype: code for code, dtype in DTYPES.items()}
+
+
+def _row(values) -> np.ndarray:
+    row = np.zeros(CALL_WORDS, dtype=np.int64)
+    row[:len(values)] = [int(v) for v in values]
+    return row
+
+
+def normal(call: str, *, hidden: int, dtype, scale_cols: int, topk: int, num_experts: int,
+           num_worst_tokens: int, handle_id: int) -> np.ndarray:
+    """The signature of a normal-mode ``call`` ("dispatch", "cached dispatch", "combine")."""
+    return _row((CALL_CODE[call], hidden, DTYPE_CODE[dtype], scale_cols, topk, num_experts,
+                 num_worst_tokens, handle_id))
+
+
+def of_dispatch(*, hidden, dtype, scales, topk_idx, num_experts, num_worst_tokens,
+                handle) -> np.ndarray:
+    """A normal dispatch's signature from the arguments the backends' dispatch takes."""
+    if handle is not None:
+        return normal("cached dispatch", hidden=hidden, dtype=dtype,
+                      scale_cols=0 if scales is None else scales.shape[1], topk=0,
+                      num_experts=0, num_worst_tokens=num_worst_tokens,
+                      handle_id=handle.call_id)
+    return normal("dispatch", hidden=hidden, dtype=dtype,
+                  scale_cols=0 if scales is None else scales.shape[1],
+                  topk=0 if topk_idx is None else topk_idx.shape[1], num_experts=num_experts,
+                  num_worst_tokens=num_worst_tokens, handle_id=0)
+
+
+def of_combine(*, x, topk_weights, handle) -> np.ndarray:
+    """A normal combine's signature from the arguments the backends' combine takes."""
+    return normal("combine", hidden=x.shape[1], dtype=x.dtype, scale_cols=0,
+                  topk=0 if topk_weights is None else topk_weights.shape[1], num_experts=0,
+                  num_worst_tokens=handle.num_worst_tokens, handle_id=handle.call_id)
+
+
+def low_latency(*, hidden: int, use_fp8: bool, round_scale: bool, topk: int,
+                num_experts: int, max_tokens: int) -> np.ndarray:
+    """The signature of a low-latency dispatch."""
+    return _row((CALL_CODE["low-latency dispatch"], hidden, use_fp8, round_scale, topk,
+                 num_experts, max_tokens))
+
+
+def _shown(field: str, value: int):
+    if field == "call":
+        return CALLS.get(value, value)
+    if field == "dtype":
+        return str(DTYPES.get(value, value)).replace("torch.", "")
+    if field in ("use_fp8", "round_scale"):
+        return bool(value)
+    return value
+
+
+def check(op: str, rows: dict, fields=NORMAL_CALL_FIELDS) -> None:
+    """Raise :class:`CallMismatchError` if the signatures ``rows`` (rank -> int array of
+    CALL_WORDS values) differ in any of ``fields``."""
+    if not rows:
+        return
+    stacked = np.stack([np.asarray(r, dtype=np.int64)[:len(fields)] for r in rows.values()])
+    differ = np.flatnonzero((stacked != stacked[0]).any(0))
+    if differ.size:
+        ranks = list(rows)
+        raise CallMismatchError(op, {fields[i]: {r: _shown(fields[i], int(stacked[k, i]))
+                                                 for k, r in enumerate(ranks)}
+                                     for i in differ})

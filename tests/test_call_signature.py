@@ -1,0 +1,161 @@
+"""Ranks that disagree about a call: every rank raises CallMismatchError naming the field and
+the ranks, before any payload moves, and the Buffer serves the next call on which they agree
+(with exact results). One rank at a time passes another hidden size, dtype, fp8 instead of
+bf16, top-k, num_worst_tokens, or a cached handle of another dispatch; in low-latency mode
+another hidden size, fp8 flag, or num_max_dispatch_tokens_per_rank.
+
+Both backends: the host backend, and the CUDA backend on the CPU kernel emulator (ranks as
+processes). The CUDA backend reports a mismatch when the call next meets the host: at once for
+a dispatch that reads its counts, else at the next call, which raises instead of running (its
+kernels are asynchronous); either way exactly one CallMismatchError per rank, then the next
+call works. Low-latency signatures are checked by the host backend only so far.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moe_comm
+from moe_comm.cuda import emulator
+from ranks import run_ranks
+
+R, E, K, H, T = 3, 6, 2, 256, 12
+
+
+@pytest.fixture(params=["host", "cuda_emulated"])
+def backend(request, monkeypatch):
+    if request.param == "cuda_emulated":
+        if not emulator.available():
+            pytest.skip("the kernel emulator needs a C++ compiler (g++)")
+        import cuda_cases
+        cuda_cases.preload("cpu", R)
+        monkeypatch.setenv("MOE_COMM_CPU_BACKEND", "emulator")
+    return request.param
+
+
+def _inputs(rank):
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    return x, idx
+
+
+def _fp8(x):
+    blocks = x.float().view(x.shape[0], -1, 128)
+    s = blocks.abs().amax(-1).clamp(min=1e-4) / 448.0
+    return ((blocks / s.unsqueeze(-1)).view(x.shape).to(torch.float8_e4m3fn), s)
+
+
+CASES = {  # name: (field the error names, what the odd rank changes)
+    "hidden": ("hidden", "x"),
+    "dtype": ("dtype", "x"),
+    "fp8": ("dtype", "x"),
+    "topk": ("topk", "idx"),
+    "num_worst_tokens": ("num_worst_tokens", "worst"),
+    "handle": ("handle", "handle"),
+    "combine_hidden": ("hidden", "combine"),
+}
+ODD = 1
+
+
+def _normal_worker(rank, n, case):
+    buf = moe_comm.Buffer(None, 16 << 20, timeout_s=20)
+    x, idx = _inputs(rank)
+    odd = rank == ODD
+    layout = buf.get_dispatch_layout(idx, E)
+    args = dict(topk_idx=idx, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
+                num_tokens_per_expert=layout[2])
+    rx, _, _, _, handle, _ = buf.dispatch(x, **args)           # an agreeing call first
+    errors = []
+
+    def attempt(call):
+        try:
+            return call()
+        except moe_comm.CallMismatchError as e:
+            errors.append(str(e))
+
+    if case == "hidden":
+        attempt(lambda: buf.dispatch(x[:, :128] if odd else x, **args))
+    elif case == "dtype":
+        attempt(lambda: buf.dispatch(x.float() if odd else x, **args))
+    elif case == "fp8":
+        attempt(lambda: buf.dispatch(_fp8(x) if odd else x, **args))
+    elif case == "topk":
+        small = buf.get_dispatch_layout(idx[:, :1], E)
+        attempt(lambda: buf.dispatch(x, topk_idx=idx[:, :1], num_tokens_per_rank=small[0],
+                                     is_token_in_rank=small[3],
+                                     num_tokens_per_expert=small[2]) if odd else
+                buf.dispatch(x, **args))
+    elif case == "num_worst_tokens":
+        attempt(lambda: buf.dispatch(x, num_worst_tokens=64 if odd else 0, **args))
+    elif case == "handle":
+        _, _, _, _, second, _ = buf.dispatch(x, **args)
+        attempt(lambda: buf.dispatch(x, handle=handle if odd else second))
+    elif case == "combine_hidden":
+        y = rx.float()[:, :128].bfloat16().contiguous() if odd else rx
+        attempt(lambda: buf.combine(y, handle) if not odd else buf._be.normal.combine(
+            buf._comm, x=y, handle=handle, topk_weights=None, bias=()))
+    # the next agreeing calls: the first may still report the mismatch (the CUDA backend's
+    # asynchronous calls); the one after must work and be exact
+    for _ in range(2):
+        got = attempt(lambda: buf.dispatch(x, **args))
+        if got is not None:
+            break
+    rx, _, _, _, h, _ = got
+    out, _, _ = buf.combine(rx, h)
+    buf.destroy()
+    return errors, out, x, idx
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_normal_calls_that_disagree_raise_on_every_rank(backend, case):
+    field = CASES[case][0]
+    results = run_ranks(_normal_worker, R, case, timeout=120)
+    for rank, (errors, out, x, idx) in enumerate(results):
+        assert len(errors) == 1, (rank, errors)
+        assert "the ranks disagree about this call" in errors[0], errors[0]
+        assert f"{field}: " in errors[0] and f"rank {ODD} has" in errors[0], errors[0]
+        # identity experts: each token comes back once per distinct rank of its experts
+        copies = torch.tensor([len({int(e) // (E // R) for e in row}) for row in idx])
+        torch.testing.assert_close(out.float(), (x.float() * copies[:, None]).bfloat16().float(),
+                                   rtol=1e-2, atol=1e-2)
+
+
+LL_CASES = {"hidden": "hidden", "fp8": "use_fp8", "max_tokens": "num_max_dispatch_tokens_per_rank"}
+
+
+def _ll_worker(rank, n, case):
+    M = 16
+    buf = moe_comm.Buffer(None, 8 << 20, moe_comm.Buffer.get_low_latency_rdma_size_hint(
+        2 * M, 512, n, E), low_latency_mode=True, timeout_s=20)
+    x, idx = _inputs(rank)
+    odd = rank == ODD
+    errors = []
+    try:
+        if case == "hidden":
+            xx = torch.randn(T, 384).bfloat16() if odd else x
+            buf.low_latency_dispatch(xx, idx, M, E, use_fp8=False)
+        elif case == "fp8":
+            buf.low_latency_dispatch(x, idx, M, E, use_fp8=odd)
+        else:
+            buf.low_latency_dispatch(x, idx, 2 * M if odd else M, E, use_fp8=False)
+    except moe_comm.CallMismatchError as e:
+        errors.append(str(e))
+    outs = []
+    for _ in range(3):                    # both LL buffers, and the flow control, still work
+        rx, _, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+        out, _, _ = buf.low_latency_combine(rx, idx, torch.ones(T, K), handle)
+        outs.append(out)
+    buf.destroy()
+    return errors, outs, x
+
+
+@pytest.mark.parametrize("case", list(LL_CASES))
+def test_low_latency_calls_that_disagree_raise_on_every_rank(case):
+    field = LL_CASES[case]
+    results = run_ranks(_ll_worker, R, case, timeout=120)
+    for rank, (errors, outs, x) in enumerate(results):
+        assert len(errors) == 1, (rank, errors)
+        assert f"{field}: " in errors[0] and f"rank {ODD} has" in errors[0], errors[0]
+        for out in outs:                  # identity experts, weight 1 per slot, top-2
+            torch.testing.assert_close(out.float(), 2 * x.float(), rtol=1e-2, atol=1e-2)
