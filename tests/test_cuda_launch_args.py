@@ -29,15 +29,18 @@ KERNEL_HEAD = r"MOE_KERNEL void (?:__launch_bounds__\([^)]*\)\s+)?"
 def _signatures() -> dict:
     """{kernel: ["ptr" | "int", ...]} from the extern "C" kernels of every .cu/.cuh file."""
     sigs = {}
-    for f in [*kernel_dir().glob("*.cu"), *kernel_dir().glob("*.cuh")]:
-        text = f.read_text().replace("\\\n", " ")
-        defines = dict(re.findall(r"#define (MOE_\w+_ARGS) ([^\n]*)", text))
+    files = [*kernel_dir().glob("*.cu"), *kernel_dir().glob("*.cuh")]
+    texts = [f.read_text().replace("\\\n", " ") for f in files]
+    defines = {}                      # argument macros, wherever they are defined
+    for text in texts:
+        defines.update(re.findall(r"#define (MOE_\w+_ARGS) ([^\n]*)", text))
 
-        def kinds(params):
-            for name, body in defines.items():
-                params = params.replace(name, body)
-            return ["ptr" if "*" in p else "int" for p in params.split(",") if p.strip()]
+    def kinds(params):
+        for name, body in defines.items():
+            params = params.replace(name, body)
+        return ["ptr" if "*" in p else "int" for p in params.split(",") if p.strip()]
 
+    for text in texts:
         for name, params in re.findall(KERNEL_HEAD + r"(\w+)\(([^)]*)\)", text):
             if name != "NAME":
                 sigs[name] = kinds(params)

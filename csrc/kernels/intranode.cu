@@ -30,12 +30,9 @@ moe_layout(const i64* topk_idx, i64 num_tokens, i64 topk, i64 num_experts, i32* 
 // call0..7: the call's signature (wire.NORMAL_CALL_FIELDS), call_off: CALL[parity][0]
 MOE_KERNEL void __launch_bounds__(MOE_THREADS_NOTIFY, 1)
 moe_notify(MOE_GROUP_ARGS, MOE_ERROR_ARGS, i64 notify_off, i64 row_words, i64 epoch,
-           const i32* counts, i32* matrix, i64 call_off, i64 call0, i64 call1, i64 call2,
-           i64 call3, i64 call4, i64 call5, i64 call6, i64 call7) {
-    const CallRow call{{(u32)call0, (u32)call1, (u32)call2, (u32)call3, (u32)call4, (u32)call5,
-                        (u32)call6, (u32)call7}};
+           const i32* counts, i32* matrix, i64 call_off, MOE_CALL_ARGS) {
     notify_body<R>(MOE_GROUP, MOE_ERRORS, (u64)notify_off, row_words, (u32)epoch, counts, matrix,
-                   (u64)call_off, call);
+                   (u64)call_off, MOE_CALL_ROW);
 }
 
 // grid 1, block 32

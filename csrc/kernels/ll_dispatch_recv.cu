@@ -12,6 +12,21 @@
 static_assert(MOE_FP8 || !MOE_UE8M0, "UE8M0 scales need fp8");
 static_assert(kHidden % 128 == 0, "specialised hidden sizes are multiples of 128");
 
+// ---- dispatch call check ----------------------------------------------------------------
+// grid 1, one thread per source s: s's signature of call `seq` in LL_CALL[buf][s] (call_off =
+// LL_CALL[buf][0]) equals this rank's, else kErrMismatch (every rank sees every signature, so
+// all fail this call; the receive kernel then reads nothing and frees the buffer).
+MOE_KERNEL void __launch_bounds__(MOE_THREADS_LL_CHECK_CALL, 1)
+moe_ll_check_call(const u64* bases, i64 rank, i64 num_ranks, i64 timeout_ns, i32* err_host,
+                  i32* err_dev, i64 op, i64 call_off, i64 seq, i32* active, MOE_CALL_ARGS) {
+    const LLGroup g{bases, rank, num_ranks, timeout_ns, Active{active}};
+    const Transport t{bases, ErrorSink{err_host, err_dev, (i32)op}};
+    const int s = threadIdx.x;
+    if (t.err.aborted() || s >= g.num_ranks) return;
+    same_call(t, g.live, (const u64*)g.own((u64)call_off + (u64)s * kCallWords * 8), (u32)seq,
+              g.timeout_ns, s, MOE_CALL_ROW);
+}
+
 // grid: (num_local, SPLIT), block: a multiple of 32 threads, >= num_ranks. Runs after
 // moe_ll_wait has seen every source's count row.
 MOE_KERNEL void __launch_bounds__(MOE_THREADS_LL_DISPATCH_RECV, 1)

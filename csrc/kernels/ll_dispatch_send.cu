@@ -19,11 +19,12 @@ moe_ll_dispatch_send(const u64* bases, i64 rank, i64 num_ranks, i64 timeout_ns,
                      i64 meta_off, i64 counts_off, i64 count_row_words,
                      i64 stride, i64 max_tokens, const u16* x, i64 num_tokens,
                      i64 hidden, const i64* topk_idx, i64 topk, i64 num_experts,
-                     i32* send_index, i64 seq, i32* active) {
+                     i32* send_index, i64 seq, i32* active, i64 call_off,
+                     MOE_CALL_ARGS) {
     const LLGroup g{bases, rank, num_ranks, timeout_ns, Active{active}};
     const LLBuffer lb{(u64)payload_off, (u64)meta_off, (u64)counts_off, 0, count_row_words,
                       stride, max_tokens};
     ll_dispatch_send_body<MOE_FP8 != 0, MOE_ROUND_SCALE != 0>(
         g, ErrorSink{err_host, err_dev, (i32)op}, lb, x, num_tokens, hidden, topk_idx, topk,
-        num_experts, send_index, (u32)seq);
+        num_experts, send_index, (u32)seq, (u64)call_off, MOE_CALL_ROW);
 }

@@ -129,11 +129,14 @@ MOE_DEVICE void ll_write_message(const Transport& t, int dst, u64 offset, const 
 // routed pair in this rank's message order; slots with id -1 are left untouched). Grid: any
 // number of blocks, block b handles experts b, b + gridDim.x, ...; blockDim.x <= 1024 (the
 // shared list holds one entry per thread).
+// call_off: LL_CALL[buf][0]; the block of each owner's first expert writes this call's
+// signature there (moe_ll_check_call checks it before the count rows are trusted).
 template <bool kFp8, bool kRoundScale>
 __device__ void ll_dispatch_send_body(const LLGroup g, const ErrorSink err, const LLBuffer lb,
                                       const u16* x, i64 num_tokens, i64 hidden_rt,
                                       const i64* topk_idx, i64 topk, i64 num_experts,
-                                      i32* send_index, u32 seq) {
+                                      i32* send_index, u32 seq, u64 call_off,
+                                      const CallRow call) {
     __shared__ int warp_counts[32];
     __shared__ int selected[1024];
     const Transport t{g.bases, err};
@@ -156,6 +159,8 @@ __device__ void ll_dispatch_send_body(const LLGroup g, const ErrorSink err, cons
             __syncthreads();
         }
         const bool live = !g.live.words || owner_on;
+        if (le == 0 && live && threadIdx.x == 0)
+            send_call_row(t, dst, call_off + (u64)g.rank * kCallWords * 8, seq, call, failed);
         // Messages to experts below e come first in this rank's message order.
         int lower = 0;
         for (i64 base = 0; base < pairs; base += blockDim.x) {

@@ -57,14 +57,6 @@ struct Group {
     MOE_DEVICE u8* own(u64 offset) const { return (u8*)bases[rank] + offset; }
 };
 
-// ---- call signature ----------------------------------------------------------------------
-// What every rank must pass alike (moe_comm/signature.py, wire.NORMAL_CALL_FIELDS): eight
-// values, one tagged word each, in CALL[parity][src] of every rank.
-constexpr int kCallWords = 8;  // wire.CALL_WORDS
-struct CallRow {
-    u32 v[kCallWords];
-};
-
 // ---- notify ------------------------------------------------------------------------------
 // One warp. Thread p writes this rank's call signature and then its row of counts into rank
 // p, then checks rank p's signature here against its own (a difference is reported as
@@ -87,9 +79,7 @@ __device__ void notify_body(const Group g, const ErrorSink err, u64 notify_off, 
     if (p >= R) return;
     // Each word carries its own tag, so a reader never needs an extra "row complete" flag.
     if (g.live.on(p)) {
-        for (int w = 0; w < kCallWords; ++w)
-            t.signal(p, call_off + (u64)(g.rank * kCallWords + w) * 8,
-                     tag(epoch, failed ? kFailedValue : call.v[w]));
+        send_call_row(t, p, call_off + (u64)g.rank * kCallWords * 8, epoch, call, failed);
         for (int d = 0; d < R; ++d) {
             const u32 c = failed ? kFailedValue : counts ? (u32)counts[d] : 0u;
             t.signal(p, notify_off + (u64)(g.rank * row_words + d) * 8, tag(epoch, c));
@@ -100,10 +90,7 @@ __device__ void notify_body(const Group g, const ErrorSink err, u64 notify_off, 
         return;
     }
     const u64* theirs = (const u64*)g.own(call_off + (u64)(p * kCallWords) * 8);
-    for (int w = 0; w < kCallWords; ++w) {
-        const i64 v = wait_from(t, g.live, theirs + w, epoch, g.timeout_ns, p);
-        if (v >= 0 && (u32)v == call.v[w]) continue;
-        if (v >= 0) err.report(kErrMismatch, epoch, p, w);  // field w differs at rank p
+    if (!same_call(t, g.live, theirs, epoch, g.timeout_ns, p, call)) {
         for (int e = 0; matrix && e < R; ++e) matrix[p * R + e] = 0;
         return;
     }

@@ -116,8 +116,13 @@ struct ErrorSink {
         st_volatile_i32(host + 0, code);
     }
     MOE_DEVICE bool aborted() const { return ld_volatile_i32(dev) != 0; }
-    // What a signal announcing `value` carries: kFailedValue once this rank has failed.
-    MOE_DEVICE u32 signal_value(u32 value) const { return aborted() ? kFailedValue : value; }
+    // What a signal announcing `value` carries: kFailedValue once this rank has failed - but
+    // not for a call signature mismatch, which every rank sees at once and which leaves the
+    // group in step: its signals stay plain, so the calls after it go on.
+    MOE_DEVICE u32 signal_value(u32 value) const {
+        const i32 code = ld_volatile_i32(dev);
+        return code != 0 && code != kErrMismatch ? kFailedValue : value;
+    }
 };
 
 // Whether an earlier error stops this block: read once, by thread 0, and shared, so every

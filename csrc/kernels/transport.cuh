@@ -187,14 +187,57 @@ struct Active {
     }
 };
 
-// Wait for `rank`'s tagged word at `p` in this rank's memory; returns its value, or -1 at once
+// ---- call signatures (moe_comm/signature.py) ---------------------------------------------------
+// What every rank must pass alike for one call: eight values (wire.NORMAL_CALL_FIELDS or
+// LL_CALL_FIELDS), one tagged word each, in a CALL / LL_CALL header row per source. Kernels
+// take them as eight i64 arguments.
+constexpr int kCallWords = 8;  // wire.CALL_WORDS
+struct CallRow {
+    u32 v[kCallWords];
+};
+#define MOE_CALL_ARGS \
+    i64 call0, i64 call1, i64 call2, i64 call3, i64 call4, i64 call5, i64 call6, i64 call7
+#define MOE_CALL_ROW                                                                        \
+    CallRow {                                                                               \
+        { (u32)call0, (u32)call1, (u32)call2, (u32)call3, (u32)call4, (u32)call5, (u32)call6, \
+          (u32)call7 }                                                                      \
+    }
+
+
 // for a masked rank. Past the deadline: elastic, the rank is masked and -1 returned; else
 // Transport::wait_local reports it (the host raises CommTimeoutError). A word carrying
 // kFailedValue (its sender's call failed, sync.cuh) ends the wait at once the same way:
 // elastic masks the rank, else kErrPeerFailed is reported. `failure_marks` = false for words
 // whose every value is data (the agreement's mask bits).
 MOE_DEVICE i64 wait_from(const Transport& t, const Active& live, const u64* p, u32 epoch,
-                         i64 timeout_ns, int rank, bool failure_marks = true) {
+                         i64 timeout_ns, int rank, bool failure_marks = true);
+
+// This rank's signature into `rank`'s row at `row_off` (one thread; kFailedValue words once
+// this rank has failed, so the reader fails at once).
+MOE_DEVICE void send_call_row(const Transport& t, int rank, u64 row_off, u32 epoch,
+                              const CallRow& call, bool failed) {
+    for (int w = 0; w < kCallWords; ++w)
+        t.signal(rank, row_off + 8 * (u64)w, tag(epoch, failed ? kFailedValue : call.v[w]));
+}
+
+// Wait for `rank`'s signature at `theirs` (this rank's memory) and compare it with `call`:
+// true if they agree; false when a field differs (reported: kErrMismatch, detail = the field)
+// or the rank is silent, failed or masked (reported or masked by wait_from).
+MOE_DEVICE bool same_call(const Transport& t, const Active& live, const u64* theirs, u32 epoch,
+                          i64 timeout_ns, int rank, const CallRow& call) {
+    for (int w = 0; w < kCallWords; ++w) {
+        const i64 v = wait_from(t, live, theirs + w, epoch, timeout_ns, rank);
+        if (v < 0) return false;
+        if ((u32)v != call.v[w]) {
+            t.err.report(kErrMismatch, epoch, rank, w);
+            return false;
+        }
+    }
+    return true;
+}
+
+MOE_DEVICE i64 wait_from(const Transport& t, const Active& live, const u64* p, u32 epoch,
+                         i64 timeout_ns, int rank, bool failure_marks) {
     if (!live.on(rank)) return -1;
     i64 v = -1;
     if (!live.elastic()) {

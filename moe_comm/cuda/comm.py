@@ -44,7 +44,8 @@ import torch
 
 from .. import signature
 from ..errors import CommTimeoutError, RankMaskedError
-from ..wire import CALL_WORDS, LINE_WORDS, MAX_EPOCH, PAGE, VALUE_MASK, HeaderLayout, round_up
+from ..wire import (CALL_WORDS, LINE_WORDS, LL_CALL_FIELDS, MAX_EPOCH, NORMAL_CALL_FIELDS, PAGE,
+                    VALUE_MASK, HeaderLayout, round_up)
 from . import ibgda
 from .variants import MAX_RANKS
 
@@ -184,6 +185,7 @@ class CudaComm:
             self._enable_masking()
         self.epoch = 0
         self.notify_seq = 0
+        self.last_call = ("normal", 0)    # whose signatures a mismatch error reads (check)
         self.ll_seq = {"dispatch": 0, "combine": 0}
         self._own_allocation = own_allocation
         self._opened = opened                       # peer pointers from cuIpcOpenMemHandle
@@ -422,13 +424,16 @@ class CudaComm:
         alternate; every normal op has one notify, which carries its call signature)."""
         parity = self.notify_seq % 2
         self.notify_seq += 1
+        self.last_call = ("normal", parity)
         return self.layout.notify(parity, 0) * 8, self.layout.call(parity, 0) * 8
 
     def _call_rows(self) -> dict:
-        """{rank: signature values} of the last notify, read from this rank's header (after
-        the stream is idle): what the ranks said about their last normal call."""
-        parity = (self.notify_seq - 1) % 2
-        first, n = self.layout.call(parity, 0), self.num_ranks * CALL_WORDS
+        """{rank: signature values} of the last call checked (``last_call``: a normal call's
+        CALL rows or an LL dispatch's LL_CALL rows), read from this rank's header once the
+        stream is idle: what the ranks said about it."""
+        kind, which = self.last_call
+        first = self.layout.call(which, 0) if kind == "normal" else self.layout.ll_call(which, 0)
+        n = self.num_ranks * CALL_WORDS
         base = self.pointers[self.rank]
         if self.device.type == "cpu":            # the emulator: host memory
             words = np.frombuffer((ctypes.c_char * (n * 8)).from_address(base + first * 8),
@@ -534,7 +539,8 @@ class CudaComm:
             rows = self._call_rows()
             self.err_host.zero_()
             self.err_dev.zero_()
-            signature.check(op.split("/")[0], rows)
+            fields = NORMAL_CALL_FIELDS if self.last_call[0] == "normal" else LL_CALL_FIELDS
+            signature.check(op.split("/")[0], rows, fields)
             raise CudaCommError(f"{op}: the ranks' call signatures differ at rank(s) {ranks}")
         if code == ERR_PEER_FAILED:
             raise CudaCommError(f"{op}: rank(s) {ranks} failed this call (an error of their own, "

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import signature
 from ..errors import BufferTooSmallError
 from ..handle import LowLatencyHandle
 from ..host.ll import msg_stride
@@ -96,6 +97,9 @@ def dispatch_send(comm: CudaComm, *, x, topk_idx, lay: LLLayout, use_fp8: bool,
     buf = seq % LL_NUM_BUFFERS
     off = _offsets(comm, lay, buf)
     send_index = torch.empty(num_tokens, topk, dtype=torch.int32, device=comm.device)
+    call_row = signature.low_latency(hidden=hidden, use_fp8=use_fp8, round_scale=round_scale,
+                                     topk=topk, num_experts=lay.num_experts,
+                                     max_tokens=lay.max_tokens)
     k = comm.kernels(variants.ll_dispatch_send(hidden, use_fp8, round_scale))
     if seq > LL_NUM_BUFFERS:     # every rank has read its buffer `buf` of call seq - 2
         _wait(comm, k, "low_latency_dispatch/send", comm.layout.ll_dispatch_free(buf, 0) * 8,
@@ -105,9 +109,10 @@ def dispatch_send(comm: CudaComm, *, x, topk_idx, lay: LLLayout, use_fp8: bool,
            *comm.error_args("low_latency_dispatch/send"), off["payload"], off["meta"],
            off["counts"], lay.count_row_words, msg_stride(hidden, use_fp8), lay.max_tokens,
            x.contiguous(), num_tokens, hidden, topk_idx.contiguous(), topk, lay.num_experts,
-           send_index, seq, comm.active, device=comm.device)
+           send_index, seq, comm.active, comm.layout.ll_call(buf, 0) * 8,
+           *(int(v) for v in call_row), device=comm.device)
     return CudaLowLatencyHandle(buffer_key, seq, buf, lay.max_tokens, hidden, lay.num_experts,
-                                num_tokens, topk, send_index=send_index)
+                                num_tokens, topk, send_index=send_index, call_row=call_row)
 
 
 def dispatch_recv(comm: CudaComm, handle: LowLatencyHandle, lay: LLLayout, *, recv_x,
@@ -131,6 +136,12 @@ def dispatch_recv(comm: CudaComm, handle: LowLatencyHandle, lay: LLLayout, *, re
     off = _offsets(comm, lay, handle.buf)
     k = comm.kernels(variants.ll_dispatch_recv(handle.hidden, use_fp8, use_ue8m0))
     # every source's count row: num_local counts + the base word
+    # every source's signature first: one with another layout writes its counts elsewhere
+    comm.last_call = ("ll", handle.buf)
+    launch(k["moe_ll_check_call"], 1, THREADS["moe_ll_check_call"], comm.bases, comm.rank,
+           R, comm.timeout_ns, *comm.error_args("low_latency_dispatch/recv"),
+           comm.layout.ll_call(handle.buf, 0) * 8, handle.seq, comm.active,
+           *(int(v) for v in handle.call_row), device=dev)
     _wait(comm, k, "low_latency_dispatch/recv", off["counts"], lay.count_row_words * 8,
           num_local + 1, handle.seq)
     agree(comm, "low_latency_dispatch/recv")   # elastic: the same sources count on every rank

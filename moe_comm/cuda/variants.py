@@ -13,7 +13,8 @@ intranode.cu           MOE_NUM_RANKS in 1..8                       layout, notif
                                                                    normal dispatch/combine,
                                                                    elastic mask agreement
 ll_dispatch_send.cu    MOE_HIDDEN, MOE_FP8, MOE_ROUND_SCALE         LL dispatch send, wait
-ll_dispatch_recv.cu    MOE_HIDDEN, MOE_FP8, MOE_UE8M0               LL dispatch receive, wait
+ll_dispatch_recv.cu    MOE_HIDDEN, MOE_FP8, MOE_UE8M0               LL dispatch receive, call
+                                                                   check, wait
 ll_combine.cu          MOE_HIDDEN                                  LL combine send/receive,
                                                                    wait
 =====================  ==========================================  ========================
@@ -51,6 +52,8 @@ THREADS = {
     "moe_combine_reduce_f32": 256,
     # signal waits: one thread per rank
     "moe_notify": 32, "moe_wait_done": 32, "moe_ll_wait": 32,
+    # call signature check of a low-latency dispatch: one thread per source
+    "moe_ll_check_call": 32,
     # elastic mask agreement: one thread per rank up to kMaxErrorRanks
     "moe_agree": 64,
     # low latency: one block per expert, one warp per (token, slot) in send
@@ -110,7 +113,8 @@ def ll_dispatch_send(hidden: int, use_fp8: bool, round_scale: bool) -> Variant:
 
 
 def ll_dispatch_recv(hidden: int, use_fp8: bool, use_ue8m0: bool) -> Variant:
-    return _variant("ll_dispatch_recv.cu", ("moe_ll_dispatch_recv", "moe_ll_wait"),
+    return _variant("ll_dispatch_recv.cu", ("moe_ll_dispatch_recv", "moe_ll_check_call",
+                                            "moe_ll_wait"),
                     hidden=hidden_key(hidden), fp8=use_fp8, ue8m0=use_fp8 and use_ue8m0)
 
 
