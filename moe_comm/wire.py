@@ -231,9 +231,17 @@ class LLLayout:
     def buffer_bytes(self) -> int:
         return round_up(sum(round_up(s, PAGE) for s in self._sizes()), PAGE)
 
-    def offset(self, buf: int, part: str) -> int:
-        """Byte offset of ``part`` in {"payload", "meta", "counts", "combine"} of ``buf``."""
-        at = buf * self.buffer_bytes
+    def offset(self, buf: int, part: str, stride: int) -> int:
+        """Byte offset of ``part`` in {"payload", "meta", "counts", "combine"} of ``buf``.
+
+        ``stride``: bytes between the two buffers, the region's own (:func:`ll_stride`), not
+        this layout's size: buffer ``buf`` of any layout that fits lies in the same half of
+        the region, so a rank calling with another shape (caught by the call signature) can
+        never write into the other buffer, which may hold a call still being received."""
+        if self.buffer_bytes > stride:
+            raise ValueError(f"a low-latency buffer of {self.buffer_bytes} bytes does not fit "
+                             f"the region's {stride}")
+        at = buf * stride
         for name, size in zip(("payload", "meta", "counts", "combine"), self._sizes()):
             if name == part:
                 return at
@@ -243,3 +251,9 @@ class LLLayout:
     @property
     def nbytes(self) -> int:
         return LL_NUM_BUFFERS * self.buffer_bytes
+
+
+def ll_stride(ll_bytes: int) -> int:
+    """Bytes between the two buffers of a low-latency region of ``ll_bytes``: half of it, in
+    whole pages (a layout fits when its ``nbytes <= ll_bytes``)."""
+    return ll_bytes // LL_NUM_BUFFERS // PAGE * PAGE

@@ -167,3 +167,35 @@ def test_low_latency_calls_that_disagree_raise_on_every_rank(backend, case):
         assert f"{field}: " in errors[0] and f"rank {ODD} has" in errors[0], errors[0]
         for out in outs:                  # identity experts, weight 1 per slot, top-2
             torch.testing.assert_close(out.float(), 2 * x.float(), rtol=1e-2, atol=1e-2)
+
+
+def _in_flight_worker(rank, n):
+    """Call A waits for its receive hook in buffer 1 while call B, in buffer 0, disagrees:
+    rank ODD passes hidden 6144 instead of 256, a layout whose buffer 0 alone is larger than
+    both buffers of the others'. B's messages stay in buffer 0's half of the region, so A's
+    hook then receives exact rows (with buffers laid out back to back by each rank's own
+    layout, B's rows land on A's)."""
+    M, big = 8, 6144
+    buf = moe_comm.Buffer(None, 8 << 20, moe_comm.Buffer.get_low_latency_rdma_size_hint(
+        M, big, n, E), low_latency_mode=True, timeout_s=20)
+    x, idx = _inputs(rank)
+    x, idx = x[:M], idx[:M]
+    rx, count, handle, _, hook = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False,
+                                                          return_recv_hook=True)
+    xb = torch.randn(M, big).bfloat16() if rank == ODD else x * 3
+    try:
+        buf.low_latency_dispatch(xb, idx, M, E, use_fp8=False)
+        error = None
+    except moe_comm.CallMismatchError as e:
+        error = str(e)
+    hook()
+    out, _, _ = buf.low_latency_combine(rx, idx, torch.ones(M, K), handle)
+    buf.destroy()
+    return error, out, x
+
+
+def test_a_call_that_disagrees_cannot_touch_a_call_in_flight():
+    """Host backend (the CUDA backend would report B's mismatch at A's hook, the next call)."""
+    for rank, (error, out, x) in enumerate(run_ranks(_in_flight_worker, R, timeout=120)):
+        assert error and "hidden: " in error, (rank, error)
+        torch.testing.assert_close(out.float(), 2 * x.float(), rtol=1e-2, atol=1e-2)

@@ -21,7 +21,7 @@ from .. import signature
 from ..errors import BufferTooSmallError
 from ..handle import LowLatencyHandle
 from ..host.ll import msg_stride
-from ..wire import LL_MAX_TOPK, LL_NUM_BUFFERS, LLLayout
+from ..wire import LL_MAX_TOPK, LL_NUM_BUFFERS, LLLayout, ll_stride
 from . import variants
 from .comm import SIGNAL_STRIDE, CudaComm
 from .elastic import agree
@@ -42,7 +42,7 @@ class CudaLowLatencyHandle(LowLatencyHandle):
 
 
 def _offsets(comm: CudaComm, lay: LLLayout, buf: int):
-    return {part: comm.ll_offset + lay.offset(buf, part)
+    return {part: comm.ll_offset + lay.offset(buf, part, ll_stride(comm.ll_bytes))
             for part in ("payload", "meta", "counts", "combine")}
 
 

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from .. import signature
 from ..errors import RankMaskedError
 from ..wire import (CALL_WORDS, MAGIC, MASK_BITS, PAGE, VERSION, HeaderLayout, MAX_EPOCH,
-                    round_up, tag_value)
+                    ll_stride, round_up, tag_value)
 from . import atomics
 from .heap import PageHeap
 from .segment import Segment, reclaim_stale_segments, segment_name
@@ -73,6 +73,7 @@ class HostComm:
         self.heap_bytes = round_up(int(heap_bytes), PAGE)
         self.ll_offset = self.heap_offset + self.heap_bytes
         self.ll_bytes = round_up(int(ll_bytes), PAGE)
+        self.ll_stride = ll_stride(self.ll_bytes)      # bytes between the two LL buffers
         size = self.ll_offset + self.ll_bytes
         self.epoch = 0
         self.notify_seq = 0

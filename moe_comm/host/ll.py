@@ -92,8 +92,9 @@ def dispatch_send(comm, *, x, topk_idx, lay: LLLayout, use_fp8, round_scale, buf
     counts = torch.bincount(expert, minlength=lay.num_experts)
     starts = (torch.cumsum(counts, 0) - counts).tolist() + [tok.numel()]
     counts_l = counts.tolist()
-    payload, meta_off = lay.offset(buf, "payload"), lay.offset(buf, "meta")
-    count_off = lay.offset(buf, "counts") + me * lay.count_row_words * 8
+    half = comm.ll_stride
+    payload, meta_off = lay.offset(buf, "payload", half), lay.offset(buf, "meta", half)
+    count_off = lay.offset(buf, "counts", half) + me * lay.count_row_words * 8
     slots = num_local * R * lay.max_tokens
     # this rank's messages to expert e land in rows [(le*R + me)*M, +count) of its owner
     bounds = [starts[d * num_local] if d < R else tok.numel() for d in range(R + 1)]
@@ -153,7 +154,7 @@ def dispatch_recv(comm, handle: LowLatencyHandle, lay: LLLayout, *, recv_x, recv
     me, R, num_local, buf = comm.rank, comm.num_ranks, lay.num_local, handle.buf
     hidden, M = handle.hidden, lay.max_tokens
     stride = msg_stride(hidden, use_fp8)
-    count_off = lay.offset(buf, "counts")
+    count_off = lay.offset(buf, "counts", comm.ll_stride)
     comm.start_call()
     _check_signatures(comm, handle)
     waits = {s: comm.ll_slot(me, count_off + s * lay.count_row_words * 8, num_local + 1)
@@ -166,7 +167,8 @@ def dispatch_recv(comm, handle: LowLatencyHandle, lay: LLLayout, *, recv_x, recv
                                          for s in range(R)]).astype(np.int64))
     counts, return_base = rows_in[:, :num_local], rows_in[:, num_local]   # [src, le], [src]
     region = comm.peer_ll(me)
-    payload, meta_off = lay.offset(buf, "payload"), lay.offset(buf, "meta")
+    payload = lay.offset(buf, "payload", comm.ll_stride)
+    meta_off = lay.offset(buf, "meta", comm.ll_stride)
     slots = num_local * R * M
     by_expert = counts.t().contiguous()                     # [local expert, src]
     flat = by_expert.flatten()
@@ -206,7 +208,7 @@ def combine_send(comm, *, x, handle: LowLatencyHandle, lay: LLLayout):
     me, R, num_local, M = comm.rank, comm.num_ranks, lay.num_local, lay.max_tokens
     hidden = x.shape[-1]
     ranges = handle.recv_ranges
-    comb_off = lay.offset(buf, "combine")
+    comb_off = lay.offset(buf, "combine", comm.ll_stride)
 
     starts, counts = ranges[:, :, 0].tolist(), ranges[:, :, 1].tolist()   # [le][src]
     bases = handle.return_base.tolist()
@@ -238,7 +240,7 @@ def combine_recv(comm, seq, buf, lay: LLLayout, *, handle, topk_idx, topk_weight
         comm.agree("low_latency_combine")
     num_tokens, topk = topk_idx.shape
     hidden = out.shape[1]
-    comb_off = lay.offset(buf, "combine")
+    comb_off = lay.offset(buf, "combine", comm.ll_stride)
     tok, slot = handle.send_tok, handle.send_slot          # my messages, in return order
     n = tok.numel()
     rows = comm.peer_ll(me)[comb_off:comb_off + n * hidden * 2].view(torch.bfloat16).view(
