@@ -14,7 +14,9 @@ Each slot sits on its own 64-byte line so peers never false-share:
   every peer, so after the notify phase each rank knows the whole ``R x R`` count matrix.
   Two parities (by notify sequence number): a rank can run at most one notify ahead of a peer.
 - ``GRANT[dst]``: receiver ``dst`` tells this sender "your rows for op ``epoch`` go to my heap
-  page ``v``" (``GRANT_FAILED`` = it could not allocate; senders skip it and raise too).
+  page ``v``", and in the next word how many pages it granted: a sender whose rows would not
+  fit writes nothing there (``GRANT_FAILED`` = it could not allocate; senders skip it and
+  raise too).
 - ``DONE[src]``: source ``src`` finished writing its payload for op ``epoch``.
 - ``MASK[parity][src]``: elastic mode's agreement round: ``src``'s view of the active ranks
   (bit r of word r // 32), two parities like NOTIFY.

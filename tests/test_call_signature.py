@@ -199,3 +199,44 @@ def test_a_call_that_disagrees_cannot_touch_a_call_in_flight():
     for rank, (error, out, x) in enumerate(run_ranks(_in_flight_worker, R, timeout=120)):
         assert error and "hidden: " in error, (rank, error)
         torch.testing.assert_close(out.float(), 2 * x.float(), rtol=1e-2, atol=1e-2)
+
+
+def _unchecked_worker(rank, n):
+    """With the signature check switched off (as if it had a bug), rank ODD dispatches rows
+    twice as wide as its peers expect: its peers' grants are too small for them, so it writes
+    nothing into them, every rank raises, a tensor a receiver holds is unchanged, and the next
+    call works."""
+    from moe_comm import signature
+    signature.check = lambda *a, **k: None
+    buf = moe_comm.Buffer(None, 16 << 20, timeout_s=20)
+    x, idx = _inputs(rank)
+    layout = buf.get_dispatch_layout(idx, E)
+    args = dict(topk_idx=idx, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
+                num_tokens_per_expert=layout[2])
+    held, _, _, _, handle, _ = buf.dispatch(x, **args)
+    before = held.clone()
+    try:
+        buf.dispatch(torch.cat([x, x], 1) if rank == ODD else x, **args)
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    rx, _, _, _, h, _ = buf.dispatch(x, **args)
+    out, _, _ = buf.combine(rx, h)
+    same = torch.equal(held, before)
+    buf.destroy()
+    return error, same, out, x, idx
+
+
+def test_rows_never_leave_the_granted_region():
+    """Host backend: the grant carries its size, the bound the sender obeys."""
+    odd_sends_to = {int(e) // (E // R) for e in _inputs(ODD)[1].flatten()} - {ODD}
+    for rank, (error, same, out, x, idx) in enumerate(run_ranks(_unchecked_worker, R,
+                                                                 timeout=120)):
+        assert same, rank
+        if rank == ODD:
+            assert error and "nothing written to rank(s)" in error, error
+        elif rank in odd_sends_to:
+            assert error and f"nothing received from rank(s) [{ODD}]" in error, (rank, error)
+        copies = torch.tensor([len({int(e) // (E // R) for e in row}) for row in idx])
+        torch.testing.assert_close(out.float(), (x.float() * copies[:, None]).bfloat16().float(),
+                                   rtol=1e-2, atol=1e-2)

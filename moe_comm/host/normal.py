@@ -64,53 +64,72 @@ def exchange_counts(comm, epoch: int, row: np.ndarray, call_row: np.ndarray) -> 
                      for s in range(R)]).astype(np.int64)
 
 
+# DONE values: what a sender did with this rank's grant
+DONE_NOTHING, DONE_WRITTEN, DONE_REFUSED = 0, 1, 2
+
+
 def _grant(comm, epoch: int, nbytes: int, what: str, senders, refuse=None):
-    """Allocate this rank's receive region and push its page to every sender.
-    Returns (page, error); ``refuse`` (an error) grants nothing and answers GRANT_FAILED."""
+    """Allocate this rank's receive region and push its first page and its page count to
+    every sender. Returns (page, error); ``refuse`` (an error) grants nothing and answers
+    GRANT_FAILED."""
     page, error = None, refuse
+    pages = max(1, -(-nbytes // PAGE))
     if refuse is None:
-        page = comm.heap.alloc(max(1, -(-nbytes // PAGE)))
+        page = comm.heap.alloc(pages)
         if page is None:
             error = BufferTooSmallError(
                 what + f" (while {comm.heap.bytes_in_use} bytes are held by received tensors "
                 "still alive)", nbytes + comm.heap.bytes_in_use, comm.heap.capacity)
     for s in senders:
         comm.signal(s, comm.layout.grant(comm.rank), epoch,
-                    GRANT_FAILED if page is None else page)
+                    [GRANT_FAILED, 0] if page is None else [page, pages])
     return page, error
 
 
-def _send_when_granted(comm, epoch, dests, write, op):
+def _send_when_granted(comm, epoch, dests, write, need, op):
     """Wait for each destination's grant and call ``write(dst, page)``; returns the ranks
-    whose grant said they could not allocate."""
-    failed = []
+    whose grant said they could not allocate, and those whose granted pages were fewer than
+    ``need(dst)`` bytes (nothing is written there: no write leaves the region granted for
+    the call, whatever the sender computed)."""
+    failed, short = [], []
     me = comm.rank
 
     def on_ready(dst, words):
-        page = int(tag_value(words[0]))
+        page, pages = int(tag_value(words[0])), int(tag_value(words[1]))
         if page == GRANT_FAILED:
-            failed.append(dst)         # DONE (0 = nothing sent) all the same: the receiver
-        else:                          # waits for it before granting again
+            failed.append(dst)         # DONE (nothing sent) all the same: the receiver
+            done = DONE_NOTHING        # waits for it before granting again
+        elif need(dst) > pages * PAGE:
+            short.append(dst)
+            done = DONE_REFUSED
+        else:
             write(dst, page)
-        comm.signal(dst, comm.layout.done(me), epoch, int(page != GRANT_FAILED))
+            done = DONE_WRITTEN
+        comm.signal(dst, comm.layout.done(me), epoch, done)
 
-    comm.wait({d: comm.slot(me, comm.layout.grant(d)) for d in dests}, epoch, op, on_ready)
-    return failed
+    comm.wait({d: comm.slot(me, comm.layout.grant(d), 2) for d in dests}, epoch, op, on_ready)
+    return failed, short
 
 
-def _exchange(comm, epoch, op, *, page, own_error, dests, sources, write):
+def _exchange(comm, epoch, op, *, page, own_error, dests, sources, write, need):
     """The payload phase after this rank's grant: write to each destination once it grants,
     wait for every source's DONE (even without a region of our own: their DONE ends their use
     of this op's GRANT slot), agree on the mask (elastic), then raise what went wrong. The
     granted ``page`` goes back to the heap if anything raises."""
     try:
-        failed = _send_when_granted(comm, epoch, dests, write, op + "/grant")
-        comm.wait({s: comm.slot(comm.rank, comm.layout.done(s)) for s in sources}, epoch,
-                  op + "/payload")
+        failed, short = _send_when_granted(comm, epoch, dests, write, need, op + "/grant")
+        dones = {s: comm.slot(comm.rank, comm.layout.done(s)) for s in sources}
+        comm.wait(dones, epoch, op + "/payload")
         if comm.elastic:
             comm.agree(op)
         if own_error is not None:
             raise own_error
+        refused = sorted(s for s in sources if comm.active[s] and
+                         int(tag_value(dones[s][0])) == DONE_REFUSED)
+        if short or refused:
+            raise RuntimeError(f"{op}: rows larger than the granted region (sender and "
+                               f"receiver computed other sizes): nothing written to rank(s) "
+                               f"{short}, nothing received from rank(s) {refused}")
         if failed:
             raise ReceiverFailed(f"{op}: rank(s) {sorted(failed)} could not allocate their "
                                  "receive region (buffer too small there); nothing was sent "
@@ -195,6 +214,7 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, is
             comm.commit(dst, "heap", start, nbytes)
 
     _exchange(comm, epoch, "dispatch", page=page, own_error=own_error, write=write,
+              need=lambda d: slab(d).nbytes,
               dests=[d for d in _rotation(me, R) if matrix[me, d] > 0], sources=sources)
 
     region = comm.heap.tensor_owning(page, mine.nbytes)
@@ -273,6 +293,7 @@ def combine(comm, *, x, handle, topk_weights, bias):
             comm.commit(owner, "heap", at, c * topk * 4)
 
     _exchange(comm, epoch, "combine", page=page, own_error=own_error, write=write,
+              need=lambda owner: slab(owner).nbytes,
               dests=[s for s in _rotation(me, R) if matrix[s, me] > 0 and comm.active[s]],
               sources=experts)
 
