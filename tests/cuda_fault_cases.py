@@ -8,6 +8,8 @@ tests/cuda_cases.py for the reference checks:
   at their deadline - or, elastic, be masked at once while the call completes over the rest;
 * LL dispatch from an ``x`` and LL combine into an ``out`` that are views at a 2-byte offset
   (a GPU faults on a misaligned 16-byte access): results equal to aligned tensors'.
+* ranks that disagree about a call (another hidden size): both raise CallMismatchError, and
+  the next dispatch on which they agree is exact.
 
 "At once" is measured against the deadline: the group's deadline is TIMEOUT_S (30 s, capped
 by MOE_COMM_TEST_TIMEOUT_S like tests/cuda_cases.py) and a peer must see the failure in under
@@ -213,3 +215,32 @@ def check_ll_views_at_any_offset(device, fp8):
         assert not aligned[3].isnan().any(), r
         for a, b in zip(aligned, offset):
             assert (a is None and b is None) or torch.equal(a, b), r
+
+
+# ---- ranks that disagree about a call -----------------------------------------------------------
+def _mismatch_rank(comm):
+    """Rank 1 dispatches rows of 128 channels, rank 0 of 256: both raise CallMismatchError at
+    the notify (the dispatch reads its counts), then agree on the next dispatch."""
+    import moe_comm
+    dev = comm.device
+    idx = torch.tensor([[0, 4]] * 8, device=dev)
+    x = torch.randn(8, 256, device=dev).bfloat16()
+    try:
+        _normal_dispatch(comm, x[:, :128].contiguous() if comm.rank == 1 else x, idx, worst=0,
+                         experts=8)
+        error = None
+    except moe_comm.CallMismatchError as e:
+        error = str(e)
+    rx = _normal_dispatch(comm, x, idx, worst=0, experts=8)[0]
+    comm.synchronize()
+    return error, rx.cpu(), x.cpu()
+
+
+def check_mismatch_raises_everywhere_and_the_next_call_works(device):
+    results = _run(_mismatch_rank, _group(2, device))
+    for r, (error, rx, x) in enumerate(results):
+        assert error and "hidden: rank 0 has 256, rank 1 has 128" in error, (r, error)
+    # every token went to both ranks: each receives both ranks' rows, by source then token
+    want = torch.cat([results[0][2], results[1][2]])
+    for r, (_, rx, _) in enumerate(results):
+        assert torch.equal(rx, want), r

@@ -84,6 +84,10 @@ def test_low_latency_x_and_out_at_any_offset(fp8):
     F.check_ll_views_at_any_offset(CPU, fp8)
 
 
+def test_ranks_that_disagree_about_a_call_all_raise_and_go_on():
+    F.check_mismatch_raises_everywhere_and_the_next_call_works(CPU)
+
+
 STUCK = r"""
 extern "C" __global__ void stuck(unsigned long long* out) {
     // lanes 0-15 wait at the block barrier, lanes 16-31 at a full-mask warp barrier: on a GPU

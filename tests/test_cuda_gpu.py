@@ -85,6 +85,10 @@ def test_low_latency_x_and_out_at_any_offset(fp8):
     F.check_ll_views_at_any_offset(_gpu(), fp8)
 
 
+def test_ranks_that_disagree_about_a_call_all_raise_and_go_on():
+    F.check_mismatch_raises_everywhere_and_the_next_call_works(_gpu())
+
+
 # ---- real processes through CUDA IPC -----------------------------------------------------------
 def _ipc_child(rank, n, port, queue, normal_cases, ll_cases, transport="auto"):
     try:
