@@ -296,8 +296,9 @@ def test_masked_rank_leaves_every_combined_weight_in_place():
             return None
         x, idx, w = _inputs(rank)
         phy, pw = _route(idx, w, n)
+        per_expert = buf.get_dispatch_layout(phy, _slots(n))[2]   # (it must match topk_idx)
         rx, ri, rw, _, handle, _ = buf.dispatch(x, topk_idx=phy, topk_weights=pw,
-                                                num_tokens_per_expert=torch.zeros(_slots(n)))
+                                                num_tokens_per_expert=per_expert)
         _, comb_w, _ = buf.combine(rx, handle, topk_weights=rw)
         return phy, pw, comb_w
 
