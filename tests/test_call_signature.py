@@ -58,6 +58,16 @@ CASES = {  # name: (field the error names, what the odd rank changes)
 ODD = 1
 
 
+def _attempt(errors):
+    """A caller of ``call()`` that records a CallMismatchError in ``errors`` (None returned)."""
+    def attempt(call):
+        try:
+            return call()
+        except moe_comm.CallMismatchError as e:
+            errors.append(str(e))
+    return attempt
+
+
 def _normal_worker(rank, n, case):
     buf = moe_comm.Buffer(None, 16 << 20, timeout_s=20)
     x, idx = _inputs(rank)
@@ -67,12 +77,7 @@ def _normal_worker(rank, n, case):
                 num_tokens_per_expert=layout[2])
     rx, _, _, _, handle, _ = buf.dispatch(x, **args)           # an agreeing call first
     errors = []
-
-    def attempt(call):
-        try:
-            return call()
-        except moe_comm.CallMismatchError as e:
-            errors.append(str(e))
+    attempt = _attempt(errors)
 
     if case == "hidden":
         attempt(lambda: buf.dispatch(x[:, :128] if odd else x, **args))
@@ -131,12 +136,7 @@ def _ll_worker(rank, n, case):
     x, idx = _inputs(rank)
     odd = rank == ODD
     errors = []
-
-    def attempt(call):
-        try:
-            return call()
-        except moe_comm.CallMismatchError as e:
-            errors.append(str(e))
+    attempt = _attempt(errors)
 
     if case == "hidden":
         xx = torch.randn(T, 384).bfloat16() if odd else x
