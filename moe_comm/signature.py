@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .errors import CallMismatchError
-from .wire import CALL_WORDS, LL_CALL_FIELDS, NORMAL_CALL_FIELDS
+from .wire import CALL_WORDS, NORMAL_CALL_FIELDS
 
 CALLS = {1: "dispatch", 2: "cached dispatch", 3: "combine", 4: "low-latency dispatch"}
 CALL_CODE = {name: code for code, name in CALLS.items()}
