@@ -41,10 +41,13 @@ class ReceiverFailed(RuntimeError):
     pass
 
 
-def _check_capacity(comm, what: str, layouts) -> None:
+def _capacity_error(comm, what: str, layouts):
+    """BufferTooSmallError if a slab of ``layouts`` exceeds the heap (the same on every rank
+    that computed the same layouts), else None."""
     need = max((lay.nbytes for lay in layouts), default=0)
     if need > comm.heap.capacity:
-        raise BufferTooSmallError(what, need, comm.heap.capacity)
+        return BufferTooSmallError(what, need, comm.heap.capacity)
+    return None
 
 
 def exchange_counts(comm, epoch: int, row: np.ndarray, call_row: np.ndarray) -> np.ndarray:
@@ -86,11 +89,13 @@ def _grant(comm, epoch: int, nbytes: int, what: str, senders, refuse=None):
     return page, error
 
 
-def _send_when_granted(comm, epoch, dests, write, need, op):
+def _send_when_granted(comm, epoch, dests, write, need, op, agrees=None):
     """Wait for each destination's grant and call ``write(dst, page)``; returns the ranks
     whose grant said they could not allocate, and those whose granted pages were fewer than
     ``need(dst)`` bytes (nothing is written there: no write leaves the region granted for
-    the call, whatever the sender computed)."""
+    the call, whatever the sender computed). ``agrees(dst)``: whether dst signed this call
+    as this rank did (its signature came before its grant); nothing is written to a rank
+    that did not (the caller then raises CallMismatchError)."""
     failed, short = [], []
     me = comm.rank
 
@@ -99,6 +104,8 @@ def _send_when_granted(comm, epoch, dests, write, need, op):
         if page == GRANT_FAILED:
             failed.append(dst)         # DONE (nothing sent) all the same: the receiver
             done = DONE_NOTHING        # waits for it before granting again
+        elif agrees is not None and not agrees(dst):
+            done = DONE_REFUSED
         elif need(dst) > pages * PAGE:
             short.append(dst)
             done = DONE_REFUSED
@@ -111,17 +118,29 @@ def _send_when_granted(comm, epoch, dests, write, need, op):
     return failed, short
 
 
-def _exchange(comm, epoch, op, *, page, own_error, dests, sources, write, need):
+def _exchange(comm, epoch, op, *, page, own_error, dests, sources, write, need, calls=None,
+              call_row=None):
     """The payload phase after this rank's grant: write to each destination once it grants,
     wait for every source's DONE (even without a region of our own: their DONE ends their use
     of this op's GRANT slot), agree on the mask (elastic), then raise what went wrong. The
-    granted ``page`` goes back to the heap if anything raises."""
+    granted ``page`` goes back to the heap if anything raises. ``calls`` (from post_call,
+    when no count exchange checked the signatures already): each destination's signature is
+    checked before writing to it, and all of them at the end (CallMismatchError on every
+    rank), so the call costs no extra round."""
+    agrees = None
+    if calls is not None:
+        def agrees(dst):
+            comm.wait({dst: calls[dst]}, epoch, op + "/notify")   # sent before its grant
+            return np.array_equal(tag_value(calls[dst]), call_row)
     try:
-        failed, short = _send_when_granted(comm, epoch, dests, write, need, op + "/grant")
+        failed, short = _send_when_granted(comm, epoch, dests, write, need, op + "/grant",
+                                           agrees)
         dones = {s: comm.slot(comm.rank, comm.layout.done(s)) for s in sources}
         comm.wait(dones, epoch, op + "/payload")
         if comm.elastic:
             comm.agree(op)
+        if calls is not None:
+            comm.verify_call(calls, epoch, op)
         if own_error is not None:
             raise own_error
         refused = sorted(s for s in sources if comm.active[s] and
@@ -152,8 +171,9 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, is
         hidden=hidden, dtype=dtype, scales=scales, topk_idx=topk_idx, num_experts=num_experts,
         num_worst_tokens=num_worst_tokens, handle=handle)
     num_tokens, row_bytes = x_bytes.shape
-    if handle is not None:           # no count exchange: the signatures alone
-        comm.verify_call(comm.post_call(epoch, call_row), epoch, "dispatch")
+    calls = None
+    if handle is not None:           # no count exchange: checked along the payload phase
+        calls = comm.post_call(epoch, call_row)
     else:
         row = num_tokens_per_rank.numpy().astype(np.int64)
         row[~comm.active] = 0
@@ -176,11 +196,14 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, is
     def slab(d):
         return SlabLayout(max(int(recv_rows[d]), num_worst_tokens), row_bytes, scale_cols, topk)
 
-    _check_capacity(comm, "dispatch", [slab(d) for d in range(R)])
+    refuse = _capacity_error(comm, "dispatch", [slab(d) for d in range(R)])
+    if refuse is not None and calls is None:
+        raise refuse       # after the count exchange: every rank raises here, nothing moved
+    # (a cached dispatch goes through the payload phase granting nothing, so a rank that
+    # signed the call differently - and sized it differently - still raises with the rest)
     mine = slab(me)
     num_recv = int(recv_rows[me])
-    refuse = None
-    if num_worst_tokens and num_recv > num_worst_tokens:
+    if refuse is None and num_worst_tokens and num_recv > num_worst_tokens:
         refuse = ValueError(f"num_worst_tokens={num_worst_tokens} is smaller than the "
                             f"{num_recv} tokens rank {me} receives")
     sources = [s for s in range(R) if matrix[s, me] > 0]
@@ -214,7 +237,7 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, is
             comm.commit(dst, "heap", start, nbytes)
 
     _exchange(comm, epoch, "dispatch", page=page, own_error=own_error, write=write,
-              need=lambda d: slab(d).nbytes,
+              need=lambda d: slab(d).nbytes, calls=calls, call_row=call_row,
               dests=[d for d in _rotation(me, R) if matrix[me, d] > 0], sources=sources)
 
     region = comm.heap.tensor_owning(page, mine.nbytes)
@@ -260,8 +283,8 @@ def combine(comm, *, x, handle, topk_weights, bias):
     me, R = comm.rank, comm.num_ranks
     comm.start_call()
     epoch = comm.next_epoch()
-    comm.verify_call(comm.post_call(epoch, signature.of_combine(
-        x=x, topk_weights=topk_weights, handle=handle)), epoch, "combine")
+    call_row = signature.of_combine(x=x, topk_weights=topk_weights, handle=handle)
+    calls = comm.post_call(epoch, call_row)     # checked along the payload phase
     matrix, send_ids = handle.count_matrix, handle.send_token_ids
     hidden, dtype = x.shape[1], x.dtype
     x_bytes = x.view(torch.uint8)
@@ -272,10 +295,11 @@ def combine(comm, *, x, handle, topk_weights, bias):
     def slab(r):
         return SlabLayout(int(sent_rows[r]), row_bytes, 0, topk)
 
-    _check_capacity(comm, "combine", [slab(r) for r in range(R)])
+    # too small: granted nothing but gone through with the others (see dispatch)
+    refuse = _capacity_error(comm, "combine", [slab(r) for r in range(R)])
     mine = slab(me)
     experts = [d for d in range(R) if matrix[me, d] > 0 and comm.active[d]]
-    page, own_error = _grant(comm, epoch, mine.nbytes, "combine", experts)
+    page, own_error = _grant(comm, epoch, mine.nbytes, "combine", experts, refuse)
 
     def write(owner, owner_page):
         c = int(matrix[owner, me])
@@ -293,7 +317,7 @@ def combine(comm, *, x, handle, topk_weights, bias):
             comm.commit(owner, "heap", at, c * topk * 4)
 
     _exchange(comm, epoch, "combine", page=page, own_error=own_error, write=write,
-              need=lambda owner: slab(owner).nbytes,
+              need=lambda owner: slab(owner).nbytes, calls=calls, call_row=call_row,
               dests=[s for s in _rotation(me, R) if matrix[s, me] > 0 and comm.active[s]],
               sources=experts)
 
