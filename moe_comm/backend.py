@@ -53,17 +53,15 @@ class HostBackend:
         return self.masked(*dispatch_layout(topk_idx, num_experts, num_ranks))
 
     def masked(self, per_rank, per_expert, in_rank):
-        """A layout with the masked ranks' experts counting no tokens (in place; any of the
-        three may be None)."""
-        if not self.comm.active.all():
-            gone = torch.from_numpy(~self.comm.active)
-            if per_rank is not None:
-                per_rank[gone] = 0
-            if in_rank is not None:
-                in_rank[:, gone] = False
-            if per_expert is not None:
-                per_expert.view(len(gone), -1)[gone] = 0
-        return per_rank, per_expert, in_rank
+        """The layout with the masked ranks' experts counting no tokens (new tensors where a
+        rank is masked, the same ones otherwise; any of the three may be None)."""
+        if self.comm.active.all():
+            return per_rank, per_expert, in_rank
+        keep = torch.from_numpy(self.comm.active)
+        return (None if per_rank is None else per_rank * keep.to(per_rank.dtype),
+                None if per_expert is None else
+                (per_expert.view(len(keep), -1) * keep[:, None].to(per_expert.dtype)).flatten(),
+                None if in_rank is None else in_rank & keep)
 
     # rank masks: numpy bool [R] in HostComm.active
     def active_ranks(self) -> torch.Tensor:
@@ -107,17 +105,16 @@ class CudaBackend:
         return self.masked(*self.normal.get_dispatch_layout(topk_idx, num_experts, num_ranks))
 
     def masked(self, per_rank, per_expert, in_rank):
-        """A layout with the masked ranks' experts counting no tokens (in place, on the device:
-        no host synchronisation; any of the three may be None)."""
+        """The layout with the masked ranks' experts counting no tokens (new tensors once a
+        rank can be masked, on the device: no host synchronisation; any may be None)."""
         keep = self.comm.active
-        if keep is not None:
-            if per_rank is not None:
-                per_rank.mul_(keep)
-            if in_rank is not None:
-                in_rank &= keep.bool()
-            if per_expert is not None:
-                per_expert.view(keep.shape[0], -1).mul_(keep[:, None])
-        return per_rank, per_expert, in_rank
+        if keep is None:
+            return per_rank, per_expert, in_rank
+        return (None if per_rank is None else per_rank * keep.to(per_rank.dtype),
+                None if per_expert is None else
+                (per_expert.view(keep.shape[0], -1) * keep[:, None].to(per_expert.dtype))
+                .flatten(),
+                None if in_rank is None else in_rank & keep.bool())
 
     # rank masks: int32 [R] on the device (CudaComm.active), read and written on the stream
     def active_ranks(self) -> torch.Tensor:

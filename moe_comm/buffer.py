@@ -431,9 +431,7 @@ class Buffer:
         that what the caller passed agrees with it (masked the same way, so a layout made
         before a rank was masked still passes)."""
         per_rank, per_expert, in_rank = self._be.layout(topk_idx, num_experts, self.group_size)
-        given = [t if t is None else t.clone() for t in
-                 (num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)]
-        given = self._be.masked(*given)
+        given = self._be.masked(num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)
         check.layout_matches(
             {"num_tokens_per_rank": given[0], "num_tokens_per_expert": given[1],
              "is_token_in_rank": given[2]},

@@ -87,13 +87,20 @@ def dispatch_x(x, device=None):
 def layout_matches(given: dict, computed: dict) -> None:
     """The caller's ``get_dispatch_layout`` outputs (``{name: tensor or None}``) must be what
     ``topk_idx`` gives (``computed``, same names): a rank that sent by one and sized by the
-    other would disagree with its peers about how many rows move. Reads the tensors (a host
-    synchronisation on a GPU; skipped while a CUDA graph is being captured)."""
-    for name, t in given.items():
-        if t is None or (t.is_cuda and torch.cuda.is_current_stream_capturing()):
-            continue
-        want = computed[name]
-        if tuple(t.shape) != tuple(want.shape) or not torch.equal(t.to(want.dtype), want):
+    other would disagree with its peers about how many rows move. Reads one flag per tensor
+    back in one go (a host synchronisation on a GPU; skipped while a CUDA graph is being
+    captured)."""
+    names = [n for n, t in given.items() if t is not None]
+    if not names or (given[names[0]].is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    for name in names:
+        if tuple(given[name].shape) != tuple(computed[name].shape):
+            raise ValueError(f"{name} has shape {tuple(given[name].shape)}, topk_idx gives "
+                             f"{tuple(computed[name].shape)}")
+    differ = torch.stack([(given[n].to(computed[n].dtype) != computed[n]).any()
+                          for n in names]).tolist()
+    for name, bad in zip(names, differ):
+        if bad:
             raise ValueError(f"{name} does not match topk_idx (pass the outputs of "
                              "get_dispatch_layout for this topk_idx and num_experts)")
 
