@@ -21,6 +21,7 @@ import os
 import threading
 from pathlib import Path
 
+from . import locate
 from .bases import encode_bases
 
 _lock = threading.Lock()
@@ -74,7 +75,6 @@ def missing_stack() -> str | None:
                "wheel to a GPU machine"
     except Exception as e:  # noqa: BLE001 - anything it raises at import
         return f"nvshmem4py does not import: {type(e).__name__}: {e}"
-    from . import locate
     try:
         locate.nvshmem_install()
         locate.nvcc_path()
@@ -257,14 +257,13 @@ class NvshmemContext:
         import nvshmem.core as nvshmem
         from ..cuda.compiler import cuda_core, force_load
         from .build import build_cubin
-        from .locate import nvshmem_install
         self._check_open()
         major, minor = torch.cuda.get_device_capability(self.device)
         arch = arch or f"sm_{major}{minor}"
         key = (program, arch)
         if key in self._kernels:
             return self._kernels[key]
-        built = nvshmem_install().version
+        built = locate.nvshmem_install().version
         running = str(nvshmem.get_version().libnvshmem_version)
         if running and not running.startswith(built):
             raise NvshmemVersionError(f"device code would be built against NVSHMEM {built}, "

@@ -22,6 +22,8 @@ import sys
 import time
 import traceback
 
+from ..cuda.variants import THREADS
+
 SIG_ONEWAY, SIG_PING, SIG_PULL, SIG_NEVER = 0, 64, 128, 192
 SRC, DST = 4096, 4096 + (1 << 20)
 BUFFER_BYTES = 4096 + (2 << 20)
@@ -51,7 +53,6 @@ def _worker(rank, world, port, opts, queue):
                                 world_size=world)
         from ..cuda.comm import bases_tensor
         from ..cuda.launcher import launch
-        from ..cuda.variants import THREADS
         from .bases import decode_base
         from .build import build_cubin, selftest_program
         from .runtime import init_nvshmem
