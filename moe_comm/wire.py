@@ -18,8 +18,13 @@ Each slot sits on its own 64-byte line so peers never false-share:
   fit writes nothing there (``GRANT_FAILED`` = it could not allocate; senders skip it and
   raise too).
 - ``DONE[src]``: source ``src`` finished writing its payload for op ``epoch``.
-- ``MASK[parity][src]``: elastic mode's agreement round: ``src``'s view of the active ranks
-  (bit r of word r // 32), two parities like NOTIFY.
+- ``MASK[parity][src]``: elastic mode's agreement: ``src``'s estimate of the active ranks in
+  one round (bit r of word r // 32), two parities by round (:func:`agree_round_tag`).
+- ``DECIDED[parity][src]``: the mask ``src`` decided in agreement ``seq`` (tag ``seq``), two
+  parities by agreement: a rank still in a round takes it instead of ``src``'s estimate.
+- ``FENCE``: written by the survivors into the header of a rank they masked: that rank reads
+  its own word before every wait and write, and raises ``RankMaskedError`` (a late writer
+  stops instead of writing into memory the survivors have reused).
 - ``CALL[parity][src]``: ``src``'s signature of the normal-mode call ``epoch`` (one line of
   tagged words, :data:`NORMAL_CALL_FIELDS`): every rank writes it into every peer first and
   compares the peers' with its own, so ranks that disagree about a call all raise before any
@@ -49,10 +54,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 PAGE = 4096
 LINE_WORDS = 8                       # 64-byte cache line / 8-byte words
 MAGIC = 0x6D6F655F636F6D6D           # "moe_comm"
-VERSION = 3
+VERSION = 4
 VALUE_BITS = 32
 VALUE_MASK = (1 << VALUE_BITS) - 1
 MAX_EPOCH = (1 << 31) - 1
@@ -80,6 +87,31 @@ def tag_epoch(word):
 def tag_value(word):
     """Value field of a signal word (works on ints and int64 tensors/arrays)."""
     return word & VALUE_MASK
+
+
+def agree_rounds(num_ranks: int) -> int:
+    """The most rounds one mask agreement of ``num_ranks`` ranks can take: a round that hears
+    from everyone it listens to decides, and each other round loses at least one rank."""
+    return num_ranks + 1
+
+
+def agree_round_tag(seq: int, rnd: int, num_ranks: int) -> int:
+    """Epoch field of a MASK row of round ``rnd`` (1-based) of agreement ``seq``: unique over
+    the rounds of many agreements, so a row of another round never matches."""
+    return ((seq - 1) * agree_rounds(num_ranks) + rnd - 1) % MAX_EPOCH + 1
+
+
+def mask_words(active):
+    """bool [R] -> the words of a MASK row (bit r of word r // 32), as int64."""
+    bits = np.zeros(-(-len(active) // MASK_BITS) * MASK_BITS, dtype=np.int64)
+    bits[:len(active)] = np.asarray(active, dtype=bool)
+    return (bits.reshape(-1, MASK_BITS) << np.arange(MASK_BITS)).sum(1)
+
+
+def mask_bits(words, num_ranks: int):
+    """The words of a MASK row (values, not tagged) -> bool [num_ranks]."""
+    w = np.asarray(words, dtype=np.int64)
+    return (((w[:, None] >> np.arange(MASK_BITS)) & 1).reshape(-1)[:num_ranks]).astype(bool)
 
 
 def round_up(n: int, m: int) -> int:
@@ -114,8 +146,16 @@ class HeaderLayout:
         row = round_up(self.mask_words, LINE_WORDS)
         return self.done(self.num_ranks) + row * (parity * self.num_ranks + src)
 
+    def decided(self, parity: int, src: int) -> int:
+        row = round_up(self.mask_words, LINE_WORDS)
+        return self.mask(2, 0) + row * (parity * self.num_ranks + src)
+
+    @property
+    def fence(self) -> int:
+        return self.decided(2, 0)
+
     def call(self, parity: int, src: int) -> int:
-        return self.mask(2, 0) + CALL_WORDS * (parity * self.num_ranks + src)
+        return self.fence + LINE_WORDS + CALL_WORDS * (parity * self.num_ranks + src)
 
     def ll_dispatch_free(self, buf: int, src: int) -> int:
         return self.call(2, 0) + LINE_WORDS * (buf * self.num_ranks + src)

@@ -1,93 +1,155 @@
 // elastic.cuh: the survivors of an elastic group leave a call with the same mask; the CUDA
-// twin of HostComm.agree (moe_comm/host/comm.py).
+// twin of HostComm.agree (moe_comm/host/comm.py), the same protocol step for step.
 //
 // Each rank masks on its own deadlines, so two survivors can disagree: rank A timed out on a
-// rank that died just after writing its notify row to B. One round of mask words settles it
-// (moe_comm/cuda/elastic.py runs it after a dispatch's notify and at the end of every call):
+// rank that died just after writing its notify row to B. moe_comm/cuda/elastic.py runs an
+// agreement after a dispatch's notify and at the end of every call: flooding rounds with an
+// early decision (docs/ARCHITECTURE.md "Agreement" says why it converges):
 //
-//   push   this rank's view (a bit per active rank, 32 bits in the value field of each tagged
-//          word) into MASK[parity][me] of every rank that was active when the call began, so
-//          a rank that is only late still learns that it was dropped;
-//   wait   for the MASK row of every rank still active in this rank's view, for a deadline
-//          plus a grace (`timeout_ns`, set by the host): a healthy peer may arrive a whole
-//          deadline after this rank, having timed out on a rank whose signals reached this
-//          one; a rank silent here is masked as well;
-//   AND    the views heard: a rank stays active only if every survivor still has it.
+//   round r  push this rank's estimate (its view ANDed with every estimate heard so far) into
+//            MASK[r % 2][me] of every rank that was active when the call began (a rank that
+//            is only late still learns it was dropped); wait, one deadline plus a grace, for
+//            the round-r estimate of every rank it still listens to, or for a decision of
+//            this agreement from one of them; AND the estimates in, drop the silent ranks
+//            (they are no longer listened to).
+//   decide   a round in which nobody it listens to was silent decides its estimate; a rank
+//            that reads a peer's decision takes it. Either way it writes the decision into
+//            DECIDED[seq % 2][me] of every rank of the call, FENCE into the header of every
+//            rank the decision drops, and leaves.
 //
-// If this rank's own bit is cleared it reports kErrMasked (the host raises RankMaskedError) and
-// later kernels stop at entry. With `matrix` (a dispatch's R x R count matrix after notify) the
-// rows and columns of masked ranks are zeroed, so every survivor computes the same row offsets.
+// Each round either decides or loses a rank it listened to, so `max_rounds` (num_ranks + 1)
+// bounds it. If this rank's own bit is cleared it reports kErrMasked (the host raises
+// RankMaskedError) and later kernels stop at entry. With `matrix` (a dispatch's R x R count
+// matrix after notify) the rows and columns of masked ranks are zeroed, so every survivor
+// computes the same row offsets.
 //
-// MASK rows alternate by parity of the round number `seq`: a rank reaches round k + 2 only
-// after round k + 1 heard every survivor, which each sends after finishing round k, so a row is
-// never overwritten while its reader still waits for it (the same argument as NOTIFY's).
+// Rows alternate by parity (rounds for MASK, agreements for DECIDED) and carry the round's own
+// tag (wire.agree_round_tag): a rank writes round r + 2 only after it heard round r + 1 from
+// everyone it listens to, which each wrote after reading its round r row; a rank still waiting
+// for a round's row of a peer that has decided finds the peer's decision instead.
 #pragma once
 #include "transport.cuh"
 
 constexpr int kMaskBits = 32;  // wire.MASK_BITS
 constexpr int kMaxMaskWords = kMaxErrorRanks / kMaskBits;
+constexpr u64 kMaxEpoch = (1ull << 31) - 1;  // wire.MAX_EPOCH
 
 // grid 1, blockDim >= num_ranks (<= kMaxErrorRanks). active: the group's words (elastic);
-// call_active: a copy of them taken when the call began; mask_off: byte offset of
-// MASK[seq's parity][0]; row_stride: bytes between two ranks' MASK rows.
+// call_active: a copy of them taken when the call began; mask_off: byte offset of MASK[0][0];
+// decided_off: of DECIDED[seq % 2][0]; fence_off: of FENCE; row_stride: bytes between two
+// ranks' rows; tag0: the tag of round 1 (later rounds count on from it).
 MOE_DEVICE void agree_body(const u64* bases, int rank, int num_ranks, i64 timeout_ns,
                            const ErrorSink err, i32* active, const i32* call_active,
-                           u64 mask_off, u64 row_stride, int mask_words, u32 seq, i32* matrix) {
-    __shared__ u32 mine[kMaxMaskWords];                 // this rank's view before the round
-    __shared__ u32 heard[kMaxErrorRanks][kMaxMaskWords];  // each rank's view (all ones: not heard)
-    __shared__ bool silent[kMaxErrorRanks];
+                           u64 mask_off, u64 decided_off, u64 fence_off, u64 row_stride,
+                           int mask_words, u32 seq, u32 tag0, int max_rounds, i32* matrix) {
+    __shared__ u32 estimate[kMaxMaskWords];
+    __shared__ u32 decision[kMaxMaskWords];
+    __shared__ u32 row_of[kMaxErrorRanks][kMaxMaskWords];  // what each rank wrote this round
+    __shared__ bool listen[kMaxErrorRanks];
+    __shared__ bool heard[kMaxErrorRanks];
     __shared__ bool keep[kMaxErrorRanks];
-    __shared__ bool aborted;
+    __shared__ volatile int decided_by;  // a rank whose decision was read, or -1
+    __shared__ bool aborted, finished;
     const Transport t{bases, err};
     const Active live{active};
     const int p = threadIdx.x;
-    if (p == 0) aborted = err.aborted();  // one reading: every thread leaves, or none
-    if (p < kMaxMaskWords) mine[p] = 0;
+    const bool tell = p < num_ranks && p != rank && call_active[p];
+    const u64 round_rows = (u64)num_ranks * row_stride;  // one parity of MASK
+    if (p == 0) {
+        aborted = err.aborted();  // one reading: every thread leaves, or none
+        decided_by = -1;
+        finished = false;
+    }
+    if (p < kMaxMaskWords) estimate[p] = 0;
     __syncthreads();
     if (p == 0)
         for (int r = 0; r < num_ranks; ++r)
-            if (live.on(r) && !(aborted && r == rank)) mine[r / kMaskBits] |= 1u << (r % kMaskBits);
+            if (live.on(r) && !(aborted && r == rank))
+                estimate[r / kMaskBits] |= 1u << (r % kMaskBits);
+    if (p < num_ranks) listen[p] = p != rank && live.on(p);
     __syncthreads();
     if (aborted) {
-        // This rank failed (its own error stands): it tells every rank of the call that it is
-        // out - its own bit cleared - so they mask it now instead of at their deadline, and
-        // waits for nothing.
-        if (p < num_ranks && p != rank && call_active[p])
+        // This rank failed (its own error stands): its round-1 estimate without itself tells
+        // every rank of the call that it is out, so they drop it in that round instead of at
+        // their deadline; then it leaves, as a rank that died after round 1.
+        if (tell)
             for (int w = 0; w < mask_words; ++w)
-                t.signal(p, mask_off + (u64)rank * row_stride + 8 * (u64)w, tag(seq, mine[w]));
+                t.signal(p, mask_off + round_rows + (u64)rank * row_stride + 8 * (u64)w,
+                         tag(tag0, estimate[w]));
         return;
     }
-    if (p < num_ranks) {
-        silent[p] = false;
-        for (int w = 0; w < kMaxMaskWords; ++w) heard[p][w] = ~0u;
-        const bool was_on = (mine[p / kMaskBits] >> (p % kMaskBits)) & 1u;
-        if (p != rank && call_active[p])
+    for (int rnd = 1; rnd <= max_rounds; ++rnd) {
+        const u32 row_tag = (u32)(((u64)tag0 - 1 + (u64)(rnd - 1)) % kMaxEpoch + 1);
+        const u64 parity_off = mask_off + (u64)(rnd % 2) * round_rows;
+        if (tell)
             for (int w = 0; w < mask_words; ++w)
-                t.signal(p, mask_off + (u64)rank * row_stride + 8 * (u64)w, tag(seq, mine[w]));
-        if (p != rank && was_on) {
-            const u64* row = (const u64*)((u8*)bases[rank] + mask_off + (u64)p * row_stride);
-            for (int w = 0; w < mask_words; ++w) {
-                // every value of a mask word is data: no failure mark
-                const i64 v = wait_from(t, live, row + w, seq, timeout_ns, p, false);
-                if (v < 0) {  // silent in this round (now masked), or masked meanwhile
-                    silent[p] = true;
+                t.signal(p, parity_off + (u64)rank * row_stride + 8 * (u64)w,
+                         tag(row_tag, estimate[w]));
+        if (p < num_ranks) heard[p] = false;
+        if (p < num_ranks && listen[p]) {
+            const u64* row = (const u64*)((u8*)bases[rank] + parity_off + (u64)p * row_stride);
+            const u64* dec = (const u64*)((u8*)bases[rank] + decided_off + (u64)p * row_stride);
+            const u64 deadline = globaltimer_ns() + (u64)timeout_ns;
+            while (decided_by < 0) {
+                int w = 0;  // a decision of this agreement first: p has left the rounds
+                for (; w < mask_words; ++w) {
+                    const i64 v = t.poll_local(dec + w, seq);
+                    if (v < 0) break;
+                    row_of[p][w] = (u32)v;
+                }
+                if (w == mask_words) {
+                    atomicCAS((int*)&decided_by, -1, p);
                     break;
                 }
-                heard[p][w] = (u32)v;
+                for (w = 0; w < mask_words; ++w) {
+                    const i64 v = t.poll_local(row + w, row_tag);
+                    if (v < 0) break;
+                    row_of[p][w] = (u32)v;
+                }
+                if (w == mask_words) {
+                    heard[p] = true;
+                    break;
+                }
+                if (globaltimer_ns() > deadline) break;  // silent in this round
             }
         }
+        __syncthreads();
+        if (p == 0) {
+            if (decided_by >= 0) {
+                for (int w = 0; w < mask_words; ++w) decision[w] = row_of[decided_by][w];
+                finished = true;
+            } else {
+                bool silent = false;
+                for (int q = 0; q < num_ranks; ++q) {
+                    if (!listen[q]) continue;
+                    if (heard[q]) {
+                        for (int w = 0; w < mask_words; ++w) estimate[w] &= row_of[q][w];
+                    } else {
+                        silent = true;
+                        listen[q] = false;
+                        estimate[q / kMaskBits] &= ~(1u << (q % kMaskBits));
+                    }
+                }
+                if (!silent) {
+                    for (int w = 0; w < mask_words; ++w) decision[w] = estimate[w];
+                    finished = true;
+                }
+            }
+        }
+        __syncthreads();
+        if (finished) break;
     }
+    if (p == 0 && !finished)  // everyone it listened to went silent: alone
+        for (int w = 0; w < mask_words; ++w) decision[w] = estimate[w];
     __syncthreads();
-    if (p < num_ranks) {
-        const int w = p / kMaskBits;
-        const u32 bit = 1u << (p % kMaskBits);
-        bool k = (mine[w] & bit) && !silent[p];
-        for (int q = 0; q < num_ranks; ++q)
-            if (!silent[q]) k = k && (heard[q][w] & bit) != 0;
-        keep[p] = k;
-        if (!k) live.drop(p);
+    if (p < num_ranks) keep[p] = (decision[p / kMaskBits] >> (p % kMaskBits)) & 1u;
+    __syncthreads();
+    if (tell) {
+        for (int w = 0; w < mask_words; ++w)
+            t.signal(p, decided_off + (u64)rank * row_stride + 8 * (u64)w, tag(seq, decision[w]));
+        if (!keep[p]) t.signal(p, fence_off, tag(seq, (u32)rank + 1));  // a late rank stops
     }
-    __syncthreads();
+    if (p < num_ranks && !keep[p]) live.drop(p);
     if (p == 0 && !keep[rank]) err.report(kErrMasked, seq, rank, 0);
     for (int i = p; matrix && i < num_ranks * num_ranks; i += blockDim.x)
         if (!keep[i / num_ranks] || !keep[i % num_ranks]) matrix[i] = 0;

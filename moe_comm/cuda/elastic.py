@@ -2,20 +2,20 @@
 
 Each rank masks a peer when one of its own waits passes the deadline (csrc/kernels/transport.cuh
 ``wait_from``), so survivors can disagree about a rank that died mid-call. :func:`agree` queues
-one round of mask words (csrc/kernels/elastic.cuh) that ANDs every survivor's view, the twin of
-``HostComm.agree``. The mode modules run it
+the agreement kernel (csrc/kernels/elastic.cuh: flooding rounds with an early decision), the
+twin of ``HostComm.agree``. The mode modules run it
 
 * after a dispatch's notify (fresh routing): the count matrix's rows and columns of masked
   ranks are zeroed in the same kernel, so every survivor computes the same row offsets before
   any payload moves;
 * at the end of every normal call and of both low-latency receive halves.
 
-A rank its peers masked out learns it in the round (its own bit cleared) and the host raises
-``moe_comm.RankMaskedError`` at the next check.
+A rank its peers masked out learns it from their decision (its own bit cleared) and the host
+raises ``moe_comm.RankMaskedError`` at the next check.
 """
 from __future__ import annotations
 
-from ..wire import LINE_WORDS, MAX_EPOCH, round_up
+from ..wire import LINE_WORDS, MAX_EPOCH, agree_round_tag, agree_rounds, round_up
 from . import variants
 from .comm import CudaComm
 from .launcher import launch
@@ -34,10 +34,11 @@ def agree(comm: CudaComm, op: str, matrix=None) -> None:
     lay = comm.layout
     row_stride = round_up(lay.mask_words, LINE_WORDS) * 8
     k = comm.kernels(variants.intranode(comm.num_ranks))
-    # A healthy peer may reach the round a full deadline after this rank did (it timed out on
-    # a rank whose signals reached this one): the wait covers that, and a grace more.
+    # A healthy peer may reach a round a full deadline after this rank did (it timed out on
+    # a rank whose signals reached this one): each round's wait covers that, and a grace more.
     wait_ns = comm.timeout_ns + min(comm.timeout_ns, AGREE_GRACE_NS)
-    launch(k["moe_agree"], 1, THREADS["moe_agree"], comm.bases, comm.rank, comm.num_ranks,
-           wait_ns, *comm.error_args(op), comm.active, comm.call_active,
-           lay.mask(comm.agree_seq % 2, 0) * 8, row_stride, lay.mask_words, comm.agree_seq,
-           matrix, device=comm.device)
+    seq, R = comm.agree_seq, comm.num_ranks
+    launch(k["moe_agree"], 1, THREADS["moe_agree"], comm.bases, comm.rank, R,
+           wait_ns, *comm.error_args(op), comm.active, comm.call_active, lay.mask(0, 0) * 8,
+           lay.decided(seq % 2, 0) * 8, lay.fence * 8, row_stride, lay.mask_words, seq,
+           agree_round_tag(seq, 1, R), agree_rounds(R), matrix, device=comm.device)

@@ -81,13 +81,15 @@ class Backoff:
 
 
 def wait_words(waits: dict, epoch: int, deadline: float, op: str, timeout_s: float,
-               on_ready=None, raise_on_timeout: bool = True) -> set:
+               on_ready=None, raise_on_timeout: bool = True, check=None) -> set:
     """Wait until, for every ``rank -> numpy int64 view`` in ``waits``, all words of the view
     carry ``epoch``. ``on_ready(rank, words)`` runs (after an acquire fence) for each rank as
     soon as its words are complete, so independent work starts early.
 
     Returns the set of ranks still silent at ``deadline`` (empty on success) when
     ``raise_on_timeout`` is False; otherwise raises :class:`CommTimeoutError` naming them.
+    ``check()`` runs while words are missing and may raise (a rank that learns it was masked
+    stops waiting).
     """
     pending = dict(waits)
     backoff = Backoff()
@@ -101,6 +103,8 @@ def wait_words(waits: dict, epoch: int, deadline: float, op: str, timeout_s: flo
                     on_ready(rank, words)
         if not pending:
             break
+        if check is not None:
+            check()
         if time.monotonic() > deadline:
             if raise_on_timeout:
                 raise CommTimeoutError(op, pending.keys(), timeout_s)

@@ -34,8 +34,9 @@ import torch.distributed as dist
 
 from .. import signature
 from ..errors import RankMaskedError
-from ..wire import (CALL_WORDS, MAGIC, MASK_BITS, PAGE, VERSION, HeaderLayout, MAX_EPOCH,
-                    ll_stride, round_up, tag_value)
+from ..wire import (CALL_WORDS, MAGIC, PAGE, VERSION, HeaderLayout, MAX_EPOCH, agree_round_tag,
+                    agree_rounds, ll_stride, mask_bits, mask_words, round_up, tag_epoch,
+                    tag_value)
 from . import atomics
 from .heap import PageHeap
 from .segment import Segment, reclaim_stale_segments, segment_name
@@ -136,6 +137,7 @@ class HostComm:
         if not self.active[self.rank]:
             raise RankMaskedError(f"rank {self.rank} is masked out of this Buffer "
                                   "(active_ranks[rank] == 0); a new Buffer is needed to rejoin")
+        self.check_fence()
         self._deadline = time.monotonic() + self.timeout_s
         self._call_active = self.active.copy()
         if self.transport is not None:
@@ -173,7 +175,8 @@ class HostComm:
         mode: now masked) or raises :class:`CommTimeoutError` naming them."""
         waits = {r: w for r, w in waits.items() if self.active[r]}
         silent = atomics.wait_words(waits, epoch, self._deadline, op, self.timeout_s,
-                                    on_ready, raise_on_timeout=not self.elastic)
+                                    on_ready, raise_on_timeout=not self.elastic,
+                                    check=self.check_fence)
         if silent:
             self.mask(silent, op)
             # Healthy peers may have been held up by the same silent rank: they get a fresh
@@ -208,42 +211,95 @@ class HostComm:
     def agree(self, op: str) -> None:
         """Elastic mode: leave the call with the same ``active`` mask as every survivor.
 
-        Each active rank pushes its mask into every active peer's MASK row and ANDs what it
-        reads; a rank silent here is masked as well. The round waits ``AGREE_GRACE_S`` (at
-        most one timeout) past the call's deadline: a healthy peer may reach it only after
-        timing out on a dead rank itself, and must not be mistaken for dead; the grace stays
-        short so survivors still return soon after the deadline.
+        Flooding rounds with early decision (docs/ARCHITECTURE.md "Agreement" has why it
+        converges). Round ``r``: push this rank's estimate (its view ANDed with every
+        estimate heard so far) to every rank active when the call began, wait for the
+        estimate of every rank it still listens to, AND them in, and drop the ranks that were
+        silent. A round in which nobody it listens to was silent decides: the rank writes its
+        decision to everyone and leaves. A rank that reads a peer's decision while waiting
+        takes it, writes it on, and leaves. Each round loses a rank or decides, so an
+        agreement ends after at most ``agree_rounds(R)`` rounds.
 
-        One round makes the survivors agree when ranks fail outright (crash, kill, lost
-        host). A rank that is alive but later than the deadline plus the grace may be masked
-        by some survivors and not by others, as with any timeout-based failure detector."""
-        lay, me = self.layout, self.rank
+        Round 1 waits until the call's deadline plus ``AGREE_GRACE_S`` (a healthy peer may
+        arrive a whole deadline late, having timed out on a rank whose signals reached this
+        one); a later round waits one deadline plus the grace from its start (a peer may
+        have spent the previous round waiting for a rank that died in it). The rest of the
+        call then gets a fresh deadline. The survivors write FENCE into the header of every
+        rank the decision drops."""
+        lay, me, R = self.layout, self.rank, self.num_ranks
         self.agree_seq = self.agree_seq % MAX_EPOCH + 1
-        parity = self.agree_seq % 2
-        bits = np.zeros(lay.mask_words * MASK_BITS, dtype=np.int64)
-        bits[:self.num_ranks] = self.active
-        words = (bits.reshape(-1, MASK_BITS) << np.arange(MASK_BITS)).sum(1)
-        peers = np.flatnonzero(self.active).tolist()
-        # also to ranks masked during this call: a rank that is only late learns from these
-        # rows that it was dropped (RankMaskedError) instead of going on alone
-        for p in np.flatnonzero(self._call_active).tolist():
-            self.signal(p, lay.mask(parity, me), self.agree_seq, words)
-        self._deadline = max(self._deadline, time.monotonic()) + min(self.timeout_s,
-                                                                     AGREE_GRACE_S)
-        waits = {s: self.slot(me, lay.mask(parity, s), lay.mask_words) for s in peers}
-        silent = atomics.wait_words(waits, self.agree_seq, self._deadline, op + "/agree",
-                                    self.timeout_s, raise_on_timeout=False)
-        agreed = self.active.copy()
-        agreed[list(silent)] = False
-        for s in peers:
-            if s not in silent:
-                v = tag_value(waits[s])
-                heard = ((v[:, None] >> np.arange(MASK_BITS)) & 1).reshape(-1)
-                agreed &= heard[:self.num_ranks].astype(bool)
-        self.mask(np.flatnonzero(~agreed & self.active).tolist(), op + ": agreed by survivors")
+        seq = self.agree_seq
+        tell = [p for p in np.flatnonzero(self._call_active).tolist() if p != me]
+        estimate = self.active.copy()
+        listen = [p for p in np.flatnonzero(estimate).tolist() if p != me]
+        grace = min(self.timeout_s, AGREE_GRACE_S)
+        deadline = max(self._deadline, time.monotonic()) + grace
+        decision = None
+        for rnd in range(1, agree_rounds(R) + 1):
+            row_tag = agree_round_tag(seq, rnd, R)
+            for p in tell:
+                self.signal(p, lay.mask(rnd % 2, me), row_tag, mask_words(estimate))
+            heard, decision = self._agree_round(listen, rnd, seq, row_tag, deadline,
+                                                op + "/agree")
+            if decision is not None:
+                break
+            for words in heard.values():
+                estimate &= mask_bits(words, R)
+            silent = [p for p in listen if p not in heard]
+            estimate[silent] = False
+            if not silent:
+                decision = estimate
+                break
+            listen = sorted(heard)
+            deadline = time.monotonic() + self.timeout_s + grace
+        if decision is None:             # every rank it listened to went silent: alone
+            decision = estimate
+        for p in tell:
+            self.signal(p, lay.decided(seq % 2, me), seq, mask_words(decision))
+        dropped = [p for p in tell if not decision[p]]
+        for p in dropped:                   # a late rank stops before it writes again
+            self.signal(p, lay.fence, seq, me + 1)
+        self.mask(np.flatnonzero(~decision & self.active).tolist(), op + ": agreed by survivors")
+        self._deadline = time.monotonic() + self.timeout_s
         if not self.active[me]:
             raise RankMaskedError(f"{op}: rank {me} was masked out by its peers (it missed "
                                   "their deadline); a new Buffer is needed to rejoin")
+
+    def _agree_round(self, listen, rnd, seq, row_tag, deadline, op):
+        """Wait for round ``rnd``'s estimate of every rank in ``listen``, or for a decision
+        of agreement ``seq`` from any of them. Returns ({rank: estimate words} heard, the
+        first decision read as bool [R] or None)."""
+        lay, me, mw = self.layout, self.rank, self.layout.mask_words
+        rows = {p: self.slot(me, lay.mask(rnd % 2, p), mw) for p in listen}
+        decided = {p: self.slot(me, lay.decided(seq % 2, p), mw) for p in listen}
+        heard = {}
+        backoff = atomics.Backoff()
+        while True:
+            self.check_fence()
+            for p in listen:
+                if p in heard:
+                    continue
+                if (tag_epoch(decided[p]) == seq).all():
+                    atomics.acquire()
+                    return heard, mask_bits(tag_value(decided[p]), self.num_ranks)
+                if (tag_epoch(rows[p]) == row_tag).all():
+                    atomics.acquire()
+                    heard[p] = tag_value(rows[p]).copy()
+            if len(heard) == len(listen) or time.monotonic() > deadline:
+                if len(heard) < len(listen):
+                    log.warning("moe_comm rank %d: %s round %d: no word from rank(s) %s",
+                                me, op, rnd, sorted(set(listen) - set(heard)))
+                return heard, None
+            backoff.pause()
+
+    def check_fence(self) -> None:
+        """RankMaskedError if the survivors masked this rank (they wrote its FENCE word)."""
+        w = int(self.words[self.rank][self.layout.fence])
+        if w:
+            self.active[self.rank] = False
+            raise RankMaskedError(f"rank {self.rank} was masked out by rank "
+                                  f"{int(tag_value(w)) - 1} (it missed the survivors' deadline);"
+                                  " a new Buffer is needed to rejoin")
 
     def peer_heap(self, rank: int) -> torch.Tensor:
         return self._heaps[rank]

@@ -26,6 +26,7 @@ class PageHeap:
         self._free = [(0, self.num_pages)]          # sorted (start, length)
         self._used = {}                              # start -> length
         self._released = collections.deque()         # pages freed by finalizers
+        self.quarantined = {}                        # start -> length, never handed out again
 
     @property
     def capacity(self) -> int:
@@ -48,7 +49,15 @@ class PageHeap:
                 return start
         return None
 
+    def quarantine(self, start: int) -> None:
+        """Never hand the region at ``start`` out again: a rank masked while it held a grant
+        to it may still write there (a late writer). Its later free is ignored."""
+        if start in self._used:
+            self.quarantined[start] = self._used.pop(start)
+
     def free(self, start: int) -> None:
+        if start in self.quarantined:
+            return
         length = self._used.pop(start)
         free = self._free
         free.append((start, length))
@@ -66,6 +75,10 @@ class PageHeap:
     def bytes_in_use(self) -> int:
         self._drain()
         return sum(self._used.values()) * PAGE
+
+    @property
+    def bytes_quarantined(self) -> int:
+        return sum(self.quarantined.values()) * PAGE
 
     def view(self, page: int, nbytes: int) -> np.ndarray:
         start = self.offset + page * PAGE

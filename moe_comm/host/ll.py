@@ -105,6 +105,7 @@ def dispatch_send(comm, *, x, topk_idx, lay: LLLayout, use_fp8, round_scale, buf
                                      max_tokens=M)
 
     def send(dst, _grant):
+        comm.check_fence()             # a rank the survivors masked writes nothing
         # the signature first: a receiver with another layout still finds it (moe_comm/
         # signature.py), and checks it before it trusts the count row
         comm.signal(dst, comm.layout.ll_call(buf, me), seq, call_row)
@@ -217,6 +218,7 @@ def combine_send(comm, *, x, handle: LowLatencyHandle, lay: LLLayout):
         blocks = [x[le, starts[le][owner]:starts[le][owner] + counts[le][owner]]
                   for le in range(num_local) if counts[le][owner]]
         n = sum(b.shape[0] for b in blocks)
+        comm.check_fence()             # a rank the survivors masked writes nothing
         if n:
             at = comb_off + bases[owner] * hidden * 2
             dst = comm.peer_ll(owner)[at:at + n * hidden * 2].view(torch.bfloat16).view(n, hidden)

@@ -26,6 +26,8 @@ whatever the newly masked ranks sent, so the result equals the reference over th
 """
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
@@ -33,8 +35,11 @@ from .. import signature
 from ..errors import BufferTooSmallError
 from ..handle import DispatchHandle
 from ..layout import local_topk
-from ..wire import GRANT_FAILED, PAGE, SlabLayout, tag_value
+from ..wire import GRANT_FAILED, PAGE, SlabLayout, tag_epoch, tag_value
 from .reduce import sum_rows_per_token
+
+
+log = logging.getLogger("moe_comm")
 
 
 class ReceiverFailed(RuntimeError):
@@ -110,6 +115,7 @@ def _send_when_granted(comm, epoch, dests, write, need, op, agrees=None):
             short.append(dst)
             done = DONE_REFUSED
         else:
+            comm.check_fence()         # a rank the survivors masked writes nothing
             write(dst, page)
             done = DONE_WRITTEN
         comm.signal(dst, comm.layout.done(me), epoch, done)
@@ -128,6 +134,7 @@ def _exchange(comm, epoch, op, *, page, own_error, dests, sources, write, need, 
     checked before writing to it, and all of them at the end (CallMismatchError on every
     rank), so the call costs no extra round."""
     agrees = None
+    dones = {s: comm.slot(comm.rank, comm.layout.done(s)) for s in sources}
     if calls is not None:
         def agrees(dst):
             comm.wait({dst: calls[dst]}, epoch, op + "/notify")   # sent before its grant
@@ -135,10 +142,10 @@ def _exchange(comm, epoch, op, *, page, own_error, dests, sources, write, need, 
     try:
         failed, short = _send_when_granted(comm, epoch, dests, write, need, op + "/grant",
                                            agrees)
-        dones = {s: comm.slot(comm.rank, comm.layout.done(s)) for s in sources}
         comm.wait(dones, epoch, op + "/payload")
         if comm.elastic:
             comm.agree(op)
+        _quarantine_if_late(comm, epoch, page, dones)
         if calls is not None:
             comm.verify_call(calls, epoch, op)
         if own_error is not None:
@@ -154,9 +161,22 @@ def _exchange(comm, epoch, op, *, page, own_error, dests, sources, write, need, 
                                  "receive region (buffer too small there); nothing was sent "
                                  "to them")
     except BaseException:
+        _quarantine_if_late(comm, epoch, page, dones)
         if page is not None:
             comm.heap.free(page)
         raise
+
+
+def _quarantine_if_late(comm, epoch, page, dones) -> None:
+    """A source whose DONE never came (masked, or the call failed waiting for it) may still be
+    writing into the region granted to it - frozen, not dead: the region is never handed out
+    again (PageHeap.quarantine)."""
+    late = [s for s, w in dones.items() if tag_epoch(w[0]) != epoch]
+    if late and page is not None and page not in comm.heap.quarantined:
+        comm.heap.quarantine(page)
+        log.warning("moe_comm rank %d: %d bytes of the heap quarantined: granted to rank(s) "
+                    "%s, masked before they finished writing", comm.rank,
+                    comm.heap.quarantined[page] * PAGE, late)
 
 
 def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, is_token_in_rank,
