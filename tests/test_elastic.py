@@ -11,11 +11,14 @@ agreement, moe_comm/cuda/elastic.py) in the CPU kernel emulator with the ranks a
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import random
 import signal
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,8 +26,10 @@ import torch.distributed as dist
 import moe_comm
 from moe_comm import eplb
 from moe_comm.cuda import emulator
-from moe_comm.host.comm import AGREE_GRACE_S
+from moe_comm.cuda import normal as cuda_normal
+from moe_comm.host.comm import AGREE_GRACE_S, HostComm
 from moe_comm.launch import run_ranks
+from moe_comm.wire import agree_round_tag, mask_words, tag
 
 R, VICTIM = 4, 2
 LOGICAL, SLOTS_PER_RANK, TOPK, HIDDEN, MAX_TOKENS = 8, 4, 3, 128, 24
@@ -325,3 +330,83 @@ def test_a_rank_that_is_only_late_learns_it_was_masked():
     results = run_ranks(worker, 3, timeout=60)
     assert results[0] == results[1] == [1, 1, 0]
     assert results[2] == "RankMaskedError"
+
+
+def _die_mid_round(comm, *, reach):
+    """Stand-in for the victim's first agreement: it writes its round-1 estimate (every rank
+    active) into the MASK row of the ranks in ``reach`` only, then dies - a rank killed in
+    the middle of the round, its row seen by some survivors and not by others."""
+    lay, me, R = comm.layout, comm.rank, comm.num_ranks
+    row = tag(agree_round_tag(1, 1, R), 0) | mask_words(np.ones(R, dtype=bool))
+    for p in reach:
+        at = lay.mask(1, me) * 8
+        if isinstance(comm, HostComm):
+            comm.words[p][at // 8:at // 8 + row.size] = row
+        else:                                   # the emulator's buffers are host memory
+            words = (ctypes.c_int64 * row.size).from_address(comm.pointers[p] + at)
+            words[:] = row.tolist()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _split_worker(rank, n, timeout_s):
+    buf = moe_comm.Buffer(None, 16 << 20, timeout_s=timeout_s, elastic=True)
+    x, idx, w = _inputs(rank)
+    phy, pw = _route(idx, w, n)
+    if rank == VICTIM:
+        comm = buf._comm
+        die = functools.partial(_die_mid_round, comm, reach=[0])
+        if isinstance(comm, HostComm):
+            comm.agree = lambda op: die()
+        else:
+            cuda_normal.agree = lambda comm, op, matrix=None: die()
+    t0 = time.monotonic()
+    rx, out, _ = _normal_step(buf, x, phy, pw)
+    elapsed = time.monotonic() - t0
+    t1 = time.monotonic()
+    _normal_step(buf, x, phy, pw)
+    return {"mask": buf.active_ranks, "rx": rx, "out": out, "phy": phy, "elapsed": elapsed,
+            "fault_free": time.monotonic() - t1}
+
+
+def test_a_rank_dying_mid_round_cannot_split_the_survivors(backend):
+    """The victim's round-1 row reaches rank 0 only: rank 0 hears everyone in round 1 and
+    decides with the victim still in; ranks 1 and 3 find it silent, and in round 2 take rank
+    0's decision instead of deciding alone. All three keep the victim through the dispatch's
+    notify (its counts are in every matrix alike), drop it when its payload never comes, and
+    their results equal the reference over the survivors. (One round of mask words leaves
+    rank 0 with the victim and the others without: different row offsets, wrong rows.)"""
+    results = run_ranks(_split_worker, R, TIMEOUT, timeout=90, expect_exit=(VICTIM,))
+    mask = torch.tensor([1, 1, 0, 1], dtype=torch.int32)
+    for r in (0, 1, 3):
+        got = results[r]
+        assert torch.equal(got["mask"], mask), (r, got["mask"])
+        # two waits for the victim (the notify agreement's round 1, the payload), the step's
+        # own work stretched by load as in _check_run
+        bound = 2 * AGREE_WAIT + 2 * got["fault_free"] + 1.0
+        assert got["elapsed"] < bound, (r, got["elapsed"], bound)
+        x, idx, w = _inputs(r)
+        want = _served_sum(x, got["phy"], _route(idx, w, R)[1], R, mask)
+        torch.testing.assert_close(got["out"].float(), want, rtol=2e-2, atol=2e-2)
+    # the victim's counts were agreed on, its rows never came: the reference over the ranks
+    # that sent (the host backend compacts the rows; the CUDA backend keeps the victim's
+    # rows in place, zeroed, as for any source masked after the notify agreement)
+    xs, ids = [], []
+    for r in range(R):
+        x, idx, w = _inputs(r)
+        phy, _ = _route(idx, w, R)
+        xs.append(x)
+        ids.append(torch.where(phy // SLOTS_PER_RANK == VICTIM, -1, phy))
+    ref = moe_comm.reference_dispatch(xs, ids, _slots(R))
+    for r in (0, 1, 3):
+        want = ref[r]["recv_x"]
+        if backend == "cuda_emulated":
+            per_src = [int(((ids[s] // SLOTS_PER_RANK == r) & (ids[s] >= 0)).any(1).sum())
+                       for s in range(R)]
+            at = sum(per_src[:VICTIM])
+            want = want.clone()
+            want[at:at + per_src[VICTIM]] = 0
+        else:
+            xs_alive = [x if s != VICTIM else x[:0] for s, x in enumerate(xs)]
+            ids_alive = [i if s != VICTIM else i[:0] for s, i in enumerate(ids)]
+            want = moe_comm.reference_dispatch(xs_alive, ids_alive, _slots(R))[r]["recv_x"]
+        assert torch.equal(results[r]["rx"], want), r

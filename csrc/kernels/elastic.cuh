@@ -49,6 +49,7 @@ MOE_DEVICE void agree_body(const u64* bases, int rank, int num_ranks, i64 timeou
     __shared__ bool heard[kMaxErrorRanks];
     __shared__ bool keep[kMaxErrorRanks];
     __shared__ volatile int decided_by;  // a rank whose decision was read, or -1
+    __shared__ volatile int pending;     // ranks listened to whose row this round has not come
     __shared__ bool aborted, finished;
     const Transport t{bases, err};
     const Active live{active};
@@ -86,38 +87,49 @@ MOE_DEVICE void agree_body(const u64* bases, int rank, int num_ranks, i64 timeou
                 t.signal(p, parity_off + (u64)rank * row_stride + 8 * (u64)w,
                          tag(row_tag, estimate[w]));
         if (p < num_ranks) heard[p] = false;
+        if (p == 0) {
+            pending = 0;
+            for (int q = 0; q < num_ranks; ++q) pending += listen[q];
+        }
+        __syncthreads();
         if (p < num_ranks && listen[p]) {
+            // Poll p's decision of this agreement until the round ends (p may decide after
+            // its round-r row was heard, while this rank still waits for a silent one), and
+            // p's round-r row until heard.
             const u64* row = (const u64*)((u8*)bases[rank] + parity_off + (u64)p * row_stride);
             const u64* dec = (const u64*)((u8*)bases[rank] + decided_off + (u64)p * row_stride);
             const u64 deadline = globaltimer_ns() + (u64)timeout_ns;
-            while (decided_by < 0) {
-                int w = 0;  // a decision of this agreement first: p has left the rounds
+            u32 got[kMaxMaskWords];
+            while (decided_by < 0 && pending > 0) {
+                int w = 0;
                 for (; w < mask_words; ++w) {
                     const i64 v = t.poll_local(dec + w, seq);
                     if (v < 0) break;
-                    row_of[p][w] = (u32)v;
+                    got[w] = (u32)v;
                 }
                 if (w == mask_words) {
-                    atomicCAS((int*)&decided_by, -1, p);
+                    if (atomicCAS((int*)&decided_by, -1, p) == -1)
+                        for (w = 0; w < mask_words; ++w) decision[w] = got[w];
                     break;
                 }
-                for (w = 0; w < mask_words; ++w) {
-                    const i64 v = t.poll_local(row + w, row_tag);
-                    if (v < 0) break;
-                    row_of[p][w] = (u32)v;
+                if (!heard[p]) {
+                    for (w = 0; w < mask_words; ++w) {
+                        const i64 v = t.poll_local(row + w, row_tag);
+                        if (v < 0) break;
+                        row_of[p][w] = (u32)v;
+                    }
+                    if (w == mask_words) {
+                        heard[p] = true;
+                        atomicAdd((int*)&pending, -1);
+                    }
                 }
-                if (w == mask_words) {
-                    heard[p] = true;
-                    break;
-                }
-                if (globaltimer_ns() > deadline) break;  // silent in this round
+                if (globaltimer_ns() > deadline) break;  // silent in this round, if not heard
             }
         }
         __syncthreads();
         if (p == 0) {
             if (decided_by >= 0) {
-                for (int w = 0; w < mask_words; ++w) decision[w] = row_of[decided_by][w];
-                finished = true;
+                finished = true;  // `decision` holds it
             } else {
                 bool silent = false;
                 for (int q = 0; q < num_ranks; ++q) {

@@ -277,12 +277,11 @@ class HostComm:
         while True:
             self.check_fence()
             for p in listen:
-                if p in heard:
-                    continue
+                # a decision first, from any peer (one already heard too): it has left
                 if (tag_epoch(decided[p]) == seq).all():
                     atomics.acquire()
                     return heard, mask_bits(tag_value(decided[p]), self.num_ranks)
-                if (tag_epoch(rows[p]) == row_tag).all():
+                if p not in heard and (tag_epoch(rows[p]) == row_tag).all():
                     atomics.acquire()
                     heard[p] = tag_value(rows[p]).copy()
             if len(heard) == len(listen) or time.monotonic() > deadline:
