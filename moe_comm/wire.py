@@ -72,6 +72,7 @@ NORMAL_CALL_FIELDS = ("call", "hidden", "dtype", "scale_cols", "topk", "num_expe
 LL_CALL_FIELDS = ("call", "hidden", "use_fp8", "round_scale", "topk", "num_experts",
                   "num_max_dispatch_tokens_per_rank")
 CALL_WORDS = LINE_WORDS
+FENCE_WORD = 4                       # header word a masked rank finds set (HeaderLayout.fence)
 
 
 def tag(epoch: int, value: int) -> int:
@@ -132,7 +133,8 @@ class HeaderLayout:
     def mask_words(self) -> int:           # words of one MASK row (32 rank bits per word)
         return -(-self.num_ranks // MASK_BITS)
 
-    # word 0: magic, word 1: version, word 2: num_ranks, word 3: heap offset (bytes)
+    # word 0: magic, word 1: version, word 2: num_ranks, word 3: heap offset (bytes),
+    # word 4: FENCE (at a place that does not depend on R: every kernel reads it)
     def notify(self, parity: int, src: int) -> int:
         return LINE_WORDS + (parity * self.num_ranks + src) * self.row_words
 
@@ -152,10 +154,10 @@ class HeaderLayout:
 
     @property
     def fence(self) -> int:
-        return self.decided(2, 0)
+        return FENCE_WORD
 
     def call(self, parity: int, src: int) -> int:
-        return self.fence + LINE_WORDS + CALL_WORDS * (parity * self.num_ranks + src)
+        return self.decided(2, 0) + CALL_WORDS * (parity * self.num_ranks + src)
 
     def ll_dispatch_free(self, buf: int, src: int) -> int:
         return self.call(2, 0) + LINE_WORDS * (buf * self.num_ranks + src)

@@ -65,6 +65,7 @@ struct LLGroup {
     i64 timeout_ns;
     Active live;  // elastic mode: masked ranks get nothing and are not awaited (transport.cuh)
     MOE_DEVICE u8* own(u64 offset) const { return (u8*)bases[rank] + offset; }
+    MOE_DEVICE const u64* fence() const { return (const u64*)own(kFenceOffset); }
 };
 
 // Offsets of one LL buffer (wire.LLLayout.offset(buf, ...) + the LL region's offset).
@@ -142,7 +143,7 @@ __device__ void ll_dispatch_send_body(const LLGroup g, const ErrorSink err, cons
     const Transport t{g.bases, err};
     // A failed rank (an error of an earlier kernel) writes no messages but still signals its
     // count words, carrying kFailedValue: the receivers fail at once.
-    const bool failed = block_failed(err);
+    const bool failed = block_failed(err, g.fence());
     const i64 hidden = hidden_size(hidden_rt);
     const i64 R = g.num_ranks, M = lb.max_tokens;
     const i64 num_local = num_experts / R;
@@ -238,7 +239,7 @@ __device__ void ll_dispatch_recv_body(const LLGroup g, const ErrorSink err, cons
     const Transport t{g.bases, err};
     // failed (an earlier error): nothing is read or written, the last block still publishes
     // FREE (kFailedValue) so the peers' next send fails at once
-    const bool failed = block_failed(err);
+    const bool failed = block_failed(err, g.fence());
     const i64 hidden = hidden_size(hidden_rt);
     const i64 R = g.num_ranks, M = lb.max_tokens;
     const i64 le = blockIdx.x;
@@ -325,7 +326,7 @@ __device__ void ll_combine_send_body(const LLGroup g, const ErrorSink err, const
     __shared__ int last;
     const Transport t{g.bases, err};
     // failed (an earlier error): no rows, the last block still signals DONE (kFailedValue)
-    const bool failed = block_failed(err);
+    const bool failed = block_failed(err, g.fence());
     const i64 hidden = hidden_size(hidden_rt);
     const i64 R = g.num_ranks, M = lb.max_tokens;
     const i64 le = blockIdx.x;
@@ -380,7 +381,7 @@ __device__ void ll_combine_recv_body(const LLGroup g, const ErrorSink err, const
     __shared__ int last;
     const Transport t{g.bases, err};
     // failed (an earlier error): nothing summed, the last block still publishes FREE
-    const bool failed = block_failed(err);
+    const bool failed = block_failed(err, g.fence());
     const i64 hidden = hidden_size(hidden_rt);
     const u16* rows = (const u16*)g.own(lb.combine);
     // 16-byte stores need a 16-byte aligned `out` (the caller's tensor: a view may start

@@ -28,7 +28,7 @@
 #include "transport.cuh"
 
 constexpr u64 kSlabAlign = 64;
-constexpr u64 kPage = 4096;
+constexpr u64 kPage = 4096;  // wire.PAGE
 
 // wire.SlabLayout on the device.
 struct Slab {
@@ -55,6 +55,7 @@ struct Group {
     Active live;       // elastic mode's active ranks (transport.cuh)
 
     MOE_DEVICE u8* own(u64 offset) const { return (u8*)bases[rank] + offset; }
+    MOE_DEVICE const u64* fence() const { return (const u64*)own(kFenceOffset); }
 };
 
 // ---- notify ------------------------------------------------------------------------------
@@ -75,7 +76,7 @@ __device__ void notify_body(const Group g, const ErrorSink err, u64 notify_off, 
                             const CallRow call) {
     const Transport t{g.bases, err};
     const int p = threadIdx.x;
-    const bool failed = block_failed(err);
+    const bool failed = block_failed(err, g.fence());
     if (p >= R) return;
     // Each word carries its own tag, so a reader never needs an extra "row complete" flag.
     if (g.live.on(p)) {
@@ -144,7 +145,7 @@ __device__ void dispatch_send_body(const Group g, const ErrorSink err, const u8*
     const Transport t{g.bases, err};
     // A failed rank (an error of an earlier kernel) writes no rows but still arrives and
     // signals DONE, carrying kFailedValue: its peers fail at once.
-    const bool failed = block_failed(err);
+    const bool failed = block_failed(err, g.fence());
     if (!failed && threadIdx.x < R) {
         const int d = threadIdx.x;
         const bool live = g.live.on(d);  // a masked destination gets nothing (limit 0)
@@ -278,7 +279,7 @@ __device__ void combine_send_body(const Group g, const ErrorSink err, const u8* 
     __shared__ Slab slab[R];
     __shared__ int last;
     const Transport t{g.bases, err};
-    const bool failed = block_failed(err);  // then: no rows, but arrive and signal (above)
+    const bool failed = block_failed(err, g.fence());  // then: no rows, but arrive, signal
     if (threadIdx.x == 0) {
         src_start[0] = 0;
         for (int s = 0; s < R; ++s) src_start[s + 1] = src_start[s] + matrix[s * R + g.rank];

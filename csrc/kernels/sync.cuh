@@ -130,10 +130,20 @@ struct ErrorSink {
 // others wait at a barrier, and leaves a block out of `last_block_arrives`). A failed block
 // skips its work but still arrives and signals, so the counter is reset and peers learn of the
 // failure at once. Every thread of the block calls it.
-MOE_DEVICE bool block_failed(const ErrorSink& err) {
+// `fence` (this rank's FENCE header word, wire.FENCE_WORD; kernels that write payload pass
+// it): the survivors of an elastic group masked this rank, which reports kErrMasked and
+// writes no payload (a late writer stops; its failure marks land only in its own signal
+// slots, which the survivors no longer read).
+MOE_DEVICE bool block_failed(const ErrorSink& err, const u64* fence = nullptr) {
     __shared__ bool failed;
     __syncthreads();  // an earlier call's readers are done with `failed`
-    if (threadIdx.x == 0) failed = err.aborted();
+    if (threadIdx.x == 0) {
+        failed = err.aborted();
+        if (!failed && fence && ld_volatile_u64(fence) != 0) {
+            err.report(kErrMasked, 0, -1, 0);
+            failed = true;
+        }
+    }
     __syncthreads();
     return failed;
 }

@@ -192,6 +192,7 @@ struct Active {
 // LL_CALL_FIELDS), one tagged word each, in a CALL / LL_CALL header row per source. Kernels
 // take them as eight i64 arguments.
 constexpr int kCallWords = 8;  // wire.CALL_WORDS
+constexpr u64 kFenceOffset = 8 * 4;  // wire.FENCE_WORD: set by the survivors that masked this rank
 struct CallRow {
     u32 v[kCallWords];
 };
