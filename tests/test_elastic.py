@@ -410,3 +410,96 @@ def test_a_rank_dying_mid_round_cannot_split_the_survivors(backend):
             ids_alive = [i if s != VICTIM else i[:0] for s, i in enumerate(ids)]
             want = moe_comm.reference_dispatch(xs_alive, ids_alive, _slots(R))[r]["recv_x"]
         assert torch.equal(results[r]["rx"], want), r
+
+
+def _freeze_self_on_first_call(obj, name):
+    """Make ``obj.name(...)`` stop this process (SIGSTOP) the first time it is called; a
+    peer resumes it (SIGCONT) and the call goes on as if nothing happened."""
+    real = getattr(obj, name)
+    state = {"frozen": False}
+
+    def frozen(*args, **kwargs):
+        if not state["frozen"]:
+            state["frozen"] = True
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return real(*args, **kwargs)
+    setattr(obj, name, frozen)
+
+
+def _late_writer_worker(rank, n, point, flag, timeout_s):
+    pids = [None] * n
+    dist.all_gather_object(pids, os.getpid())
+    buf = moe_comm.Buffer(None, 16 << 20, timeout_s=timeout_s, elastic=True)
+    x, idx, w = _inputs(rank)
+    phy, pw = _route(idx, w, n)
+    if rank == VICTIM:
+        if point == "mid_write":      # between its fence check and its write of the payload
+            _freeze_self_on_first_call(buf._comm, "peer_heap")
+        try:
+            per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(phy, _slots(n))
+            rx, ri, rw, _, handle, _ = buf.dispatch(
+                x, topk_idx=phy, topk_weights=pw, num_tokens_per_rank=per_rank,
+                is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+            if point == "between":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            buf.combine(rx, handle)
+            # (the CUDA backend's kernels, fenced, wrote nothing; the host hears of it at
+            # its next call, as of any kernel error)
+            buf.dispatch(x, handle=handle)
+            outcome = "finished"
+        except moe_comm.RankMaskedError:
+            outcome = "RankMaskedError"
+        with open(flag, "w") as f:        # the survivors look at their memory after this
+            f.write(outcome)
+        return outcome
+    _, out1, _ = _normal_step(buf, x, phy, pw)
+    mask = buf.active_ranks
+    # step 2 over the survivors; its received rows are held (heap views on the host backend)
+    # while the victim resumes and does whatever it still does
+    phy2, w2 = _route(idx, w, n, active=mask)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(phy2, _slots(n))
+    rx2, ri2, rw2, _, handle2, _ = buf.dispatch(x, topk_idx=phy2, topk_weights=w2,
+                                                num_tokens_per_rank=per_rank,
+                                                is_token_in_rank=in_rank,
+                                                num_tokens_per_expert=per_expert)
+    held = [t.clone() for t in (rx2, ri2, rw2)]
+    if rank == 0:
+        os.kill(pids[VICTIM], signal.SIGCONT)
+    deadline = time.monotonic() + 60.0
+    while not os.path.exists(flag) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    unchanged = all(torch.equal(a, b) for a, b in zip((rx2, ri2, rw2), held))
+    y = (rx2.float() * torch.where(ri2 >= 0, rw2, 0).sum(1, keepdim=True)).bfloat16()
+    out2, _, _ = buf.combine(y, handle2)
+    quarantined = getattr(buf._comm, "heap", None)
+    return {"mask": mask, "out1": out1, "out2": out2, "phy": phy, "unchanged": unchanged,
+            "flag": os.path.exists(flag),
+            "quarantined": quarantined.bytes_quarantined if quarantined else None}
+
+
+@pytest.mark.parametrize("point", ["between", "mid_write"])
+def test_a_frozen_rank_that_resumes_is_fenced(backend, point, tmp_path):
+    """The victim stops (SIGSTOP) past the deadline: between dispatch and combine, or in its
+    dispatch between the fence check and its write into a peer's granted region. The
+    survivors mask and fence it, run the next step and hold its received rows; then the
+    victim resumes. It raises RankMaskedError (between: before it writes anything; mid_write:
+    its pending write lands in the region granted to it, which the survivors quarantined),
+    and nothing the survivors hold changes."""
+    if point == "mid_write" and backend != "host":
+        pytest.skip("the emulated kernels have no point between the fence check and a write "
+                    "that a Python hook can stop at")
+    flag = str(tmp_path / "victim_done")
+    results = run_ranks(_late_writer_worker, R, point, flag, TIMEOUT, timeout=120)
+    assert results[VICTIM] == "RankMaskedError"
+    mask = torch.tensor([1, 1, 0, 1], dtype=torch.int32)
+    for r in (0, 1, 3):
+        got = results[r]
+        assert got["flag"] and got["unchanged"], (r, got)
+        assert torch.equal(got["mask"], mask), (r, got["mask"])
+        x, idx, w = _inputs(r)
+        want = _served_sum(x, got["phy"], _route(idx, w, R)[1], R, mask)
+        torch.testing.assert_close(got["out1"].float(), want, rtol=2e-2, atol=2e-2)
+        full = x.float() * torch.where(idx >= 0, w, 0).sum(1, keepdim=True)
+        torch.testing.assert_close(got["out2"].float(), full, rtol=2e-2, atol=2e-2)
+    if point == "mid_write":       # the receivers it had a grant from kept that region aside
+        assert any(results[r]["quarantined"] for r in (0, 1, 3))
