@@ -55,9 +55,12 @@ class Buffer:
         elastic: survive failed ranks: a peer that misses a deadline in any call is marked 0
             in :attr:`active_ranks` and the call completes with what the healthy ranks sent
             (nothing is sent to or awaited from a masked rank afterwards; combine sums only
-            healthy contributions). The survivors end every call with the same mask, at the
-            cost of one extra round of signal words per call (two for a dispatch with
-            notify). Every rank must issue calls (and receive hooks) in the same order.
+            healthy contributions). The survivors end every call with the same mask (an
+            agreement of flooding rounds that converges whenever ranks die, at any moment;
+            docs/ARCHITECTURE.md), at the cost of one round of signal words per call without
+            failures (two for a dispatch with notify). A rank its peers masked (frozen past
+            the deadline) raises :class:`moe_comm.RankMaskedError` once it resumes, before it
+            writes again. Every rank must issue calls (and receive hooks) in the same order.
         transport: how ranks on other hosts (machines or network namespaces) are reached:
             "auto" (the ``MOE_COMM_TRANSPORT`` environment variable, else, for CUDA tensors,
             IBGDA where every rank has NVSHMEM and a ConnectX NIC, else the host proxy of

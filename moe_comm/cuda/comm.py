@@ -481,8 +481,17 @@ class CudaComm:
             self.masked_out = True
         self.active.mul_((keep.to(self.device, non_blocking=True) != 0).to(torch.int32))
 
+    def _note_masked(self) -> None:
+        """A kernel found this rank fenced or dropped by the survivors (kErrMasked, read from
+        pinned memory without a synchronisation): this rank is out, in its own mask too."""
+        if self._alive and int(self._err[0]) == ERR_MASKED and not self.masked_out:
+            self.masked_out = True
+            self._enable_masking()
+            self.active[self.rank] = 0
+
     def active_ranks(self) -> torch.Tensor:
         """int32 [R] on the device (a copy; all ones while nothing was masked)."""
+        self._note_masked()
         if self.active is None:
             return torch.ones(self.num_ranks, dtype=torch.int32, device=self.device)
         return self.active.clone()
@@ -635,12 +644,13 @@ class CudaComm:
         :meth:`from_group` it is collective (``barrier``): every rank unmaps its peers, meets
         the others, then frees its own buffer, so no allocation is freed while a peer still
         maps it (or, across hosts, still sends to it). Pass ``barrier=False`` when peers are
-        gone (teardown after a failure); it is implied once a rank is masked (it may be dead:
-        a group barrier would fail)."""
+        gone (teardown after a failure); it is implied once a rank is masked, this one
+        included (it may be dead: a group barrier would fail; and the survivors skip it too)."""
         if not self._alive:
             return
+        self._note_masked()
         self._alive = False
-        barrier = barrier and self.group is not None and (
+        barrier = barrier and self.group is not None and not self.masked_out and (
             self.active is None or bool(self.active.all()))
         if self._host_buffers is not None:
             self._destroy_host_buffers(barrier)

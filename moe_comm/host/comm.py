@@ -17,8 +17,8 @@ to them travel on the same ordered channel, after the data. For ranks on this ho
 Rank health: ``active`` (bool [R]) holds the ranks still taking part. Waits skip inactive
 ranks and the modes send nothing to them. In elastic mode a rank that misses a deadline is
 marked inactive instead of raising, and :meth:`HostComm.agree` makes the survivors leave each
-call with the same mask (one all-to-all round of mask words: the AND of every survivor's
-view, and a survivor silent in that round is dropped too).
+call with the same mask (flooding rounds of mask words with an early decision), and fences the
+ranks it drops (their FENCE word: they raise RankMaskedError before they wait or write again).
 """
 from __future__ import annotations
 

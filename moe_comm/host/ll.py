@@ -19,7 +19,7 @@ combine call c (buffer b = c % 2):
 Inactive ranks get no messages and are not awaited; a source masked by a receive's deadline
 counts as having sent nothing, and rows from expert ranks masked before a combine receive
 are left out of the sums. In elastic mode each receive half ends with the survivors agreeing
-on the mask (one extra round of signal words).
+on the mask (one round of signal words without failures).
 """
 from __future__ import annotations
 
