@@ -7,8 +7,8 @@
 // early decision (docs/ARCHITECTURE.md "Agreement" says why it converges):
 //
 //   round r  push this rank's estimate (its view ANDed with every estimate heard so far) into
-//            MASK[r % 2][me] of every rank that was active when the call began (a rank that
-//            is only late still learns it was dropped); wait, one deadline plus a grace, for
+//            MASK[r % 2][me] of every rank the previous agreement kept (`told`: a rank masked
+//            since then, only late perhaps, still learns it was dropped); wait, one deadline plus a grace, for
 //            the round-r estimate of every rank it still listens to, or for a decision of
 //            this agreement from one of them; AND the estimates in, drop the silent ranks
 //            (they are no longer listened to).
@@ -35,11 +35,12 @@ constexpr int kMaxMaskWords = kMaxErrorRanks / kMaskBits;
 constexpr u64 kMaxEpoch = (1ull << 31) - 1;  // wire.MAX_EPOCH
 
 // grid 1, blockDim >= num_ranks (<= kMaxErrorRanks). active: the group's words (elastic);
-// call_active: a copy of them taken when the call began; mask_off: byte offset of MASK[0][0];
+// told: the ranks the previous agreement kept (updated here to this one's decision);
+// mask_off: byte offset of MASK[0][0];
 // decided_off: of DECIDED[seq % 2][0]; fence_off: of FENCE; row_stride: bytes between two
 // ranks' rows; tag0: the tag of round 1 (later rounds count on from it).
 MOE_DEVICE void agree_body(const u64* bases, int rank, int num_ranks, i64 timeout_ns,
-                           const ErrorSink err, i32* active, const i32* call_active,
+                           const ErrorSink err, i32* active, i32* told,
                            u64 mask_off, u64 decided_off, u64 fence_off, u64 row_stride,
                            int mask_words, u32 seq, u32 tag0, int max_rounds, i32* matrix) {
     __shared__ u32 estimate[kMaxMaskWords];
@@ -54,7 +55,7 @@ MOE_DEVICE void agree_body(const u64* bases, int rank, int num_ranks, i64 timeou
     const Transport t{bases, err};
     const Active live{active};
     const int p = threadIdx.x;
-    const bool tell = p < num_ranks && p != rank && call_active[p];
+    const bool tell = p < num_ranks && p != rank && told[p];
     const u64 round_rows = (u64)num_ranks * row_stride;  // one parity of MASK
     if (p == 0) {
         aborted = err.aborted();  // one reading: every thread leaves, or none
@@ -99,21 +100,30 @@ MOE_DEVICE void agree_body(const u64* bases, int rank, int num_ranks, i64 timeou
             const u64* row = (const u64*)((u8*)bases[rank] + parity_off + (u64)p * row_stride);
             const u64* dec = (const u64*)((u8*)bases[rank] + decided_off + (u64)p * row_stride);
             const u64 deadline = globaltimer_ns() + (u64)timeout_ns;
-            u32 got[kMaxMaskWords];
             while (decided_by < 0 && pending > 0) {
-                int w = 0;
-                for (; w < mask_words; ++w) {
-                    const i64 v = t.poll_local(dec + w, seq);
-                    if (v < 0) break;
-                    got[w] = (u32)v;
+                // every word each time, fully unrolled: `got` stays in registers
+                u32 got[kMaxMaskWords];
+                bool complete = true;
+#pragma unroll
+                for (int w = 0; w < kMaxMaskWords; ++w) {
+                    got[w] = 0;
+                    if (w < mask_words) {
+                        const i64 v = t.poll_local(dec + w, seq);
+                        complete = complete && v >= 0;
+                        got[w] = (u32)v;
+                    }
                 }
-                if (w == mask_words) {
-                    if (atomicCAS((int*)&decided_by, -1, p) == -1)
-                        for (w = 0; w < mask_words; ++w) decision[w] = got[w];
+                if (complete) {
+                    if (atomicCAS((int*)&decided_by, -1, p) == -1) {
+#pragma unroll
+                        for (int w = 0; w < kMaxMaskWords; ++w)
+                            if (w < mask_words) decision[w] = got[w];
+                    }
                     break;
                 }
                 if (!heard[p]) {
-                    for (w = 0; w < mask_words; ++w) {
+                    int w = 0;
+                    for (; w < mask_words; ++w) {
                         const i64 v = t.poll_local(row + w, row_tag);
                         if (v < 0) break;
                         row_of[p][w] = (u32)v;
@@ -162,6 +172,7 @@ MOE_DEVICE void agree_body(const u64* bases, int rank, int num_ranks, i64 timeou
         if (!keep[p]) t.signal(p, fence_off, tag(seq, (u32)rank + 1));  // a late rank stops
     }
     if (p < num_ranks && !keep[p]) live.drop(p);
+    if (p < num_ranks) told[p] = keep[p];
     if (p == 0 && !keep[rank]) err.report(kErrMasked, seq, rank, 0);
     for (int i = p; matrix && i < num_ranks * num_ranks; i += blockDim.x)
         if (!keep[i / num_ranks] || !keep[i % num_ranks]) matrix[i] = 0;

@@ -83,9 +83,9 @@ MOE_REDUCE_KERNEL(moe_combine_reduce_f32, F32, MOE_THREADS_COMBINE_REDUCE_F32)
 // use it too (it does not depend on R)
 MOE_KERNEL void __launch_bounds__(MOE_THREADS_AGREE, 1)
 moe_agree(const u64* bases, i64 rank, i64 num_ranks, i64 timeout_ns, MOE_ERROR_ARGS, i32* active,
-          const i32* call_active, i64 mask_off, i64 decided_off, i64 fence_off, i64 row_stride,
+          i32* told, i64 mask_off, i64 decided_off, i64 fence_off, i64 row_stride,
           i64 mask_words, i64 seq, i64 tag0, i64 max_rounds, i32* matrix) {
-    agree_body(bases, (int)rank, (int)num_ranks, timeout_ns, MOE_ERRORS, active, call_active,
+    agree_body(bases, (int)rank, (int)num_ranks, timeout_ns, MOE_ERRORS, active, told,
                (u64)mask_off, (u64)decided_off, (u64)fence_off, (u64)row_stride, (int)mask_words,
                (u32)seq, (u32)tag0, (int)max_rounds, matrix);
 }

@@ -178,7 +178,7 @@ class CudaComm:
         # telling the kernels whether a missed deadline masks (elastic) or is reported
         self.elastic = bool(elastic)
         self.active = None
-        self.call_active = None          # elastic: `active` when the current call began
+        self.told = None                 # elastic: the ranks the last agreement kept
         self.masked_out = False          # this rank was masked by a mask the host knows
         self.agree_seq = 0
         if self.elastic:
@@ -456,7 +456,7 @@ class CudaComm:
         words = torch.ones(1 + self.num_ranks, dtype=torch.int32, device=self.device)
         words[0] = int(self.elastic)
         self.active = words[1:]                 # the view keeps word 0 alive
-        self.call_active = torch.ones(self.num_ranks, dtype=torch.int32, device=self.device)
+        self.told = torch.ones(self.num_ranks, dtype=torch.int32, device=self.device)
 
     def mask(self, ranks, why: str) -> None:
         """Mask ``ranks`` (a list the host knows, e.g. from set_active_ranks), on the current
@@ -496,16 +496,13 @@ class CudaComm:
             return torch.ones(self.num_ranks, dtype=torch.int32, device=self.device)
         return self.active.clone()
 
-    def begin_call(self, agrees: bool = True) -> None:
+    def begin_call(self) -> None:
         """Start one call (or one half of a low-latency call): raise a pending error, refuse
-        a rank masked out, and (elastic, for a call that ends in a mask agreement) remember
-        who was active at the start, whom the agreement also tells."""
+        a rank masked out."""
         self.check()
         if self.masked_out:
             raise RankMaskedError(f"rank {self.rank} is masked out of this Buffer "
                                   "(active_ranks[rank] == 0); a new Buffer is needed to rejoin")
-        if self.elastic and agrees:
-            self.call_active.copy_(self.active)
 
     def group_args(self):
         """(bases, rank, data offset, data bytes, timeout, active or None) - the normal-mode

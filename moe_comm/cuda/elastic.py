@@ -39,6 +39,6 @@ def agree(comm: CudaComm, op: str, matrix=None) -> None:
     wait_ns = comm.timeout_ns + min(comm.timeout_ns, AGREE_GRACE_NS)
     seq, R = comm.agree_seq, comm.num_ranks
     launch(k["moe_agree"], 1, THREADS["moe_agree"], comm.bases, comm.rank, R,
-           wait_ns, *comm.error_args(op), comm.active, comm.call_active, lay.mask(0, 0) * 8,
+           wait_ns, *comm.error_args(op), comm.active, comm.told, lay.mask(0, 0) * 8,
            lay.decided(seq % 2, 0) * 8, lay.fence * 8, row_stride, lay.mask_words, seq,
            agree_round_tag(seq, 1, R), agree_rounds(R), matrix, device=comm.device)

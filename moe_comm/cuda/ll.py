@@ -86,7 +86,7 @@ def dispatch_send(comm: CudaComm, *, x, topk_idx, lay: LLLayout, use_fp8: bool,
                   round_scale: bool, buffer_key) -> CudaLowLatencyHandle:
     """Post this rank's messages: ``x`` bf16 [T, H], ``topk_idx`` int64 [T, K] (-1 = unused).
     Returns the handle (completed by :func:`dispatch_recv`)."""
-    comm.begin_call(agrees=False)     # only the receive halves agree
+    comm.begin_call()
     num_tokens, hidden = x.shape
     topk = topk_idx.shape[1]
     _check(comm, lay, hidden, num_tokens, topk, use_fp8)
@@ -163,7 +163,7 @@ def combine_send(comm: CudaComm, *, x, handle: CudaLowLatencyHandle, lay: LLLayo
     """Send every received row of ``x`` bf16 [E/R, R*M, H] back to its owner's combine rows,
     in the owner's message order (one contiguous run per owner). Returns ``(seq, buf)`` for
     :func:`combine_recv`."""
-    comm.begin_call(agrees=False)
+    comm.begin_call()
     if x.dtype != torch.bfloat16:
         raise TypeError(f"low-latency combine takes bf16 x, got {x.dtype}")
     comm.ll_seq["combine"] += 1

@@ -124,7 +124,7 @@ class HostComm:
                                             kind=transport, timeout_s=self.timeout_s)
         self.ll_seq = {"dispatch": 0, "combine": 0}
         self.ll_base = {"dispatch": 0, "combine": 0}
-        self._call_active = self.active.copy()
+        self._told = self.active.copy()     # whom agreements tell: the last decision
         self.heap = PageHeap(self._own.bytes, self.heap_offset, self.heap_bytes)
 
     # -- primitives -----------------------------------------------------------------------
@@ -139,7 +139,6 @@ class HostComm:
                                   "(active_ranks[rank] == 0); a new Buffer is needed to rejoin")
         self.check_fence()
         self._deadline = time.monotonic() + self.timeout_s
-        self._call_active = self.active.copy()
         if self.transport is not None:
             # staging mirrors are about to be rewritten: earlier puts must have left them
             lost = self.transport.flush(raise_on_timeout=not self.elastic)
@@ -213,27 +212,29 @@ class HostComm:
 
         Flooding rounds with early decision (docs/ARCHITECTURE.md "Agreement" has why it
         converges). Round ``r``: push this rank's estimate (its view ANDed with every
-        estimate heard so far) to every rank active when the call began, wait for the
+        estimate heard so far) to every rank the previous agreement kept, wait for the
         estimate of every rank it still listens to, AND them in, and drop the ranks that were
         silent. A round in which nobody it listens to was silent decides: the rank writes its
         decision to everyone and leaves. A rank that reads a peer's decision while waiting
         takes it, writes it on, and leaves. Each round loses a rank or decides, so an
         agreement ends after at most ``agree_rounds(R)`` rounds.
 
-        Round 1 waits until the call's deadline plus ``AGREE_GRACE_S`` (a healthy peer may
-        arrive a whole deadline late, having timed out on a rank whose signals reached this
-        one); a later round waits one deadline plus the grace from its start (a peer may
-        have spent the previous round waiting for a rank that died in it). The rest of the
+        Each round waits one deadline plus ``AGREE_GRACE_S`` from its start (round 1: or
+        until the call's deadline plus the grace, if later): a healthy peer may arrive a
+        whole deadline late, having timed out on a rank whose signals reached this one, or
+        having spent the previous round waiting for a rank that died in it. The rest of the
         call then gets a fresh deadline. The survivors write FENCE into the header of every
-        rank the decision drops."""
+        rank the decision drops; rows go to every rank the previous agreement kept."""
         lay, me, R = self.layout, self.rank, self.num_ranks
         self.agree_seq = self.agree_seq % MAX_EPOCH + 1
         seq = self.agree_seq
-        tell = [p for p in np.flatnonzero(self._call_active).tolist() if p != me]
+        # told: every rank the last agreement kept, so a rank masked since then (by a wait
+        # of this call or of an earlier one that raised before agreeing) is told and fenced
+        tell = [p for p in np.flatnonzero(self._told).tolist() if p != me]
         estimate = self.active.copy()
         listen = [p for p in np.flatnonzero(estimate).tolist() if p != me]
         grace = min(self.timeout_s, AGREE_GRACE_S)
-        deadline = max(self._deadline, time.monotonic()) + grace
+        deadline = max(self._deadline, time.monotonic() + self.timeout_s) + grace
         decision = None
         for rnd in range(1, agree_rounds(R) + 1):
             row_tag = agree_round_tag(seq, rnd, R)
@@ -260,6 +261,7 @@ class HostComm:
         for p in dropped:                   # a late rank stops before it writes again
             self.signal(p, lay.fence, seq, me + 1)
         self.mask(np.flatnonzero(~decision & self.active).tolist(), op + ": agreed by survivors")
+        self._told = self.active.copy()
         self._deadline = time.monotonic() + self.timeout_s
         if not self.active[me]:
             raise RankMaskedError(f"{op}: rank {me} was masked out by its peers (it missed "
@@ -277,13 +279,17 @@ class HostComm:
         while True:
             self.check_fence()
             for p in listen:
-                # a decision first, from any peer (one already heard too): it has left
-                if (tag_epoch(decided[p]) == seq).all():
+                # a decision first, from any peer (one already heard too): it has left.
+                # (Each row is read once: its tags and values come from the same load.)
+                words = decided[p].copy()
+                if (tag_epoch(words) == seq).all():
                     atomics.acquire()
-                    return heard, mask_bits(tag_value(decided[p]), self.num_ranks)
-                if p not in heard and (tag_epoch(rows[p]) == row_tag).all():
-                    atomics.acquire()
-                    heard[p] = tag_value(rows[p]).copy()
+                    return heard, mask_bits(tag_value(words), self.num_ranks)
+                if p not in heard:
+                    words = rows[p].copy()
+                    if (tag_epoch(words) == row_tag).all():
+                        atomics.acquire()
+                        heard[p] = tag_value(words)
             if len(heard) == len(listen) or time.monotonic() > deadline:
                 if len(heard) < len(listen):
                     log.warning("moe_comm rank %d: %s round %d: no word from rank(s) %s",
