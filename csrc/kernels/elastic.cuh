@@ -8,9 +8,9 @@
 //
 //   round r  push this rank's estimate (its view ANDed with every estimate heard so far) into
 //            MASK[r % 2][me] of every rank the previous agreement kept (`told`: a rank masked
-//            since then, only late perhaps, still learns it was dropped); wait, one deadline plus a grace, for
-//            the round-r estimate of every rank it still listens to, or for a decision of
-//            this agreement from one of them; AND the estimates in, drop the silent ranks
+//            since then, only late perhaps, still learns it was dropped); wait, one deadline
+//            plus a grace, for the round-r estimate of every rank it still listens to, or for
+//            a decision of this agreement from one of them; AND the estimates in, drop the silent ranks
 //            (they are no longer listened to).
 //   decide   a round in which nobody it listens to was silent decides its estimate; a rank
 //            that reads a peer's decision takes it. Either way it writes the decision into

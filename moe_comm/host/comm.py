@@ -237,9 +237,9 @@ class HostComm:
         deadline = max(self._deadline, time.monotonic() + self.timeout_s) + grace
         decision = None
         for rnd in range(1, agree_rounds(R) + 1):
-            row_tag = agree_round_tag(seq, rnd, R)
+            row_tag, row = agree_round_tag(seq, rnd, R), mask_words(estimate)
             for p in tell:
-                self.signal(p, lay.mask(rnd % 2, me), row_tag, mask_words(estimate))
+                self.signal(p, lay.mask(rnd % 2, me), row_tag, row)
             heard, decision = self._agree_round(listen, rnd, seq, row_tag, deadline,
                                                 op + "/agree")
             if decision is not None:
@@ -255,8 +255,9 @@ class HostComm:
             deadline = time.monotonic() + self.timeout_s + grace
         if decision is None:             # every rank it listened to went silent: alone
             decision = estimate
+        row = mask_words(decision)
         for p in tell:
-            self.signal(p, lay.decided(seq % 2, me), seq, mask_words(decision))
+            self.signal(p, lay.decided(seq % 2, me), seq, row)
         dropped = [p for p in tell if not decision[p]]
         for p in dropped:                   # a late rank stops before it writes again
             self.signal(p, lay.fence, seq, me + 1)

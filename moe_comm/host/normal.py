@@ -175,7 +175,7 @@ def _quarantine_if_late(comm, epoch, page, dones) -> None:
     if late and page is not None and page not in comm.heap.quarantined:
         comm.heap.quarantine(page)
         log.warning("moe_comm rank %d: %d bytes of the heap quarantined: granted to rank(s) "
-                    "%s, masked before they finished writing", comm.rank,
+                    "%s, whose DONE never came", comm.rank,
                     comm.heap.quarantined[page] * PAGE, late)
 
 
