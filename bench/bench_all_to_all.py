@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import moe_comm  # noqa: E402
-from moe_comm.launch import run_ranks  # noqa: E402
+from moe_comm.testing.processes import run_ranks
 from moe_comm.wire import LL_MAX_TOPK  # noqa: E402
 
 COLUMNS = ("mode", "ranks", "tokens", "hidden", "topk", "experts", "dtype", "dispatch_us",
@@ -341,7 +341,7 @@ def run_cases(cases, iters, backend="host", *, launcher=run_ranks, on_row=None,
     """Run ``cases`` (dicts from build_cases) one after another and return their rows, in
     order. ``launcher(fn, n, *args, timeout=...)`` runs ``fn(rank, n, *args)`` on ``n`` ranks
     joined by a default process group and returns the per-rank results; the default,
-    moe_comm.launch.run_ranks, forks local processes. A runner over several machines passes
+    moe_comm.testing.processes.run_ranks, forks local processes. A runner over several machines passes
     its own. ``on_row(row)`` sees each row as soon as it is done; ``progress``: a Progress."""
     rows = []
     for i, case in enumerate(cases):
@@ -649,9 +649,9 @@ def _prepare_output(path):
 
 
 def _hosts_launcher(p, hosts, backend, cases):
-    """A run_cases launcher placing ranks on ``hosts`` network namespaces (moe_comm.netns),
+    """A run_cases launcher placing ranks on ``hosts`` network namespaces (moe_comm.testing.netns),
     ranks / hosts on each; ranks on different hosts go through the host proxy over TCP."""
-    from moe_comm import netns
+    from moe_comm.testing import netns
     why = netns.available()
     if why is not None:
         p.error(f"--hosts needs network namespaces: {why}")

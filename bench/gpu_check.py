@@ -8,7 +8,7 @@
 Steps, each in a fresh process with a deadline (the whole run stays within --budget seconds;
 each step's deadline shrinks to what is left, keeping some for the steps after it):
 
-1. build     every kernel variant (moe_comm.cuda.variants.all_variants) compiled with NVRTC
+1. build     every kernel variant (moe_comm.jit.variants.all_variants) compiled with NVRTC
              for this GPU's arch, in parallel threads, into one cache folder that every step
              then reads (MOE_COMM_CACHE_DIR); with nvshmem4py installed also the IBGDA builds
              (nvcc + NVSHMEM) that the NVSHMEM tests load.
@@ -198,14 +198,14 @@ def make_inputs(shape, mode, tokens, dtype, rank, device):
 
 def ll_variants(hidden):
     """The 7 LL programs of one hidden size (what tests/cuda_cases.preload builds for it)."""
-    from moe_comm.cuda import variants as V
+    from moe_comm.jit import variants as V
     flags = ((False, False), (True, False), (True, True))
     return ([V.ll_dispatch_send(hidden, a, b) for a, b in flags] +
             [V.ll_dispatch_recv(hidden, a, b) for a, b in flags] + [V.ll_combine(hidden)])
 
 
 def timing_variants(shape):
-    from moe_comm.cuda import variants as V
+    from moe_comm.jit import variants as V
     return [V.intranode(shape.ranks)] + ll_variants(shape.hidden)
 
 
@@ -257,7 +257,7 @@ def _time_gated(ops, comms, iters):
 def _time_threads(ops, comms, iters, timeout):
     """Emulator: a launch returns when its kernel is done, so each rank's thread times its own
     calls with perf_counter; a barrier after the warm-up starts them together."""
-    from moe_comm.cuda.local import run_local
+    from moe_comm.testing.local_cuda import run_local
     start = threading.Barrier(len(ops))
 
     def rank(comm):
@@ -274,7 +274,7 @@ def _time_threads(ops, comms, iters, timeout):
 
 def time_normal(comms, shape, spec, iters, timeout):
     from moe_comm.cuda import normal as cn
-    from moe_comm.cuda.local import run_local
+    from moe_comm.testing.local_cuda import run_local
     _, tokens, dtype = spec
     dev, H = comms[0].device, shape.hidden
     ins = [make_inputs(shape, "normal", tokens, dtype, r, dev) for r in range(shape.ranks)]
@@ -316,7 +316,7 @@ def time_normal(comms, shape, spec, iters, timeout):
 
 def time_ll(comms, shape, spec, iters, timeout):
     from moe_comm.cuda import ll as cll
-    from moe_comm.cuda.local import run_local
+    from moe_comm.testing.local_cuda import run_local
     from moe_comm.wire import LLLayout
     _, tokens, dtype = spec
     dev, fp8, R, H = comms[0].device, dtype == "fp8", shape.ranks, shape.hidden
@@ -415,7 +415,7 @@ def spec_row(shape, spec):
 def run_timing(shape, device, iters, comm_timeout, injected):
     """One row per spec, each written to the log when done; a spec that fails records its
     error and the next one runs. Returns the exit code."""
-    from moe_comm.cuda.compiler import preload
+    from moe_comm.jit.nvrtc import preload
     ok = True
     emit("meta", device=device_name(device), torch=torch.__version__,
          ranks_as=(f"{shape.ranks} CUDA streams of one process (threads) on one GPU"
@@ -542,7 +542,7 @@ def _ll_baseline(shape, x, idx, w, tokens, fp8):
 
 
 def _baseline_rank(rank, n, shape, spec, iters, device_type):
-    """One spec on one rank (a forked process of moe_comm.launch.run_ranks)."""
+    """One spec on one rank (a forked process of moe_comm.testing.processes.run_ranks)."""
     import torch.distributed as dist
     dev = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
     if dev.type == "cuda":
@@ -571,7 +571,7 @@ def _baseline_rank(rank, n, shape, spec, iters, device_type):
 def run_baseline(shape, device_type, which, iters, deadline, injected):
     """One spec at a time, each its own set of processes with its own deadline (a fair share of
     what is left), so a spec that fails or hangs costs only its share. Returns the exit code."""
-    from moe_comm.launch import run_ranks
+    from moe_comm.testing.processes import run_ranks
     specs = [s for s in shape.specs if which == "all" or s[0] == "ll"]
     end, ok, staged = time.monotonic() + deadline, True, False
     for i, spec in enumerate(specs):
@@ -604,11 +604,11 @@ def _nvshmem_missing():
 def build_jobs(shape, dry_run):
     """(label, function) per program this run loads."""
     if dry_run:
-        from moe_comm.cuda import emulator
+        from moe_comm.jit import emulator
         return [(f"{v.label} (emulator)", functools.partial(emulator.build, v))
                 for v in timing_variants(shape)]
-    from moe_comm.cuda import variants as V
-    from moe_comm.cuda.compiler import compile_cubin, device_arch
+    from moe_comm.jit import variants as V
+    from moe_comm.jit.nvrtc import compile_cubin, device_arch
     arch = device_arch(torch.device("cuda", 0))
     jobs = [(f"{v.label} {arch}", functools.partial(compile_cubin, v, arch))
             for v in V.all_variants()]
@@ -616,7 +616,7 @@ def build_jobs(shape, dry_run):
     if why:
         emit("note", note=f"IBGDA builds skipped: {why}")
         return jobs
-    from moe_comm.ibgda.build import build_cubin, kernel_program, selftest_program
+    from moe_comm.jit.nvcc import build_cubin, kernel_program, selftest_program
     # what tests/test_ibgda_gpu.py and test_two_processes_through_nvshmem load (2 ranks,
     # generic hidden size)
     programs = [selftest_program(), kernel_program(V.intranode(2))] + \
@@ -789,7 +789,7 @@ def step_env(args, cache, extra=(), cap_deadlines=True):
     return env
 
 
-# ranks as threads of one process on a GPU: see moe_comm/cuda/local.py
+# ranks as threads of one process on a GPU: see moe_comm/testing/local_cuda.py
 EAGER = {"CUDA_MODULE_LOADING": "EAGER", "CUDA_DEVICE_MAX_CONNECTIONS": "32"}
 LAZY = {"CUDA_MODULE_LOADING": "LAZY"}
 
@@ -1003,7 +1003,7 @@ def orchestrate(args):
 def _device_problem(args):
     if args.dry_run:
         try:
-            from moe_comm.cuda import emulator
+            from moe_comm.jit import emulator
             found = emulator.available()
         except Exception as e:  # noqa: BLE001 - reported as the run's problem
             return f"the kernel emulator does not load: {type(e).__name__}: {e}"
@@ -1058,7 +1058,7 @@ def parse_args(argv):
         args.comm_timeout = 30.0 if args.dry_run else 10.0
     if args.cache_dir is None:
         # a bare GPU machine: somewhere surely writable, not $OUT; the dry run shares
-        # moe_comm.cuda.compiler.cache_dir()'s default with the emulator tests (CI builds once)
+        # moe_comm.jit.nvrtc.cache_dir()'s default with the emulator tests (CI builds once)
         args.cache_dir = os.environ.get("MOE_COMM_CACHE_DIR") or (
             os.path.join(os.path.expanduser("~"), ".cache", "moe_comm", "kernels")
             if args.dry_run else "/tmp/moe_comm_gpu_check/kernels")

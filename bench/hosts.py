@@ -1,6 +1,6 @@
 """Inter-host bandwidth on one machine: raw TCP vs the host proxy over TCP, same run.
 
-Two network namespaces joined by veth (``moe_comm.netns``), one rank in each. Rank 0 sends
+Two network namespaces joined by veth (``moe_comm.testing.netns``), one rank in each. Rank 0 sends
 ``total`` bytes to rank 1 twice per round:
 
 - raw: a plain socket stream, ``sendall`` of put-sized writes capped at the proxy's write
@@ -31,8 +31,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from moe_comm.host import atomics  # noqa: E402
-from moe_comm.netns import Hosts, available  # noqa: E402
+from moe_comm.shm import atomics
+from moe_comm.testing.netns import Hosts, available
 from moe_comm.transport import open_transport  # noqa: E402
 from moe_comm.transport.tcp import CALL_BYTES  # noqa: E402
 from moe_comm.wire import tag  # noqa: E402

@@ -18,7 +18,7 @@ from .layout import aligned_expert_counts, dispatch_layout
 
 def emulate_cuda() -> bool:
     """``MOE_COMM_CPU_BACKEND=emulator``: a Buffer on the CPU drives the CUDA backend with its
-    kernels in the CPU kernel emulator (moe_comm/cuda/emulator.py) instead of the host
+    kernels in the CPU kernel emulator (moe_comm/jit/emulator.py) instead of the host
     backend. For testing the CUDA backend's Buffer path without a GPU; slow."""
     return os.environ.get("MOE_COMM_CPU_BACKEND", "") == "emulator"
 
@@ -89,7 +89,7 @@ class HostBackend:
 
 class CudaBackend:
     """GPU tensors: kernels on torch's current stream, peers of one node through CUDA IPC,
-    ranks on other hosts through the kernels' host proxy (moe_comm/cuda/proxy.py)."""
+    ranks on other hosts through the kernels' host proxy (moe_comm/cuda/kernel_proxy.py)."""
 
     def __init__(self, group, num_nvl_bytes, num_rdma_bytes, timeout_s, *, device, elastic,
                  transport):

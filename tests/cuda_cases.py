@@ -3,7 +3,7 @@
 cases, the same rank bodies, only the device differs.
 
 How ranks share the one device: as threads of this process (``CudaComm.local_group`` +
-``moe_comm.cuda.local.run_local``), each with its own CUDA stream on a GPU, so a rank spinning
+``moe_comm.testing.local_cuda.run_local``), each with its own CUDA stream on a GPU, so a rank spinning
 on a peer's signal never stalls the peer (processes on one GPU would time-slice without MPS);
 on the emulator each launch runs on CPU threads while the GIL is released.
 
@@ -69,7 +69,7 @@ def group(n, device, ll_bytes=0, timeout_s=None, elastic=False, network=0):
 
 
 def run(fn, comms, *args):
-    from moe_comm.cuda.local import run_local
+    from moe_comm.testing.local_cuda import run_local
     try:
         return run_local(fn, comms, *args, timeout=outer_timeout(600))
     finally:
@@ -80,8 +80,8 @@ def run(fn, comms, *args):
 def preload(device, n, hiddens=(), ll=False, network=0):
     """Load every variant the cases use before ranks start waiting on each other (on the
     emulator: build them, two at a time; `network` (hosts, see group): the IBGDA builds)."""
-    from moe_comm.cuda import variants
-    from moe_comm.cuda.compiler import preload as load
+    from moe_comm.jit import variants
+    from moe_comm.jit.nvrtc import preload as load
     vs = [variants.intranode(n)]
     for h in hiddens if ll else ():
         for fp8, flag in ((False, False), (True, False), (True, True)):
@@ -91,7 +91,7 @@ def preload(device, n, hiddens=(), ll=False, network=0):
     device = torch.device(device)
     if device.type == "cpu":
         from concurrent.futures import ThreadPoolExecutor
-        from moe_comm.cuda.emulator import build, load_kernels
+        from moe_comm.jit.emulator import build, load_kernels
         with ThreadPoolExecutor(2) as pool:
             list(pool.map(lambda v: build(v, bool(network)), dict.fromkeys(vs)))
         if network:
@@ -344,7 +344,7 @@ def check_ll_in_flight(n, device, iters=7):
 
 def check_silent_rank(mode, device, network=0):
     """Rank 1 never calls: rank 0 gets CommTimeoutError naming it, within the deadline."""
-    from moe_comm.cuda.local import run_local
+    from moe_comm.testing.local_cuda import run_local
     preload(device, 2, {256}, ll=True, network=network)
     comms = group(2, device, LLLayout(4, 256, 2, 8).nbytes, timeout_s=deadline(2.0),
                   network=network)
@@ -370,7 +370,7 @@ def _elastic_rank(comm, case, steps, silent="start"):
     import time
 
     from moe_comm.cuda import normal as cn
-    from moe_comm.cuda import variants
+    from moe_comm.jit import variants
     from moe_comm.cuda.elastic import agree
     if comm.rank == SILENT:
         if silent != "start":

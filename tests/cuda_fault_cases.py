@@ -24,7 +24,7 @@ import torch
 
 from cuda_cases import deadline, outer_timeout, preload
 from moe_comm.cuda.comm import CudaComm, CudaCommError
-from moe_comm.cuda.local import run_local
+from moe_comm.testing.local_cuda import run_local
 from moe_comm.wire import LLLayout
 
 TIMEOUT_S = deadline(30.0)

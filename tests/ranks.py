@@ -1,2 +1,2 @@
 """Tests start ranks with the package's launcher (real processes, gloo group, deadline)."""
-from moe_comm.launch import RankFailure, run_ranks  # noqa: F401
+from moe_comm.testing.processes import RankFailure, run_ranks

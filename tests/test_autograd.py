@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from moe_comm import Buffer, MoELayer
-from moe_comm import autograd as ag
+from moe_comm.nn import autograd as ag
 from ranks import run_ranks
 from test_moe_layer import dense_moe, full_weights
 

@@ -13,7 +13,7 @@ import cuda_cases
 import test_low_latency as LL
 import test_normal_mode as NM
 from checks import check_ll, check_normal
-from moe_comm.cuda import emulator
+from moe_comm.jit import emulator
 from ranks import run_ranks
 
 pytestmark = pytest.mark.skipif(not emulator.available(),

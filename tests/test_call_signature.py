@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import moe_comm
-from moe_comm.cuda import emulator
+from moe_comm.jit import emulator
 from ranks import run_ranks
 
 R, E, K, H, T = 3, 6, 2, 256, 12

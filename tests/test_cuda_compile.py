@@ -2,7 +2,7 @@
 the block it is launched with.
 
 Runs on CPU-only CI: NVRTC (the ``nvidia-cuda-nvrtc`` wheel, through cuda.core) compiles to
-cubin without a driver. It uses the library's own compile path (moe_comm.cuda.compiler) with
+cubin without a driver. It uses the library's own compile path (moe_comm.jit.nvrtc) with
 warnings promoted to errors, into a fresh cache folder so nothing is taken from an earlier run.
 Never touches a driver: no ObjectCode repr, no get_kernel (see shared/TOOLING.md).
 """
@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from moe_comm.cuda import resources, variants
+from moe_comm.jit import resources, variants
 
 ARCHS = ("sm_90", "sm_100")
 
@@ -44,9 +44,9 @@ def test_every_variant_compiles_and_fits_its_launch_block(arch, fresh_cache):
     """No warnings (spills are warnings: --warn-on-spills), and every kernel can launch with
     the block the library uses: registers x threads within the register file, static shared
     memory, no stack frame, and compiled with __launch_bounds__ of that block
-    (moe_comm/cuda/resources.py, read from the cubin)."""
+    (moe_comm/jit/resources.py, read from the cubin)."""
     version = _nvrtc_or_skip()
-    from moe_comm.cuda.compiler import KernelCompileError, compile_cubin
+    from moe_comm.jit.nvrtc import KernelCompileError, compile_cubin
     todo = variants.all_variants()
     failures = []
 
@@ -93,7 +93,7 @@ def _with_includes(path, seen=None) -> str:
 
 
 def test_every_listed_kernel_is_defined_in_its_source():
-    from moe_comm.cuda.compiler import kernel_dir
+    from moe_comm.jit.nvrtc import kernel_dir
     for v in set(variants.all_variants()):
         text = _with_includes(kernel_dir() / v.source)
         defined = set(re.findall(r"MOE_KERNEL void __launch_bounds__\([^)]*\)\s+(\w+)\(",
@@ -103,7 +103,7 @@ def test_every_listed_kernel_is_defined_in_its_source():
 
 def test_cache_reuses_cubins_and_keys_on_sources(fresh_cache, tmp_path, monkeypatch):
     _nvrtc_or_skip()
-    from moe_comm.cuda import compiler
+    from moe_comm.jit import nvrtc as compiler
     v = variants.ll_combine(7168)
     first = compiler.compile_cubin(v, "sm_90")
     files = list(fresh_cache.iterdir())
@@ -123,7 +123,7 @@ def test_cache_reuses_cubins_and_keys_on_sources(fresh_cache, tmp_path, monkeypa
 
 def test_warnings_and_errors_are_reported(fresh_cache, tmp_path, monkeypatch):
     _nvrtc_or_skip()
-    from moe_comm.cuda import compiler
+    from moe_comm.jit import nvrtc as compiler
     copy = tmp_path / "kernels"
     shutil.copytree(compiler.kernel_dir(), copy)
     monkeypatch.setenv("MOE_COMM_KERNEL_DIR", str(copy))

@@ -1,5 +1,5 @@
 """The CUDA backend - csrc/kernels and moe_comm/cuda/*.py - on the CPU kernel emulator
-(moe_comm/cuda/emulator.py), checked against moe_comm.reference with the GPU tests' cases
+(moe_comm/jit/emulator.py), checked against moe_comm.reference with the GPU tests' cases
 (tests/cuda_cases.py). Runs wherever a C++17 compiler is; the GPU remains the judge of what
 the emulator does not model (csrc/emu/cuda_emu.h: warp-synchronous code, weak ordering).
 
@@ -14,7 +14,7 @@ import cuda_cases as C
 import cuda_fault_cases as F
 
 pytestmark = pytest.mark.skipif(
-    not __import__("moe_comm.cuda.emulator", fromlist=["available"]).available(),
+    not __import__("moe_comm.jit.emulator", fromlist=["available"]).available(),
     reason="the kernel emulator needs a C++ compiler (g++)")
 
 CPU = torch.device("cpu")
@@ -112,7 +112,7 @@ extern "C" __global__ void fine(unsigned long long* out) {
 
 
 def test_stuck_barrier_is_an_error_not_a_hang(tmp_path):
-    from moe_comm.cuda import emulator
+    from moe_comm.jit import emulator
     src = tmp_path / "stuck.cu"
     src.write_text(STUCK)
     k = emulator.load_library(emulator.build_source(src), ("stuck", "fine"))
@@ -126,7 +126,7 @@ def test_stuck_barrier_is_an_error_not_a_hang(tmp_path):
 def test_shuffled_schedule_exposes_a_warp_race(tmp_path, monkeypatch):
     """In thread order lane 0 always writes before lane 1 reads; shuffled, some blocks read
     first - the kind of bug a GPU shows only sometimes."""
-    from moe_comm.cuda import emulator
+    from moe_comm.jit import emulator
     src = tmp_path / "stuck.cu"
     src.write_text(STUCK)
     k = emulator.load_library(emulator.build_source(src), ("racy",))["racy"]

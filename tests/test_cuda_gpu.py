@@ -8,7 +8,7 @@ deployment path.
 
 Set CUDA_MODULE_LOADING=EAGER and CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA initialises (done
 below when this module is imported first; bench/gpu_check.py sets them for the process): see
-moe_comm/cuda/local.py.
+moe_comm/testing/local_cuda.py.
 """
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ def test_two_processes_through_nvshmem():
 
 
 def _two_processes(transport):
-    from moe_comm.launch import free_port
+    from moe_comm.testing.processes import free_port
     n = 2
     normal_cases = [c for c in C.normal_cases(n) if c["routing"] == "random"][:2]
     ll_cases = C.ll_cases(n)[:2]

@@ -17,8 +17,8 @@ from moe_comm.cuda import elastic as cel
 from moe_comm.cuda import ll as cll
 from moe_comm.cuda import normal as cn
 from moe_comm.cuda.comm import CudaComm
-from moe_comm.cuda.compiler import kernel_dir
-from moe_comm.cuda.variants import THREADS
+from moe_comm.jit.nvrtc import kernel_dir
+from moe_comm.jit.variants import THREADS
 from moe_comm.wire import LLLayout
 
 

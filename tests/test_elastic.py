@@ -25,10 +25,10 @@ import torch.distributed as dist
 
 import moe_comm
 from moe_comm import eplb
-from moe_comm.cuda import emulator
+from moe_comm.jit import emulator
 from moe_comm.cuda import normal as cuda_normal
 from moe_comm.host.comm import AGREE_GRACE_S, HostComm
-from moe_comm.launch import run_ranks
+from moe_comm.testing.processes import run_ranks
 from moe_comm.wire import agree_round_tag, mask_words, tag
 
 R, VICTIM = 4, 2

@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 import moe_comm
-from moe_comm.cuda import emulator
-from moe_comm.launch import run_ranks
+from moe_comm.jit import emulator
+from moe_comm.testing.processes import run_ranks
 
 from test_elastic import (HIDDEN, MAX_TOKENS, _inputs, _ll_step, _normal_step, _route,
                           _served_sum, _slots)

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from moe_comm.cuda import emulator
+from moe_comm.jit import emulator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "gpu_check.py")

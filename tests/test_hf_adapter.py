@@ -16,7 +16,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 from moe_comm import MoELayer, replace_moe_blocks  # noqa: E402
-from moe_comm.router import TopKRouter  # noqa: E402
+from moe_comm.nn.router import TopKRouter
 from ranks import run_ranks  # noqa: E402
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds  # noqa: E402
 from transformers.models.mixtral import modeling_mixtral as mx  # noqa: E402
@@ -180,7 +180,7 @@ def test_from_hf_matches_block(n):
 
 
 def test_router_matches_hf_routers():
-    """moe_comm.router reproduces the HF v5 routers' choices and weights."""
+    """moe_comm.nn.router reproduces the HF v5 routers' choices and weights."""
     cfgs = configs()
     x = torch.randn(64, H, generator=torch.Generator().manual_seed(3)).bfloat16()
     pairs = [

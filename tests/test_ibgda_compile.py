@@ -1,6 +1,6 @@
 """The IBGDA device code builds and device-links against NVSHMEM, on a machine without a GPU.
 
-Builds with the library's own path (moe_comm/ibgda/build.py: nvcc -rdc=true, then nvcc -dlink
+Builds with the library's own path (moe_comm/jit/nvcc.py: nvcc -rdc=true, then nvcc -dlink
 -cubin against libnvshmem_device.a), warnings promoted to errors, into a fresh cache: the
 selftest kernels and the mode kernels of csrc/kernels with their NVSHMEM remote branch
 (MOE_WITH_NVSHMEM: normal mode, LL dispatch send and receive, LL combine), for sm_90, and the
@@ -19,8 +19,10 @@ from dataclasses import replace
 
 import pytest
 
-from moe_comm.cuda import elf, resources, variants
-from moe_comm.ibgda import bases, build, locate
+from moe_comm.jit import elf, resources, variants
+from moe_comm.ibgda import bases
+from moe_comm.jit import toolchain as locate
+from moe_comm.jit import nvcc as build
 
 SM90_PROGRAMS = (build.selftest_program(),
                  build.kernel_program(variants.intranode(8)),
@@ -73,7 +75,7 @@ def test_every_program_builds_and_links_without_warnings(built):
 
 
 def test_every_kernel_fits_its_launch_block(built):
-    """The NVSHMEM build keeps the launch bounds too (moe_comm/cuda/resources.py)."""
+    """The NVSHMEM build keeps the launch bounds too (moe_comm/jit/resources.py)."""
     failures = []
     for (program, arch), cubin in built.items():
         if not isinstance(cubin, Exception):
@@ -159,7 +161,7 @@ def test_default_build_does_not_see_nvshmem():
     inc = head.index('#include "../ibgda/transport_nvshmem.cuh"')
     assert head.rfind("#ifdef MOE_WITH_NVSHMEM", 0, inc) > head.rfind("#endif", 0, inc)
     try:
-        from moe_comm.cuda.compiler import compile_cubin
+        from moe_comm.jit.nvrtc import compile_cubin
         cubin = compile_cubin(variants.ll_combine(7168), "sm_90", use_cache=False)
     except Exception as e:  # noqa: BLE001 - NVRTC missing: test_cuda_compile reports it
         pytest.skip(f"NVRTC unavailable: {e}")
@@ -188,9 +190,9 @@ def test_bases_encoding():
 
 
 def test_cuda_group_transport_choice(monkeypatch):
-    """moe_comm/cuda/ibgda.py: IPC on one host, IBGDA across hosts where every rank can,
+    """moe_comm/ibgda/path.py: IPC on one host, IBGDA across hosts where every rank can,
     the host proxy otherwise; an explicit 'ibgda' that some rank cannot do raises."""
-    from moe_comm.cuda import ibgda
+    from moe_comm.ibgda import path as ibgda
     ok = {"software": "", "nic": True}
     no_nic = {"software": "", "nic": False}
     no_lib = {"software": "nvshmem4py is not installed", "nic": True}
@@ -232,7 +234,7 @@ def _init_without_gpu(rank, n):
 
 def test_init_without_gpu_raises_instead_of_exiting():
     from moe_comm.ibgda.runtime import cuda_device_count
-    from moe_comm.launch import run_ranks
+    from moe_comm.testing.processes import run_ranks
     if cuda_device_count():
         pytest.skip("a GPU is present: tests/test_ibgda_gpu.py covers init")
     (msg,) = run_ranks(_init_without_gpu, 1, timeout=60)
@@ -248,6 +250,6 @@ def _uid_bytes(rank, n):
 def test_unique_id_travels_over_the_group():
     _nvshmem_or_skip()
     pytest.importorskip("nvshmem.core", reason="nvshmem4py-cu13 not installed")
-    from moe_comm.launch import run_ranks
+    from moe_comm.testing.processes import run_ranks
     got = run_ranks(_uid_bytes, 2, timeout=60)
     assert len(got[0]) == 128 and any(got[0]) and got[0] == got[1]

@@ -1,7 +1,7 @@
 """IBGDA on hardware: two ranks (spawned processes) initialise NVSHMEM over a gloo group,
 allocate a symmetric buffer, load the selftest cubin (nvcc + libnvshmem_device, library_init)
 and drive the kernels' Transport: put + signal, a ping-pong, the remote-read fallback and a
-deadline that must expire with the silent rank named (moe_comm/ibgda/selftest.py).
+deadline that must expire with the silent rank named (moe_comm/testing/ibgda_selftest.py).
 
 * ``test_round_trip_over_the_nic`` needs a CUDA GPU **and** an RDMA NIC (IB or RoCE,
   ConnectX-class for IBGDA): ``NVSHMEM_DISABLE_P2P=1`` sends even same-node traffic through the
@@ -26,7 +26,7 @@ def _missing_gpu_stack():
 
 def _run(force_network: bool):
     from cuda_cases import outer_timeout      # capped by MOE_COMM_TEST_TIMEOUT_S
-    from moe_comm.ibgda import selftest
+    from moe_comm.testing import ibgda_selftest as selftest
     reports = selftest.run(force_network=force_network, iters=200,
                            timeout_s=outer_timeout(300))
     for r in reports:

@@ -1,4 +1,4 @@
-"""The kernel resource check (moe_comm/cuda/resources.py) reads the truth and catches the
+"""The kernel resource check (moe_comm/jit/resources.py) reads the truth and catches the
 failures it is for, without a GPU.
 
 tests/test_cuda_compile.py applies it to every variant; here: the cubin reader agrees with the
@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from moe_comm.cuda import elf, resources, variants
+from moe_comm.jit import elf, resources, variants
 
 
 def _nvrtc_or_skip():
@@ -60,7 +60,7 @@ def _res_usage(tool: str, cubin: Path) -> dict:
 def test_cubin_reader_agrees_with_cuobjdump(variant, arch, fresh_cache, tmp_path):
     _nvrtc_or_skip()
     tool = _cuobjdump()
-    from moe_comm.cuda.compiler import compile_cubin
+    from moe_comm.jit.nvrtc import compile_cubin
     cubin = compile_cubin(variant, arch)
     path = tmp_path / "k.cubin"
     path.write_bytes(cubin)
@@ -76,7 +76,7 @@ def test_cubin_reader_agrees_with_cuobjdump(variant, arch, fresh_cache, tmp_path
 def _kernels_as_before(tmp_path) -> Path:
     """csrc/kernels without launch bounds and with the destination loop of dispatch send
     unrolled again: the code the first GPU run would have launched."""
-    from moe_comm.cuda.compiler import kernel_dir
+    from moe_comm.jit.nvrtc import kernel_dir
     copy = tmp_path / "kernels"
     shutil.copytree(kernel_dir(), copy)
     for f in copy.iterdir():
@@ -87,7 +87,7 @@ def _kernels_as_before(tmp_path) -> Path:
 
 def test_check_fails_the_kernels_without_launch_bounds(fresh_cache, tmp_path, monkeypatch):
     _nvrtc_or_skip()
-    from moe_comm.cuda.compiler import compile_cubin
+    from moe_comm.jit.nvrtc import compile_cubin
     monkeypatch.setenv("MOE_COMM_KERNEL_DIR", str(_kernels_as_before(tmp_path)))
     v = variants.intranode(8)
     found = resources.problems(compile_cubin(v, "sm_90"), v.label, v.kernels)
@@ -103,7 +103,7 @@ def test_check_fails_the_kernels_without_launch_bounds(fresh_cache, tmp_path, mo
 def test_check_reports_each_limit():
     """problems() on real records, with the launch table changed under it."""
     _nvrtc_or_skip()
-    from moe_comm.cuda.compiler import compile_cubin
+    from moe_comm.jit.nvrtc import compile_cubin
     v = variants.ll_combine(0)
     cubin = compile_cubin(v, "sm_90")
     assert resources.problems(cubin, v.label, v.kernels) == []
@@ -114,7 +114,7 @@ def test_check_reports_each_limit():
 
 
 def test_emulator_refuses_a_block_above_the_bound():
-    from moe_comm.cuda import emulator
+    from moe_comm.jit import emulator
     if not emulator.available():
         pytest.skip("no C++ compiler for the kernel emulator")
     k = emulator.load_kernels(variants.ll_combine(0))["moe_ll_wait"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import moe_comm
-from moe_comm.host.segment import PREFIX, SHM_DIR, Segment, reclaim_stale_segments
+from moe_comm.shm.segment import PREFIX, SHM_DIR, Segment, reclaim_stale_segments
 from ranks import run_ranks
 
 

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from moe_comm import MoELayer
-from moe_comm.layer import group_buffer
-from moe_comm.router import TopKRouter, select_experts
+from moe_comm.nn.layer import group_buffer
+from moe_comm.nn.router import TopKRouter, select_experts
 from ranks import run_ranks
 
 

@@ -1,4 +1,4 @@
-"""Ranks on separate hosts: two network namespaces joined by veth links (moe_comm.netns), two
+"""Ranks on separate hosts: two network namespaces joined by veth links (moe_comm.testing.netns), two
 ranks in each. Ranks of one host share memory; across hosts the host backend goes through the
 host proxy over TCP (moe_comm.transport). Normal and low-latency dispatch/combine are checked
 against the reference exactly as on one host, and a host whose ranks are killed is reported
@@ -6,7 +6,7 @@ against the reference exactly as on one host, and a host whose ranks are killed 
 
 Every test runs on both backends: the host backend, and the CUDA backend (its kernels in the
 CPU kernel emulator), whose kernels reach the other host through their command ring and the
-kernel proxy thread (csrc/kernels/proxy_ring.cuh, moe_comm/cuda/proxy.py) on the same TCP
+kernel proxy thread (csrc/kernels/proxy_ring.cuh, moe_comm/cuda/kernel_proxy.py) on the same TCP
 transport.
 """
 from __future__ import annotations
@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import moe_comm
-from moe_comm import netns
-from moe_comm.cuda import emulator
+from moe_comm.testing import netns
+from moe_comm.jit import emulator
 from moe_comm.quant import quantize_fp8
 from checks import check_ll, check_normal
 from test_low_latency import _cases as ll_cases

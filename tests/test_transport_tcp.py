@@ -16,9 +16,9 @@ import time
 import numpy as np
 import pytest
 
-from moe_comm import netns
+from moe_comm.testing import netns
 from moe_comm.errors import CommTimeoutError
-from moe_comm.host import atomics
+from moe_comm.shm import atomics
 from moe_comm.transport import open_transport, requested_kind
 from moe_comm.transport import select as select_mod
 from moe_comm.transport import tcp as tcp_mod

@@ -99,7 +99,7 @@ def _device_or_skip():
 
 def _verbs_exchange(rank, n):
     region = np.zeros(1 << 22, dtype=np.uint8)
-    from moe_comm.host import atomics
+    from moe_comm.shm import atomics
     from moe_comm.transport import open_transport
     t = open_transport(None, region, [1 - rank], kind="verbs", timeout_s=20)
     data = np.random.default_rng(rank).integers(0, 256, 3 << 20, dtype=np.uint8)
@@ -260,7 +260,7 @@ def _make_fake_pyverbs():
 
 
 def test_verbs_engine_logic_over_a_fake_device(monkeypatch, caplog):
-    from moe_comm.host import atomics
+    from moe_comm.shm import atomics
     from moe_comm.transport import verbs
     from moe_comm.transport.commands import OP_PUT, OP_SIGNAL
     from moe_comm.transport.proxy import ProxyTransport

@@ -1,5 +1,5 @@
 // cuda_emu.h: just enough of CUDA C++ for the kernels of csrc/kernels to compile as host C++
-// and run on CPU threads (the kernel emulator, moe_comm/cuda/emulator.py). Force-included
+// and run on CPU threads (the kernel emulator, moe_comm/jit/emulator.py). Force-included
 // (g++ -include) ahead of a kernel source built with -DMOE_EMU.
 //
 // Why: the CUDA backend's kernels and its Python driver can then be checked against the
@@ -42,7 +42,7 @@ struct alignas(16) uint4 {
 #define __forceinline__ inline __attribute__((always_inline))
 #define __shared__ static thread_local
 #define __restrict__ __restrict
-// Launch bounds: the Python launcher checks the block against them (moe_comm/cuda/emulator.py).
+// Launch bounds: the Python launcher checks the block against them (moe_comm/jit/emulator.py).
 #define __launch_bounds__(...)
 
 // The runtime (csrc/emu/runtime.cpp). Calls are opaque to the compiler; the "memory" clobber

@@ -4,7 +4,7 @@
 // there is neither a GPU nor NVSHMEM. Included instead of <nvshmem.h> when MOE_EMU is set.
 //
 // The model (nvshmem_emu.cpp): PEs are the ranks of a group the host registered as one
-// symmetric heap (moe_comm/cuda/emulator.py register_symmetric): `sym + offset` on PE p is
+// symmetric heap (moe_comm/jit/emulator.py register_symmetric): `sym + offset` on PE p is
 // offset bytes into p's buffer, and each PE has a local range of "NIC-registered" memory
 // (its buffer and mirrors) that a put's source must lie in.
 //  * A put is non-blocking, as on a NIC: it is queued on the issuing PE (the PE whose buffer

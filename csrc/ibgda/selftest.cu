@@ -1,12 +1,12 @@
 // selftest.cu: small kernels that drive `Transport` (csrc/kernels/transport.cuh) built with
-// MOE_WITH_NVSHMEM, for the two-rank put/signal round trip of moe_comm/ibgda/selftest.py and
+// MOE_WITH_NVSHMEM, for the two-rank put/signal round trip of moe_comm/testing/ibgda_selftest.py and
 // for CI's compile + device-link check (tests/test_ibgda_compile.py). They go through the very
 // methods the mode kernels use, so a round trip here exercises the kernels' remote branch.
 //
 // Every argument is 8 bytes (pointer or int64), like the kernels of csrc/kernels, so
-// moe_comm/cuda/launcher.py launches them unchanged.
+// moe_comm/jit/launch.py launches them unchanged.
 #ifndef MOE_WITH_NVSHMEM
-#error "selftest.cu is the NVSHMEM build: compile with -DMOE_WITH_NVSHMEM (moe_comm/ibgda/build.py)"
+#error "selftest.cu is the NVSHMEM build: compile with -DMOE_WITH_NVSHMEM (moe_comm/jit/nvcc.py)"
 #endif
 #include "../kernels/transport.cuh"
 

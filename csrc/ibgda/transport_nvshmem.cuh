@@ -4,7 +4,7 @@
 // same calls go through NVSHMEM's CPU proxy).
 //
 // Compiled only when the kernels are built with -DMOE_WITH_NVSHMEM, by nvcc with -rdc=true
-// and device-linked against libnvshmem_device.a (moe_comm/ibgda/build.py). NVRTC cannot build
+// and device-linked against libnvshmem_device.a (moe_comm/jit/nvcc.py). NVRTC cannot build
 // it (NVSHMEM's signal entry points mangle differently under NVRTC, and the headers compile
 // IBGDA out there): see shared/TOOLING.md.
 //

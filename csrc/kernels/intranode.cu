@@ -1,6 +1,6 @@
 // intranode.cu: the normal-mode kernels (and the layout kernel) for a group of MOE_NUM_RANKS
 // ranks whose buffers are mapped into each other through CUDA IPC. Compiled once per group
-// size by moe_comm/cuda/compiler.py (NVRTC, -DMOE_NUM_RANKS=R); every kernel takes only 8-byte
+// size by moe_comm/jit/nvrtc.py (NVRTC, -DMOE_NUM_RANKS=R); every kernel takes only 8-byte
 // arguments (pointers and int64), in the order moe_comm/cuda/normal.py passes them.
 #include "elastic.cuh"
 #include "layout.cuh"

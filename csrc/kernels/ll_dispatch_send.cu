@@ -1,4 +1,4 @@
-// ll_dispatch_send.cu: low-latency dispatch, send half. Specialised by moe_comm/cuda/variants.py
+// ll_dispatch_send.cu: low-latency dispatch, send half. Specialised by moe_comm/jit/variants.py
 // with MOE_HIDDEN (0 = read at run time), MOE_FP8 (cast to e4m3 + per-128 scales in the
 // kernel) and MOE_ROUND_SCALE (power-of-two scales).
 #include "low_latency.cuh"

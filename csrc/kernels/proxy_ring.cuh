@@ -1,5 +1,5 @@
 // proxy_ring.cuh: the GPU -> CPU command ring of the host proxy (the fallback for ranks on
-// other hosts when there is no IBGDA; moe_comm/cuda/proxy.py drains it).
+// other hosts when there is no IBGDA; moe_comm/cuda/kernel_proxy.py drains it).
 //
 // A kernel cannot open a socket, so for a rank on another host it writes the message into a
 // local *mirror* of that rank's buffer (same layout, host memory the proxy can read) and pushes
@@ -30,7 +30,7 @@
 #pragma once
 #include "sync.cuh"
 
-constexpr u64 kProxyOpPut = 1;     // moe_comm/cuda/proxy.py OP_PUT
+constexpr u64 kProxyOpPut = 1;     // moe_comm/cuda/kernel_proxy.py OP_PUT
 constexpr u64 kProxyOpSignal = 2;  // ... OP_SIGNAL
 constexpr int kProxyHeaderWords = 16;
 constexpr int kProxySlotWords = 4;

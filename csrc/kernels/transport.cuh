@@ -20,8 +20,8 @@
 //     built (or copied) there at the offset it must land at, then the remote transport moves
 //     those bytes to the same offset of the rank's buffer. Which transport is a build choice:
 //       - default build: the host proxy. Commit pushes a put command into the GPU->CPU ring at
-//         bases[-1] (proxy_ring.cuh; moe_comm/cuda/proxy.py runs the proxy thread);
-//       - -DMOE_WITH_NVSHMEM (nvcc -rdc + libnvshmem_device, moe_comm/ibgda/build.py): IBGDA,
+//         bases[-1] (proxy_ring.cuh; moe_comm/cuda/kernel_proxy.py runs the proxy thread);
+//       - -DMOE_WITH_NVSHMEM (nvcc -rdc + libnvshmem_device, moe_comm/jit/nvcc.py): IBGDA,
 //         the GPU posts the RDMA write itself from the mirror, which lies in the NVSHMEM
 //         symmetric heap (so the NIC can read it); bases[-1] is this rank's own symmetric
 //         buffer, whose address names the destination on every PE

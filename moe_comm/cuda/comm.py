@@ -7,7 +7,7 @@ every peer's allocation into its address space (CUDA IPC, ``cuIpcOpenMemHandle``
 the kernels a device array ``bases[R]`` of those addresses, so a kernel writes a peer's buffer
 with plain stores (NVLink/PCIe peer access). A group spanning hosts keeps its buffers in host
 memory instead (/dev/shm segments mapped by the ranks of a host, registered with the driver)
-and reaches the other hosts' ranks through mirrors and the host proxy (moe_comm/cuda/proxy.py).
+and reaches the other hosts' ranks through mirrors and the host proxy (moe_comm/cuda/kernel_proxy.py).
 
 Two ways to build a group:
 
@@ -18,7 +18,7 @@ Two ways to build a group:
   directly. Kernels of different streams run concurrently on one GPU, whereas kernels of
   different processes on one GPU time-slice (no MPS), which makes spinning peers slow.
   With ``device="cpu"`` the buffers are host memory and the kernels run in the CPU kernel
-  emulator (moe_comm/cuda/emulator.py): the whole CUDA backend, checked without a GPU.
+  emulator (moe_comm/jit/emulator.py): the whole CUDA backend, checked without a GPU.
 
 Errors: kernels never trap. A wait that passes its deadline writes the silent rank into an
 error word in pinned host memory; :meth:`CudaComm.check` (called at the start of every
@@ -46,8 +46,8 @@ from .. import signature
 from ..errors import CommTimeoutError, RankMaskedError
 from ..wire import (CALL_WORDS, LINE_WORDS, LL_CALL_FIELDS, MAX_EPOCH, NORMAL_CALL_FIELDS, PAGE,
                     VALUE_MASK, HeaderLayout, round_up)
-from . import ibgda
-from .variants import MAX_RANKS
+from ..ibgda import path as ibgda
+from ..jit.variants import MAX_RANKS
 
 log = logging.getLogger("moe_comm")
 
@@ -88,7 +88,7 @@ def _cu(result, what: str):
 def _set_current(device: torch.device) -> None:
     if device.type == "cpu":            # the kernel emulator: no context
         return
-    from .compiler import cuda_core
+    from ..jit.nvrtc import cuda_core
     cuda_core().Device(device.index).set_current()
 
 
@@ -160,7 +160,7 @@ class CudaComm:
         self.pointers = list(pointers)
         # the kernels' bases[R] (csrc/kernels/transport.cuh): a view from word 1, word 0
         # (bases[-1]) being what network ranks need: the host proxy's command ring, or this
-        # rank's own symmetric buffer for IBGDA (moe_comm/cuda/ibgda.py), else 0
+        # rank's own symmetric buffer for IBGDA (moe_comm/ibgda/path.py), else 0
         self.proxy, self.nvshmem = proxy, nvshmem
         first = proxy.address if proxy is not None else \
             self.pointers[rank] if nvshmem is not None else 0
@@ -206,7 +206,7 @@ class CudaComm:
         peer. All ranks must pass the same sizes. A group spanning hosts takes IBGDA where
         every rank can (:meth:`_from_group_nvshmem`), else the host proxy
         (:meth:`_from_group_shared`); ``transport`` (``auto``/``tcp``/``verbs``/``ibgda``)
-        overrides the choice: moe_comm/cuda/ibgda.py."""
+        overrides the choice: moe_comm/ibgda/path.py."""
         import torch.distributed as dist
         device = torch.device("cuda", torch.cuda.current_device()) if device is None else \
             torch.device(device)
@@ -226,7 +226,7 @@ class CudaComm:
                                  "IBGDA kernels only in CudaComm.local_group(network_hosts=...))")
             return cls._from_group_shared(group, rank, num_ranks, heap_bytes, ll_bytes, total,
                                           timeout_s, elastic, device, engine)
-        from ..host.comm import host_identity
+        from ..shm.identity import host_identity
         infos = [None] * num_ranks
         dist.all_gather_object(infos, (host_identity(), ibgda.probe()), group=group)
         path, why = ibgda.choose(kind, len({h for h, _ in infos}) > 1, [p for _, p in infos])
@@ -277,7 +277,7 @@ class CudaComm:
     def _from_group_nvshmem(cls, group, rank, num_ranks, heap_bytes, ll_bytes, total,
                             timeout_s, elastic, device) -> "CudaComm":
         """from_group with the buffer and the network ranks' mirrors in the NVSHMEM symmetric
-        heap (moe_comm/cuda/ibgda.py): peers NVSHMEM maps are stores, the others are put to by
+        heap (moe_comm/ibgda/path.py): peers NVSHMEM maps are stores, the others are put to by
         the GPU (IBGDA), and the kernels are the nvcc builds linked against NVSHMEM."""
         import torch.distributed as dist
         bufs = ibgda.NvshmemBuffers(group, device, total)
@@ -303,17 +303,17 @@ class CudaComm:
     @classmethod
     def _from_group_shared(cls, group, rank, num_ranks, heap_bytes, ll_bytes, total, timeout_s,
                            elastic, device, transport) -> "CudaComm":
-        """from_group with buffers in host memory: /dev/shm segments (moe_comm/host/segment.py)
+        """from_group with buffers in host memory: /dev/shm segments (moe_comm/shm/segment.py)
         that the processes of one host map into each other, and a mirror plus the host proxy
-        (moe_comm/cuda/proxy.py) for every rank on another host. Used by the kernel emulator
+        (moe_comm/cuda/kernel_proxy.py) for every rank on another host. Used by the kernel emulator
         (device ``cpu``), and on a GPU when the group spans hosts (segments registered with
         the driver, so kernels reach them over PCIe: the fallback where IBGDA is missing)."""
         import secrets
 
         import torch.distributed as dist
 
-        from ..host.comm import host_identity
-        from ..host.segment import Segment, reclaim_stale_segments, segment_name
+        from ..shm.identity import host_identity
+        from ..shm.segment import Segment, reclaim_stale_segments, segment_name
         reclaim_stale_segments()
         own = Segment.create(segment_name(f"cu{secrets.token_hex(6)}", rank), total)
         me = host_identity()
@@ -337,7 +337,7 @@ class CudaComm:
                             for p in pointers]
             if remote:
                 from ..transport import open_transport
-                from .proxy import KernelProxy
+                from .kernel_proxy import KernelProxy
                 link = open_transport(group, own.bytes, remote, kind=transport,
                                       timeout_s=timeout_s)
                 mirrors = {r: torch.zeros(total, dtype=torch.uint8,
@@ -369,10 +369,10 @@ class CudaComm:
     def local_group(cls, num_ranks: int, heap_bytes: int, ll_bytes: int, timeout_s: float,
                     device=None, elastic: bool = False, network_hosts: int = 0) -> list:
         """All ``num_ranks`` ranks in this process on one device; returns their comms. Drive
-        rank r from its own thread with its own current stream (see moe_comm/cuda/local.py).
+        rank r from its own thread with its own current stream (see moe_comm/testing/local_cuda.py).
         ``network_hosts`` (emulator only): split the ranks into that many emulated hosts whose
         ranks reach each other as network ranks of the IBGDA build, on the emulated NVSHMEM
-        (moe_comm/cuda/ibgda.py EmulatedNvshmemBuffers); 0: no network."""
+        (moe_comm/ibgda/path.py EmulatedNvshmemBuffers); 0: no network."""
         device = torch.device("cuda", torch.cuda.current_device()) if device is None else \
             torch.device(device)
         heap_bytes, ll_bytes = round_up(heap_bytes, PAGE), round_up(ll_bytes, PAGE)
@@ -411,7 +411,7 @@ class CudaComm:
         NVSHMEM."""
         if self.nvshmem is not None:
             return self.nvshmem.kernels(variant)
-        from .compiler import load_kernels
+        from ..jit.nvrtc import load_kernels
         return load_kernels(variant, self.device)
 
     # -- per-operation state -----------------------------------------------------------------
@@ -534,7 +534,7 @@ class CudaComm:
                                   "missed their deadline); a new Buffer is needed to rejoin")
         if code == ERR_PROXY:
             raise CudaCommError(f"{op}: the host proxy took no command for "
-                                f"{2 * self.timeout_s + 5:g} s (moe_comm/cuda/proxy.py); this "
+                                f"{2 * self.timeout_s + 5:g} s (moe_comm/cuda/kernel_proxy.py); this "
                                 "communicator cannot reach other hosts any more: destroy it")
         if code == ERR_MISMATCH:
             # every rank saw the same signatures and failed this call at its notify, before

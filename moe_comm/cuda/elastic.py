@@ -16,10 +16,10 @@ raises ``moe_comm.RankMaskedError`` at the next check.
 from __future__ import annotations
 
 from ..wire import LINE_WORDS, MAX_EPOCH, agree_round_tag, agree_rounds, round_up
-from . import variants
+from ..jit import variants
 from .comm import CudaComm
-from .launcher import launch
-from .variants import THREADS
+from ..jit.launch import launch
+from ..jit.variants import THREADS
 
 AGREE_GRACE_NS = 10**9    # HostComm's AGREE_GRACE_S: the round waits a deadline plus this
 

@@ -22,11 +22,11 @@ from ..errors import BufferTooSmallError
 from ..handle import LowLatencyHandle
 from ..host.ll import msg_stride
 from ..wire import LL_MAX_TOPK, LL_NUM_BUFFERS, LLLayout, ll_stride
-from . import variants
+from ..jit import variants
 from .comm import SIGNAL_STRIDE, CudaComm
 from .elastic import agree
-from .launcher import launch
-from .variants import THREADS
+from ..jit.launch import launch
+from ..jit.variants import THREADS
 
 MAX_SPLIT = 8           # blocks per local expert in recv / combine send
 

@@ -31,12 +31,12 @@ from .. import signature
 from ..errors import BufferTooSmallError
 from ..handle import DispatchHandle
 from ..wire import SlabLayout
-from . import variants
+from ..jit import variants
 from .comm import SIGNAL_STRIDE, CudaComm
 from .elastic import agree
-from .compiler import load_kernels
-from .launcher import launch
-from .variants import THREADS
+from ..jit.nvrtc import load_kernels
+from ..jit.launch import launch
+from ..jit.variants import THREADS
 
 DEFAULT_NUM_SMS = 20         # blocks of the data kernels (DeepEP's Buffer.num_sms default)
 EXPERTS_PER_LAYOUT_BLOCK = 1024   # csrc/kernels/layout.cuh kExpertsPerBlock

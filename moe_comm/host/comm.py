@@ -23,9 +23,7 @@ ranks it drops (their FENCE word: they raise RankMaskedError before they wait or
 from __future__ import annotations
 
 import logging
-import os
 import secrets
-import socket
 import time
 
 import numpy as np
@@ -37,25 +35,15 @@ from ..errors import RankMaskedError
 from ..wire import (CALL_WORDS, MAGIC, PAGE, VERSION, HeaderLayout, MAX_EPOCH, agree_round_tag,
                     agree_rounds, ll_stride, mask_bits, mask_words, round_up, tag_epoch,
                     tag_value)
-from . import atomics
+from ..shm import atomics
+from ..shm.identity import host_identity
+from ..shm.segment import Segment, reclaim_stale_segments, segment_name
 from .heap import PageHeap
-from .segment import Segment, reclaim_stale_segments, segment_name
 
 
 log = logging.getLogger("moe_comm")
 
 AGREE_GRACE_S = 1.0   # how long past its deadline a call waits for survivors' masks
-
-
-def host_identity() -> str:
-    """Ranks with the same identity share /dev/shm and map each other's segments: the host
-    name plus the network namespace (ranks in different namespaces talk over the network,
-    even on one machine, as on separate hosts)."""
-    try:
-        netns = os.stat("/proc/self/ns/net").st_ino
-    except OSError:
-        netns = 0
-    return f"{socket.gethostname()}/{netns}"
 
 
 class HostComm:

@@ -15,7 +15,7 @@ pointer (bit 0 = 0) this GPU stores to it directly: own buffer, or ``nvshmem_ptr
                     rank's buffer, in the symmetric heap, and put from there to PE r
 ==================  ===========================================================================
 
-The host proxy (moe_comm/cuda/proxy.py) uses the same ``mirror | 1`` words, with the proxy's
+The host proxy (moe_comm/cuda/kernel_proxy.py) uses the same ``mirror | 1`` words, with the proxy's
 command ring as ``bases[-1]``. Pure Python: CI tests it without a GPU.
 """
 from __future__ import annotations

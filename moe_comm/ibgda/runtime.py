@@ -12,7 +12,7 @@ Typical use, one process per rank (PE i = rank i of ``group``)::
     bufs = ctx.comm_buffers(nbytes)          # collective: own buffer + network mirrors, zeroed
     words = [bufs.sym] + bufs.words          # the kernels' bases[-1], bases[0..R)
     k = ctx.load(kernel_program(variants.ll_combine(7168)))        # build/cache + library_init
-    ...launch k["moe_ll_combine_send"] with moe_comm.cuda.launcher.launch...
+    ...launch k["moe_ll_combine_send"] with moe_comm.jit.launch.launch...
     ctx.finalize()                                                 # collective
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import os
 import threading
 from pathlib import Path
 
-from . import locate
+from ..jit import toolchain as locate
 from .bases import encode_bases
 
 _lock = threading.Lock()
@@ -154,7 +154,7 @@ def init_nvshmem(group=None, device=None, *, ibgda: bool = True, force_network: 
         if bootstrap_ifname:
             os.environ.setdefault("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", bootstrap_ifname)
         import nvshmem.core as nvshmem
-        from ..cuda.compiler import cuda_core
+        from ..jit.nvrtc import cuda_core
         torch.cuda.set_device(device)
         dev = cuda_core().Device(device.index)
         dev.set_current()
@@ -255,8 +255,8 @@ class NvshmemContext:
         cache), registered with NVSHMEM (library_init) so its device state is set up."""
         import torch
         import nvshmem.core as nvshmem
-        from ..cuda.compiler import cuda_core, force_load
-        from .build import build_cubin
+        from ..jit.nvrtc import cuda_core, force_load
+        from ..jit.nvcc import build_cubin
         self._check_open()
         major, minor = torch.cuda.get_device_capability(self.device)
         arch = arch or f"sm_{major}{minor}"

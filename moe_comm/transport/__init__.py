@@ -39,7 +39,7 @@ Semantics:
   aligned int64 word at ``word_offset_bytes`` of its region with a release fence, after it
   applied every earlier put and signal from this rank to it. A reader in any process that
   maps the region polls the word and reads the payload after an acquire fence
-  (``moe_comm.host.atomics.wait_words``): the signal is never seen before the data.
+  (``moe_comm.shm.atomics.wait_words``): the signal is never seen before the data.
 - ``flush``: waits until the commands queued before it were handed to the wire (TCP: in the
   kernel; verbs: completed), so their sources may be reused. Ranks that did not get there
   (lost, or still pending at the deadline) raise ``CommTimeoutError``, or are returned when

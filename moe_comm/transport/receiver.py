@@ -5,7 +5,7 @@ inside ``[0, size)``, a signal must be an 8-byte aligned word inside it, reserve
 be 0. A frame that fails is refused, logged with the peer's rank and address, and the
 connection is dropped -- the rest of that stream can no longer be trusted to be in step.
 
-Signals are applied with :func:`moe_comm.host.atomics.store_words` (release fence, then an
+Signals are applied with :func:`moe_comm.shm.atomics.store_words` (release fence, then an
 aligned 8-byte store). Everything this connection wrote before was written by this thread
 (payload copies and ``recv_into`` completed before), so a reader in any process that maps
 the region and loads the word with an acquire fence sees the payload (see atomics.py).
@@ -21,7 +21,7 @@ import socket
 
 import numpy as np
 
-from ..host import atomics
+from ..shm import atomics
 from .commands import FRAME, FRAME_BYTES, OP_PUT, OP_SIGNAL
 
 log = logging.getLogger("moe_comm.transport")

@@ -4,7 +4,7 @@ Choice of engine (the same on every rank, decided from what all ranks report):
 
 - ``kind`` argument ``"tcp"`` or ``"verbs"`` wins; ``"auto"`` (default) defers to the
   ``MOE_COMM_TRANSPORT`` environment variable (``auto``/``tcp``/``verbs``; ``ibgda`` there is
-  for CUDA groups, moe_comm/cuda/ibgda.py, and means ``auto`` here);
+  for CUDA groups, moe_comm/ibgda/path.py, and means ``auto`` here);
 - ``auto``: verbs when every rank of the group has an RDMA device with an active port and
   pyverbs imports, else TCP. A rank that asked for ``verbs`` makes every rank raise if
   some rank cannot do it (rather than silently running slower than asked).
@@ -39,7 +39,7 @@ _logged = set()
 
 def requested_kind(kind: str = "auto", cuda: bool = False) -> str:
     """The kind asked for: ``kind``, or for ``"auto"`` ``$MOE_COMM_TRANSPORT``. ``"ibgda"`` is
-    a CUDA group's choice (moe_comm/cuda/ibgda.py): with ``cuda`` False an explicit one
+    a CUDA group's choice (moe_comm/ibgda/path.py): with ``cuda`` False an explicit one
     raises, and one from the environment means ``"auto"`` (host code has only its proxy)."""
     if kind not in KINDS:
         raise ValueError(f"transport kind must be one of {KINDS}, got {kind!r}")

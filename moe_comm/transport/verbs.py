@@ -13,7 +13,7 @@ an RDMA WRITE WITH IMMEDIATE of the 8-byte value into a per-sender mailbox slot 
 receiver, the immediate carrying the target word index. The receiver's CQE for it is only
 generated after every earlier write on that QP completed (RC ordering), so the receiver
 thread, on that completion, bounds-checks the word and applies it with
-:func:`moe_comm.host.atomics.store_words` (release) -- the same visibility contract as TCP.
+:func:`moe_comm.shm.atomics.store_words` (release) -- the same visibility contract as TCP.
 
 Flow control of mailboxes: each QP has ``SLOTS`` receives posted and ``SLOTS`` mailbox
 slots; the k-th signal lands in slot ``k % SLOTS``. A write-with-immediate without a posted
@@ -40,7 +40,7 @@ import time
 
 import numpy as np
 
-from ..host.atomics import Backoff
+from ..shm.atomics import Backoff
 from .commands import OP_PUT
 from .qp import (ACCESS_LOCAL_WRITE, ACCESS_REMOTE_WRITE, ERR, Endpoint, check_transitions,
                  import_pyverbs, rc_transitions, to_qp_attr)

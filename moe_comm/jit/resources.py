@@ -4,7 +4,7 @@ A kernel that asks more of an SM than one block of its size can have does not la
 (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES), and a kernel that spills registers runs slowly. Neither
 shows on the CPU kernel emulator, so both are checked from the compiled code:
 
-* in CI, from the cubins (:func:`problems`, moe_comm/cuda/elf.py reads them): registers x
+* in CI, from the cubins (:func:`problems`, moe_comm/jit/elf.py reads them): registers x
   block size within the register file, static shared memory under the limit that needs no
   opt-in, no stack frame beyond :data:`MAX_STACK_BYTES` (spills), and the launch bound the
   kernel was compiled with equal to the block the launch sites use (variants.THREADS);
@@ -74,4 +74,4 @@ def check_loaded(kernel, name: str) -> None:
             f"kernel {name} can run at most {can} threads per block on this GPU "
             f"({_attribute(kernel, 'num_regs')} registers per thread, "
             f"{_attribute(kernel, 'local_size_bytes')} bytes of local memory) but is launched "
-            f"with {THREADS[name]} (moe_comm/cuda/variants.py THREADS)")
+            f"with {THREADS[name]} (moe_comm/jit/variants.py THREADS)")

@@ -3,7 +3,7 @@ the pull fallback (remote read) and a deadline that expires (no hang, silent ran
 
 Needs a GPU and an RDMA NIC (IB or RoCE, ConnectX-class for IBGDA); both ranks may share one
 GPU and NIC: ``force_network=True`` (the default) sets ``NVSHMEM_DISABLE_P2P=1`` so the two PEs
-talk through the NIC even on one node. Run by hand with ``python -m moe_comm.ibgda.selftest``
+talk through the NIC even on one node. Run by hand with ``python -m moe_comm.testing.ibgda_selftest``
 or through tests/test_ibgda_gpu.py. Ranks are spawned processes (not forked: CUDA).
 
 Buffer layout of each rank (its own buffer of ctx.comm_buffers; a message to a network peer
@@ -22,7 +22,7 @@ import sys
 import time
 import traceback
 
-from ..cuda.variants import THREADS
+from ..jit.variants import THREADS
 
 SIG_ONEWAY, SIG_PING, SIG_PULL, SIG_NEVER = 0, 64, 128, 192
 SRC, DST = 4096, 4096 + (1 << 20)
@@ -52,10 +52,10 @@ def _worker(rank, world, port, opts, queue):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world)
         from ..cuda.comm import bases_tensor
-        from ..cuda.launcher import launch
-        from .bases import decode_base
-        from .build import build_cubin, selftest_program
-        from .runtime import init_nvshmem
+        from ..jit.launch import launch
+        from ..ibgda.bases import decode_base
+        from ..jit.nvcc import build_cubin, selftest_program
+        from ..ibgda.runtime import init_nvshmem
         if not opts["force_network"]:         # P2P only: no NIC needed, none probed
             os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
         ctx = init_nvshmem(None, device, ibgda=opts["force_network"],

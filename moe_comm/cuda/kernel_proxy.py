@@ -24,7 +24,7 @@ import time
 import numpy as np
 import torch
 
-from ..host import atomics
+from ..shm import atomics
 
 log = logging.getLogger("moe_comm")
 

@@ -49,7 +49,7 @@ def cuda_core():
 
 def kernel_dir() -> Path:
     """The folder of the device sources: ``$MOE_COMM_KERNEL_DIR`` or the repository's
-    ``csrc/kernels`` (moe_comm/cuda/compiler.py -> ../../csrc/kernels)."""
+    ``csrc/kernels`` (moe_comm/jit/nvrtc.py -> ../../csrc/kernels)."""
     env = os.environ.get("MOE_COMM_KERNEL_DIR")
     path = Path(env) if env else Path(__file__).resolve().parents[2] / "csrc" / "kernels"
     if not path.is_dir():
@@ -168,7 +168,7 @@ def load_kernels(variant: Variant, device) -> dict:
     synchronisation while a peer's kernel spins waiting for this rank (ranks as streams of one
     process) would deadlock until the deadline."""
     import torch
-    from .launcher import make_current
+    from .launch import make_current
     device = torch.device(device)
     if device.type == "cpu":                    # the kernel emulator (tests without a GPU)
         from .emulator import load_kernels as load_emulated
@@ -195,7 +195,7 @@ def load_kernels(variant: Variant, device) -> dict:
 
 def force_load(kernel, name: str) -> None:
     """Resolve kernel ``name``'s function in the current context now (see load_kernels), and
-    check that it can run the block it will be launched with (moe_comm/cuda/resources.py)."""
+    check that it can run the block it will be launched with (moe_comm/jit/resources.py)."""
     from cuda.bindings import driver as cu
     try:
         err, _ = cu.cuKernelGetFunction(kernel.handle)  # a CUkernel: load into this context

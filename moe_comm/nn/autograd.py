@@ -8,7 +8,7 @@ run with the forward's handle.
 
 Collective order: every rank builds the same graph (same layers, same calls), and the
 autograd engine runs it in the same order everywhere, so the backward communication lines up
-across ranks. :meth:`moe_comm.experts.LocalExperts.compute_rows` keeps every rank's graph
+across ranks. :meth:`moe_comm.nn.experts.LocalExperts.compute_rows` keeps every rank's graph
 connected even when it received no rows, so no rank skips a backward call that its peers
 make.
 

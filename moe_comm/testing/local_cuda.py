@@ -35,7 +35,7 @@ def run_local(fn, comms, *args, timeout: float = 300.0, check: bool = True):
     Returns the results by rank; re-raises the lowest failing rank's exception (its traceback
     text attached as a note). Raises RuntimeError if a thread outlives ``timeout``."""
     n = len(comms)
-    emulated = comms[0].device.type == "cpu"      # moe_comm/cuda/emulator.py: no streams
+    emulated = comms[0].device.type == "cpu"      # moe_comm/jit/emulator.py: no streams
     if n > 1 and not emulated and (os.environ.get("CUDA_MODULE_LOADING") != "EAGER" or
                                    int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", 8)) < n):
         warnings.warn("ranks as threads of one process need CUDA_MODULE_LOADING=EAGER and "

@@ -37,7 +37,7 @@ INTRANODE_KERNELS = ("moe_layout", "moe_notify", "moe_wait_done", "moe_dispatch_
                      "moe_combine_reduce_f16", "moe_combine_reduce_f32", "moe_agree")
 
 # Threads per block of every kernel: the one definition of a kernel's block size. The launch
-# sites (normal.py, ll.py, elastic.py, moe_comm/ibgda/selftest.py) launch with THREADS[name],
+# sites (normal.py, ll.py, elastic.py, moe_comm/testing/ibgda_selftest.py) launch with THREADS[name],
 # and every build (NVRTC, the nvcc/NVSHMEM build, the emulator) compiles the kernel with
 # __launch_bounds__(MOE_THREADS_<NAME>) of the same number (:func:`thread_defines`), so the
 # compiler keeps each kernel within the registers a block that size can have (65,536 per

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .quant import dequantize_fp8
+from ..quant import dequantize_fp8
 
 ACTIVATIONS = {
     "silu": F.silu,

@@ -11,7 +11,7 @@ How a CUDA group reaches a rank (``CudaComm.from_group``'s ``transport``, else t
   the GPU itself from mirrors in the symmetric heap (csrc/kernels/transport.cuh). Asked for
   explicitly it needs no NIC (NVSHMEM then serves what it can by P2P), and a rank that cannot
   do it makes every rank raise rather than run slower than asked;
-- otherwise across hosts: the host proxy over ``tcp``/``verbs`` (moe_comm/cuda/proxy.py).
+- otherwise across hosts: the host proxy over ``tcp``/``verbs`` (moe_comm/cuda/kernel_proxy.py).
 
 The choice and its reason are logged once per process (logger ``moe_comm``).
 
@@ -36,8 +36,8 @@ _logged = set()
 def probe() -> dict:
     """What this rank can do: ``{"software": why-not or "", "nic": bool}``. Needs no GPU and
     never initialises NVSHMEM."""
-    from ..ibgda.locate import NvshmemNotFoundError, nvcc_path, nvshmem_install
-    from ..ibgda.runtime import cuda_device_count, nvshmem4py_available, rdma_devices
+    from ..jit.toolchain import NvshmemNotFoundError, nvcc_path, nvshmem_install
+    from .runtime import cuda_device_count, nvshmem4py_available, rdma_devices
     why = ""
     if cuda_device_count() == 0:
         why = "no CUDA GPU"
@@ -99,7 +99,7 @@ class NvshmemBuffers:
 
     def __init__(self, group, device, nbytes: int):
         import torch.distributed as dist
-        from ..ibgda.runtime import active_context, init_nvshmem
+        from .runtime import active_context, init_nvshmem
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         ctx = active_context()
         # every rank decides from the same facts, so a refusal is raised on all of them (a
@@ -127,7 +127,7 @@ class NvshmemBuffers:
     def kernels(self, variant) -> dict:
         hit = self._kernels.get(variant)      # every call asks: no build key on that path
         if hit is None:
-            from ..ibgda.build import kernel_program
+            from ..jit.nvcc import kernel_program
             hit = self._kernels[variant] = self.ctx.load(kernel_program(variant))
         return hit
 
@@ -156,7 +156,7 @@ class EmulatedNvshmemBuffers:
     (csrc/emu/nvshmem_emu.h)."""
 
     def __init__(self, num_ranks: int, nbytes: int, hosts: int):
-        from .emulator import register_symmetric
+        from ..jit.emulator import register_symmetric
         if not 1 <= hosts <= num_ranks:
             raise ValueError(f"hosts must be in 1..{num_ranks}, got {hosts}")
         self.num_ranks, self.nbytes = num_ranks, nbytes
@@ -171,7 +171,7 @@ class EmulatedNvshmemBuffers:
     def pointers(self, rank: int) -> list:
         """Rank ``rank``'s ``bases[0..R)``: its own buffer, same-host peers' buffers, mirrors
         for the others."""
-        from ..ibgda.bases import encode_bases
+        from .bases import encode_bases
         others = [r for r in range(self.num_ranks) if r != rank]
         same = [self.own[r] if self.host_of[r] == self.host_of[rank] and r != rank else 0
                 for r in range(self.num_ranks)]
@@ -181,12 +181,12 @@ class EmulatedNvshmemBuffers:
 
     @staticmethod
     def kernels(variant) -> dict:
-        from .emulator import load_kernels
+        from ..jit.emulator import load_kernels
         return load_kernels(variant, nvshmem=True)
 
     def release(self) -> None:
         """One rank is done; the last one takes the heap out of the emulated NVSHMEM."""
-        from .emulator import unregister_symmetric
+        from ..jit.emulator import unregister_symmetric
         with self._lock:
             self.users -= 1
             last = self.users == 0

@@ -28,7 +28,7 @@ rank:
 - ``mode="fork"`` (default): fork this process, then ``setns`` the child into the host's
   namespace. Fast (no interpreter start, torch already imported), and exactly what
   ``ip netns exec`` does for networking.
-- ``mode="exec"``: ``ip netns exec <ns> python -m moe_comm.netns`` -- a fresh interpreter,
+- ``mode="exec"``: ``ip netns exec <ns> python -m moe_comm.testing.netns`` -- a fresh interpreter,
   nothing inherited; ``fn`` must be importable by reference (a module-level function).
 
 Needs root and iproute2. Names carry the creating pid (``mcns<pid>x<tag>...``); namespaces
@@ -50,7 +50,7 @@ import tempfile
 import time
 import traceback
 
-from .host.segment import pid_alive
+from ..shm.segment import pid_alive
 
 PREFIX = "mcns"
 IFNAME = "eth0"
@@ -404,7 +404,7 @@ class _ExecRank:
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
-                hosts.exec_argv(spec["host"], [sys.executable, "-m", "moe_comm.netns", path]),
+                hosts.exec_argv(spec["host"], [sys.executable, "-m", "moe_comm.testing.netns", path]),
                 stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def alive(self) -> bool:
@@ -428,11 +428,11 @@ class _ExecRank:
 def run_on_hosts(fn, num_hosts: int, ranks_per_host: int, *args, mode: str = "fork",
                  timeout: float = 120.0, env: dict | None = None) -> list:
     """Run ``fn(rank, world, *args)`` on ``num_hosts`` namespaces x ``ranks_per_host`` ranks;
-    returns the results by rank (like :func:`moe_comm.launch.run_ranks`)."""
+    returns the results by rank (like :func:`moe_comm.testing.processes.run_ranks`)."""
     with Hosts(num_hosts) as hosts:
         return hosts.run(fn, ranks_per_host, *args, mode=mode, timeout=timeout, env=env)
 
 
-if __name__ == "__main__":                  # mode="exec": python -m moe_comm.netns <spec>
+if __name__ == "__main__":                  # mode="exec": python -m moe_comm.testing.netns <spec>
     with open(sys.argv[1], "rb") as f:
         _rank_main(pickle.load(f))

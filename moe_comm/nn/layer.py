@@ -25,11 +25,11 @@ import torch.distributed as dist
 from torch import nn
 
 from . import autograd as ag
-from .buffer import Buffer
-from .eplb import ExpertLoadRecorder, map_logical_to_physical, rebalance_experts
+from ..buffer import Buffer
+from ..eplb import ExpertLoadRecorder, map_logical_to_physical, rebalance_experts
 from .experts import LocalExperts
 from .router import TopKRouter
-from .wire import LL_MAX_TOPK, LLLayout
+from ..wire import LL_MAX_TOPK, LLLayout
 
 MODES = ("auto", "normal", "low_latency")
 _BUFFERS: dict = {}           # id(group) -> (group, Buffer)
@@ -309,7 +309,7 @@ class MoELayer(nn.Module):
         group: process group of the expert-parallel ranks (None = world).
         mode: "auto" | "normal" | "low_latency".
         scoring_func, norm_topk_prob, routed_scaling_factor, n_group, topk_group: routing, see
-            :func:`moe_comm.router.select_experts`.
+            :func:`moe_comm.nn.router.select_experts`.
         correction_bias: give the router an ``e_score_correction_bias`` (DeepSeek-V3); default
             True for sigmoid scoring.
         router_dtype: dtype of the router matmul (None = input dtype; float32 for DeepSeek-V3).
@@ -352,7 +352,7 @@ class MoELayer(nn.Module):
 
     @classmethod
     def from_hf(cls, block: nn.Module, group=None, config=None, **kwargs) -> "MoELayer":
-        """Shard a transformers MoE block over ``group``; see :func:`moe_comm.hf.from_hf`."""
+        """Shard a transformers MoE block over ``group``; see :func:`moe_comm.nn.hf.from_hf`."""
         from .hf import from_hf
         return from_hf(block, group=group, config=config, **kwargs)
 

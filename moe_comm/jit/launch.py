@@ -48,7 +48,7 @@ def make_current(device: torch.device) -> None:
     if done is None:
         done = _tls.devices = set()
     if index not in done:
-        from .compiler import cuda_core
+        from .nvrtc import cuda_core
         cuda_core().Device(index).set_current()
         done.add(index)
 
@@ -60,7 +60,7 @@ def launch(kernel, grid, block, *args, shmem: int = 0, device=None, stream=None)
     if isinstance(kernel, EmuKernel):           # CPU emulator: runs now, no stream
         launch_emu(kernel, grid, block, [_arg(a) for a in args])
         return
-    from .compiler import cuda_core
+    from .nvrtc import cuda_core
     cc = cuda_core()
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
     make_current(device)

@@ -7,7 +7,7 @@ argument lists have already run. A ``CudaComm`` on device ``cpu`` uses it (tests
 Buffer with CPU tensors uses the host backend). What the emulator does and does not model is
 in csrc/emu/cuda_emu.h.
 
-A variant (moe_comm/cuda/variants.py) becomes one shared library, built with the variant's
+A variant (moe_comm/jit/variants.py) becomes one shared library, built with the variant's
 ``-D`` macros plus ``-DMOE_EMU`` and cached like the cubins (key: sources of both folders,
 macros, compiler version). ``nvshmem=True`` builds the IBGDA variant (``-DMOE_WITH_NVSHMEM``)
 against csrc/emu/nvshmem_emu.h, NVSHMEM's device calls on the CPU; a group using it registers
@@ -24,7 +24,7 @@ import subprocess
 import threading
 from pathlib import Path
 
-from .compiler import cache_dir, kernel_dir, write_atomic
+from .nvrtc import cache_dir, kernel_dir, write_atomic
 from .variants import THREADS, Variant
 
 ERR_CHARS = 512
@@ -182,7 +182,7 @@ def _dims(v) -> tuple:
 
 def launch_emu(kernel: EmuKernel, grid, block, args) -> None:
     """Run ``kernel`` to completion on CPU threads (releases the GIL meanwhile). ``args`` are
-    integers (pointers, int64; numpy scalars as moe_comm/cuda/launcher.py makes them)."""
+    integers (pointers, int64; numpy scalars as moe_comm/jit/launch.py makes them)."""
     threads = _dims(block)[0] * _dims(block)[1] * _dims(block)[2]
     if kernel.max_threads is not None and threads > kernel.max_threads:
         # a GPU refuses it too: the kernel was compiled with __launch_bounds__(max_threads)

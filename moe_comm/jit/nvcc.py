@@ -14,7 +14,7 @@ run with the host library of the same NVSHMEM version it was built against (the 
 the cache key, and runtime.py checks it).
 
 Programs: :func:`selftest_program` (csrc/ibgda/selftest.cu) and :func:`kernel_program`, any
-variant of moe_comm/cuda/variants.py, i.e. the mode kernels with the NVSHMEM remote branch of
+variant of moe_comm/jit/variants.py, i.e. the mode kernels with the NVSHMEM remote branch of
 ``Transport`` switched on.
 
 Cache key = sha256 over every source file of csrc/kernels and csrc/ibgda (names and bytes), the
@@ -31,10 +31,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..cuda import elf
-from ..cuda.variants import thread_defines
-from ..cuda.compiler import write_atomic
-from .locate import nvcc_path, nvcc_version, nvshmem_install
+from . import elf
+from .variants import thread_defines
+from .nvrtc import write_atomic
+from .toolchain import nvcc_path, nvcc_version, nvshmem_install
 
 OPTIONS_VERSION = "2"            # bump when the commands below change
 _STD = "c++17"
@@ -70,7 +70,7 @@ def selftest_program() -> Program:
 
 
 def kernel_program(variant) -> Program:
-    """The NVSHMEM build of a ``moe_comm.cuda.variants.Variant``."""
+    """The NVSHMEM build of a ``moe_comm.jit.variants.Variant``."""
     return Program(f"kernels/{variant.source}", tuple(variant.defines), tuple(variant.kernels))
 
 

@@ -11,7 +11,7 @@ Recognised blocks (``gate`` + ``experts``, optionally shared experts):
 * v4-style blocks: ``gate`` an ``nn.Linear`` and ``experts`` a ``ModuleList`` of gated MLPs
   with ``w1``/``w3``/``w2`` (Mixtral) or ``gate_proj``/``up_proj``/``down_proj`` (Qwen). Routing
   is softmax top-k (renormalised unless ``norm_topk_prob`` is False) by
-  :class:`moe_comm.router.TopKRouter`, and the layer returns ``(hidden, router_logits)`` as
+  :class:`moe_comm.nn.router.TopKRouter`, and the layer returns ``(hidden, router_logits)`` as
   those blocks did.
 * shared experts: ``shared_expert`` + ``shared_expert_gate`` (Qwen2-MoE: sigmoid-gated) or
   ``shared_experts`` (DeepSeek-V3: added).
@@ -28,7 +28,7 @@ import copy
 import torch
 from torch import nn
 
-from .eplb import ExpertLoadRecorder
+from ..eplb import ExpertLoadRecorder
 from .layer import MoELayer
 
 _LEGACY_NAMES = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))

@@ -1,0 +1,126 @@
+"""Print the package's import cycles and the imports written inside function bodies.
+
+    python tools/import_report.py [--list]
+
+A cycle is a strongly connected set of moe_comm modules that import each other (at module
+level or inside functions: both are real dependencies). An in-function import is any
+``import`` statement nested in a ``def``; ``--list`` names each one. Modules named
+``optional_*`` are exempt: they exist to hold one optional dependency's lazy import.
+"""
+import argparse
+import ast
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PKG = "moe_comm"
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def resolve(mod: str, is_pkg: bool, node: ast.ImportFrom) -> str:
+    if node.level == 0:
+        return node.module or ""
+    base = mod.split(".")
+    if not is_pkg:
+        base = base[:-1]
+    base = base[:len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def scan(modules: dict):
+    """Returns (edges: {mod: set(mod)}, nested: [(mod, lineno, text)])."""
+    edges, nested = {m: set() for m in modules}, []
+    for mod, path in modules.items():
+        tree = ast.parse(path.read_text(), str(path))
+        is_pkg = path.name == "__init__.py"
+        func_lines = set()
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for sub in ast.walk(fn):
+                    if isinstance(sub, (ast.Import, ast.ImportFrom)):
+                        func_lines.add(id(sub))
+        for node in ast.walk(tree):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = resolve(mod, is_pkg, node)
+                targets = [base] + [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            if id(node) in func_lines and not mod.split(".")[-1].startswith("optional_"):
+                nested.append((mod, node.lineno, ast.unparse(node)))
+            for t in targets:
+                # the longest moe_comm module the name refers to
+                while t and t not in modules:
+                    t = t.rpartition(".")[0]
+                if t and t != mod:
+                    edges[mod].add(t)
+    return edges, nested
+
+
+def cycles(edges: dict):
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out, n = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = n[0]
+        n[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    sys.setrecursionlimit(10000)
+    for v in edges:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def package_edges(edges: dict):
+    """Edges between a package's own modules and its __init__ re-exports are not cycles of
+    the design: drop X -> parent-package edges where X is inside that package."""
+    return {m: {t for t in ts if not m.startswith(t + ".")} for m, ts in edges.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--list", action="store_true", help="name every in-function import")
+    args = ap.parse_args()
+    modules = {module_name(p): p for p in sorted((ROOT / PKG).rglob("*.py"))}
+    edges, nested = scan(modules)
+    cyc = cycles(package_edges(edges))
+    print(f"modules: {len(modules)}")
+    print(f"import cycles: {len(cyc)}")
+    for c in cyc:
+        print("  " + " <-> ".join(c))
+    print(f"imports inside functions: {len(nested)}")
+    if args.list:
+        for mod, line, text in nested:
+            print(f"  {mod}:{line}: {text}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
