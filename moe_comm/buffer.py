@@ -1,8 +1,9 @@
 """``Buffer``: the public object. One method per operation, DeepEP V1 signatures.
 
-It validates every argument (clear errors before any byte moves), then hands the call to the
-backend that owns the tensors' device: the host backend for CPU tensors (processes on one
-machine, shared memory), the CUDA backend for GPU tensors.
+Every call goes down the layers once: moe_comm/validate.py checks all its arguments (clear
+errors before any byte moves), the backend that owns the tensors' device runs it (the host
+backend for CPU tensors: processes on one machine, shared memory; the CUDA backend for GPU
+tensors), and the results are wrapped in DeepEP's return tuple.
 """
 from __future__ import annotations
 
@@ -13,14 +14,12 @@ import threading
 import torch
 import torch.distributed as dist
 
-from . import validate as check
+from . import validate
 from .config import Config, normal_buffer_size_hint
-from .errors import BufferTooSmallError
 from .event import EventOverlap, RecvHook, capture_event
 from .handle import DispatchHandle, LowLatencyHandle
 from .backend import CudaBackend, HostBackend, emulate_cuda, pick_device
-from .transport.select import KINDS as TRANSPORTS
-from .wire import LL_MAX_TOPK, LL_NUM_BUFFERS, LLLayout
+from .wire import LL_NUM_BUFFERS, LLLayout
 
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_NVL_BYTES = 256 << 20
@@ -84,13 +83,7 @@ class Buffer:
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  explicitly_destroy: bool = False, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  elastic: bool = False, transport: str = "auto", device=None):
-        for name, v in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
-            if not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {v!r}")
-        if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
-            raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
-        if transport not in TRANSPORTS:   # moe_comm/transport/select.py KINDS
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        validate.buffer_args(num_nvl_bytes, num_rdma_bytes, timeout_s, transport)
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: call "
                                "dist.init_process_group first (gloo for CPU tensors)")
@@ -109,13 +102,13 @@ class Buffer:
                                    self.timeout_s, device=self.device, elastic=self.elastic,
                                    transport=transport)
         else:
-            if transport == "ibgda":
-                raise ValueError("transport='ibgda' needs CUDA tensors (GPU-initiated RDMA); "
-                                 f"this Buffer's device is {self.device}")
+            validate.host_transport(transport, self.device)
             self._be = HostBackend(self.group, self.num_nvl_bytes, num_rdma_bytes,
                                    self.timeout_s, elastic=self.elastic, transport=transport)
         self._comm = self._be.comm
         self._key = (id(self), self._be.job)
+        self._facts = validate.BufferFacts(self.group_size, self.device, self._key,
+                                           self.low_latency_mode)
         self._owner_lock = threading.Lock()
         self._owner = None                  # (thread id, call) of the call in progress
         self._depth = 0
@@ -160,9 +153,7 @@ class Buffer:
     # -- static helpers (DeepEP) ----------------------------------------------------------
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
-        if not isinstance(new_num_sms, int) or new_num_sms <= 0 or new_num_sms % 2:
-            raise ValueError(f"num_sms must be a positive even int, got {new_num_sms!r}")
-        Buffer.num_sms = new_num_sms
+        Buffer.num_sms = validate.num_sms(new_num_sms)
 
     @staticmethod
     def capture() -> EventOverlap:
@@ -202,41 +193,20 @@ class Buffer:
         rank (a rank that left needs a new Buffer). Call it with the same mask on every
         surviving rank before their next call."""
         self._live()
-        if not isinstance(mask, torch.Tensor):
-            mask = torch.as_tensor(mask)
-        self._check_mask("mask", mask)
+        mask = validate.set_active_ranks_args(self._facts, mask)
         self._be.mask((mask.cpu() == 0).nonzero().flatten().tolist(), "set_active_ranks")
 
-    def _check_mask(self, name, mask) -> None:
-        if mask.dim() != 1 or mask.shape[0] != self.group_size or mask.is_floating_point():
-            raise ValueError(f"{name} must be an integer or bool tensor of shape "
-                             f"[{self.group_size}] (1 = active), got {mask.dtype} "
-                             f"{tuple(mask.shape)}")
-
-    def _enter(self, active_ranks):
-        """Start a call: apply a caller's ``active_ranks`` tensor; returns the comm."""
-        comm = self._live()
+    def _enter(self, active_ranks) -> None:
+        """Start a call: apply a caller's ``active_ranks`` tensor (checked with the call's
+        other arguments)."""
         if active_ranks is not None:
-            if not isinstance(active_ranks, torch.Tensor) or active_ranks.dtype not in (
-                    torch.int32, torch.int64, torch.bool):
-                raise ValueError(f"active_ranks must be an int32/int64/bool tensor, got "
-                                 f"{getattr(active_ranks, 'dtype', type(active_ranks))}")
-            self._check_mask("active_ranks", active_ranks)
             self._be.read_active_arg(active_ranks)
-        return comm
 
     def _leave(self, active_ranks) -> None:
         """Write the mask after a call back into the caller's ``active_ranks`` tensor (on the
         stream, no host synchronisation on the CUDA backend)."""
         if active_ranks is not None and self._comm is not None:
             active_ranks.copy_(self._be.active_ranks())
-
-    def _on_device(self, **tensors) -> None:
-        """Every tensor argument must live where this Buffer's backend works."""
-        for name, t in tensors.items():
-            if isinstance(t, torch.Tensor) and t.device != self.device:
-                raise ValueError(f"{name} is on {t.device}, but this Buffer works on "
-                                 f"{self.device} (Buffer(device=...) picks the backend)")
 
     # -- normal mode ----------------------------------------------------------------------
     def _live(self):
@@ -259,10 +229,8 @@ class Buffer:
             num_tokens_per_rank int32 [R], num_tokens_per_rdma_rank (None: single node),
             num_tokens_per_expert int32 [E], is_token_in_rank bool [T, R], EventOverlap.
         """
-        check.num_experts(num_experts, self.group_size)
-        check.tensor("topk_idx", topk_idx, ndim=2, dtypes=(torch.int64,))
-        self._on_device(topk_idx=topk_idx)            # before its values are read
-        check.topk_idx(topk_idx, num_experts)
+        validate.layout_args(self._facts, topk_idx, num_experts, active_ranks)
+        self._live()
         self._enter(active_ranks)
         per_rank, per_expert, in_rank = self._be.layout(topk_idx, num_experts, self.group_size)
         self._leave(active_ranks)
@@ -308,60 +276,25 @@ class Buffer:
             event: EventOverlap.
         """
         comm = self._live()
-        data, scales = check.dispatch_x(x)
-        num_tokens, hidden = data.shape
-        check.alignment(expert_alignment)
-        if not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
-            raise ValueError(f"num_worst_tokens must be an int >= 0, got {num_worst_tokens!r}")
-        R = self.group_size
-        if handle is not None:
-            self._check_handle(handle, num_tokens, hidden)
-            if topk_idx is not None or topk_weights is not None:
-                raise ValueError("pass either handle or topk_idx/topk_weights, not both")
-            num_experts = None
-            self._on_device(x=data, scales=scales)
-        else:
-            if topk_idx is None:
-                raise ValueError("topk_idx is required when no handle is given")
-            check.tensor("topk_idx", topk_idx, ndim=2, dtypes=(torch.int64,))
-            if num_tokens_per_expert is not None:
-                check.tensor("num_tokens_per_expert", num_tokens_per_expert, ndim=1)
-                num_experts = num_tokens_per_expert.shape[0]
-            else:
-                raise ValueError("num_tokens_per_expert (from get_dispatch_layout) is required "
-                                 "with topk_idx: it fixes num_experts")
-            check.num_experts(num_experts, R)
-            if num_tokens_per_rank is not None:
-                check.tensor("num_tokens_per_rank", num_tokens_per_rank, ndim=1)
-                if num_tokens_per_rank.shape[0] != R:
-                    raise ValueError(f"num_tokens_per_rank must have {R} entries, got "
-                                     f"{num_tokens_per_rank.shape[0]}")
-            if is_token_in_rank is not None:
-                check.tensor("is_token_in_rank", is_token_in_rank, ndim=2,
-                             dtypes=(torch.bool,))
-                if tuple(is_token_in_rank.shape) != (num_tokens, R):
-                    raise ValueError(f"is_token_in_rank must have shape {(num_tokens, R)}, "
-                                     f"got {tuple(is_token_in_rank.shape)}")
-            # every tensor where this Buffer works, before any of their values is read
-            self._on_device(x=data, scales=scales, topk_idx=topk_idx, topk_weights=topk_weights,
-                            num_tokens_per_rank=num_tokens_per_rank,
-                            is_token_in_rank=is_token_in_rank,
-                            num_tokens_per_expert=num_tokens_per_expert)
-            check.topk_idx(topk_idx, num_experts, num_tokens)
-            check.topk_weights(topk_weights, topk_idx)
+        args = validate.dispatch_args(
+            self._facts, x, handle, num_tokens_per_rank, is_token_in_rank,
+            num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+            active_ranks)
+        data, scales, num_experts = args.data, args.scales, args.num_experts
+        if handle is None:
             num_tokens_per_rank, is_token_in_rank = self._layout_of(
                 topk_idx, num_experts, num_tokens_per_rank, num_tokens_per_expert,
                 is_token_in_rank)
         self._enter(active_ranks)
         recv_x, recv_s, recv_i, recv_w, handle = self._be.normal.dispatch(
-            comm, x_bytes=data.view(torch.uint8), dtype=data.dtype, hidden=hidden,
+            comm, x_bytes=data.view(torch.uint8), dtype=data.dtype, hidden=data.shape[1],
             scales=scales, topk_idx=topk_idx, topk_weights=topk_weights,
             is_token_in_rank=is_token_in_rank, num_tokens_per_rank=num_tokens_per_rank,
             handle=handle, num_experts=num_experts, num_worst_tokens=num_worst_tokens,
             buffer_key=self._key)
         self._leave(active_ranks)
         counts = [] if recv_i is None else self._be.expert_counts(
-            recv_i, handle, num_experts // R, expert_alignment)
+            recv_i, handle, num_experts // self.group_size, expert_alignment)
         out_x = recv_x if recv_s is None else (recv_x, recv_s)
         return out_x, recv_i, recv_w, counts, handle, self._be.event()
 
@@ -386,47 +319,16 @@ class Buffer:
             float32 [T, K] or None, EventOverlap.
         """
         comm = self._live()
-        if not isinstance(handle, DispatchHandle):
-            raise TypeError(f"handle must be the handle returned by dispatch, got "
-                            f"{type(handle).__name__}")
-        self._check_handle(handle, None)
-        check.tensor("x", x, ndim=2, dtypes=check.FLOAT_DTYPES)
-        n = handle.num_recv_tokens
-        if x.shape[0] != n and not (handle.num_worst_tokens and
-                                    x.shape[0] == handle.num_worst_tokens):
-            raise ValueError(f"x must have the {n} rows this rank received"
-                             + (f" (or num_worst_tokens={handle.num_worst_tokens})"
-                                if handle.num_worst_tokens else "") + f", got {x.shape[0]}")
-        if x.shape[1] != handle.hidden:
-            raise ValueError(f"x hidden size {x.shape[1]} differs from the dispatched "
-                             f"{handle.hidden}")
+        biases = validate.combine_args(self._facts, x, handle, topk_weights, bias, active_ranks)
+        n = handle.num_recv_tokens       # x may have num_worst_tokens rows: past n is padding
         if topk_weights is not None:
-            check.tensor("topk_weights", topk_weights, ndim=2, dtypes=(torch.float32,))
-            if topk_weights.shape[0] != x.shape[0]:
-                raise ValueError(f"topk_weights must have {x.shape[0]} rows like x, got "
-                                 f"{topk_weights.shape[0]}")
             topk_weights = topk_weights[:n].contiguous()
-        biases = self._biases(bias, handle)
-        self._on_device(x=x, topk_weights=topk_weights,
-                        **{f"bias[{i}]": b for i, b in enumerate(biases)})
         self._enter(active_ranks)
         out, w = self._be.normal.combine(comm, x=x[:n].contiguous(), handle=handle,
-                                     topk_weights=topk_weights, bias=biases)
+                                     topk_weights=topk_weights,
+                                     bias=tuple(b.float() for b in biases))
         self._leave(active_ranks)
         return out, w, self._be.event()
-
-    def _biases(self, bias, handle):
-        if bias is None:
-            return ()
-        items = bias if isinstance(bias, tuple) else (bias,)
-        if len(items) > 2:
-            raise ValueError(f"bias must be a tensor or a tuple of up to two, got {len(items)}")
-        shape = (handle.num_tokens, handle.hidden)
-        for i, b in enumerate(items):
-            check.tensor(f"bias[{i}]", b, ndim=2, dtypes=check.FLOAT_DTYPES)
-            if tuple(b.shape) != shape:
-                raise ValueError(f"bias[{i}] must have shape {shape}, got {tuple(b.shape)}")
-        return tuple(b.float() for b in items)
 
     def _layout_of(self, topk_idx, num_experts, num_tokens_per_rank, num_tokens_per_expert,
                    is_token_in_rank):
@@ -435,26 +337,12 @@ class Buffer:
         before a rank was masked still passes)."""
         per_rank, per_expert, in_rank = self._be.layout(topk_idx, num_experts, self.group_size)
         given = self._be.masked(num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)
-        check.layout_matches(
+        validate.layout_matches(
             {"num_tokens_per_rank": given[0], "num_tokens_per_expert": given[1],
              "is_token_in_rank": given[2]},
             {"num_tokens_per_rank": per_rank, "num_tokens_per_expert": per_expert,
              "is_token_in_rank": in_rank})
         return per_rank, in_rank
-
-    def _check_handle(self, handle, num_tokens, hidden=None):
-        if not isinstance(handle, DispatchHandle):
-            raise TypeError(f"handle must be a moe_comm dispatch handle, got "
-                            f"{type(handle).__name__}")
-        if handle.buffer_key != self._key:
-            raise ValueError("handle comes from another Buffer; pass the handle returned by "
-                             "this buffer's dispatch")
-        if num_tokens is not None and num_tokens != handle.num_tokens:
-            raise ValueError(f"x has {num_tokens} tokens but handle was made for "
-                             f"{handle.num_tokens}")
-        if hidden is not None and hidden != handle.hidden:
-            raise ValueError(f"x has hidden size {hidden} but handle was made for "
-                             f"{handle.hidden} (a cached dispatch repeats the handle's rows)")
 
     # -- low-latency mode -------------------------------------------------------------------
     @staticmethod
@@ -462,23 +350,6 @@ class Buffer:
                                        num_ranks: int, num_experts: int) -> int:
         """``num_rdma_bytes`` a low-latency buffer needs for these shapes (both buffers)."""
         return LLLayout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts).nbytes
-
-    def _ll_layout(self, comm, max_tokens, hidden, num_experts) -> LLLayout:
-        if not self.low_latency_mode:
-            raise ValueError("low-latency calls need Buffer(..., low_latency_mode=True)")
-        if not isinstance(max_tokens, int) or max_tokens <= 0:
-            raise ValueError(f"num_max_dispatch_tokens_per_rank must be a positive int, got "
-                             f"{max_tokens!r}")
-        check.num_experts(num_experts, self.group_size)
-        check.hidden_size("x", hidden)
-        if hidden % 128:
-            raise ValueError(f"hidden size {hidden} must be a multiple of 128 in low-latency "
-                             "mode (one fp8 scale per 128 channels)")
-        lay = LLLayout(max_tokens, hidden, self.group_size, num_experts)
-        if lay.nbytes > comm.ll_bytes:
-            raise BufferTooSmallError("low-latency mode", lay.nbytes, comm.ll_bytes,
-                                      argument="num_rdma_bytes")
-        return lay
 
     def _ll_reserve(self, kind: str, seq: int):
         """Refuse a third call in flight: buffer ``seq % 2`` must have no pending hook."""
@@ -531,34 +402,13 @@ class Buffer:
                 no-op when return_recv_hook is False).
         """
         comm = self._live()
-        check.tensor("x", x, ndim=2, dtypes=(torch.bfloat16,))
-        num_tokens, hidden = x.shape
-        lay = self._ll_layout(comm, num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        if num_tokens > num_max_dispatch_tokens_per_rank:
-            raise ValueError(f"x has {num_tokens} tokens, more than "
-                             f"num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}")
-        check.tensor("topk_idx", topk_idx, ndim=2, dtypes=(torch.int64,))
-        self._on_device(x=x, topk_idx=topk_idx)       # before topk_idx's values are read
-        check.topk_idx(topk_idx, num_experts, num_tokens)
-        if topk_idx.shape[1] > LL_MAX_TOPK:
-            raise ValueError(f"topk_idx has {topk_idx.shape[1]} columns; low-latency mode "
-                             f"supports top-k <= {LL_MAX_TOPK}")
-        if use_ue8m0 and not (use_fp8 and round_scale):
-            raise ValueError("use_ue8m0 needs use_fp8=True and round_scale=True (UE8M0 holds "
-                             "powers of two)")
-        if use_ue8m0 and hidden % 512:
-            raise ValueError(f"use_ue8m0 packs 4 scales per int32: hidden {hidden} must be a "
-                             "multiple of 512")
+        lay = validate.ll_dispatch_args(
+            self._facts, comm.ll_bytes, x, topk_idx, num_max_dispatch_tokens_per_rank,
+            num_experts, cumulative_local_expert_recv_stats, use_fp8, round_scale, use_ue8m0,
+            active_ranks)
+        hidden, num_local = x.shape[1], lay.num_local
         stats = cumulative_local_expert_recv_stats
-        num_local = num_experts // self.group_size
-        if stats is not None:
-            check.tensor("cumulative_local_expert_recv_stats", stats, ndim=1,
-                         dtypes=(torch.int32, torch.int64))
-            if stats.shape[0] != num_local:
-                raise ValueError(f"cumulative_local_expert_recv_stats must have {num_local} "
-                                 f"entries, got {stats.shape[0]}")
         buf = self._ll_reserve("dispatch", comm.ll_seq["dispatch"] + 1)
-        self._on_device(x=x, topk_idx=topk_idx, cumulative_local_expert_recv_stats=stats)
         self._enter(active_ranks)
         x = x.contiguous()
         handle = self._be.ll.dispatch_send(comm, x=x, topk_idx=topk_idx, lay=lay, use_fp8=use_fp8,
@@ -594,7 +444,7 @@ class Buffer:
         """bf16 [E/R, R*M, H]: write expert outputs here and call
         ``low_latency_combine(..., zero_copy=True)`` to send them without another copy."""
         comm = self._live()
-        self._check_ll_handle(handle)
+        validate.ll_handle(handle, self._key)
         buf = (comm.ll_seq["combine"] + 1) % LL_NUM_BUFFERS
         shape = (handle.num_experts // self.group_size, self.group_size * handle.max_tokens,
                  handle.hidden)
@@ -626,32 +476,14 @@ class Buffer:
             combined_x bf16 [T, H], event, hook.
         """
         comm = self._live()
-        self._check_ll_handle(handle)
-        if not handle.received:
-            raise RuntimeError("the dispatch of this handle has not received yet: call its "
-                               "receive hook before low_latency_combine")
-        lay = self._ll_layout(comm, handle.max_tokens, handle.hidden, handle.num_experts)
-        shape = (lay.num_local, self.group_size * handle.max_tokens, handle.hidden)
+        lay = validate.ll_combine_args(self._facts, comm.ll_bytes, x, topk_idx, topk_weights,
+                                       handle, zero_copy, out, active_ranks)
         if zero_copy:
             x = self.get_next_low_latency_combine_buffer(handle)
-        check.tensor("x", x, ndim=3, dtypes=(torch.bfloat16,))
-        if tuple(x.shape) != shape:
-            raise ValueError(f"x must have shape {shape}, got {tuple(x.shape)}")
-        check.tensor("topk_idx", topk_idx, ndim=2, dtypes=(torch.int64,))
-        if tuple(topk_idx.shape) != (handle.num_tokens, handle.topk):
-            raise ValueError(f"topk_idx must be the dispatched ids, shape "
-                             f"{(handle.num_tokens, handle.topk)}, got {tuple(topk_idx.shape)}")
-        check.topk_weights(topk_weights, topk_idx)
         if out is None:
             out = self._be.empty(("ll_out", comm.ll_seq["combine"] % LL_NUM_BUFFERS),
-                                      (handle.num_tokens, handle.hidden), torch.bfloat16)
-        else:
-            check.tensor("out", out, ndim=2, dtypes=(torch.bfloat16,))
-            if tuple(out.shape) != (handle.num_tokens, handle.hidden):
-                raise ValueError(f"out must have shape {(handle.num_tokens, handle.hidden)}, "
-                                 f"got {tuple(out.shape)}")
+                                 (handle.num_tokens, handle.hidden), torch.bfloat16)
         buf = self._ll_reserve("combine", comm.ll_seq["combine"] + 1)
-        self._on_device(x=x, topk_idx=topk_idx, topk_weights=topk_weights, out=out)
         self._enter(active_ranks)
         seq, buf = self._be.ll.combine_send(comm, x=x.contiguous(), handle=handle, lay=lay)
         self._leave(active_ranks)
@@ -673,20 +505,14 @@ class Buffer:
         in flight). Normal-mode calls never touch them, so interleaving needs no cleaning;
         this is for starting LL over, e.g. after an aborted call."""
         comm = self._live()
-        self._ll_layout(comm, num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        validate.ll_layout(self._facts, comm.ll_bytes, num_max_dispatch_tokens_per_rank,
+                           hidden, num_experts)
         for kind, hooks in self._ll_pending.items():
             if any(h is not None and not h.done for h in hooks):
                 raise RuntimeError(f"a low-latency {kind} still awaits its receive hook")
         dist.barrier(group=self.group)
         comm.reset_ll()
         dist.barrier(group=self.group)
-
-    def _check_ll_handle(self, handle):
-        if not isinstance(handle, LowLatencyHandle):
-            raise TypeError(f"handle must be the handle returned by low_latency_dispatch, got "
-                            f"{type(handle).__name__}")
-        if handle.buffer_key != self._key:
-            raise ValueError("handle comes from another Buffer")
 
     # -- lifetime ---------------------------------------------------------------------------
     @_one_thread
