@@ -1,19 +1,95 @@
-"""Which backend a Buffer drives: the host backend for CPU tensors, the CUDA backend for GPU
-tensors. Both expose the same mode modules (``normal``: dispatch/combine; ``ll``: the four
-low-latency halves, same keyword arguments); this module holds the few things that differ
-(how the layout is computed, where outputs are allocated, what an event is).
+"""The backend contract: what a Buffer asks of the backend that owns its tensors' device, and
+which backend that is.
+
+Two backends implement it: the host backend (moe_comm/host/backend.py; CPU tensors,
+processes sharing memory) and the CUDA backend (moe_comm/cuda/backend.py; GPU tensors,
+kernels). Each is a :class:`Backend` whose ``normal`` and ``ll`` are its mode modules,
+implementing :class:`NormalMode` and :class:`LowLatencyMode` with the same keyword
+arguments; tests/test_backend_contract.py checks both against these protocols. A Buffer
+validates every argument first (moe_comm/validate.py), so a backend receives only
+consistent, checked input, and computes the dispatch layout once (:meth:`Backend.layout`)
+for the whole call.
 """
 from __future__ import annotations
 
 import os
-import secrets
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from .event import EventOverlap, capture_event
-from .host.pool import OutputPool
-from .layout import aligned_expert_counts, dispatch_layout
+from .cuda.backend import CudaBackend
+from .event import EventOverlap
+from .handle import DispatchHandle, LowLatencyHandle
+from .host.backend import HostBackend
+from .layout import DispatchLayout
+from .wire import LLLayout
+
+
+class NormalMode(Protocol):
+    """Normal (high-throughput) mode: one collective dispatch and one combine."""
+
+    def dispatch(self, comm, *, x_bytes: torch.Tensor, dtype: torch.dtype, hidden: int,
+                 scales, topk_idx, topk_weights, layout: DispatchLayout | None,
+                 handle: DispatchHandle | None, num_experts, num_worst_tokens: int,
+                 buffer_key) -> tuple:
+        """Send every token (``x_bytes``: x as uint8 [T, row bytes]) to the ranks of
+        ``layout`` (fresh routing), or to those of ``handle`` (cached: the same rows again).
+        Returns ``(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, handle)``."""
+
+    def combine(self, comm, *, x: torch.Tensor, handle: DispatchHandle, topk_weights,
+                bias) -> tuple:
+        """Return every received row to its source rank and sum per token. Returns
+        ``(combined_x, combined_topk_weights)``."""
+
+
+class LowLatencyMode(Protocol):
+    """Low-latency mode: each call split in a send half and a receive half (the hook), on
+    double-buffered regions laid out by ``lay``."""
+
+    def dispatch_send(self, comm, *, x: torch.Tensor, topk_idx: torch.Tensor, lay: LLLayout,
+                      use_fp8: bool, round_scale: bool, buffer_key) -> LowLatencyHandle: ...
+
+    def dispatch_recv(self, comm, handle: LowLatencyHandle, lay: LLLayout, *, recv_x,
+                      recv_scales, recv_count, use_fp8: bool, use_ue8m0: bool,
+                      stats) -> None: ...
+
+    def combine_send(self, comm, *, x: torch.Tensor, handle: LowLatencyHandle,
+                     lay: LLLayout) -> tuple: ...
+
+    def combine_recv(self, comm, seq: int, buf: int, lay: LLLayout, *, handle, topk_idx,
+                     topk_weights, out) -> None: ...
+
+
+class Backend(Protocol):
+    """One rank's backend behind a Buffer."""
+
+    normal: NormalMode
+    ll: LowLatencyMode
+    comm: object          # the backend's communicator (HostComm / CudaComm)
+    device: torch.device
+    job: str              # a token naming this Buffer's job (segment names, logs)
+
+    def layout(self, topk_idx: torch.Tensor, num_experts: int,
+               num_ranks: int) -> DispatchLayout:
+        """The dispatch layout of ``topk_idx`` under the current rank mask."""
+
+    def masked(self, per_rank, per_expert, in_rank) -> tuple:
+        """Layout tensors (any may be None) with the masked ranks' share zeroed."""
+
+    def active_ranks(self) -> torch.Tensor: ...
+
+    def mask(self, ranks, why: str) -> None: ...
+
+    def read_active_arg(self, active_ranks: torch.Tensor) -> None: ...
+
+    def expert_counts(self, recv_idx, handle, num_local: int, alignment: int) -> list: ...
+
+    def empty(self, key, shape, dtype) -> torch.Tensor: ...
+
+    def event(self) -> EventOverlap: ...
+
+    def destroy(self) -> None: ...
 
 
 def emulate_cuda() -> bool:
@@ -35,107 +111,12 @@ def pick_device(group, device) -> torch.device:
     return torch.device("cpu")
 
 
-class HostBackend:
-    """CPU tensors: processes on one machine share memory; other hosts via the transport."""
-
-    def __init__(self, group, num_nvl_bytes, num_rdma_bytes, timeout_s, *, elastic,
-                 transport):
-        from .host import ll, normal
-        from .host.comm import HostComm
-        self.normal, self.ll = normal, ll
-        self.device = torch.device("cpu")
-        self.comm = HostComm(group, num_nvl_bytes, num_rdma_bytes, timeout_s,
-                             elastic=elastic, transport=transport)
-        self.job = self.comm.job
-        self._pool = OutputPool()
-
-    def layout(self, topk_idx, num_experts, num_ranks):
-        return self.masked(*dispatch_layout(topk_idx, num_experts, num_ranks))
-
-    def masked(self, per_rank, per_expert, in_rank):
-        """The layout with the masked ranks' experts counting no tokens (new tensors where a
-        rank is masked, the same ones otherwise; any of the three may be None)."""
-        if self.comm.active.all():
-            return per_rank, per_expert, in_rank
-        keep = torch.from_numpy(self.comm.active)
-        return (None if per_rank is None else per_rank * keep.to(per_rank.dtype),
-                None if per_expert is None else
-                (per_expert.view(len(keep), -1) * keep[:, None].to(per_expert.dtype)).flatten(),
-                None if in_rank is None else in_rank & keep)
-
-    # rank masks: numpy bool [R] in HostComm.active
-    def active_ranks(self) -> torch.Tensor:
-        return torch.from_numpy(self.comm.active.astype("int32"))
-
-    def mask(self, ranks, why: str) -> None:
-        self.comm.mask(ranks, why)
-
-    def read_active_arg(self, active_ranks: torch.Tensor) -> None:
-        self.comm.mask((active_ranks.cpu() == 0).nonzero().flatten().tolist(),
-                       "active_ranks argument")
-
-    def expert_counts(self, recv_idx, handle, num_local, alignment) -> list:
-        return aligned_expert_counts(recv_idx, num_local, alignment)
-
-    def empty(self, key, shape, dtype) -> torch.Tensor:
-        return self._pool.empty(key, shape, dtype)
-
-    def event(self) -> EventOverlap:
-        return EventOverlap()             # host calls are complete when they return
-
-    def destroy(self) -> None:
-        self.comm.destroy()
-
-
-class CudaBackend:
-    """GPU tensors: kernels on torch's current stream, peers of one node through CUDA IPC,
-    ranks on other hosts through the kernels' host proxy (moe_comm/cuda/kernel_proxy.py)."""
-
-    def __init__(self, group, num_nvl_bytes, num_rdma_bytes, timeout_s, *, device, elastic,
-                 transport):
-        from .cuda import ll, normal
-        from .cuda.comm import CudaComm
-        self.normal, self.ll = normal, ll
-        self.device = device
-        self.comm = CudaComm.from_group(group, num_nvl_bytes, num_rdma_bytes, timeout_s,
-                                        device=device, elastic=elastic, transport=transport)
-        self.job = secrets.token_hex(8)
-
-    def layout(self, topk_idx, num_experts, num_ranks):
-        return self.masked(*self.normal.get_dispatch_layout(topk_idx, num_experts, num_ranks))
-
-    def masked(self, per_rank, per_expert, in_rank):
-        """The layout with the masked ranks' experts counting no tokens (new tensors once a
-        rank can be masked, on the device: no host synchronisation; any may be None)."""
-        keep = self.comm.active
-        if keep is None:
-            return per_rank, per_expert, in_rank
-        return (None if per_rank is None else per_rank * keep.to(per_rank.dtype),
-                None if per_expert is None else
-                (per_expert.view(keep.shape[0], -1) * keep[:, None].to(per_expert.dtype))
-                .flatten(),
-                None if in_rank is None else in_rank & keep.bool())
-
-    # rank masks: int32 [R] on the device (CudaComm.active), read and written on the stream
-    def active_ranks(self) -> torch.Tensor:
-        return self.comm.active_ranks()
-
-    def mask(self, ranks, why: str) -> None:
-        self.comm.mask(ranks, why)
-
-    def read_active_arg(self, active_ranks: torch.Tensor) -> None:
-        self.comm.mask_where(active_ranks)
-
-    def expert_counts(self, recv_idx, handle, num_local, alignment) -> list:
-        if recv_idx is None:
-            return []
-        return self.normal.aligned_expert_counts(handle, alignment).tolist()
-
-    def empty(self, key, shape, dtype) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, device=self.device)
-
-    def event(self) -> EventOverlap:
-        return capture_event()            # marks the kernels just queued on this stream
-
-    def destroy(self) -> None:
-        self.comm.destroy(barrier=True)
+def open_backend(group, device: torch.device, num_nvl_bytes: int, num_rdma_bytes: int,
+                 timeout_s: float, *, elastic: bool, transport: str) -> Backend:
+    """Collective over ``group``: the backend for ``device`` (CUDA for a GPU, or for the CPU
+    under :func:`emulate_cuda`; the host backend otherwise)."""
+    if device.type == "cuda" or emulate_cuda():
+        return CudaBackend(group, num_nvl_bytes, num_rdma_bytes, timeout_s, device=device,
+                           elastic=elastic, transport=transport)
+    return HostBackend(group, num_nvl_bytes, num_rdma_bytes, timeout_s, elastic=elastic,
+                       transport=transport)

@@ -18,7 +18,7 @@ from . import validate
 from .config import Config, normal_buffer_size_hint
 from .event import EventOverlap, RecvHook, capture_event
 from .handle import DispatchHandle, LowLatencyHandle
-from .backend import CudaBackend, HostBackend, emulate_cuda, pick_device
+from .backend import emulate_cuda, open_backend, pick_device
 from .wire import LL_NUM_BUFFERS, LLLayout
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -97,14 +97,10 @@ class Buffer:
         self.explicitly_destroy = explicitly_destroy
         self.elastic = bool(elastic)
         self.device = pick_device(self.group, device)
-        if self.device.type == "cuda" or emulate_cuda():
-            self._be = CudaBackend(self.group, self.num_nvl_bytes, num_rdma_bytes,
-                                   self.timeout_s, device=self.device, elastic=self.elastic,
-                                   transport=transport)
-        else:
+        if self.device.type != "cuda" and not emulate_cuda():
             validate.host_transport(transport, self.device)
-            self._be = HostBackend(self.group, self.num_nvl_bytes, num_rdma_bytes,
-                                   self.timeout_s, elastic=self.elastic, transport=transport)
+        self._be = open_backend(self.group, self.device, self.num_nvl_bytes, num_rdma_bytes,
+                                self.timeout_s, elastic=self.elastic, transport=transport)
         self._comm = self._be.comm
         self._key = (id(self), self._be.job)
         self._facts = validate.BufferFacts(self.group_size, self.device, self._key,
@@ -232,9 +228,9 @@ class Buffer:
         validate.layout_args(self._facts, topk_idx, num_experts, active_ranks)
         self._live()
         self._enter(active_ranks)
-        per_rank, per_expert, in_rank = self._be.layout(topk_idx, num_experts, self.group_size)
+        lay = self._be.layout(topk_idx, num_experts, self.group_size)
         self._leave(active_ranks)
-        return per_rank, None, per_expert, in_rank, self._be.event()
+        return lay.per_rank, None, lay.per_expert, lay.in_rank, self._be.event()
 
     @_one_thread
     def dispatch(self, x, handle: DispatchHandle | None = None,
@@ -281,16 +277,13 @@ class Buffer:
             num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
             active_ranks)
         data, scales, num_experts = args.data, args.scales, args.num_experts
-        if handle is None:
-            num_tokens_per_rank, is_token_in_rank = self._layout_of(
-                topk_idx, num_experts, num_tokens_per_rank, num_tokens_per_expert,
-                is_token_in_rank)
+        layout = None if handle is not None else self._layout_of(
+            topk_idx, num_experts, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)
         self._enter(active_ranks)
         recv_x, recv_s, recv_i, recv_w, handle = self._be.normal.dispatch(
             comm, x_bytes=data.view(torch.uint8), dtype=data.dtype, hidden=data.shape[1],
             scales=scales, topk_idx=topk_idx, topk_weights=topk_weights,
-            is_token_in_rank=is_token_in_rank, num_tokens_per_rank=num_tokens_per_rank,
-            handle=handle, num_experts=num_experts, num_worst_tokens=num_worst_tokens,
+            layout=layout, handle=handle, num_experts=num_experts, num_worst_tokens=num_worst_tokens,
             buffer_key=self._key)
         self._leave(active_ranks)
         counts = [] if recv_i is None else self._be.expert_counts(
@@ -332,17 +325,18 @@ class Buffer:
 
     def _layout_of(self, topk_idx, num_experts, num_tokens_per_rank, num_tokens_per_expert,
                    is_token_in_rank):
-        """The layout dispatch uses: ``topk_idx``'s (under the current mask), after checking
-        that what the caller passed agrees with it (masked the same way, so a layout made
-        before a rank was masked still passes)."""
-        per_rank, per_expert, in_rank = self._be.layout(topk_idx, num_experts, self.group_size)
+        """The layout dispatch uses (moe_comm/layout.py DispatchLayout, computed once here and
+        handed to the backend): ``topk_idx``'s under the current mask, after checking that
+        what the caller passed agrees with it (masked the same way, so a layout made before
+        a rank was masked still passes)."""
+        lay = self._be.layout(topk_idx, num_experts, self.group_size)
         given = self._be.masked(num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)
         validate.layout_matches(
             {"num_tokens_per_rank": given[0], "num_tokens_per_expert": given[1],
              "is_token_in_rank": given[2]},
-            {"num_tokens_per_rank": per_rank, "num_tokens_per_expert": per_expert,
-             "is_token_in_rank": in_rank})
-        return per_rank, in_rank
+            {"num_tokens_per_rank": lay.per_rank, "num_tokens_per_expert": lay.per_expert,
+             "is_token_in_rank": lay.in_rank})
+        return lay
 
     # -- low-latency mode -------------------------------------------------------------------
     @staticmethod

@@ -1,7 +1,25 @@
 """Dispatch layout: which ranks and experts each token goes to. Pure torch, any device."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class DispatchLayout:
+    """Where a dispatch's tokens go, computed once per call and handed down the layers.
+
+    ``per_rank`` int32 [R] tokens for each rank (once per token however many of its experts
+    live there), ``per_expert`` int32 [E] (token, slot) pairs per expert (None where not
+    needed), ``in_rank`` bool [T, R]; ``send_pos`` int32 [T, R] (CUDA backend only, else None):
+    token t's row among this rank's rows for rank d, -1 where not sent, which fixes the
+    receive order "by source rank, then token index"."""
+
+    per_rank: torch.Tensor
+    per_expert: torch.Tensor | None
+    in_rank: torch.Tensor
+    send_pos: torch.Tensor | None = None
 
 
 def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):

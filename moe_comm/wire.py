@@ -301,3 +301,9 @@ def ll_stride(ll_bytes: int) -> int:
     """Bytes between the two buffers of a low-latency region of ``ll_bytes``: half of it, in
     whole pages (a layout fits when its ``nbytes <= ll_bytes``)."""
     return ll_bytes // LL_NUM_BUFFERS // PAGE * PAGE
+
+
+def ll_msg_stride(hidden: int, fp8: bool) -> int:
+    """Bytes of one low-latency message: the token, and its scales with fp8; a multiple of 16
+    so rows move as int64 words (torch's CPU row scatter is ~7x faster on int64 than bytes)."""
+    return round_up(hidden + hidden // 128 * 4, 16) if fp8 else 2 * hidden

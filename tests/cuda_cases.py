@@ -2,7 +2,7 @@
 (tests/test_cuda_gpu.py) and the kernel-emulator tests (tests/test_cuda_emulator.py): the same
 cases, the same rank bodies, only the device differs.
 
-How ranks share the one device: as threads of this process (``CudaComm.local_group`` +
+How ranks share the one device: as threads of this process (``groups.local_group`` +
 ``moe_comm.testing.local_cuda.run_local``), each with its own CUDA stream on a GPU, so a rank spinning
 on a peer's signal never stalls the peer (processes on one GPU would time-slice without MPS);
 on the emulator each launch runs on CPU threads while the GIL is released.
@@ -62,10 +62,10 @@ def group(n, device, ll_bytes=0, timeout_s=None, elastic=False, network=0):
     """A local group of n ranks on `device` (a GPU, or "cpu" for the kernel emulator);
     `network`: that many emulated hosts, reached as network ranks of the IBGDA build
     (emulator only; n = every peer a network rank). `timeout_s`: default 60 s, capped."""
-    from moe_comm.cuda.comm import CudaComm
+    from moe_comm.cuda import groups
     timeout_s = deadline(60.0) if timeout_s is None else timeout_s
-    return CudaComm.local_group(n, HEAP, ll_bytes, timeout_s, device=device, elastic=elastic,
-                                network_hosts=network)
+    return groups.local_group(n, HEAP, ll_bytes, timeout_s, device=device, elastic=elastic,
+                              network_hosts=network)
 
 
 def run(fn, comms, *args):
@@ -141,8 +141,7 @@ def normal_rank(comm, cases, barrier):
         comm.poison_data()
         rx, rs, ri, rw, handle = cn.dispatch(
             comm, x_bytes=data.view(torch.uint8), dtype=data.dtype, hidden=data.shape[1],
-            scales=scales, topk_idx=idx, topk_weights=w, is_token_in_rank=None,
-            num_tokens_per_rank=None, handle=None, num_experts=case["experts"],
+            scales=scales, topk_idx=idx, topk_weights=w, layout=None, handle=None, num_experts=case["experts"],
             num_worst_tokens=case["worst"], buffer_key=KEY)
         counts = cn.aligned_expert_counts(handle, case["alignment"]).tolist()
         recv = (rx, rs) if fp8 else rx
@@ -153,8 +152,7 @@ def normal_rank(comm, cases, barrier):
         comm.poison_data()
         rx2, rs2, ri2, rw2, handle2 = cn.dispatch(
             comm, x_bytes=data.view(torch.uint8), dtype=data.dtype, hidden=data.shape[1],
-            scales=scales, topk_idx=None, topk_weights=None, is_token_in_rank=None,
-            num_tokens_per_rank=None, handle=handle, num_experts=None,
+            scales=scales, topk_idx=None, topk_weights=None, layout=None, handle=handle, num_experts=None,
             num_worst_tokens=case["worst"], buffer_key=KEY)
         comm.synchronize()
         out.append(dict(layout=_cpu(layout), rx=_cpu(recv), ri=_cpu(ri), rw=_cpu(rw),
@@ -297,8 +295,7 @@ def silent_peer(comm, mode):
     try:
         if mode == "normal":
             cn.dispatch(comm, x_bytes=x.view(torch.uint8), dtype=x.dtype, hidden=256,
-                        scales=None, topk_idx=idx, topk_weights=None, is_token_in_rank=None,
-                        num_tokens_per_rank=None, handle=None, num_experts=8,
+                        scales=None, topk_idx=idx, topk_weights=None, layout=None, handle=None, num_experts=8,
                         num_worst_tokens=0, buffer_key=KEY)
         else:
             lay = LLLayout(4, 256, 2, 8)
@@ -399,8 +396,7 @@ def _elastic_rank(comm, case, steps, silent="start"):
         comm.poison_data()
         rx, _, ri, rw, handle = cn.dispatch(
             comm, x_bytes=x.to(dev).view(torch.uint8), dtype=x.dtype, hidden=x.shape[1],
-            scales=None, topk_idx=idx.to(dev), topk_weights=w.to(dev), is_token_in_rank=None,
-            num_tokens_per_rank=None, handle=None, num_experts=case["experts"],
+            scales=None, topk_idx=idx.to(dev), topk_weights=w.to(dev), layout=None, handle=None, num_experts=case["experts"],
             num_worst_tokens=0, buffer_key=KEY)
         y = expert_fn(rx, comm.rank)
         comm.poison_data()

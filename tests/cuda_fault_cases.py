@@ -23,7 +23,8 @@ import time
 import torch
 
 from cuda_cases import deadline, outer_timeout, preload
-from moe_comm.cuda.comm import CudaComm, CudaCommError
+from moe_comm.cuda import groups
+from moe_comm.cuda.comm import CudaCommError
 from moe_comm.testing.local_cuda import run_local
 from moe_comm.wire import LLLayout
 
@@ -36,7 +37,7 @@ HEAP = 8 << 20
 def _group(n, device, ll_bytes=0, elastic=False):
     """Two ranks with every kernel the checks use loaded (before any rank waits on another)."""
     preload(device, n, {256}, ll=True)
-    return CudaComm.local_group(n, HEAP, ll_bytes, TIMEOUT_S, device=device, elastic=elastic)
+    return groups.local_group(n, HEAP, ll_bytes, TIMEOUT_S, device=device, elastic=elastic)
 
 
 def _run(fn, comms, *args):
@@ -61,8 +62,7 @@ def _outcome(call):
 def _normal_dispatch(comm, x, idx, worst, experts):
     from moe_comm.cuda import normal as cn
     return cn.dispatch(comm, x_bytes=x.view(torch.uint8), dtype=x.dtype, hidden=x.shape[1],
-                       scales=None, topk_idx=idx, topk_weights=None, is_token_in_rank=None,
-                       num_tokens_per_rank=None, handle=None, num_experts=experts,
+                       scales=None, topk_idx=idx, topk_weights=None, layout=None, handle=None, num_experts=experts,
                        num_worst_tokens=worst, buffer_key=KEY)
 
 

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from moe_comm.jit import resources, variants
+from moe_comm.jit import cache, resources, variants
 
 ARCHS = ("sm_90", "sm_100")
 
@@ -93,7 +93,7 @@ def _with_includes(path, seen=None) -> str:
 
 
 def test_every_listed_kernel_is_defined_in_its_source():
-    from moe_comm.jit.nvrtc import kernel_dir
+    from moe_comm.jit.cache import kernel_dir
     for v in set(variants.all_variants()):
         text = _with_includes(kernel_dir() / v.source)
         defined = set(re.findall(r"MOE_KERNEL void __launch_bounds__\([^)]*\)\s+(\w+)\(",
@@ -114,7 +114,7 @@ def test_cache_reuses_cubins_and_keys_on_sources(fresh_cache, tmp_path, monkeypa
                                                                 "sm_90")
     # editing any header changes every key
     copy = tmp_path / "kernels"
-    shutil.copytree(compiler.kernel_dir(), copy)
+    shutil.copytree(cache.kernel_dir(), copy)
     before = compiler.cache_key(v, "sm_90", copy)
     with open(copy / "common.cuh", "a") as f:
         f.write("\n// edited\n")
@@ -125,7 +125,7 @@ def test_warnings_and_errors_are_reported(fresh_cache, tmp_path, monkeypatch):
     _nvrtc_or_skip()
     from moe_comm.jit import nvrtc as compiler
     copy = tmp_path / "kernels"
-    shutil.copytree(compiler.kernel_dir(), copy)
+    shutil.copytree(cache.kernel_dir(), copy)
     monkeypatch.setenv("MOE_COMM_KERNEL_DIR", str(copy))
     v = variants.ll_combine(0)
     source = copy / v.source

@@ -93,14 +93,14 @@ def test_ranks_that_disagree_about_a_call_all_raise_and_go_on():
 def _ipc_child(rank, n, port, queue, normal_cases, ll_cases, transport="auto"):
     try:
         import torch.distributed as dist
-        from moe_comm.cuda.comm import CudaComm
+        from moe_comm.cuda import groups
         from moe_comm.ibgda.runtime import rdma_devices
         if transport == "ibgda" and not rdma_devices():    # NVSHMEM by P2P only, no NIC
             os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
         torch.cuda.set_device(0)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=n)
-        comm = CudaComm.from_group(dist.group.WORLD, C.HEAP, C.ll_bytes(ll_cases, n),
+        comm = groups.from_group(dist.group.WORLD, C.HEAP, C.ll_bytes(ll_cases, n),
                                    C.deadline(120.0), transport=transport)
         res = (C.normal_rank(comm, normal_cases, dist.barrier),
                C.ll_rank(comm, ll_cases, dist.barrier))
@@ -119,7 +119,7 @@ def test_two_processes_through_cuda_ipc():
 
 def test_two_processes_through_nvshmem():
     """The IBGDA build (nvcc + libnvshmem_device, library_init) and the symmetric heap of
-    CudaComm.from_group(transport="ibgda"). On one GPU without a NIC NVSHMEM maps the peer
+    groups.from_group(transport="ibgda"). On one GPU without a NIC NVSHMEM maps the peer
     (P2P), so this checks the build, the host side and the kernels' pointer path under
     NVSHMEM; the network puts run on the emulator (tests/test_cuda_emulator.py) and on a
     machine with a NIC."""

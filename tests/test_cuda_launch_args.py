@@ -17,7 +17,7 @@ from moe_comm.cuda import elastic as cel
 from moe_comm.cuda import ll as cll
 from moe_comm.cuda import normal as cn
 from moe_comm.cuda.comm import CudaComm
-from moe_comm.jit.nvrtc import kernel_dir
+from moe_comm.jit.cache import kernel_dir
 from moe_comm.jit.variants import THREADS
 from moe_comm.wire import LLLayout
 
@@ -114,7 +114,7 @@ def test_normal_launches_match_kernel_signatures(recorder, dtype, worst, elastic
     assert [t.shape for t in layout] == [(R,), (E,), (T, R)]
     rx, rs, ri, rw, handle = cn.dispatch(
         comm, x_bytes=data.view(torch.uint8), dtype=data.dtype, hidden=H, scales=scales,
-        topk_idx=idx, topk_weights=w, is_token_in_rank=None, num_tokens_per_rank=None,
+        topk_idx=idx, topk_weights=w, layout=None,
         handle=None, num_experts=E, num_worst_tokens=worst, buffer_key=("k",))
     rows = worst or 2 * R
     assert rx.shape == (rows, H) and rx.dtype == data.dtype
@@ -125,8 +125,7 @@ def test_normal_launches_match_kernel_signatures(recorder, dtype, worst, elastic
                             bias=(torch.randn(T, H), torch.randn(T, H)))
     assert out.shape == (T, H) and out.dtype == torch.bfloat16 and w_out.shape == (T, K)
     cached = cn.dispatch(comm, x_bytes=data.view(torch.uint8), dtype=data.dtype, hidden=H,
-                         scales=scales, topk_idx=None, topk_weights=None, is_token_in_rank=None,
-                         num_tokens_per_rank=None, handle=handle, num_experts=None,
+                         scales=scales, topk_idx=None, topk_weights=None, layout=None, handle=handle, num_experts=None,
                          num_worst_tokens=worst, buffer_key=("k",))
     assert cached[2] is None and cached[4] is handle
     _check(recorder)

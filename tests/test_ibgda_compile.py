@@ -22,6 +22,7 @@ import pytest
 from moe_comm.jit import elf, resources, variants
 from moe_comm.ibgda import bases
 from moe_comm.jit import toolchain as locate
+from moe_comm.jit import cache
 from moe_comm.jit import nvcc as build
 
 SM90_PROGRAMS = (build.selftest_program(),
@@ -103,7 +104,7 @@ def test_cache_reuses_cubins_and_keys_on_version_arch_macros(built, tmp_path, mo
         pytest.skip("selftest did not build (reported above)")
     monkeypatch.setenv("MOE_COMM_CACHE_DIR", str(tmp_path))
     # Seed a fresh cache from the module build, then prove a hit runs no nvcc.
-    build.write_atomic(build.cache_dir() / f"selftest-sm_90-"
+    cache.write_atomic(cache.cache_dir("ibgda") / f"selftest-sm_90-"
                         f"{build.cache_key(*job)[:40]}.cubin", built[job])
 
     def no_nvcc(*a, **k):
@@ -122,7 +123,7 @@ def test_cache_reuses_cubins_and_keys_on_version_arch_macros(built, tmp_path, mo
 def test_sources_are_in_the_key(tmp_path, monkeypatch):
     _nvshmem_or_skip()
     copy = tmp_path / "csrc"
-    shutil.copytree(build.csrc_dir(), copy)
+    shutil.copytree(cache.csrc_dir(), copy)
     p = build.selftest_program()
     before = build.cache_key(p, "sm_90", copy)
     with open(copy / "ibgda" / "transport_nvshmem.cuh", "a") as f:
@@ -156,7 +157,7 @@ def test_errors_and_warnings_are_reported(tmp_path, monkeypatch):
 def test_default_build_does_not_see_nvshmem():
     """Without MOE_WITH_NVSHMEM the kernels' Transport includes nothing from csrc/ibgda (the
     NVRTC build stays header-free; tests/test_cuda_compile.py compiles every variant)."""
-    text = (build.csrc_dir() / "kernels" / "transport.cuh").read_text()
+    text = (cache.csrc_dir() / "kernels" / "transport.cuh").read_text()
     head, _, _ = text.partition("struct Transport")
     inc = head.index('#include "../ibgda/transport_nvshmem.cuh"')
     assert head.rfind("#ifdef MOE_WITH_NVSHMEM", 0, inc) > head.rfind("#endif", 0, inc)

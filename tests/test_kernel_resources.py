@@ -76,7 +76,7 @@ def test_cubin_reader_agrees_with_cuobjdump(variant, arch, fresh_cache, tmp_path
 def _kernels_as_before(tmp_path) -> Path:
     """csrc/kernels without launch bounds and with the destination loop of dispatch send
     unrolled again: the code the first GPU run would have launched."""
-    from moe_comm.jit.nvrtc import kernel_dir
+    from moe_comm.jit.cache import kernel_dir
     copy = tmp_path / "kernels"
     shutil.copytree(kernel_dir(), copy)
     for f in copy.iterdir():

@@ -1,11 +1,14 @@
-"""Print the package's import cycles and the imports written inside function bodies.
+"""Print the package's import cycles, layer violations and imports inside function bodies.
 
     python tools/import_report.py [--list]
 
+Layers (LAYERS, bottom first) follow docs/ARCHITECTURE.md's picture: a module may import
+modules of a lower layer, and of its own folder; anything else is a violation.
+
 A cycle is a strongly connected set of moe_comm modules that import each other (at module
 level or inside functions: both are real dependencies). An in-function import is any
-``import`` statement nested in a ``def``; ``--list`` names each one. Modules named
-``optional_*`` are exempt: they exist to hold one optional dependency's lazy import.
+``import`` statement nested in a ``def``; ``--list`` names each one. The modules of
+moe_comm/deps are exempt: each exists to hold one optional dependency's lazy import.
 """
 import argparse
 import ast
@@ -14,6 +17,21 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PKG = "moe_comm"
+
+# (layer, the top-level modules and folders of moe_comm in it), bottom first
+LAYERS = [
+    ("format and pure helpers", ["wire", "errors", "config", "quant", "layout", "event",
+                                 "handle", "signature", "reference", "deps"]),
+    ("shared memory", ["shm"]),
+    ("transport, kernel builds", ["transport", "jit"]),
+    ("IBGDA host side", ["ibgda"]),
+    ("backends", ["host", "cuda"]),
+    ("API", ["backend", "validate", "buffer"]),
+    ("expert placement", ["eplb"]),
+    ("MoE layer", ["nn"]),
+    ("test helpers", ["testing"]),
+    ("package", [""]),
+]
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -54,7 +72,7 @@ def scan(modules: dict):
                 targets = [base] + [f"{base}.{a.name}" for a in node.names]
             else:
                 continue
-            if id(node) in func_lines and not mod.split(".")[-1].startswith("optional_"):
+            if id(node) in func_lines and not mod.startswith(PKG + ".deps."):
                 nested.append((mod, node.lineno, ast.unparse(node)))
             for t in targets:
                 # the longest moe_comm module the name refers to
@@ -104,17 +122,57 @@ def package_edges(edges: dict):
     return {m: {t for t in ts if not m.startswith(t + ".")} for m, ts in edges.items()}
 
 
+def unit(mod: str) -> str:
+    """The top-level module or folder of ``mod`` ('' for the package itself)."""
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def layer_of(mod: str) -> int:
+    for i, (_, units) in enumerate(LAYERS):
+        if unit(mod) in units:
+            return i
+    raise KeyError(f"{mod} is in no layer of LAYERS: add its folder there")
+
+
+def is_folder(name: str) -> bool:
+    return (ROOT / PKG / name).is_dir()
+
+
+def violations(edges: dict):
+    """(importer, imported) pairs that go up a layer, or across two folders of one layer
+    (plain modules of one layer may use each other)."""
+    out = []
+    for mod, targets in sorted(edges.items()):
+        for t in sorted(targets):
+            a, b = unit(mod), unit(t)
+            if a == b or t == PKG:
+                continue
+            if layer_of(t) > layer_of(mod) or (
+                    layer_of(t) == layer_of(mod) and (is_folder(a) or is_folder(b))):
+                out.append((mod, t))
+    return out
+
+
+def report():
+    """(modules, cycles, layer violations, in-function imports) of the package."""
+    modules = {module_name(p): p for p in sorted((ROOT / PKG).rglob("*.py"))}
+    edges, nested = scan(modules)
+    return modules, cycles(package_edges(edges)), violations(edges), nested
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--list", action="store_true", help="name every in-function import")
     args = ap.parse_args()
-    modules = {module_name(p): p for p in sorted((ROOT / PKG).rglob("*.py"))}
-    edges, nested = scan(modules)
-    cyc = cycles(package_edges(edges))
+    modules, cyc, bad, nested = report()
     print(f"modules: {len(modules)}")
     print(f"import cycles: {len(cyc)}")
     for c in cyc:
         print("  " + " <-> ".join(c))
+    print(f"layer violations: {len(bad)}")
+    for mod, t in bad:
+        print(f"  {mod} -> {t}")
     print(f"imports inside functions: {len(nested)}")
     if args.list:
         for mod, line, text in nested:

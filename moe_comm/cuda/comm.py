@@ -1,24 +1,9 @@
 """``CudaComm``: one rank's view of the CUDA communication buffers of a group.
 
-Every rank owns one device allocation ``[header | data region | low-latency region]`` laid out
-by moe_comm/wire.py (``HeaderLayout`` for the signal slots, a normal-mode data region of
-``heap_bytes``, an ``LLLayout`` region of ``ll_bytes``), zeroed at creation. Each rank maps
-every peer's allocation into its address space (CUDA IPC, ``cuIpcOpenMemHandle``) and hands
-the kernels a device array ``bases[R]`` of those addresses, so a kernel writes a peer's buffer
-with plain stores (NVLink/PCIe peer access). A group spanning hosts keeps its buffers in host
-memory instead (/dev/shm segments mapped by the ranks of a host, registered with the driver)
-and reaches the other hosts' ranks through mirrors and the host proxy (moe_comm/cuda/kernel_proxy.py).
-
-Two ways to build a group:
-
-* :meth:`CudaComm.from_group` - one process per rank (the real deployment): allocations are
-  exchanged as IPC handles over the torch.distributed group (``all_gather_object``).
-* :meth:`CudaComm.local_group` - all ranks in one process, each driven by its own thread and
-  CUDA stream (tests and the single-GPU benchmark): the same kernels, pointers shared
-  directly. Kernels of different streams run concurrently on one GPU, whereas kernels of
-  different processes on one GPU time-slice (no MPS), which makes spinning peers slow.
-  With ``device="cpu"`` the buffers are host memory and the kernels run in the CPU kernel
-  emulator (moe_comm/jit/emulator.py): the whole CUDA backend, checked without a GPU.
+The buffers of a group are built by moe_comm/cuda/groups.py (``from_group``: one process
+per rank; ``local_group``: all ranks in one process); this class holds one rank's view of
+them: ``bases[R]``, the kernels' addresses of every rank's buffer (a peer's mapping, a mirror
+drained by the host proxy, or a symmetric-heap address), the error word, epochs and masks.
 
 Errors: kernels never trap. A wait that passes its deadline writes the silent rank into an
 error word in pinned host memory; :meth:`CudaComm.check` (called at the start of every
@@ -35,23 +20,22 @@ and moe_comm/cuda/elastic.py makes the survivors agree on the mask.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
-import socket
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from .. import signature
 from ..errors import CommTimeoutError, RankMaskedError
-from ..wire import (CALL_WORDS, LINE_WORDS, LL_CALL_FIELDS, MAX_EPOCH, NORMAL_CALL_FIELDS, PAGE,
-                    VALUE_MASK, HeaderLayout, round_up)
-from ..ibgda import path as ibgda
+from ..jit.nvrtc import load_kernels
 from ..jit.variants import MAX_RANKS
+from ..wire import (CALL_WORDS, LINE_WORDS, LL_CALL_FIELDS, MAX_EPOCH, NORMAL_CALL_FIELDS,
+                    VALUE_MASK, HeaderLayout)
+from . import memory
 
 log = logging.getLogger("moe_comm")
 
-IPC_HANDLE_BYTES = 64
 ERROR_HEADER = 4                 # csrc/kernels/sync.cuh: kErrorHeader
 MAX_ERROR_RANKS = 64             # ... kMaxErrorRanks
 ERR_TIMEOUT, ERR_OVERFLOW, ERR_NO_TRANSPORT, ERR_MASKED, ERR_PROXY, ERR_PEER_FAILED = \
@@ -76,64 +60,13 @@ class CudaCommError(RuntimeError):
     """A device-side failure other than a timeout (receive overflow, missing transport)."""
 
 
-def _cu(result, what: str):
-    """Unwrap a cuda.bindings ``(CUresult, *values)`` tuple."""
-    from cuda.bindings import driver as cu
-    err = result[0]
-    if err != cu.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"{what} failed: {err}")
-    return result[1] if len(result) == 2 else result[1:]
-
-
-def _set_current(device: torch.device) -> None:
-    if device.type == "cpu":            # the kernel emulator: no context
-        return
-    from ..jit.nvrtc import cuda_core
-    cuda_core().Device(device.index).set_current()
-
-
-def _register_host(ptr: int, nbytes: int, registered: list) -> int:
-    """Make host memory at ``ptr`` reachable by kernels (page-locked, mapped); returns its
-    device address (the same under UVA). Appends ``ptr`` to ``registered``."""
-    from cuda.bindings import driver as cu
-    portable, devicemap = 0x01, 0x02          # CU_MEMHOSTREGISTER_PORTABLE / _DEVICEMAP
-    _cu(cu.cuMemHostRegister(ptr, nbytes, portable | devicemap), "cuMemHostRegister")
-    registered.append(ptr)
-    return int(_cu(cu.cuMemHostGetDevicePointer(ptr, 0), "cuMemHostGetDevicePointer"))
-
-
-def _unregister_host(registered: list) -> None:
-    if registered:
-        from cuda.bindings import driver as cu
-        for ptr in registered:
-            cu.cuMemHostUnregister(ptr)
-        registered.clear()
-
-
-def bases_tensor(first_word: int, pointers, device) -> torch.Tensor:
-    """The kernels' ``bases`` (csrc/kernels/transport.cuh): an int64 device tensor viewed from
-    word 1, so that ``bases[-1]`` is ``first_word``; u64 words stored two's complement."""
-    words = [int(w) for w in [first_word] + list(pointers)]
-    words = [w - (1 << 64) if w >= 1 << 63 else w for w in words]
-    return torch.tensor(words, dtype=torch.int64, device=device)[1:]
-
-
 def _barrier(group) -> None:
-    import torch.distributed as dist
     if dist.is_initialized():
         dist.barrier(group=group)
 
 
-def _alloc_zeroed(nbytes: int) -> int:
-    from cuda.bindings import driver as cu
-    ptr = int(_cu(cu.cuMemAlloc(nbytes), "cuMemAlloc"))
-    _cu(cu.cuMemsetD8(ptr, 0, nbytes), "cuMemsetD8")
-    _cu(cu.cuCtxSynchronize(), "cuCtxSynchronize")
-    return ptr
-
-
 class CudaComm:
-    """One rank of a CUDA group. Use :meth:`from_group` or :meth:`local_group`.
+    """One rank of a CUDA group, built by moe_comm/cuda/groups.py.
 
     Attributes the mode modules use: ``rank``, ``num_ranks``, ``device``, ``layout``
     (HeaderLayout), ``heap_offset``/``heap_bytes`` (data region), ``ll_offset``/``ll_bytes``,
@@ -144,7 +77,7 @@ class CudaComm:
     def __init__(self, *, rank: int, num_ranks: int, device: torch.device, pointers: list,
                  heap_bytes: int, ll_bytes: int, timeout_s: float, own_allocation: bool,
                  opened: list, group=None, host_buffers=None, elastic: bool = False,
-                 proxy=None, nvshmem=None):
+                 proxy=None, nvshmem=None, registered=None):
         if not 1 <= num_ranks <= MAX_RANKS:
             raise ValueError(f"the CUDA backend maps groups of 1..{MAX_RANKS} ranks, got "
                              f"{num_ranks}")
@@ -164,8 +97,8 @@ class CudaComm:
         self.proxy, self.nvshmem = proxy, nvshmem
         first = proxy.address if proxy is not None else \
             self.pointers[rank] if nvshmem is not None else 0
-        self.bases = bases_tensor(first, self.pointers, device)
-        self._registered = []
+        self.bases = memory.bases_tensor(first, self.pointers, device)
+        self._registered = registered if registered is not None else []  # pinned host ranges
         # pinned: the kernels write it through its UVA address, the host reads it any time
         # (a CPU "device" only serves argument checks in CI: nothing runs there)
         self.err_host = torch.zeros(ERROR_HEADER + MAX_ERROR_RANKS, dtype=torch.int32,
@@ -192,218 +125,6 @@ class CudaComm:
         self._host_buffers = host_buffers           # emulator: the tensors behind `pointers`
         self._alive = True
 
-    # -- construction ------------------------------------------------------------------------
-    @staticmethod
-    def buffer_bytes(num_ranks: int, heap_bytes: int, ll_bytes: int) -> int:
-        return HeaderLayout(num_ranks).nbytes + round_up(heap_bytes, PAGE) + round_up(ll_bytes,
-                                                                                     PAGE)
-
-    @classmethod
-    def from_group(cls, group, heap_bytes: int, ll_bytes: int, timeout_s: float,
-                   device=None, elastic: bool = False, transport: str = "auto") -> "CudaComm":
-        """Collective over ``group`` (one process per rank): allocate this rank's buffer on
-        ``device`` (default: torch's current device), exchange CUDA IPC handles, map every
-        peer. All ranks must pass the same sizes. A group spanning hosts takes IBGDA where
-        every rank can (:meth:`_from_group_nvshmem`), else the host proxy
-        (:meth:`_from_group_shared`); ``transport`` (``auto``/``tcp``/``verbs``/``ibgda``)
-        overrides the choice: moe_comm/ibgda/path.py."""
-        import torch.distributed as dist
-        device = torch.device("cuda", torch.cuda.current_device()) if device is None else \
-            torch.device(device)
-        group = group if group is not None else dist.group.WORLD
-        rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
-        if not 1 <= num_ranks <= MAX_RANKS:     # before anything is allocated or connected
-            raise ValueError(f"the CUDA backend runs groups of 1..{MAX_RANKS} ranks, got "
-                             f"{num_ranks}")
-        heap_bytes, ll_bytes = round_up(heap_bytes, PAGE), round_up(ll_bytes, PAGE)
-        total = cls.buffer_bytes(num_ranks, heap_bytes, ll_bytes)
-        from ..transport.select import requested_kind
-        kind = requested_kind(transport, cuda=True)
-        engine = kind if kind in ("tcp", "verbs") else "auto"     # the proxy's, if it runs
-        if device.type == "cpu":
-            if kind == "ibgda":
-                raise ValueError("transport='ibgda' needs CUDA devices (the emulator runs the "
-                                 "IBGDA kernels only in CudaComm.local_group(network_hosts=...))")
-            return cls._from_group_shared(group, rank, num_ranks, heap_bytes, ll_bytes, total,
-                                          timeout_s, elastic, device, engine)
-        from ..shm.identity import host_identity
-        infos = [None] * num_ranks
-        dist.all_gather_object(infos, (host_identity(), ibgda.probe()), group=group)
-        path, why = ibgda.choose(kind, len({h for h, _ in infos}) > 1, [p for _, p in infos])
-        ibgda.log_once(path, why)
-        _set_current(device)
-        if path == ibgda.PROXY:
-            return cls._from_group_shared(group, rank, num_ranks, heap_bytes, ll_bytes, total,
-                                          timeout_s, elastic, device, engine)
-        if path == ibgda.IBGDA:
-            return cls._from_group_nvshmem(group, rank, num_ranks, heap_bytes, ll_bytes, total,
-                                           timeout_s, elastic, device)
-        from cuda.bindings import driver as cu
-        ptr = _alloc_zeroed(total)
-        handle = _cu(cu.cuIpcGetMemHandle(ptr), "cuIpcGetMemHandle")
-        blob = ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES)
-        infos = [None] * num_ranks
-        dist.all_gather_object(infos, (socket.gethostname(), total, blob), group=group)
-        opened = []
-        try:
-            if len({i[1] for i in infos}) != 1:
-                raise ValueError("num_nvl_bytes/num_rdma_bytes must be equal on every rank; "
-                                 f"buffer sizes differ: {[i[1] for i in infos]}")
-            pointers = []
-            for r, (_, _, peer_blob) in enumerate(infos):
-                if r == rank:
-                    pointers.append(ptr)
-                    continue
-                h = cu.CUipcMemHandle()
-                ctypes.memmove(h.getPtr(), peer_blob, IPC_HANDLE_BYTES)
-                peer = int(_cu(cu.cuIpcOpenMemHandle(
-                    h, cu.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
-                    f"cuIpcOpenMemHandle(rank {r})"))
-                opened.append(peer)
-                pointers.append(peer)
-        except BaseException:
-            for p in opened:
-                cu.cuIpcCloseMemHandle(p)
-            cu.cuMemFree(ptr)
-            raise
-        comm = cls(rank=rank, num_ranks=num_ranks, device=device, pointers=pointers,
-                   heap_bytes=heap_bytes, ll_bytes=ll_bytes, timeout_s=timeout_s,
-                   own_allocation=True, opened=opened, group=group, elastic=elastic)
-        torch.cuda.synchronize(device)
-        dist.barrier(group=group)      # every buffer zeroed and mapped before any signal
-        return comm
-
-    @classmethod
-    def _from_group_nvshmem(cls, group, rank, num_ranks, heap_bytes, ll_bytes, total,
-                            timeout_s, elastic, device) -> "CudaComm":
-        """from_group with the buffer and the network ranks' mirrors in the NVSHMEM symmetric
-        heap (moe_comm/ibgda/path.py): peers NVSHMEM maps are stores, the others are put to by
-        the GPU (IBGDA), and the kernels are the nvcc builds linked against NVSHMEM."""
-        import torch.distributed as dist
-        bufs = ibgda.NvshmemBuffers(group, device, total)
-        comm, error = None, None
-        try:
-            comm = cls(rank=rank, num_ranks=num_ranks, device=device, pointers=bufs.pointers,
-                       heap_bytes=heap_bytes, ll_bytes=ll_bytes, timeout_s=timeout_s,
-                       own_allocation=False, opened=[], group=group, elastic=elastic,
-                       nvshmem=bufs)
-            torch.cuda.synchronize(device)
-        except Exception as e:  # noqa: BLE001 - reported to every rank below
-            error = e
-        failed = [None] * num_ranks       # all ranks free together, or none waits in a free
-        dist.all_gather_object(failed, error is not None, group=group)
-        if any(failed):
-            bufs.close(collective=True)
-            if error is not None:
-                raise error
-            raise RuntimeError(f"CudaComm over NVSHMEM failed on rank(s) "
-                               f"{[r for r, f in enumerate(failed) if f]}")
-        return comm                      # the gather was the barrier: every buffer zeroed
-
-    @classmethod
-    def _from_group_shared(cls, group, rank, num_ranks, heap_bytes, ll_bytes, total, timeout_s,
-                           elastic, device, transport) -> "CudaComm":
-        """from_group with buffers in host memory: /dev/shm segments (moe_comm/shm/segment.py)
-        that the processes of one host map into each other, and a mirror plus the host proxy
-        (moe_comm/cuda/kernel_proxy.py) for every rank on another host. Used by the kernel emulator
-        (device ``cpu``), and on a GPU when the group spans hosts (segments registered with
-        the driver, so kernels reach them over PCIe: the fallback where IBGDA is missing)."""
-        import secrets
-
-        import torch.distributed as dist
-
-        from ..shm.identity import host_identity
-        from ..shm.segment import Segment, reclaim_stale_segments, segment_name
-        reclaim_stale_segments()
-        own = Segment.create(segment_name(f"cu{secrets.token_hex(6)}", rank), total)
-        me = host_identity()
-        infos = [None] * num_ranks
-        dist.all_gather_object(infos, (me, total, own.name), group=group)
-        remote = [r for r, info in enumerate(infos) if info[0] != me]
-        segments, registered, link, proxy = [own], [], None, None
-        try:
-            try:
-                if len({i[1] for i in infos}) != 1:
-                    raise ValueError("num_nvl_bytes/num_rdma_bytes must be equal on every rank; "
-                                     f"buffer sizes differ: {[i[1] for i in infos]}")
-                segments = [own if r == rank else None if r in remote else Segment.open(name)
-                            for r, (_, _, name) in enumerate(infos)]
-            finally:
-                dist.barrier(group=group)   # everybody mapped: names can go
-                own.unlink()
-            pointers = [0 if seg is None else seg.bytes.ctypes.data for seg in segments]
-            if device.type == "cuda":
-                pointers = [0 if p == 0 else _register_host(p, total, registered)
-                            for p in pointers]
-            if remote:
-                from ..transport import open_transport
-                from .kernel_proxy import KernelProxy
-                link = open_transport(group, own.bytes, remote, kind=transport,
-                                      timeout_s=timeout_s)
-                mirrors = {r: torch.zeros(total, dtype=torch.uint8,
-                                          pin_memory=device.type == "cuda") for r in remote}
-                proxy = KernelProxy(link, mirrors, device, timeout_s)
-                for r in remote:
-                    pointers[r] = proxy.mirror_word(r)
-            comm = cls(rank=rank, num_ranks=num_ranks, device=device, pointers=pointers,
-                       heap_bytes=heap_bytes, ll_bytes=ll_bytes, timeout_s=timeout_s,
-                       own_allocation=False, opened=[], group=group, host_buffers=segments,
-                       elastic=elastic, proxy=proxy)
-        except BaseException:
-            if proxy is not None:
-                proxy.close()
-            if link is not None:
-                link.close()
-            _unregister_host(registered)
-            for seg in set(segments):
-                if seg is not None:
-                    seg.close()
-            raise
-        comm._registered = registered
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        dist.barrier(group=group)
-        return comm
-
-    @classmethod
-    def local_group(cls, num_ranks: int, heap_bytes: int, ll_bytes: int, timeout_s: float,
-                    device=None, elastic: bool = False, network_hosts: int = 0) -> list:
-        """All ``num_ranks`` ranks in this process on one device; returns their comms. Drive
-        rank r from its own thread with its own current stream (see moe_comm/testing/local_cuda.py).
-        ``network_hosts`` (emulator only): split the ranks into that many emulated hosts whose
-        ranks reach each other as network ranks of the IBGDA build, on the emulated NVSHMEM
-        (moe_comm/ibgda/path.py EmulatedNvshmemBuffers); 0: no network."""
-        device = torch.device("cuda", torch.cuda.current_device()) if device is None else \
-            torch.device(device)
-        heap_bytes, ll_bytes = round_up(heap_bytes, PAGE), round_up(ll_bytes, PAGE)
-        total = cls.buffer_bytes(num_ranks, heap_bytes, ll_bytes)
-        host_buffers = None
-        if network_hosts:
-            if device.type != "cpu":
-                raise ValueError("local_group(network_hosts=...) runs on the kernel emulator "
-                                 "only (NVSHMEM has one PE per process; on a GPU use "
-                                 "from_group with transport='ibgda')")
-            sym = ibgda.EmulatedNvshmemBuffers(num_ranks, total, network_hosts)
-            return [cls(rank=r, num_ranks=num_ranks, device=device, pointers=sym.pointers(r),
-                        heap_bytes=heap_bytes, ll_bytes=ll_bytes, timeout_s=timeout_s,
-                        own_allocation=False, opened=[], host_buffers=sym.tensors,
-                        elastic=elastic, nvshmem=sym) for r in range(num_ranks)]
-        if device.type == "cpu":        # emulator: plain host memory (64-byte aligned)
-            host_buffers = [torch.zeros(total, dtype=torch.uint8) for _ in range(num_ranks)]
-            pointers = [b.data_ptr() for b in host_buffers]
-        else:
-            _set_current(device)
-            pointers = [_alloc_zeroed(total) for _ in range(num_ranks)]
-        comms = [cls(rank=r, num_ranks=num_ranks, device=device, pointers=pointers,
-                    heap_bytes=heap_bytes, ll_bytes=ll_bytes, timeout_s=timeout_s,
-                    own_allocation=host_buffers is None, opened=[],
-                    host_buffers=host_buffers, elastic=elastic) for r in range(num_ranks)]
-        if device.type == "cuda":
-            # bases/err_dev/counters were filled on the default stream; the ranks' kernels run
-            # on non-blocking streams that would not wait for it
-            torch.cuda.synchronize(device)
-        return comms
-
     # -- kernels -----------------------------------------------------------------------------
     def kernels(self, variant) -> dict:
         """``{name: kernel}`` of ``variant`` as this group runs it: the NVRTC build (or the
@@ -411,7 +132,6 @@ class CudaComm:
         NVSHMEM."""
         if self.nvshmem is not None:
             return self.nvshmem.kernels(variant)
-        from ..jit.nvrtc import load_kernels
         return load_kernels(variant, self.device)
 
     # -- per-operation state -----------------------------------------------------------------
@@ -434,14 +154,7 @@ class CudaComm:
         kind, which = self.last_call
         first = self.layout.call(which, 0) if kind == "normal" else self.layout.ll_call(which, 0)
         n = self.num_ranks * CALL_WORDS
-        base = self.pointers[self.rank]
-        if self.device.type == "cpu":            # the emulator: host memory
-            words = np.frombuffer((ctypes.c_char * (n * 8)).from_address(base + first * 8),
-                                  dtype=np.int64).copy()
-        else:
-            from cuda.bindings import driver as cu
-            words = np.empty(n, dtype=np.int64)
-            _cu(cu.cuMemcpyDtoH(words.ctypes.data, base + first * 8, n * 8), "cuMemcpyDtoH")
+        words = memory.read_words(self.device, self.pointers[self.rank] + first * 8, n)
         rows = words.reshape(self.num_ranks, CALL_WORDS) & VALUE_MASK
         live = self.active_ranks().cpu().tolist()
         return {r: rows[r] for r in range(self.num_ranks) if live[r]}
@@ -571,13 +284,8 @@ class CudaComm:
         (tests: a row nobody wrote shows up as NaN / -1). Safe between operations: peers write
         there only after this rank's next notify, which the stream runs after the fill. (The
         LL region has no such barrier: a peer may already be writing the next call there.)"""
-        if self.device.type == "cpu":
-            ctypes.memset(self.pointers[self.rank] + self.heap_offset, byte, self.heap_bytes)
-            return
-        from cuda.bindings import driver as cu
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        _cu(cu.cuMemsetD8Async(self.pointers[self.rank] + self.heap_offset, byte,
-                               self.heap_bytes, cu.CUstream(stream)), "cuMemsetD8Async")
+        memory.memset(self.device, self.pointers[self.rank] + self.heap_offset, byte,
+                      self.heap_bytes)
 
     def poison_free_heap(self, byte: int = 0xFF) -> None:
         """The host backend's name for :meth:`poison_data` (the Buffer tests call it)."""
@@ -585,12 +293,8 @@ class CudaComm:
 
     def poison_ll(self, byte: int = 0xFF) -> None:
         """Fill this rank's low-latency region with ``byte`` (tests; between barriers only)."""
-        if self.device.type == "cpu":
-            ctypes.memset(self.pointers[self.rank] + self.ll_offset, byte, self.ll_bytes)
-            return
-        from cuda.bindings import driver as cu
-        _cu(cu.cuMemsetD8(self.pointers[self.rank] + self.ll_offset, byte, self.ll_bytes),
-            "cuMemsetD8")
+        memory.memset(self.device, self.pointers[self.rank] + self.ll_offset, byte,
+                      self.ll_bytes, on_stream=False)
 
     def reset_ll(self) -> None:
         """Zero this rank's low-latency region and LL header slots and restart the LL call
@@ -598,19 +302,10 @@ class CudaComm:
         flight). Waits for the memset, so the caller's second barrier means "all clean"."""
         base = self.pointers[self.rank]
         first = self.layout.ll_first * 8
-        if self.device.type == "cpu":
-            ctypes.memset(base + first, 0, self.layout.num_words * 8 - first)
-            ctypes.memset(base + self.ll_offset, 0, self.ll_bytes)
-            self.ll_seq = {"dispatch": 0, "combine": 0}
-            return
-        from cuda.bindings import driver as cu
-        stream = torch.cuda.current_stream(self.device)
-        handle = cu.CUstream(stream.cuda_stream)
-        _cu(cu.cuMemsetD8Async(base + first, 0, self.layout.num_words * 8 - first, handle),
-            "cuMemsetD8Async")
-        _cu(cu.cuMemsetD8Async(base + self.ll_offset, 0, self.ll_bytes, handle),
-            "cuMemsetD8Async")
-        stream.synchronize()
+        memory.memset(self.device, base + first, 0, self.layout.num_words * 8 - first)
+        memory.memset(self.device, base + self.ll_offset, 0, self.ll_bytes)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
         self.ll_seq = {"dispatch": 0, "combine": 0}
 
     # -- lifetime ------------------------------------------------------------------------------
@@ -628,7 +323,7 @@ class CudaComm:
         if self.proxy is not None:
             self.proxy.close()
             self.proxy.transport.close()
-        _unregister_host(self._registered)
+        memory.unregister_host(self._registered)
         if self.nvshmem is not None:       # the emulated symmetric heap: its last user frees
             self.nvshmem.release()
         buffers, self._host_buffers = self._host_buffers, None
@@ -658,11 +353,10 @@ class CudaComm:
                 _barrier(self.group)
             self.nvshmem.close(collective=barrier)
             return
-        from cuda.bindings import driver as cu
         for p in self._opened:
-            cu.cuIpcCloseMemHandle(p)
+            memory.ipc_close(p)
         self._opened = []
         if barrier:
             _barrier(self.group)
         if self._own_allocation:
-            cu.cuMemFree(self.pointers[self.rank])
+            memory.free(self.pointers[self.rank])

@@ -21,22 +21,14 @@ import logging
 import threading
 import time
 
-import numpy as np
 import torch
 
 from ..shm import atomics
+from .memory import host_tensor_address
 
 log = logging.getLogger("moe_comm")
 
 
-def device_address(t: torch.Tensor) -> int:
-    """The address kernels use for host tensor ``t`` (pinned: asked of the driver, not assumed
-    equal to the host address; a plain CPU tensor serves the kernel emulator as is)."""
-    if not t.is_pinned():
-        return t.data_ptr()
-    from .comm import _cu
-    from cuda.bindings import driver as cu
-    return int(_cu(cu.cuMemHostGetDevicePointer(t.data_ptr(), 0), "cuMemHostGetDevicePointer"))
 
 OP_PUT, OP_SIGNAL = 1, 2        # proxy_ring.cuh kProxyOpPut / kProxyOpSignal
 HEADER_WORDS, SLOT_WORDS = 16, 4
@@ -68,7 +60,7 @@ class KernelProxy:
         # a producer waits longer than any one blocking transport step (a full queue waits
         # timeout_s), so only a proxy that stopped makes it give up
         self.words[TIMEOUT] = int((2 * timeout_s + 5.0) * 1e9)
-        self.address = device_address(self._ring)
+        self.address = host_tensor_address(self._ring)
         self.cut_off: dict = {}                  # rank -> why its commands are dropped
         self._stop = False
         self._thread = threading.Thread(target=self._loop, daemon=True, name="moe_comm-kproxy")
@@ -76,7 +68,7 @@ class KernelProxy:
 
     def mirror_word(self, rank: int) -> int:
         """The ``bases`` word of a proxied rank: its mirror's address, low bit set."""
-        return device_address(self._mirror_tensors[rank]) | 1
+        return host_tensor_address(self._mirror_tensors[rank]) | 1
 
     def _loop(self) -> None:
         words, depth, taken = self.words, self.depth, 0

@@ -20,8 +20,7 @@ import torch
 from .. import signature
 from ..errors import BufferTooSmallError
 from ..handle import LowLatencyHandle
-from ..host.ll import msg_stride
-from ..wire import LL_MAX_TOPK, LL_NUM_BUFFERS, LLLayout, ll_stride
+from ..wire import LL_MAX_TOPK, LL_NUM_BUFFERS, LLLayout, ll_msg_stride, ll_stride
 from ..jit import variants
 from .comm import SIGNAL_STRIDE, CudaComm
 from .elastic import agree
@@ -107,7 +106,7 @@ def dispatch_send(comm: CudaComm, *, x, topk_idx, lay: LLLayout, use_fp8: bool,
     launch(k["moe_ll_dispatch_send"], max(1, lay.num_experts), THREADS["moe_ll_dispatch_send"],
            comm.bases, comm.rank, comm.num_ranks, comm.timeout_ns,
            *comm.error_args("low_latency_dispatch/send"), off["payload"], off["meta"],
-           off["counts"], lay.count_row_words, msg_stride(hidden, use_fp8), lay.max_tokens,
+           off["counts"], lay.count_row_words, ll_msg_stride(hidden, use_fp8), lay.max_tokens,
            x.contiguous(), num_tokens, hidden, topk_idx.contiguous(), topk, lay.num_experts,
            send_index, seq, comm.active, comm.layout.ll_call(buf, 0) * 8,
            *(int(v) for v in call_row), device=comm.device)
@@ -149,7 +148,7 @@ def dispatch_recv(comm: CudaComm, handle: LowLatencyHandle, lay: LLLayout, *, re
            THREADS["moe_ll_dispatch_recv"], comm.bases, comm.rank, R, comm.timeout_ns,
            *comm.error_args("low_latency_dispatch/recv"),
            off["payload"], off["meta"], off["counts"], lay.count_row_words,
-           msg_stride(handle.hidden, use_fp8), M, handle.hidden, num_local,
+           ll_msg_stride(handle.hidden, use_fp8), M, handle.hidden, num_local,
            comm.layout.ll_dispatch_free(handle.buf, 0) * 8, handle.seq, recv_x,
            recv_scales if use_fp8 else None, recv_count, stats32, handle.recv_meta,
            handle.recv_ranges, handle.return_base, comm.counter("ll_dispatch_recv"),

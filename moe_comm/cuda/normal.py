@@ -30,6 +30,7 @@ import torch
 from .. import signature
 from ..errors import BufferTooSmallError
 from ..handle import DispatchHandle
+from ..layout import DispatchLayout
 from ..wire import SlabLayout
 from ..jit import variants
 from .comm import SIGNAL_STRIDE, CudaComm
@@ -62,13 +63,20 @@ class CudaDispatchHandle(DispatchHandle):
     recv_expert_counts: torch.Tensor = None
 
 
+def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int,
+                    want_experts: bool = True) -> DispatchLayout:
+    """CUDA twin of moe_comm.layout.dispatch_layout, with the send positions: ``topk_idx``
+    int64 [T, K] (-1 = unused) -> DispatchLayout (per_rank, per_expert unless not
+    ``want_experts``, in_rank, send_pos), computed by one kernel, no host synchronisation."""
+    return DispatchLayout(*_layout(topk_idx, num_experts, num_ranks,
+                                   want_experts=want_experts, want_pos=True))
+
+
 def get_dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
-    """CUDA twin of moe_comm.layout.dispatch_layout: ``topk_idx`` int64 [T, K] (-1 = unused)
-    -> ``(num_tokens_per_rank int32 [R], num_tokens_per_expert int32 [E],
-    is_token_in_rank bool [T, R])``, computed by one kernel, no host synchronisation."""
-    per_rank, per_expert, in_rank, _ = _layout(topk_idx, num_experts, num_ranks,
-                                               want_experts=True, want_pos=False)
-    return per_rank, per_expert, in_rank
+    """``(num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)`` of
+    :func:`dispatch_layout` (the tuple DeepEP's get_dispatch_layout returns)."""
+    lay = dispatch_layout(topk_idx, num_experts, num_ranks)
+    return lay.per_rank, lay.per_expert, lay.in_rank
 
 
 def _layout(topk_idx, num_experts, num_ranks, *, want_experts, want_pos):
@@ -113,12 +121,12 @@ def _grid_for_rows(rows: int, num_sms: int) -> int:
 
 
 def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights,
-             is_token_in_rank, num_tokens_per_rank, handle, num_experts, num_worst_tokens,
-             buffer_key, num_sms: int = DEFAULT_NUM_SMS):
+             layout, handle, num_experts, num_worst_tokens, buffer_key,
+             num_sms: int = DEFAULT_NUM_SMS):
     """Run one normal dispatch. ``x_bytes`` is x as uint8 ``[T, row_bytes]`` (CUDA).
 
-    ``is_token_in_rank``/``num_tokens_per_rank`` are accepted for the host backend's signature;
-    the layout kernel recomputes them together with the send positions.
+    ``layout``: the DispatchLayout of ``topk_idx`` with its send positions (the Buffer's, from
+    :func:`dispatch_layout`); None with a cached ``handle``, or to have it computed here.
     Returns ``(recv_x [N, H] dtype, recv_scales f32 [N, H/128] or None, recv_topk_idx int64
     [N, K] or None, recv_topk_weights f32 [N, K] or None, handle)``."""
     comm.begin_call()
@@ -136,8 +144,9 @@ def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_w
         topk_idx = topk_idx.contiguous()
         topk = topk_idx.shape[1]
         num_local = num_experts // R
-        per_rank, _, in_rank, send_pos = _layout(topk_idx, num_experts, R, want_experts=False,
-                                                 want_pos=True)
+        if layout is None or layout.send_pos is None:
+            layout = dispatch_layout(topk_idx, num_experts, R, want_experts=False)
+        per_rank, in_rank, send_pos = layout.per_rank, layout.in_rank, layout.send_pos
         matrix = torch.empty(R, R, dtype=torch.int32, device=dev)
         matrix_host = None
     epoch = comm.next_epoch()

@@ -39,6 +39,7 @@ from ..shm import atomics
 from ..shm.identity import host_identity
 from ..shm.segment import Segment, reclaim_stale_segments, segment_name
 from .heap import PageHeap
+from ..transport import open_transport
 
 
 log = logging.getLogger("moe_comm")
@@ -107,7 +108,6 @@ class HostComm:
         self._ll_words = [m[self.ll_offset:size].view(np.int64) for m in mem]
         self._mem = mem
         if self.remote_ranks:
-            from ..transport import open_transport
             self.transport = open_transport(group, self._own.bytes, self.remote_ranks,
                                             kind=transport, timeout_s=self.timeout_s)
         self.ll_seq = {"dispatch": 0, "combine": 0}

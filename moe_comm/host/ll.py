@@ -30,16 +30,11 @@ from .. import signature
 from ..errors import CallMismatchError
 from ..handle import LowLatencyHandle
 from ..quant import pack_ue8m0, quantize_fp8
-from ..wire import CALL_WORDS, LL_CALL_FIELDS, LL_NUM_BUFFERS, LLLayout, round_up, tag_value
+from ..wire import (CALL_WORDS, LL_CALL_FIELDS, LL_NUM_BUFFERS, LLLayout, ll_msg_stride,
+                   tag_value)
 
 
 COMBINE_CHUNK_ROWS = 64           # float32 copy of 64 returned rows stays in cache
-
-
-def msg_stride(hidden: int, fp8: bool) -> int:
-    """Bytes of one message on the wire: the token, and its scales with fp8; a multiple of 16
-    so rows move as int64 words (torch's CPU row scatter is ~7x faster on int64 than bytes)."""
-    return round_up(hidden + hidden // 128 * 4, 16) if fp8 else 2 * hidden
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
@@ -74,7 +69,7 @@ def dispatch_send(comm, *, x, topk_idx, lay: LLLayout, use_fp8, round_scale, buf
     buf = seq % LL_NUM_BUFFERS
     me, R, num_local = comm.rank, comm.num_ranks, lay.num_local
     num_tokens, hidden = x.shape
-    stride = msg_stride(hidden, use_fp8)
+    stride = ll_msg_stride(hidden, use_fp8)
     if use_fp8:
         data, scales = quantize_fp8(x, round_scale)
         msgs = torch.empty(num_tokens, stride, dtype=torch.uint8)
@@ -153,7 +148,7 @@ def dispatch_recv(comm, handle: LowLatencyHandle, lay: LLLayout, *, recv_x, recv
     ``recv_scales``), fill ``recv_count`` and the handle; then free the buffer for reuse."""
     me, R, num_local, buf = comm.rank, comm.num_ranks, lay.num_local, handle.buf
     hidden, M = handle.hidden, lay.max_tokens
-    stride = msg_stride(hidden, use_fp8)
+    stride = ll_msg_stride(hidden, use_fp8)
     count_off = lay.offset(buf, "counts", comm.ll_stride)
     comm.start_call()
     _check_signatures(comm, handle)

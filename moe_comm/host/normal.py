@@ -179,9 +179,10 @@ def _quarantine_if_late(comm, epoch, page, dones) -> None:
                     comm.heap.quarantined[page] * PAGE, late)
 
 
-def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, is_token_in_rank,
-             num_tokens_per_rank, handle, num_experts, num_worst_tokens, buffer_key):
-    """Run one normal dispatch. ``x_bytes`` is x as uint8 ``[T, row_bytes]``.
+def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, layout,
+             handle, num_experts, num_worst_tokens, buffer_key):
+    """Run one normal dispatch. ``x_bytes`` is x as uint8 ``[T, row_bytes]``; ``layout``
+    (moe_comm/layout.py DispatchLayout) where fresh routing sends it, None with a ``handle``.
 
     Returns ``(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, handle)``."""
     me, R = comm.rank, comm.num_ranks
@@ -195,7 +196,8 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, is
     if handle is not None:           # no count exchange: checked along the payload phase
         calls = comm.post_call(epoch, call_row)
     else:
-        row = num_tokens_per_rank.numpy().astype(np.int64)
+        row = layout.per_rank.numpy().astype(np.int64)
+        is_token_in_rank = layout.in_rank
         row[~comm.active] = 0
         matrix = exchange_counts(comm, epoch, row, call_row)
         if comm.elastic:

@@ -1,6 +1,6 @@
 """A CUDA group's IBGDA path: whether to take it, and its buffers in the NVSHMEM symmetric heap.
 
-How a CUDA group reaches a rank (``CudaComm.from_group``'s ``transport``, else the
+How a CUDA group reaches a rank (``moe_comm.cuda.groups.from_group``'s ``transport``, else the
 ``MOE_COMM_TRANSPORT`` environment variable; decided the same on every rank):
 
 - one host, ``auto``/``tcp``/``verbs``: CUDA IPC mappings, plain stores (no transport at all);
@@ -24,8 +24,17 @@ from __future__ import annotations
 
 import logging
 import threading
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
+
+from ..jit import emulator
+from ..jit.nvcc import kernel_program
+from ..jit.toolchain import NvshmemNotFoundError, nvcc_path, nvshmem_install
+from .bases import encode_bases
+from .runtime import (active_context, cuda_device_count, init_nvshmem, nvshmem4py_available,
+                      rdma_devices)
 
 log = logging.getLogger("moe_comm")
 
@@ -36,8 +45,6 @@ _logged = set()
 def probe() -> dict:
     """What this rank can do: ``{"software": why-not or "", "nic": bool}``. Needs no GPU and
     never initialises NVSHMEM."""
-    from ..jit.toolchain import NvshmemNotFoundError, nvcc_path, nvshmem_install
-    from .runtime import cuda_device_count, nvshmem4py_available, rdma_devices
     why = ""
     if cuda_device_count() == 0:
         why = "no CUDA GPU"
@@ -55,7 +62,6 @@ def probe() -> dict:
 def _is_connectx(name: str) -> bool:
     """IBGDA drives the NIC's queues from the GPU, which NVSHMEM does for NVIDIA (Mellanox)
     ConnectX NICs: PCI vendor 0x15b3."""
-    from pathlib import Path
     try:
         vendor = (Path("/sys/class/infiniband") / name / "device" / "vendor").read_text()
     except OSError:
@@ -98,8 +104,6 @@ class NvshmemBuffers:
     last comm using it finalizes it (``ctx.comm_users`` counts them)."""
 
     def __init__(self, group, device, nbytes: int):
-        import torch.distributed as dist
-        from .runtime import active_context, init_nvshmem
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         ctx = active_context()
         # every rank decides from the same facts, so a refusal is raised on all of them (a
@@ -127,7 +131,6 @@ class NvshmemBuffers:
     def kernels(self, variant) -> dict:
         hit = self._kernels.get(variant)      # every call asks: no build key on that path
         if hit is None:
-            from ..jit.nvcc import kernel_program
             hit = self._kernels[variant] = self.ctx.load(kernel_program(variant))
         return hit
 
@@ -156,7 +159,6 @@ class EmulatedNvshmemBuffers:
     (csrc/emu/nvshmem_emu.h)."""
 
     def __init__(self, num_ranks: int, nbytes: int, hosts: int):
-        from ..jit.emulator import register_symmetric
         if not 1 <= hosts <= num_ranks:
             raise ValueError(f"hosts must be in 1..{num_ranks}, got {hosts}")
         self.num_ranks, self.nbytes = num_ranks, nbytes
@@ -166,12 +168,11 @@ class EmulatedNvshmemBuffers:
                         for _ in range(num_ranks)]
         self.own = [t.data_ptr() for t in self.tensors]
         self.users, self._lock = num_ranks, threading.Lock()
-        register_symmetric(self.own, nbytes, num_ranks * nbytes)
+        emulator.register_symmetric(self.own, nbytes, num_ranks * nbytes)
 
     def pointers(self, rank: int) -> list:
         """Rank ``rank``'s ``bases[0..R)``: its own buffer, same-host peers' buffers, mirrors
         for the others."""
-        from .bases import encode_bases
         others = [r for r in range(self.num_ranks) if r != rank]
         same = [self.own[r] if self.host_of[r] == self.host_of[rank] and r != rank else 0
                 for r in range(self.num_ranks)]
@@ -181,15 +182,13 @@ class EmulatedNvshmemBuffers:
 
     @staticmethod
     def kernels(variant) -> dict:
-        from ..jit.emulator import load_kernels
-        return load_kernels(variant, nvshmem=True)
+        return emulator.load_kernels(variant, nvshmem=True)
 
     def release(self) -> None:
         """One rank is done; the last one takes the heap out of the emulated NVSHMEM."""
-        from ..jit.emulator import unregister_symmetric
         with self._lock:
             self.users -= 1
             last = self.users == 0
         if last:
-            unregister_symmetric(self.own[0])
+            emulator.unregister_symmetric(self.own[0])
 

@@ -21,7 +21,14 @@ import os
 import threading
 from pathlib import Path
 
-from ..jit import toolchain as locate
+import torch
+import torch.distributed as dist
+
+from ..deps import nvshmem as nvshmem_dep
+from ..deps.cuda_core import cuda_core
+from ..jit import toolchain
+from ..jit.nvcc import build_cubin
+from ..jit.nvrtc import force_load
 from .bases import encode_bases
 
 _lock = threading.Lock()
@@ -40,7 +47,6 @@ class NvshmemVersionError(RuntimeError):
 def cuda_device_count() -> int:
     """Usable CUDA devices as torch sees them (0 with a CPU build of torch or no driver)."""
     try:
-        import torch
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
     except Exception:  # noqa: BLE001 - a broken CUDA install counts as none
         return 0
@@ -56,11 +62,7 @@ def rdma_devices() -> list:
 
 
 def nvshmem4py_available() -> bool:
-    try:
-        import nvshmem.core  # noqa: F401
-        return True
-    except Exception:  # noqa: BLE001
-        return False
+    return nvshmem_dep.import_error() is None
 
 
 def missing_stack() -> str | None:
@@ -68,17 +70,13 @@ def missing_stack() -> str | None:
     importing, no NVSHMEM wheel or nvcc), or None when it can."""
     if cuda_device_count() == 0:
         return "no CUDA GPU (IBGDA runs only on a GPU machine)"
+    why = nvshmem_dep.import_error()
+    if why is not None:
+        return f"{why}; docs/PERF.md: carrying its wheel to a GPU machine"
     try:
-        import nvshmem.core  # noqa: F401
-    except ImportError as e:
-        return f"nvshmem4py not installed or not importing ({e}); docs/PERF.md: carrying its " \
-               "wheel to a GPU machine"
-    except Exception as e:  # noqa: BLE001 - anything it raises at import
-        return f"nvshmem4py does not import: {type(e).__name__}: {e}"
-    try:
-        locate.nvshmem_install()
-        locate.nvcc_path()
-    except locate.NvshmemNotFoundError as e:
+        toolchain.nvshmem_install()
+        toolchain.nvcc_path()
+    except toolchain.NvshmemNotFoundError as e:
         return str(e)
     return None
 
@@ -98,8 +96,7 @@ def _require_gpu() -> None:
 def exchange_unique_id(group=None):
     """Collective over ``group``: group rank 0 creates an NVSHMEM unique id, every rank returns
     it (``broadcast_object_list``; the id pickles). Works without a GPU."""
-    import torch.distributed as dist
-    import nvshmem.core as nvshmem
+    nvshmem = nvshmem_dep.core()
     rank = dist.get_rank(group)
     objs = [nvshmem.get_unique_id() if rank == 0 else None]
     src = dist.get_global_rank(group, 0) if group is not None else 0
@@ -108,7 +105,6 @@ def exchange_unique_id(group=None):
 
 
 def _resolve_device(device):
-    import torch
     if device is None:
         index = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))
         return torch.device("cuda", index)
@@ -136,8 +132,6 @@ def init_nvshmem(group=None, device=None, *, ibgda: bool = True, force_network: 
     already initialised in this process or the PE numbering does not match the group.
     """
     global _active
-    import torch
-    import torch.distributed as dist
     if not dist.is_initialized():
         raise RuntimeError("init_nvshmem needs torch.distributed initialised (the unique id "
                            "travels over the group)")
@@ -153,8 +147,7 @@ def init_nvshmem(group=None, device=None, *, ibgda: bool = True, force_network: 
             os.environ.setdefault("NVSHMEM_DISABLE_P2P", "1")
         if bootstrap_ifname:
             os.environ.setdefault("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", bootstrap_ifname)
-        import nvshmem.core as nvshmem
-        from ..jit.nvrtc import cuda_core
+        nvshmem = nvshmem_dep.core()
         torch.cuda.set_device(device)
         dev = cuda_core().Device(device.index)
         dev.set_current()
@@ -202,8 +195,7 @@ class NvshmemContext:
     def alloc(self, nbytes: int):
         """Collective: a zeroed uint8 tensor of ``nbytes`` in the symmetric heap (every rank
         calls with the same size, in the same order). Free with :meth:`free` or finalize."""
-        import torch
-        import nvshmem.core as nvshmem
+        nvshmem = nvshmem_dep.core()
         self._check_open()
         if nbytes <= 0:
             raise ValueError(f"nbytes must be positive, got {nbytes}")
@@ -215,7 +207,7 @@ class NvshmemContext:
 
     def free(self, tensor) -> None:
         """Collective: return a buffer of :meth:`alloc` to the heap."""
-        import nvshmem.core as nvshmem
+        nvshmem = nvshmem_dep.core()
         for i, t in enumerate(self._buffers):
             if t.data_ptr() == tensor.data_ptr():
                 del self._buffers[i]
@@ -227,7 +219,7 @@ class NvshmemContext:
     def peer_pointers(self, tensor) -> list:
         """``nvshmem_ptr`` of a buffer of :meth:`alloc` on every PE: a local mapping for PEs
         this GPU reaches by load/store (NVLink/P2P), 0 for network PEs and for this rank."""
-        import nvshmem.bindings as bindings
+        bindings = nvshmem_dep.bindings()
         own = tensor.data_ptr()
         return [0 if r == self.rank else int(bindings.ptr(own, r))
                 for r in range(self.world_size)]
@@ -237,7 +229,6 @@ class NvshmemContext:
         rank, in the symmetric heap, with the ``bases`` words that describe them
         (moe_comm/ibgda/bases.py). Every rank allocates as many mirror slots as the rank with
         the most network peers needs (symmetric allocations have one size)."""
-        import torch.distributed as dist
         own = self.alloc(nbytes)
         peers = self.peer_pointers(own)
         remote = [r for r, p in enumerate(peers) if r != self.rank and p == 0]
@@ -253,17 +244,14 @@ class NvshmemContext:
     def load(self, program, arch: str | None = None) -> dict:
         """``{kernel name: cuda.core Kernel}`` of a build.Program (built or taken from the
         cache), registered with NVSHMEM (library_init) so its device state is set up."""
-        import torch
-        import nvshmem.core as nvshmem
-        from ..jit.nvrtc import cuda_core, force_load
-        from ..jit.nvcc import build_cubin
+        nvshmem = nvshmem_dep.core()
         self._check_open()
         major, minor = torch.cuda.get_device_capability(self.device)
         arch = arch or f"sm_{major}{minor}"
         key = (program, arch)
         if key in self._kernels:
             return self._kernels[key]
-        built = locate.nvshmem_install().version
+        built = toolchain.nvshmem_install().version
         running = str(nvshmem.get_version().libnvshmem_version)
         if running and not running.startswith(built):
             raise NvshmemVersionError(f"device code would be built against NVSHMEM {built}, "
@@ -285,8 +273,7 @@ class NvshmemContext:
         global _active
         if self.closed:
             return
-        import nvshmem.core as nvshmem
-        import torch
+        nvshmem = nvshmem_dep.core()
         torch.cuda.synchronize(self.device)
         for _obj, lib in reversed(self._libraries):
             try:

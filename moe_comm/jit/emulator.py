@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
 import shutil
 import subprocess
 import threading
 from pathlib import Path
 
-from .nvrtc import cache_dir, kernel_dir, write_atomic
+from .cache import cache_dir, key, kernel_dir, sources_digest, write_atomic
 from .variants import THREADS, Variant
 
 ERR_CHARS = 512
@@ -62,15 +61,10 @@ def _compiler_version(cxx: str) -> str:
 
 
 def _key(source: Path, defines: tuple, cxx: str) -> str:
-    h = hashlib.sha256()
-    for folder in dict.fromkeys((kernel_dir(), kernel_dir().parent / "ibgda", emu_dir(),
-                                 source.parent)):
-        for f in sorted(folder.iterdir()):
-            if f.is_file() and f.suffix in (".cu", ".cuh", ".h", ".cpp"):
-                h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
-    for part in (str(source), repr(defines), _compiler_version(cxx), " ".join(_FLAGS)):
-        h.update(part.encode() + b"\0")
-    return h.hexdigest()
+    folders = dict.fromkeys((kernel_dir(), kernel_dir().parent / "ibgda", emu_dir(),
+                             source.parent))
+    return key(sources_digest(folders), source, repr(defines), _compiler_version(cxx),
+               " ".join(_FLAGS))
 
 
 NVSHMEM_DEFINE = ("MOE_WITH_NVSHMEM", 1)
@@ -86,8 +80,8 @@ def build(variant: Variant, nvshmem: bool = False) -> Path:
 def build_source(source: Path, defines=()) -> Path:
     """Build any kernel source file for the emulator (``defines``: ``(name, value)`` pairs)."""
     cxx = compiler()
-    key = _key(source, tuple(defines), cxx)
-    path = cache_dir() / "emu" / f"{source.stem}-{key[:40]}.so"
+    digest = _key(source, tuple(defines), cxx)
+    path = cache_dir("emu") / f"{source.stem}-{digest[:40]}.so"
     if path.is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)

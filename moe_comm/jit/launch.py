@@ -12,6 +12,9 @@ import threading
 import numpy as np
 import torch
 
+from ..deps.cuda_core import cuda_core
+from .emulator import EmuKernel, launch_emu
+
 _tls = threading.local()
 
 
@@ -48,7 +51,6 @@ def make_current(device: torch.device) -> None:
     if done is None:
         done = _tls.devices = set()
     if index not in done:
-        from .nvrtc import cuda_core
         cuda_core().Device(index).set_current()
         done.add(index)
 
@@ -56,11 +58,9 @@ def make_current(device: torch.device) -> None:
 def launch(kernel, grid, block, *args, shmem: int = 0, device=None, stream=None) -> None:
     """Launch ``kernel`` (a cuda.core Kernel) with ``grid``/``block`` (int or tuple) on
     ``stream`` (default: torch's current stream of ``device``)."""
-    from .emulator import EmuKernel, launch_emu
     if isinstance(kernel, EmuKernel):           # CPU emulator: runs now, no stream
         launch_emu(kernel, grid, block, [_arg(a) for a in args])
         return
-    from .nvrtc import cuda_core
     cc = cuda_core()
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
     make_current(device)

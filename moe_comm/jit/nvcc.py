@@ -24,17 +24,15 @@ written atomically (ranks that build the same program at once do not corrupt eac
 """
 from __future__ import annotations
 
-import hashlib
-import os
 import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import elf
-from .variants import thread_defines
-from .nvrtc import write_atomic
+from .cache import cache_dir, csrc_dir, key, sources_digest, write_atomic
 from .toolchain import nvcc_path, nvcc_version, nvshmem_install
+from .variants import thread_defines
 
 OPTIONS_VERSION = "2"            # bump when the commands below change
 _STD = "c++17"
@@ -74,41 +72,13 @@ def kernel_program(variant) -> Program:
     return Program(f"kernels/{variant.source}", tuple(variant.defines), tuple(variant.kernels))
 
 
-def csrc_dir() -> Path:
-    """``$MOE_COMM_CSRC_DIR`` or the repository's csrc/ (holding kernels/ and ibgda/:
-    transport.cuh includes ../ibgda/transport_nvshmem.cuh, so they stay siblings)."""
-    env = os.environ.get("MOE_COMM_CSRC_DIR")
-    path = Path(env) if env else Path(__file__).resolve().parents[2] / "csrc"
-    if not (path / "kernels").is_dir() or not (path / "ibgda").is_dir():
-        raise FileNotFoundError(f"device sources not found at {path} (expected kernels/ and "
-                                "ibgda/; set MOE_COMM_CSRC_DIR)")
-    return path
-
-
-def cache_dir() -> Path:
-    env = os.environ.get("MOE_COMM_CACHE_DIR")
-    base = Path(env) if env else Path.home() / ".cache" / "moe_comm"
-    return base / "ibgda"
-
-
-def _sources_digest(root: Path) -> str:
-    h = hashlib.sha256()
-    for sub in ("kernels", "ibgda"):
-        for f in sorted((root / sub).iterdir()):
-            if f.suffix in (".cu", ".cuh", ".h") and f.is_file():
-                h.update(f"{sub}/{f.name}".encode() + b"\0" + f.read_bytes() + b"\0")
-    return h.hexdigest()
-
-
 def cache_key(program: Program, arch: str, root: Path | None = None) -> str:
     root = root or csrc_dir()
     nv = nvshmem_install()
-    h = hashlib.sha256()
-    for part in (OPTIONS_VERSION, _STD, _sources_digest(root), program.source,
-                 repr(program.defines), arch, nv.version, nv.device_lib.stat().st_size,
-                 nvcc_version(nvcc_path())):
-        h.update(str(part).encode() + b"\0")
-    return h.hexdigest()
+    digest = sources_digest([root / "kernels", root / "ibgda"],
+                            label=lambda folder, f: f"{folder.name}/{f.name}")
+    return key(OPTIONS_VERSION, _STD, digest, program.source, repr(program.defines), arch,
+               nv.version, nv.device_lib.stat().st_size, nvcc_version(nvcc_path()))
 
 
 def _commands(program: Program, arch: str, root: Path, obj: Path, cubin: Path):
@@ -146,9 +116,9 @@ def build_cubin(program: Program, arch: str, *, strict: bool = False, use_cache:
     is missing. Needs no GPU.
     """
     root = csrc_dir()
-    key = cache_key(program, arch, root)
+    digest = cache_key(program, arch, root)
     stem = Path(program.source).stem
-    path = cache_dir() / f"{stem}-{arch}-{key[:40]}.cubin"
+    path = cache_dir("ibgda") / f"{stem}-{arch}-{digest[:40]}.cubin"
     if use_cache and path.is_file():
         return path.read_bytes()
     with tempfile.TemporaryDirectory(prefix="moe_ibgda_") as tmp:

@@ -14,14 +14,17 @@ file + rename), so ranks that compile the same variant at once do not corrupt ea
 """
 from __future__ import annotations
 
-import hashlib
 import io
 import logging
-import os
-import tempfile
 import threading
 from pathlib import Path
 
+import torch
+
+from ..deps.cuda_bindings import driver, nvrtc
+from ..deps.cuda_core import cuda_core
+from . import cache, emulator
+from .launch import make_current
 from .resources import check_loaded
 from .variants import Variant
 
@@ -35,54 +38,15 @@ class KernelCompileError(RuntimeError):
     """NVRTC rejected a kernel variant (or, in strict mode, warned about it)."""
 
 
-def cuda_core():
-    """The cuda.core namespace: ``cuda.core`` (>= 0.5), else ``cuda.core.experimental``
-    (older images name the same classes there)."""
-    try:
-        import cuda.core as cc
-        cc.Program  # noqa: B018 - present from 0.5 on
-        return cc
-    except (ImportError, AttributeError):
-        import cuda.core.experimental as cc
-        return cc
-
-
-def kernel_dir() -> Path:
-    """The folder of the device sources: ``$MOE_COMM_KERNEL_DIR`` or the repository's
-    ``csrc/kernels`` (moe_comm/jit/nvrtc.py -> ../../csrc/kernels)."""
-    env = os.environ.get("MOE_COMM_KERNEL_DIR")
-    path = Path(env) if env else Path(__file__).resolve().parents[2] / "csrc" / "kernels"
-    if not path.is_dir():
-        raise FileNotFoundError(f"kernel sources not found at {path} (set MOE_COMM_KERNEL_DIR)")
-    return path
-
-
-def cache_dir() -> Path:
-    env = os.environ.get("MOE_COMM_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "moe_comm" / "kernels"
-
-
-def _sources_digest(folder: Path) -> str:
-    h = hashlib.sha256()
-    for f in sorted(folder.iterdir()):
-        if f.suffix in (".cu", ".cuh", ".h") and f.is_file():
-            h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
-    return h.hexdigest()
-
-
 def _nvrtc_version() -> str:
-    from cuda.bindings import nvrtc
-    _, major, minor = nvrtc.nvrtcVersion()
+    _, major, minor = nvrtc().nvrtcVersion()
     return f"{major}.{minor}"
 
 
 def cache_key(variant: Variant, arch: str, folder: Path | None = None) -> str:
-    folder = folder or kernel_dir()
-    h = hashlib.sha256()
-    for part in (OPTIONS_VERSION, _STD, _sources_digest(folder), arch, variant.source,
-                 repr(variant.defines), _nvrtc_version()):
-        h.update(str(part).encode() + b"\0")
-    return h.hexdigest()
+    folder = folder or cache.kernel_dir()
+    return cache.key(OPTIONS_VERSION, _STD, cache.sources_digest([folder]), arch,
+                     variant.source, repr(variant.defines), _nvrtc_version())
 
 
 def _program_options(variant: Variant, arch: str, folder: Path):
@@ -106,9 +70,9 @@ def compile_cubin(variant: Variant, arch: str, *, strict: bool = False, use_cach
     ``strict``: treat any compiler warning as an error (the CI test does). ``log_sink``: a list
     that receives the compiler log of a fresh compile. Raises :class:`KernelCompileError`.
     """
-    folder = kernel_dir()
+    folder = cache.kernel_dir()
     key = cache_key(variant, arch, folder)
-    path = cache_dir() / f"{variant.source.rsplit('.', 1)[0]}-{arch}-{key[:40]}.cubin"
+    path = cache.cache_dir() / f"{variant.source.rsplit('.', 1)[0]}-{arch}-{key[:40]}.cubin"
     if use_cache and path.is_file():
         return path.read_bytes()
     source = (folder / variant.source).read_text()
@@ -131,20 +95,8 @@ def compile_cubin(variant: Variant, arch: str, *, strict: bool = False, use_cach
                            arch, text)
     data = bytes(obj.code)          # only .code: see the module docstring
     if use_cache:
-        write_atomic(path, data)
+        cache.write_atomic(path, data)
     return data
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write a cache file so readers never see half of it (also used by moe_comm.ibgda)."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except OSError:
-        pass                        # a read-only cache only costs a recompile next time
 
 
 # ---- loading (GPU only) ---------------------------------------------------------------------
@@ -154,7 +106,6 @@ _lock = threading.Lock()
 
 def device_arch(device) -> str:
     """``sm_XY`` of a torch CUDA device."""
-    import torch
     major, minor = torch.cuda.get_device_capability(device)
     return f"sm_{major}{minor}"
 
@@ -167,12 +118,9 @@ def load_kernels(variant: Variant, device) -> dict:
     with CUDA lazy loading a first launch may synchronise the context, and a context
     synchronisation while a peer's kernel spins waiting for this rank (ranks as streams of one
     process) would deadlock until the deadline."""
-    import torch
-    from .launch import make_current
     device = torch.device(device)
     if device.type == "cpu":                    # the kernel emulator (tests without a GPU)
-        from .emulator import load_kernels as load_emulated
-        return load_emulated(variant)
+        return emulator.load_kernels(variant)
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     arch = device_arch(device)
@@ -196,7 +144,7 @@ def load_kernels(variant: Variant, device) -> dict:
 def force_load(kernel, name: str) -> None:
     """Resolve kernel ``name``'s function in the current context now (see load_kernels), and
     check that it can run the block it will be launched with (moe_comm/jit/resources.py)."""
-    from cuda.bindings import driver as cu
+    cu = driver()
     try:
         err, _ = cu.cuKernelGetFunction(kernel.handle)  # a CUkernel: load into this context
     except (TypeError, AttributeError):                 # older cuda.core: a CUfunction handle

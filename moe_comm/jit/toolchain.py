@@ -19,6 +19,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..deps.pathfinder import nvidia_header_directory
+
 
 class NvshmemNotFoundError(FileNotFoundError):
     """The NVSHMEM wheel (headers + libnvshmem_device.a) or nvcc is not installed."""
@@ -38,13 +40,9 @@ def _candidates():
     if env:
         yield Path(env)
         return                      # an explicit choice is not second-guessed
-    try:
-        from cuda import pathfinder
-        inc = pathfinder.find_nvidia_header_directory("nvshmem")
-        if inc:
-            yield Path(inc).parent
-    except Exception:  # noqa: BLE001 - pathfinder missing or too old: try the package
-        pass
+    inc = nvidia_header_directory("nvshmem")
+    if inc:
+        yield Path(inc).parent
     try:
         spec = importlib.util.find_spec("nvidia.nvshmem")
     except (ImportError, ValueError):

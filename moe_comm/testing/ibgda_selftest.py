@@ -23,6 +23,15 @@ import time
 import traceback
 
 from ..jit.variants import THREADS
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..cuda.memory import bases_tensor
+from ..ibgda.bases import decode_base
+from ..ibgda.runtime import init_nvshmem
+from ..jit.launch import launch
+from ..jit.nvcc import build_cubin, selftest_program
 
 SIG_ONEWAY, SIG_PING, SIG_PULL, SIG_NEVER = 0, 64, 128, 192
 SRC, DST = 4096, 4096 + (1 << 20)
@@ -32,7 +41,6 @@ ERROR_HEADER, MAX_ERROR_RANKS = 4, 64
 
 
 def _pattern(rank: int, nbytes: int):
-    import torch
     return ((torch.arange(nbytes, dtype=torch.int64) * 7 + 13 * (rank + 1)) % 251).to(
         torch.uint8)
 
@@ -42,20 +50,12 @@ def _tag(epoch: int, value: int) -> int:
 
 
 def _worker(rank, world, port, opts, queue):
-    import numpy as np
-    import torch
-    import torch.distributed as dist
     try:
         ndev = torch.cuda.device_count()
         device = torch.device("cuda", rank % ndev)
         torch.cuda.set_device(device)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world)
-        from ..cuda.comm import bases_tensor
-        from ..jit.launch import launch
-        from ..ibgda.bases import decode_base
-        from ..jit.nvcc import build_cubin, selftest_program
-        from ..ibgda.runtime import init_nvshmem
         if not opts["force_network"]:         # P2P only: no NIC needed, none probed
             os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
         ctx = init_nvshmem(None, device, ibgda=opts["force_network"],

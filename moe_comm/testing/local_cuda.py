@@ -1,5 +1,5 @@
 """Ranks as threads of one process on one GPU: the GPU tests' and the single-GPU benchmark's
-way to run a group (``CudaComm.local_group``).
+way to run a group (``moe_comm.cuda.groups.local_group``).
 
 Each rank runs in its own thread with its own CUDA stream, so its kernels can run
 concurrently with its peers' (a spinning notify of rank 0 does not block rank 1's kernels, as
@@ -26,6 +26,7 @@ import traceback
 import warnings
 
 import torch
+from ..errors import CommTimeoutError
 
 
 def run_local(fn, comms, *args, timeout: float = 300.0, check: bool = True):
@@ -72,7 +73,6 @@ def run_local(fn, comms, *args, timeout: float = 300.0, check: bool = True):
         raise RuntimeError(f"rank thread(s) {alive} did not finish within {timeout} s")
     if errors:
         # the cause first: a rank's own failure, not the deadlines it made its peers miss
-        from ..errors import CommTimeoutError
         rank = min(errors, key=lambda r: (isinstance(errors[r][0], CommTimeoutError), r))
         exc, text = errors[rank]
         if hasattr(exc, "add_note"):

@@ -51,6 +51,8 @@ import time
 import traceback
 
 from ..shm.segment import pid_alive
+import torch
+import torch.distributed as dist
 
 PREFIX = "mcns"
 IFNAME = "eth0"
@@ -330,8 +332,6 @@ def _rank_main(spec) -> None:
         os.environ["MOE_COMM_NETNS_HOST"] = str(spec["host"])     # which host, its address
         os.environ["MOE_COMM_NETNS_ADDR"] = spec["addr"]
         _own_hostname(hostname(spec["host"]))
-        import torch
-        import torch.distributed as dist
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://{spec['master']}:{spec['port']}",
                                 rank=spec["rank"], world_size=spec["world"])

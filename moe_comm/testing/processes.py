@@ -13,6 +13,8 @@ import os
 import socket
 import time
 import traceback
+import torch
+import torch.distributed as dist
 
 
 def free_port() -> int:
@@ -22,8 +24,6 @@ def free_port() -> int:
 
 
 def _child(fn, rank, n, port, queue, args):
-    import torch
-    import torch.distributed as dist
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -82,6 +82,5 @@ def run_ranks(fn, n, *args, timeout=120.0, expect_exit=()):
     if missing:
         raise RankFailure(f"ranks {sorted(missing)} did not finish within {timeout} s "
                           "(hang or crash)")
-    import torch
     return [None if results.get(r) is None else
             torch.load(io.BytesIO(results[r]), weights_only=False) for r in range(n)]

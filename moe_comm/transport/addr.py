@@ -17,6 +17,7 @@ import fcntl
 import os
 import socket
 import struct
+import torch.distributed as dist
 
 _SIOCGIFADDR = 0x8915
 
@@ -39,7 +40,6 @@ def store_host(store=None):
     """Host of the TCP store under ``store`` (default: the default group's), or None."""
     if store is None:
         try:
-            import torch.distributed as dist
             store = dist.distributed_c10d._get_default_store()
         except Exception:  # noqa: BLE001 - no default group: fall through to other sources
             return None

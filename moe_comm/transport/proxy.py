@@ -20,6 +20,7 @@ import threading
 import time
 
 import numpy as np
+import torch
 
 from ..errors import CommTimeoutError
 from .commands import INT64_MAX, INT64_MIN, OP_PUT, OP_SIGNAL
@@ -32,11 +33,7 @@ BATCH = 256
 
 def as_bytes(src):
     """A flat byte memoryview of a contiguous CPU numpy array / torch tensor, and its address."""
-    try:
-        import torch
-    except ImportError:                          # pragma: no cover - torch is a dependency
-        torch = None
-    if torch is not None and isinstance(src, torch.Tensor):
+    if isinstance(src, torch.Tensor):
         if src.device.type != "cpu":
             raise TypeError(f"src must be a CPU tensor (the host proxy reads host memory), "
                             f"got device {src.device}")

@@ -28,6 +28,8 @@ from .addr import local_address
 from .proxy import ProxyTransport
 from .receiver import Region
 from .tcp import TcpEngine, listen
+import torch.distributed as dist
+from .verbs import VerbsEngine, probe
 
 log = logging.getLogger("moe_comm.transport")
 
@@ -77,7 +79,6 @@ def open_transport(group, region, remote_ranks, *, kind: str = "auto",
                    bind_addr: str | None = None, channels: int | None = None,
                    depth: int = 1024) -> ProxyTransport:
     """Collective over ``group``: every rank calls it. See the package docstring."""
-    import torch.distributed as dist
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     reg = Region(region)
@@ -87,7 +88,6 @@ def open_transport(group, region, remote_ranks, *, kind: str = "auto",
     want = requested_kind(kind)
     verbs_ok, verbs_why = False, "not requested"
     if want in ("auto", "verbs"):
-        from .verbs import probe
         verbs_ok, verbs_why = probe()
     listener = None if want == "verbs" else listen(local_address(bind_addr))
     try:
@@ -120,7 +120,6 @@ def open_transport(group, region, remote_ranks, *, kind: str = "auto",
             why = (f"rank {lacking[0]}: {infos[lacking[0]]['why']}"
                    if want == "auto" else "requested")
         else:
-            from .verbs import VerbsEngine
             engine = VerbsEngine(rank, reg, remote, timeout_s)
             try:
                 local = engine.local_info()

@@ -1,0 +1,60 @@
+"""The host backend as a Buffer drives it (moe_comm/backend.py's contract): CPU tensors,
+processes of one machine sharing memory, other hosts through the transport."""
+from __future__ import annotations
+
+import torch
+
+from ..event import EventOverlap
+from ..layout import DispatchLayout, aligned_expert_counts, dispatch_layout
+from . import ll, normal
+from .comm import HostComm
+from .pool import OutputPool
+
+
+class HostBackend:
+    def __init__(self, group, num_nvl_bytes, num_rdma_bytes, timeout_s, *, elastic,
+                 transport):
+        self.normal, self.ll = normal, ll
+        self.device = torch.device("cpu")
+        self.comm = HostComm(group, num_nvl_bytes, num_rdma_bytes, timeout_s,
+                             elastic=elastic, transport=transport)
+        self.job = self.comm.job
+        self._pool = OutputPool()
+
+    def layout(self, topk_idx, num_experts, num_ranks) -> DispatchLayout:
+        per_rank, per_expert, in_rank = dispatch_layout(topk_idx, num_experts, num_ranks)
+        return DispatchLayout(*self.masked(per_rank, per_expert, in_rank))
+
+    def masked(self, per_rank, per_expert, in_rank):
+        """The layout with the masked ranks' experts counting no tokens (new tensors where a
+        rank is masked, the same ones otherwise; any of the three may be None)."""
+        if self.comm.active.all():
+            return per_rank, per_expert, in_rank
+        keep = torch.from_numpy(self.comm.active)
+        return (None if per_rank is None else per_rank * keep.to(per_rank.dtype),
+                None if per_expert is None else
+                (per_expert.view(len(keep), -1) * keep[:, None].to(per_expert.dtype)).flatten(),
+                None if in_rank is None else in_rank & keep)
+
+    # rank masks: numpy bool [R] in HostComm.active
+    def active_ranks(self) -> torch.Tensor:
+        return torch.from_numpy(self.comm.active.astype("int32"))
+
+    def mask(self, ranks, why: str) -> None:
+        self.comm.mask(ranks, why)
+
+    def read_active_arg(self, active_ranks: torch.Tensor) -> None:
+        self.comm.mask((active_ranks.cpu() == 0).nonzero().flatten().tolist(),
+                       "active_ranks argument")
+
+    def expert_counts(self, recv_idx, handle, num_local, alignment) -> list:
+        return aligned_expert_counts(recv_idx, num_local, alignment)
+
+    def empty(self, key, shape, dtype) -> torch.Tensor:
+        return self._pool.empty(key, shape, dtype)
+
+    def event(self) -> EventOverlap:
+        return EventOverlap()             # host calls are complete when they return
+
+    def destroy(self) -> None:
+        self.comm.destroy()
