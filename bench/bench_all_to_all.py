@@ -53,6 +53,7 @@ from call_timing import copy_gbps, timed_across_ranks  # noqa: E402
 from hosts import measure as measure_link  # noqa: E402
 from moe_comm.testing.processes import run_ranks  # noqa: E402
 from moe_comm.wire import LL_MAX_TOPK  # noqa: E402
+# COLUMNS also as this script's own name: tests/test_bench_cli.py reads bench.COLUMNS
 from result_table import CASE_COLUMNS, COLUMNS, case_columns, header_line, row_line  # noqa: E402
 from routed_inputs import per_block_fp8, random_routed_inputs, token_bytes  # noqa: E402
 
