@@ -30,12 +30,12 @@ group, so it needs one GPU per rank; ``auto`` picks cuda when torch sees a GPU.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
 import os
 import shutil
-import statistics
 import sys
 import threading
 import time
@@ -43,45 +43,26 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+BENCH = os.path.dirname(os.path.abspath(__file__))
+# the repository (moe_comm) and this folder (the modules shared with gpu_check.py): the tests
+# load this file by its path, so its folder is not on sys.path on its own
+sys.path[:0] = [os.path.dirname(BENCH), BENCH]
 import moe_comm  # noqa: E402
-from moe_comm.testing.processes import run_ranks
+from a2a_baseline import PaddedExchange, byte_rows, normal_exchange  # noqa: E402
+from call_timing import copy_gbps, timed_across_ranks  # noqa: E402
+from hosts import measure as measure_link  # noqa: E402
+from moe_comm.testing.processes import run_ranks  # noqa: E402
 from moe_comm.wire import LL_MAX_TOPK  # noqa: E402
+# COLUMNS also as this script's own name: tests/test_bench_cli.py reads bench.COLUMNS
+from result_table import CASE_COLUMNS, COLUMNS, case_columns, header_line, row_line  # noqa: E402
+from routed_inputs import per_block_fp8, random_routed_inputs, token_bytes  # noqa: E402
 
-COLUMNS = ("mode", "ranks", "tokens", "hidden", "topk", "experts", "dtype", "dispatch_us",
-           "combine_us", "dispatch_gbps", "combine_gbps", "baseline_dispatch_us",
-           "baseline_combine_us", "copy_gbps")
 MODES = ("normal", "ll")
 DTYPES = ("bfloat16", "float32", "fp8")
 DEFAULT_TOKENS = {"normal": [1024], "ll": [128]}
 DEFAULT_DTYPE = {"normal": ["bfloat16"], "ll": ["fp8"]}
 BASELINE = {"normal": "all_to_all_single", "ll": "the padded all_to_all_single exchange"}
 CASE_TIMEOUT_S = 600
-
-
-def _nosync():
-    pass
-
-
-def _timed(fn, iters, repeats=3, sync=_nosync):
-    """Seconds per call of ``fn()`` run ``iters`` times back to back on every rank between
-    barriers: the slowest rank's time, median over ``repeats``. Back-to-back calls measure what
-    ranks sharing the cores sustain together (per-call timing would let them take turns).
-    ``sync`` waits for queued device work (torch.cuda.synchronize on the cuda backend; nothing
-    on the host, where every call has finished when it returns)."""
-    fn()
-    per_call = []
-    for _ in range(repeats):
-        sync()
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        sync()
-        per_call.append((time.perf_counter() - t0) / iters)
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, per_call)
-    return statistics.median(max(col) for col in zip(*everyone))
 
 
 class _RankEnv:
@@ -96,124 +77,70 @@ class _RankEnv:
             self.device = torch.device("cuda", local)
             torch.cuda.set_device(self.device)
             self.group = dist.new_group(backend="nccl")   # collective: every rank creates it
-            self.sync = torch.cuda.synchronize
         else:
             self.device = torch.device("cpu")
             self.group = None
-            self.sync = _nosync
+        self.a2a = functools.partial(dist.all_to_all_single, group=self.group)
+
+    def timed(self, fn, iters):
+        return timed_across_ranks(fn, iters, self.device)
 
 
 def _inputs(case, rank, device):
-    gen = torch.Generator().manual_seed(1234 + rank)
-    t, h, e, k = case["tokens"], case["hidden"], case["experts"], case["topk"]
-    x = torch.randn(t, h, generator=gen)
-    scores = torch.rand(t, e, generator=gen)
-    idx = scores.topk(k, dim=1).indices
-    w = torch.rand(t, k, generator=gen)
+    x, idx, w = random_routed_inputs(case["tokens"], case["hidden"], case["experts"],
+                                     case["topk"], seed=1234 + rank)
     if case["dtype"] == "fp8":
-        blocks = x.view(t, h // 128, 128)
-        s = blocks.abs().amax(-1).clamp(min=1e-4) / 448.0
-        x = ((blocks / s.unsqueeze(-1)).view(t, h).to(torch.float8_e4m3fn).to(device),
-             s.to(device))
+        x = tuple(t.to(device) for t in per_block_fp8(x))
     else:
         x = x.to(getattr(torch, case["dtype"])).to(device)
     return x, idx.to(device), w.to(device)
 
 
-def _baseline(x, idx, w, is_token_in_rank, num_tokens_per_rank, group=None):
-    """The same exchange with all_to_all_single: permute, exchange counts, exchange payloads
-    (x, scales, top-k packed into one byte row), unpermute."""
-    R = dist.get_world_size()
-    data, scales = x if isinstance(x, tuple) else (x, None)
-    dev = data.device
-    parts = [data.view(torch.uint8)] + ([scales.view(torch.uint8)] if scales is not None
-                                        else []) + [idx.view(torch.uint8), w.view(torch.uint8)]
-    rows = torch.cat(parts, 1)
-    send_ids = torch.cat([is_token_in_rank[:, d].nonzero().flatten() for d in range(R)])
-    state = {}
+def _baseline(x, idx, w, is_token_in_rank, num_tokens_per_rank, env):
+    """normal_exchange on the rank's group; its dispatch also cuts the received x out of the
+    byte rows, as moe_comm's dispatch hands x back as a tensor of its own."""
+    exchange, combine = normal_exchange(x, idx, w, is_token_in_rank, num_tokens_per_rank,
+                                        env.a2a)
+    data = x[0] if isinstance(x, tuple) else x
+    width = data.shape[1] * data.element_size()
 
     def dispatch():
-        send = rows.index_select(0, send_ids)
-        send_counts = num_tokens_per_rank.long()
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=group)
-        recv = torch.empty(int(recv_counts.sum()), rows.shape[1], dtype=torch.uint8, device=dev)
-        dist.all_to_all_single(recv, send, recv_counts.tolist(), send_counts.tolist(),
-                               group=group)
-        n = data.shape[1] * data.element_size()
-        state.update(recv_x=recv[:, :n].contiguous().view(data.dtype),
-                     recv_counts=recv_counts, send_counts=send_counts)
-
-    def combine(y):
-        recv = torch.empty(int(state["send_counts"].sum()), y.shape[1], dtype=y.dtype,
-                           device=dev)
-        dist.all_to_all_single(recv.view(torch.uint8), y.view(torch.uint8),
-                               state["send_counts"].tolist(), state["recv_counts"].tolist(),
-                               group=group)
-        out = torch.zeros(data.shape[0], y.shape[1], dtype=torch.float32, device=dev)
-        out.index_add_(0, send_ids, recv.float())
-        return out.to(y.dtype)
+        return exchange()[:, :width].contiguous().view(data.dtype)
 
     return dispatch, combine
 
 
-def _copy_gbps(nbytes, iters, env):
-    src = torch.empty(nbytes, dtype=torch.uint8, device=env.device).random_()
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    return nbytes / _timed(lambda: dst.copy_(src), iters, sync=env.sync) / 1e9
-
-
-def _ll_baseline(x, idx, w, num_experts, max_tokens, use_fp8, group=None):
-    """Padded exchange: fixed [R, slots] message arrays through all_to_all_single."""
+def _ll_baseline(x, idx, w, num_experts, max_tokens, use_fp8, env):
+    """PaddedExchange, with the receiver laying the messages out per local expert (as
+    moe_comm's low-latency dispatch returns them) and the expert outputs packed back into
+    their slots."""
     R = dist.get_world_size()
     dev = x.device
-    num_local = num_experts // R
-    slots = max_tokens * min(idx.shape[1], num_local)
-    valid = idx >= 0
-    tok, k = valid.nonzero(as_tuple=True)
-    expert = idx[tok, k]
-    order = torch.sort(expert, stable=True).indices
-    tok, k, expert = tok[order], k[order], expert[order]
-    dst = expert // num_local
-    pos = torch.arange(tok.numel(), device=dev) - torch.searchsorted(dst, dst)  # slot in dst
+    padded = PaddedExchange(idx, w, num_experts, R, max_tokens, env.a2a)
+    num_local, slots = padded.num_local, padded.slots
     state = {}
 
     def dispatch():
-        if use_fp8:
-            data, scales = moe_comm.quant.quantize_fp8(x)
-            msgs = torch.cat([data.view(torch.uint8), scales.view(torch.uint8)], 1)
-        else:
-            msgs = x.view(torch.uint8)
-        send = torch.zeros(R, slots, msgs.shape[1], dtype=torch.uint8, device=dev)
-        meta = torch.full((R, slots, 2), -1, dtype=torch.int64, device=dev)
-        send[dst, pos] = msgs[tok]
-        meta[dst, pos, 0] = expert % num_local
-        meta[dst, pos, 1] = tok
-        recv, rmeta = torch.empty_like(send), torch.empty_like(meta)
-        dist.all_to_all_single(recv, send, group=group)
-        dist.all_to_all_single(rmeta, meta, group=group)
-        le = rmeta[..., 0].flatten()
+        # fp8: cast the way the host backend casts (moe_comm.quant), scales beside the data
+        msgs = byte_rows(*moe_comm.quant.quantize_fp8(x)) if use_fp8 else x.view(torch.uint8)
+        recv, recv_meta = padded.dispatch(msgs)
+        le = recv_meta[..., 0].flatten()
         flat = recv.view(R * slots, -1)
         out = torch.empty(num_local, R * max_tokens, msgs.shape[1], dtype=torch.uint8,
                           device=dev)
         for e in range(num_local):
             rows = (le == e).nonzero().flatten()
             out[e, :rows.numel()] = flat[rows]
-        state["rmeta"] = rmeta
+        state["recv_meta"] = recv_meta
 
     def combine(y):
         # expert outputs go back in the slots they came in, padded the same way
-        le = state["rmeta"][..., 0]
+        le = state["recv_meta"][..., 0]
         back = torch.zeros(R, slots, y.shape[-1], dtype=torch.bfloat16, device=dev)
         for e in range(num_local):
             rows = (le.flatten() == e).nonzero().flatten()
             back.view(R * slots, -1)[rows] = y[e, :rows.numel()]
-        recv = torch.empty_like(back)
-        dist.all_to_all_single(recv, back, group=group)
-        out = torch.zeros(x.shape[0], y.shape[-1], device=dev)
-        out.index_add_(0, tok, recv[dst, pos].float() * w[tok, k, None])
-        return out.bfloat16()
+        return padded.combine(back)
 
     return dispatch, combine
 
@@ -223,41 +150,36 @@ def _run_ll(rank, n, case, iters, env):
     fp8 = case["dtype"] == "fp8"
     buf = moe_comm.Buffer(None, 1 << 20, moe_comm.Buffer.get_low_latency_rdma_size_hint(
         t, h, n, e), low_latency_mode=True, timeout_s=120)
-    gen = torch.Generator().manual_seed(99 + rank)
-    x = torch.randn(t, h, generator=gen).bfloat16().to(env.device)
-    idx = torch.rand(t, e, generator=gen).topk(case["topk"], dim=1).indices.to(env.device)
-    w = torch.rand(t, case["topk"], generator=gen).to(env.device)
+    x, idx, w = random_routed_inputs(t, h, e, case["topk"], seed=99 + rank)
+    x, idx, w = x.bfloat16().to(env.device), idx.to(env.device), w.to(env.device)
     state = {}
 
     def dispatch():
         state["out"] = buf.low_latency_dispatch(x, idx, t, e, use_fp8=fp8)
 
-    t_dispatch = _timed(dispatch, iters, sync=env.sync)
+    t_dispatch = env.timed(dispatch, iters)
     recv_x, recv_count, handle, _, _ = state["out"]
     y = torch.randn(e // n, n * t, h).bfloat16().to(env.device)
-    t_combine = _timed(lambda: buf.low_latency_combine(y, idx, w, handle), iters, sync=env.sync)
+    t_combine = env.timed(lambda: buf.low_latency_combine(y, idx, w, handle), iters)
     msgs = int(recv_count.sum())
-    recv_bytes = msgs * (h + h // 128 * 4 if fp8 else 2 * h)
+    recv_bytes = msgs * token_bytes(h, fp8)
     combine_bytes = msgs * 2 * h
     buf.destroy()
-    return _row("ll", n, case, iters, env, t_dispatch, t_combine,
-                _ll_baseline(x, idx, w, e, t, fp8, env.group), y, recv_bytes, combine_bytes)
+    return _row(n, case, iters, env, t_dispatch, t_combine,
+                _ll_baseline(x, idx, w, e, t, fp8, env), y, recv_bytes, combine_bytes)
 
 
-def _row(mode, n, case, iters, env, t_dispatch, t_combine, baseline, y, recv_bytes,
-         combine_bytes):
+def _row(n, case, iters, env, t_dispatch, t_combine, baseline, y, recv_bytes, combine_bytes):
     """Time the baseline and the copy bandwidth in the same run, then build the table row
     (bytes averaged over ranks, times of the slowest rank)."""
     b_dispatch, b_combine = baseline
-    t_b_dispatch = _timed(b_dispatch, iters, sync=env.sync)
-    t_b_combine = _timed(lambda: b_combine(y), iters, sync=env.sync)
-    copy = _copy_gbps(max(recv_bytes, 1 << 20), iters, env)
+    t_b_dispatch = env.timed(b_dispatch, iters)
+    t_b_combine = env.timed(lambda: b_combine(y), iters)
+    copy = copy_gbps(max(recv_bytes, 1 << 20), env.device, lambda fn: env.timed(fn, iters))
     stats = [None] * n
     dist.all_gather_object(stats, (recv_bytes, combine_bytes, copy))
     mean = lambda i: sum(s[i] for s in stats) / n  # noqa: E731
-    return dict(mode=mode, ranks=n, tokens=case["tokens"], hidden=case["hidden"],
-                topk=case["topk"], experts=case["experts"], dtype=case["dtype"],
-                dispatch_us=t_dispatch * 1e6, combine_us=t_combine * 1e6,
+    return dict(case_columns(case), dispatch_us=t_dispatch * 1e6, combine_us=t_combine * 1e6,
                 dispatch_gbps=mean(0) / t_dispatch / 1e9, combine_gbps=mean(1) / t_combine / 1e9,
                 baseline_dispatch_us=t_b_dispatch * 1e6, baseline_combine_us=t_b_combine * 1e6,
                 copy_gbps=mean(2))
@@ -274,17 +196,17 @@ def _run_normal(rank, n, case, iters, env):
         state["out"] = buf.dispatch(x, num_tokens_per_rank=ntr, is_token_in_rank=itr,
                                     num_tokens_per_expert=nte, topk_idx=idx, topk_weights=w)
 
-    t_dispatch = _timed(dispatch, iters, sync=env.sync)
+    t_dispatch = env.timed(dispatch, iters)
     recv_x, _, recv_w, _, handle, _ = state["out"]
     y = (recv_x[0].float() if isinstance(recv_x, tuple) else recv_x.float()).bfloat16()
-    t_combine = _timed(lambda: buf.combine(y, handle), iters, sync=env.sync)
+    t_combine = env.timed(lambda: buf.combine(y, handle), iters)
     recv_bytes = sum(t.numel() * t.element_size()
                      for t in (recv_x if isinstance(recv_x, tuple) else (recv_x,)))
     combine_bytes = y.numel() * y.element_size()
     del state["out"], recv_x, recv_w
     buf.destroy()
-    return _row("normal", n, case, iters, env, t_dispatch, t_combine,
-                _baseline(x, idx, w, itr, ntr, env.group), y, recv_bytes, combine_bytes)
+    return _row(n, case, iters, env, t_dispatch, t_combine,
+                _baseline(x, idx, w, itr, ntr, env), y, recv_bytes, combine_bytes)
 
 
 def run_rank(rank, n, case, iters, backend="host"):
@@ -297,7 +219,7 @@ def run_rank(rank, n, case, iters, backend="host"):
 # ---- cases --------------------------------------------------------------------------------
 def case_problem(case):
     """Why ``case`` cannot run (a sentence), or None."""
-    mode, n, t, h, k, e, dt = (case[c] for c in COLUMNS[:7])
+    mode, n, t, h, k, e, dt = (case[c] for c in CASE_COLUMNS)
     if min(n, t, h, k, e) < 1:
         return "ranks, tokens, hidden, topk and experts must be positive"
     if e % n:
@@ -359,13 +281,15 @@ def run_cases(cases, iters, backend="host", *, launcher=run_ranks, on_row=None,
 
 
 # ---- output -------------------------------------------------------------------------------
+TABLE_WIDTH = 10
+
+
 def format_header():
-    return " ".join(f"{c:>10}" for c in COLUMNS)
+    return header_line(TABLE_WIDTH)
 
 
 def format_row(row):
-    return " ".join(f"{row[c]:>10.1f}" if isinstance(row[c], float) else f"{row[c]:>10}"
-                    for c in COLUMNS)
+    return row_line(row, TABLE_WIDTH)
 
 
 def _geomean(values):
@@ -712,9 +636,7 @@ def main(argv=None):
         print(line)
     if args.hosts > 1:
         # the link itself, same run: a plain socket stream vs the proxy's puts
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from hosts import measure
-        link = measure(total_mb=128, repeat=3)
+        link = measure_link(total_mb=128, repeat=3)
         print(f"summary link between 2 hosts: raw TCP {link['raw_tcp_GBps']:.2f} GB/s, "
               f"proxy put {link['proxy_tcp_GBps']:.2f} GB/s ({link['ratio']:.0%} of raw)")
         for row in rows:

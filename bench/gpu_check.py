@@ -76,15 +76,19 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(1, os.path.join(ROOT, "tests"))
+BENCH = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(BENCH)
+# the repository (moe_comm), the tests (the small case runs their GPU cases) and this folder
+# (the modules shared with bench_all_to_all.py: the tests load this file by its path)
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), BENCH]
 # moe_comm is imported inside the step functions, not here: while the kernels and their Python
-# side change, an import error then fails the step that needs it, not the whole run.
+# side change, an import error then fails the step that needs it, not the whole run. The shared
+# modules import torch only.
+from a2a_baseline import PaddedExchange, byte_rows, normal_exchange  # noqa: E402
+from call_timing import copy_gbps, seconds_per_call, sync, timed_across_ranks  # noqa: E402
+from result_table import header_line, row_line  # noqa: E402
+from routed_inputs import per_block_fp8, random_routed_inputs, token_bytes  # noqa: E402
 
-COLUMNS = ("mode", "ranks", "tokens", "hidden", "topk", "experts", "dtype", "dispatch_us",
-           "combine_us", "dispatch_gbps", "combine_gbps", "baseline_dispatch_us",
-           "baseline_combine_us", "copy_gbps")
 MARK = "@gpu_check "                 # a step's result line in its log (see emit)
 
 
@@ -151,29 +155,7 @@ def inject(names, what):
         raise InjectedFailure(f"injected failure in {what} (--inject-failure)")
 
 
-# ---- devices: timers and synchronisation -------------------------------------------------------
-def sync(device):
-    """Wait for the device's queued work (nothing to wait for on the emulator: an emulated
-    launch returns when its kernel is done)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def elapsed(device, fn):
-    """Seconds ``fn``'s work takes: CUDA events on a GPU (fn only queues it), perf_counter on
-    the CPU (no events there; the work is done when fn returns)."""
-    if device.type != "cuda":
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / 1e3
-
-
+# ---- devices --------------------------------------------------------------------------------
 def device_name(device):
     return torch.cuda.get_device_name(device) if device.type == "cuda" else \
         "CPU (kernel emulator)"
@@ -183,16 +165,10 @@ def device_name(device):
 def make_inputs(shape, mode, tokens, dtype, rank, device):
     """x (bf16, or (fp8, f32 scales) for normal fp8), topk_idx, topk_weights on ``device``:
     uniform random top-k routing (DeepEP's benchmark routing)."""
-    H = shape.hidden
-    gen = torch.Generator(device=device).manual_seed(1234 + rank)
-    x = torch.randn(tokens, H, generator=gen, device=device)
-    idx = torch.rand(tokens, shape.experts, generator=gen, device=device).topk(
-        shape.topk, dim=1).indices
-    w = torch.rand(tokens, shape.topk, generator=gen, device=device)
+    x, idx, w = random_routed_inputs(tokens, shape.hidden, shape.experts, shape.topk,
+                                     seed=1234 + rank, device=device)
     if mode == "normal" and dtype == "fp8":
-        blocks = x.view(tokens, H // 128, 128)
-        s = blocks.abs().amax(-1).clamp(min=1e-4) / 448.0
-        return ((blocks / s.unsqueeze(-1)).view(tokens, H).to(torch.float8_e4m3fn), s), idx, w
+        return per_block_fp8(x), idx, w
     return x.bfloat16(), idx, w
 
 
@@ -360,7 +336,7 @@ def time_ll(comms, shape, spec, iters, timeout):
 
     t_d = time_calls([dispatch(r) for r in range(R)], comms, iters, timeout)
     t_c = time_calls([combine(r) for r in range(R)], comms, iters, timeout)
-    msg_bytes = H + H // 128 * 4 if fp8 else 2 * H
+    msg_bytes = token_bytes(H, fp8)
     return t_d, t_c, statistics.mean(msgs) * msg_bytes, statistics.mean(msgs) * 2 * H
 
 
@@ -398,12 +374,9 @@ def destroy(comms):
         torch.cuda.empty_cache()
 
 
-def copy_gbps(device, nbytes, iters=20):
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    seconds = elapsed(device, lambda: [dst.copy_(src) for _ in range(iters)])
-    return nbytes * iters / seconds / 1e9
+def device_copy_gbps(device, nbytes, iters=20):
+    """The device's copy bandwidth, one process copying (the ranks share one device here)."""
+    return copy_gbps(nbytes, device, lambda fn: seconds_per_call(device, fn, iters))
 
 
 def spec_row(shape, spec):
@@ -424,7 +397,7 @@ def run_timing(shape, device, iters, comm_timeout, injected):
          normal_dispatch="cached handle (no host count exchange)", comm_timeout_s=comm_timeout,
          iters=iters)
     try:
-        emit("copy", copy_gbps=copy_gbps(device, shape.copy_bytes))
+        emit("copy", copy_gbps=device_copy_gbps(device, shape.copy_bytes))
     except Exception as e:  # noqa: BLE001 - recorded, the specs still run
         ok = False
         emit("copy", **failure(e))
@@ -468,98 +441,44 @@ def _a2a(out, inp, out_splits=None, in_splits=None):
 
 
 def _normal_baseline(shape, x, idx, w):
-    """Permute, exchange counts, exchange payload rows (x, scales, top-k), unpermute."""
+    """normal_exchange; its combine sends back zeros of the received rows' shape."""
     from moe_comm.layout import dispatch_layout
-    R, H = shape.ranks, shape.hidden
-    data, scales = x if isinstance(x, tuple) else (x, None)
-    per_rank, _, in_rank = dispatch_layout(idx, shape.experts, R)
-    parts = [data.view(torch.uint8)] + ([scales.view(torch.uint8)] if scales is not None
-                                        else []) + [idx.view(torch.uint8), w.view(torch.uint8)]
-    rows = torch.cat(parts, 1)
-    send_ids = torch.cat([in_rank[:, d].nonzero().flatten() for d in range(R)])
-    st = {}
+    per_rank, _, in_rank = dispatch_layout(idx, shape.experts, shape.ranks)
+    exchange, give_back = normal_exchange(x, idx, w, in_rank, per_rank, _a2a)
+    received = {}
 
     def dispatch():
-        send = rows.index_select(0, send_ids)
-        send_counts = per_rank.long()
-        recv_counts = torch.empty_like(send_counts)
-        _a2a(recv_counts, send_counts)
-        rc, sc = recv_counts.tolist(), send_counts.tolist()
-        recv = torch.empty(sum(rc), rows.shape[1], dtype=torch.uint8, device=rows.device)
-        _a2a(recv, send, rc, sc)
-        st.update(rc=rc, sc=sc, n=sum(rc))
+        received["rows"] = exchange().shape[0]
 
     def combine():
-        y = torch.zeros(st["n"], H, dtype=torch.bfloat16, device=rows.device)
-        back = torch.empty(len(send_ids), H, dtype=torch.bfloat16, device=rows.device)
-        _a2a(back.view(torch.uint8), y.view(torch.uint8), st["sc"], st["rc"])
-        out = torch.zeros(data.shape[0], H, device=rows.device)
-        out.index_add_(0, send_ids, back.float())
-        return out.bfloat16()
+        return give_back(torch.zeros(received["rows"], shape.hidden, dtype=torch.bfloat16,
+                                     device=idx.device))
 
     return dispatch, combine
 
 
 def _ll_baseline(shape, x, idx, w, tokens, fp8):
-    """The padded fixed-shape exchange an all_to_all needs without a count exchange: every
-    rank sends each destination tokens x min(top-k, experts per rank) message slots."""
-    R, H = shape.ranks, shape.hidden
-    L = shape.experts // R
-    slots = tokens * min(shape.topk, L)
-    tok, k = (idx >= 0).nonzero(as_tuple=True)
-    expert = idx[tok, k]
-    order = torch.sort(expert, stable=True).indices
-    tok, k, expert = tok[order], k[order], expert[order]
-    dst = expert // L
-    pos = torch.arange(tok.numel(), device=x.device) - torch.searchsorted(dst, dst)
-    msg = H + H // 32 if fp8 else 2 * H
+    """PaddedExchange as it is: messages in, zeros of the slots' shape back."""
+    padded = PaddedExchange(idx, w, shape.experts, shape.ranks, tokens, _a2a)
 
     def dispatch():
-        if fp8:
-            blocks = x.float().view(x.shape[0], H // 128, 128)
-            s = blocks.abs().amax(-1).clamp(min=1e-4) / 448.0
-            q = (blocks / s.unsqueeze(-1)).view(x.shape[0], H).to(torch.float8_e4m3fn)
-            msgs = torch.cat([q.view(torch.uint8), s.view(torch.uint8)], 1)
-        else:
-            msgs = x.view(torch.uint8)
-        send = torch.zeros(R, slots, msg, dtype=torch.uint8, device=x.device)
-        meta = torch.full((R, slots, 2), -1, dtype=torch.int64, device=x.device)
-        send[dst, pos] = msgs[tok]
-        meta[dst, pos, 0] = expert % L
-        meta[dst, pos, 1] = tok
-        _a2a(torch.empty_like(send), send)
-        _a2a(torch.empty_like(meta), meta)
+        padded.dispatch(byte_rows(*per_block_fp8(x)) if fp8 else x.view(torch.uint8))
 
     def combine():
-        back = torch.zeros(R, slots, H, dtype=torch.bfloat16, device=x.device)
-        recv = torch.empty_like(back)
-        _a2a(recv.view(torch.uint8), back.view(torch.uint8))
-        out = torch.zeros(x.shape[0], H, device=x.device)
-        out.index_add_(0, tok, recv[dst, pos].float() * w[tok, k, None])
-        return out.bfloat16()
+        return padded.combine(torch.zeros(shape.ranks, padded.slots, shape.hidden,
+                                          dtype=torch.bfloat16, device=x.device))
 
     return dispatch, combine
 
 
 def _baseline_rank(rank, n, shape, spec, iters, device_type):
     """One spec on one rank (a forked process of moe_comm.testing.processes.run_ranks)."""
-    import torch.distributed as dist
     dev = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
 
     def timed(fn):
-        fn()
-        sync(dev)
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        sync(dev)
-        t = (time.perf_counter() - t0) / iters
-        everyone = [None] * n
-        dist.all_gather_object(everyone, t)
-        return max(everyone)
+        return timed_across_ranks(fn, iters, dev, repeats=1)
 
     mode, tokens, dtype = spec
     x, idx, w = make_inputs(shape, mode, tokens, dtype, rank, dev)
@@ -961,14 +880,7 @@ def attempt(run, name, fn, args):
 
 
 def table(rows):
-    lines = [" ".join(f"{c:>12}" for c in COLUMNS)]
-    for row in rows:
-        cells = []
-        for c in COLUMNS:
-            v = row.get(c)
-            cells.append(f"{v:>12}" if isinstance(v, (str, int)) else
-                         f"{float('nan') if v is None else v:>12.1f}")
-        lines.append(" ".join(cells))
+    lines = [header_line(12)] + [row_line(row, 12) for row in rows]
     for row in rows:
         if "error" in row:
             lines.append(f"{row_label(row)}: {row['error']}")

@@ -1,0 +1,64 @@
+"""How long a call takes: in one process (seconds_per_call), or across the ranks of a
+torch.distributed group (timed_across_ranks); and the copy bandwidth both bench scripts set
+beside their GB/s as the bar a copy-based exchange cannot beat."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def sync(device):
+    """Wait for the device's queued work (nothing to wait for on the CPU: there, and on the
+    kernel emulator, a call's work is done when it returns)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def seconds_per_call(device, fn, iters=1):
+    """Seconds per call of ``fn`` run ``iters`` times back to back in this process: CUDA
+    events on a GPU (fn only queues its work), perf_counter on the CPU (no events there)."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) / iters
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(iters):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / 1e3 / iters
+
+
+def timed_across_ranks(fn, iters, device, repeats=3):
+    """Seconds per call of ``fn()`` run ``iters`` times back to back on every rank of the
+    default group between barriers: the slowest rank's time, median over ``repeats``, after
+    one warm-up call. Back-to-back calls measure what ranks sharing the cores sustain together
+    (per-call timing would let them take turns). Every rank returns the same number."""
+    fn()
+    per_call = []
+    for _ in range(repeats):
+        sync(device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        sync(device)
+        per_call.append((time.perf_counter() - t0) / iters)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, per_call)
+    return statistics.median(max(col) for col in zip(*everyone))
+
+
+def copy_gbps(nbytes, device, time_call):
+    """GB/s (1e9 B/s) of copying ``nbytes`` from one buffer on ``device`` to another;
+    ``time_call(fn)`` says how many seconds one call of fn takes (seconds_per_call for one
+    process, timed_across_ranks for all ranks copying at once)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)                          # first touch of dst: not what a copy costs
+    return nbytes / time_call(lambda: dst.copy_(src)) / 1e9
