@@ -4,7 +4,7 @@ from .config import Config
 from .errors import BufferTooSmallError, CallMismatchError, CommTimeoutError, RankMaskedError
 from .event import EventOverlap
 from .handle import DispatchHandle
-from .nn.hf import replace_moe_blocks
+from .nn.replace import replace_moe_blocks
 from .nn.layer import MoELayer
 from .reference import reference_combine, reference_dispatch
 

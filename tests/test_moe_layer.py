@@ -3,7 +3,7 @@ weights: normal and low-latency paths (and "auto" picking between them on every 
 fp32/bf16/fp8-LL, softmax and sigmoid group-limited routing, shared experts, [B, S, H] and
 [T, H] inputs, ragged token counts including 0, the HF-style experts-only call, replicated
 experts with EPLB (mapping, load recording, rebalancing with weight moves), and one Buffer
-shared by every layer of a group."""
+shared by every layer of a group (unless a layer is given its own SharedBuffers)."""
 from __future__ import annotations
 
 import pytest
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_comm import MoELayer
-from moe_comm.nn.layer import group_buffer
+from moe_comm.nn.shared_buffers import DEFAULT_SHARED_BUFFERS, SharedBuffers
 from moe_comm.nn.router import TopKRouter, select_experts
 from ranks import run_ranks
 
@@ -114,8 +114,13 @@ def _run_layers(rank, n):
     res["shared"] = dict(out=out, ref=ref, mode=layer.experts.last_mode, dtype=out.dtype)
     res["experts_only"] = dict(out=only, ref=dense_moe(x, gw, gu, dn, 2), mode="normal",
                                dtype=only.dtype)
-    res["one_buffer"] = layer.experts.buffer is group_buffer(None) and \
+    res["one_buffer"] = layer.experts.buffer is DEFAULT_SHARED_BUFFERS.for_group(None) and \
         build(CASES[0], n)[0].experts.buffer is layer.experts.buffer
+    apart = SharedBuffers()
+    kept_apart = build(CASES[0], n, shared_buffers=apart)[0].experts.buffer
+    res["own_shared_buffers"] = kept_apart is apart.for_group(None) and \
+        kept_apart is not layer.experts.buffer
+    apart.release()
     return res
 
 
@@ -124,6 +129,7 @@ def test_layer_matches_dense_moe(n):
     results = run_ranks(_run_layers, n, timeout=120)
     for rank, res in enumerate(results):
         assert res.pop("one_buffer"), "layers of one group must share one Buffer"
+        assert res.pop("own_shared_buffers"), "a layer given SharedBuffers must use them"
         for name, r in res.items():
             case = next((c for c in CASES if c["name"] == name), {})
             assert r["mode"] == case.get("expect", r["mode"]), (name, rank, r["mode"])

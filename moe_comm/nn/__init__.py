@@ -1,12 +1,15 @@
 """The MoE layer on top of Buffer: the nn.Module drop-in and what it is made of.
 
-- ``layer``     MoELayer: router -> EPLB mapping -> dispatch -> local experts -> combine
-- ``router``    top-k gate (softmax or sigmoid, grouped routing)
-- ``experts``   this rank's SwiGLU experts (bf16 or fp8 weights)
-- ``autograd``  dispatch/combine as autograd functions (combine's backward is a dispatch)
-- ``hf``        recognise Hugging Face MoE blocks and replace them with MoELayer
+- ``layer``           MoELayer: router -> EPLB mapping -> dispatch -> local experts -> combine
+- ``router``          top-k gate (softmax or sigmoid, grouped routing)
+- ``experts``         this rank's SwiGLU experts (bf16 or fp8 weights)
+- ``autograd``        dispatch/combine as autograd functions (combine's backward is a dispatch)
+- ``shared_buffers``  the Buffer per process group that layers share
+- ``hf``              read what a Hugging Face MoE block computes (for ``MoELayer.from_hf``)
+- ``replace``         replace a model's Hugging Face MoE blocks with MoELayers
 """
-from .hf import replace_moe_blocks
 from .layer import MoELayer
+from .replace import replace_moe_blocks
+from .shared_buffers import DEFAULT_SHARED_BUFFERS, SharedBuffers
 
-__all__ = ["MoELayer", "replace_moe_blocks"]
+__all__ = ["MoELayer", "replace_moe_blocks", "SharedBuffers", "DEFAULT_SHARED_BUFFERS"]

@@ -1,12 +1,14 @@
-"""Hugging Face adapter: turn an existing transformers MoE block into a sharded MoELayer.
+"""Hugging Face adapter: read what a transformers MoE block computes (routing settings, full
+expert weights, shared experts) out of it, for :meth:`moe_comm.MoELayer.from_hf` to rebuild it
+sharded. This module only reads blocks; it builds nothing (so it needs nothing of the layer).
 
 Recognised blocks (``gate`` + ``experts``, optionally shared experts):
 
 * transformers v5 blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, ...): a router module
   returning ``(router_logits, top_k_weights, top_k_index)`` and packed experts
-  ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]`` (or transposed). The router module
-  itself is kept (a copy), so routing semantics (softmax or sigmoid, group-limited top-k,
-  correction bias, scaling, dtypes) are the model's own, and transformers' router-logit
+  ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]`` (or transposed). The layer keeps the
+  router module itself (a copy), so routing semantics (softmax or sigmoid, group-limited
+  top-k, correction bias, scaling, dtypes) are the model's own, and transformers' router-logit
   recording (``output_router_logits``) still finds it.
 * v4-style blocks: ``gate`` an ``nn.Linear`` and ``experts`` a ``ModuleList`` of gated MLPs
   with ``w1``/``w3``/``w2`` (Mixtral) or ``gate_proj``/``up_proj``/``down_proj`` (Qwen). Routing
@@ -16,22 +18,56 @@ Recognised blocks (``gate`` + ``experts``, optionally shared experts):
 * shared experts: ``shared_expert`` + ``shared_expert_gate`` (Qwen2-MoE: sigmoid-gated) or
   ``shared_experts`` (DeepSeek-V3: added).
 
-Each rank copies only its own experts' weights out of the block; the block itself is left
-unchanged. Not supported (raise NotImplementedError): expert biases, experts without a gate
-projection, interleaved gate/up layouts or custom gating (e.g. gpt-oss), and Mixtral's
-training-time router jitter.
+The block itself is left unchanged. Not supported (raise NotImplementedError): expert biases,
+experts without a gate projection, interleaved gate/up layouts or custom gating (e.g.
+gpt-oss), and Mixtral's training-time router jitter.
 """
 from __future__ import annotations
 
-import copy
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
 
-from ..eplb import ExpertLoadRecorder
-from .layer import MoELayer
-
 _LEGACY_NAMES = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
+
+
+@dataclass(frozen=True)
+class MoEBlockSpec:
+    """What a recognised MoE block computes, read out of it.
+
+    ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I]: the full expert weights
+    (detached; views of packed weights, stacked for a ModuleList). ``gate``: the block's
+    router, an ``nn.Linear`` for a v4-style block, else a v5 router module.
+    ``shared_experts`` / ``shared_expert_gate``: the block's, or None. The modules are the
+    block's own: a layer that keeps them copies them, leaving the block unchanged."""
+    gate_up_proj: torch.Tensor
+    down_proj: torch.Tensor
+    activation: Callable
+    top_k: int
+    norm_topk_prob: bool
+    gate: nn.Module
+    shared_experts: nn.Module | None
+    shared_expert_gate: nn.Module | None
+    training: bool
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_up_proj.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.gate_up_proj.shape[2]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.gate_up_proj.shape[1] // 2
+
+    @property
+    def legacy_gate(self) -> bool:
+        """A v4-style block: a plain linear gate, routed by moe_comm's own router."""
+        return isinstance(self.gate, nn.Linear)
 
 
 def _legacy_names(expert: nn.Module):
@@ -41,7 +77,7 @@ def _legacy_names(expert: nn.Module):
     return None
 
 
-def _expert_weights(experts: nn.Module):
+def expert_weights(experts: nn.Module):
     """(gate_up [E, 2I, H], down [E, H, I], activation) of a block's experts."""
     gu, dn = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor) and gu.dim() == 3:
@@ -68,8 +104,9 @@ def _expert_weights(experts: nn.Module):
 
 
 def is_moe_block(module: nn.Module) -> bool:
-    """Whether :func:`from_hf` recognises ``module``."""
-    if isinstance(module, MoELayer) or not hasattr(module, "gate"):
+    """Whether ``module`` has the shape of a recognised MoE block (see the module doc). A
+    MoELayer has it too (a gate and packed experts): callers that replace blocks skip those."""
+    if not hasattr(module, "gate"):
         return False
     experts = getattr(module, "experts", None)
     if not isinstance(experts, nn.Module):
@@ -88,20 +125,13 @@ def _pick(name, *sources, default=None):
     return default
 
 
-def from_hf(block: nn.Module, group=None, config=None, **kwargs) -> MoELayer:
-    """Build a MoELayer that computes what ``block`` computes, its experts sharded over
-    ``group``.
+def read_block(block: nn.Module, config=None) -> MoEBlockSpec:
+    """Read what ``block`` computes.
 
     Args:
         block: a transformers MoE block (see the module doc for the recognised kinds).
-        group: process group of the expert-parallel ranks (None = world); every rank calls
-            this with an identical block.
         config: the model config, read for routing settings a v4-style block does not carry
             (``num_experts_per_tok``, ``norm_topk_prob``).
-        **kwargs: passed to :class:`MoELayer` (mode, num_redundant_experts, buffer,
-            num_nvl_bytes, max_tokens_per_rank, ll_max_tokens, load_recorder, layer_index, ...).
-    Returns:
-        a MoELayer in the dtype of the block's expert weights.
     """
     if not is_moe_block(block):
         raise TypeError(f"{type(block).__name__} is not a recognised MoE block (needs a gate and "
@@ -109,50 +139,15 @@ def from_hf(block: nn.Module, group=None, config=None, **kwargs) -> MoELayer:
     config = getattr(config, "text_config", config)
     if getattr(block, "jitter_noise", 0) and block.training:
         raise NotImplementedError("router jitter noise (training-time) is not supported")
-    gate_up, down, act = _expert_weights(block.experts)
-    E, two_i, H = gate_up.shape
-    legacy = isinstance(block.gate, nn.Linear)
+    gate_up, down, act = expert_weights(block.experts)
     top_k = _pick("top_k", block.gate, block, default=None) or \
         _pick("num_experts_per_tok", config)
     if top_k is None:
         raise ValueError("cannot tell top_k: the block has no top_k; pass config=model.config")
-    shared = _pick("shared_experts", block) or _pick("shared_expert", block)
-    layer = MoELayer(
-        E, int(top_k), H, two_i // 2, group=group, scoring_func="softmax",
+    return MoEBlockSpec(
+        gate_up_proj=gate_up, down_proj=down, activation=act, top_k=int(top_k),
         norm_topk_prob=bool(_pick("norm_topk_prob", block, config, default=True)),
-        shared_experts=copy.deepcopy(shared),
-        shared_expert_gate=copy.deepcopy(getattr(block, "shared_expert_gate", None)),
-        activation=act, dtype=gate_up.dtype, **kwargs)
-    with torch.no_grad():
-        if legacy:
-            layer.gate.weight.copy_(block.gate.weight)
-            layer.return_router_logits = True      # v4 blocks returned (hidden, router_logits)
-        else:
-            layer.gate = copy.deepcopy(block.gate)
-        layer.experts.load_from_full(gate_up, down)
-    return layer.train(block.training)
-
-
-def replace_moe_blocks(model: nn.Module, group=None, **kwargs) -> list:
-    """Replace every recognised MoE block in ``model`` by a sharded :class:`MoELayer` (in
-    place; collective: every rank calls it on an identical model).
-
-    All replaced layers share the group's Buffer. With ``num_redundant_experts > 0`` and no
-    ``load_recorder`` given, one :class:`ExpertLoadRecorder` with a row per replaced layer is
-    shared by them. ``config`` defaults to ``model.config``.
-    Returns the qualified names of the replaced modules.
-    """
-    kwargs.setdefault("config", getattr(model, "config", None))
-    names = [name for name, m in model.named_modules() if name and is_moe_block(m)]
-    # a block nested in another recognised block is replaced along with its parent
-    names = [n for n in names if not any(n.startswith(p + ".") for p in names)]
-    if names and kwargs.get("num_redundant_experts") and kwargs.get("load_recorder") is None:
-        first = model.get_submodule(names[0])
-        kwargs["load_recorder"] = ExpertLoadRecorder(len(names),
-                                                     _expert_weights(first.experts)[0].shape[0])
-    for i, name in enumerate(names):
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        layer = from_hf(getattr(parent, child), group=group, layer_index=i, **kwargs)
-        setattr(parent, child, layer)
-    return names
+        gate=block.gate,
+        shared_experts=_pick("shared_experts", block) or _pick("shared_expert", block),
+        shared_expert_gate=getattr(block, "shared_expert_gate", None),
+        training=block.training)

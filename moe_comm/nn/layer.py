@@ -14,59 +14,31 @@ at most ``ll_max_tokens`` tokens per rank, inference only) and "auto": low-laten
 possible and every rank has at most ``ll_max_tokens`` tokens (one small all-reduce agrees on
 that, since all ranks must take the same path), normal otherwise.
 
-All layers on one group share one :class:`moe_comm.Buffer` (:func:`group_buffer`): a Buffer
-maps large shared-memory segments, one set per group is enough because the calls of
-different layers never overlap.
+All layers on one group share one :class:`moe_comm.Buffer`, held by the
+:class:`~moe_comm.nn.shared_buffers.SharedBuffers` a layer is given (by default the
+process-wide one; moe_comm/nn/shared_buffers.py says why one per group is enough).
+
+:meth:`MoELayer.from_hf` rebuilds a Hugging Face block from what :mod:`moe_comm.nn.hf` reads
+out of it.
 """
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from . import autograd as ag
+from . import hf
 from ..buffer import Buffer
 from ..eplb import ExpertLoadRecorder, map_logical_to_physical, rebalance_experts
 from .experts import LocalExperts
 from .router import TopKRouter
+from .shared_buffers import DEFAULT_SHARED_BUFFERS, SharedBuffers, world_if_none
 from ..wire import LL_MAX_TOPK, LLLayout
 
 MODES = ("auto", "normal", "low_latency")
-_BUFFERS: dict = {}           # id(group) -> (group, Buffer)
-
-
-def _world(group):
-    return dist.group.WORLD if group is None else group
-
-
-def group_buffer(group=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0) -> Buffer:
-    """The Buffer shared by every layer on ``group``, created or grown to at least these sizes.
-
-    Collective when it creates: every rank must make the same calls in the same order (layers
-    built identically on every rank do). Growing destroys the old Buffer and makes a larger
-    one (layers look it up at every call, so they follow); tensors received from the old one
-    stay valid until dropped.
-    """
-    group = _world(group)
-    entry = _BUFFERS.get(id(group))
-    old = entry[1] if entry is not None and entry[0] is group else None
-    if old is not None and old._comm is not None and old.num_nvl_bytes >= num_nvl_bytes and \
-            (num_rdma_bytes == 0 or (old.low_latency_mode and old.num_rdma_bytes >= num_rdma_bytes)):
-        return old
-    if old is not None and old._comm is not None:
-        num_nvl_bytes = max(num_nvl_bytes, old.num_nvl_bytes)
-        num_rdma_bytes = max(num_rdma_bytes, old.num_rdma_bytes)
-        old.destroy()
-    buf = Buffer(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode=num_rdma_bytes > 0)
-    _BUFFERS[id(group)] = (group, buf)
-    return buf
-
-
-def release_buffers() -> None:
-    """Destroy every cached group Buffer (e.g. before destroying the process groups)."""
-    for _, buf in _BUFFERS.values():
-        buf.destroy()
-    _BUFFERS.clear()
 
 
 class ExpertParallelExperts(LocalExperts):
@@ -81,6 +53,9 @@ class ExpertParallelExperts(LocalExperts):
             replica routing come from :mod:`moe_comm.eplb`.
         activation: gate activation ("silu" = SwiGLU) or a callable.
         buffer: a Buffer to use instead of the per-group shared one.
+        shared_buffers: where the per-group shared Buffer is kept (default:
+            :data:`~moe_comm.nn.shared_buffers.DEFAULT_SHARED_BUFFERS`, shared by every layer
+            of the process); unused with ``buffer``.
         num_nvl_bytes: normal-mode heap size for the shared Buffer; default sized for
             ``max_tokens_per_rank`` tokens per rank in the worst routing.
         ll_max_tokens: low-latency capacity M, tokens per rank per call.
@@ -92,7 +67,8 @@ class ExpertParallelExperts(LocalExperts):
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  *, group=None, mode: str = "auto", num_redundant_experts: int = 0,
-                 activation="silu", buffer: Buffer | None = None, num_nvl_bytes: int | None = None,
+                 activation="silu", buffer: Buffer | None = None,
+                 shared_buffers: SharedBuffers | None = None, num_nvl_bytes: int | None = None,
                  max_tokens_per_rank: int = 1024, ll_max_tokens: int = 128,
                  ll_use_fp8: bool = False, load_recorder: ExpertLoadRecorder | None = None,
                  layer_index: int = 0, dtype: torch.dtype | None = None, init_std: float = 0.02):
@@ -101,7 +77,7 @@ class ExpertParallelExperts(LocalExperts):
         if not isinstance(num_redundant_experts, int) or num_redundant_experts < 0:
             raise ValueError(f"num_redundant_experts must be an int >= 0, got "
                              f"{num_redundant_experts!r}")
-        group = _world(group)
+        group = world_if_none(group)
         R, rank = dist.get_world_size(group), dist.get_rank(group)
         P = num_experts + num_redundant_experts
         if P % R:
@@ -129,6 +105,8 @@ class ExpertParallelExperts(LocalExperts):
         if mode != "normal" and ll_possible:
             self._ll_bytes = LLLayout(ll_max_tokens, hidden_size, R, P).nbytes
         self._own_buffer = buffer
+        self.shared_buffers = (DEFAULT_SHARED_BUFFERS if shared_buffers is None
+                               else shared_buffers)
         if buffer is not None and self._ll_bytes and not (
                 buffer.low_latency_mode and buffer.num_rdma_bytes >= self._ll_bytes):
             if mode == "low_latency":
@@ -142,7 +120,7 @@ class ExpertParallelExperts(LocalExperts):
                 num_nvl_bytes = Buffer.get_normal_buffer_size_hint(
                     max_tokens_per_rank, hidden_size, R, top_k, elem_size=4 if wide else 2,
                     keep_alive=2)
-            group_buffer(group, num_nvl_bytes, self._ll_bytes)
+            self.shared_buffers.for_group(group, num_nvl_bytes, self._ll_bytes)
 
     # -- placement (EPLB) --------------------------------------------------------------------
     def _init_placement(self, redundant: int):
@@ -171,7 +149,7 @@ class ExpertParallelExperts(LocalExperts):
     def buffer(self) -> Buffer:
         if self._own_buffer is not None:
             return self._own_buffer
-        return group_buffer(self.group)
+        return self.shared_buffers.for_group(self.group)
 
     def load_from_full(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> None:
         """Take this rank's slots out of full logical weights [E, 2I, H] / [E, H, I]."""
@@ -316,9 +294,9 @@ class MoELayer(nn.Module):
         shared_experts: optional module [T, H] -> [T, H] added to every token's output.
         shared_expert_gate: optional module [T, H] -> [T, 1]; the shared output is scaled by
             its sigmoid (Qwen2-MoE).
-        num_redundant_experts, activation, buffer, num_nvl_bytes, max_tokens_per_rank,
-        ll_max_tokens, ll_use_fp8, load_recorder, layer_index, dtype, init_std: see
-            :class:`ExpertParallelExperts`.
+        num_redundant_experts, activation, buffer, shared_buffers, num_nvl_bytes,
+        max_tokens_per_rank, ll_max_tokens, ll_use_fp8, load_recorder, layer_index, dtype,
+        init_std: see :class:`ExpertParallelExperts`.
     forward(hidden_states [B, S, H] or [T, H]) -> same shape (and the router logits
     [T, E] as a second output when ``return_router_logits`` is set).
     """
@@ -352,9 +330,41 @@ class MoELayer(nn.Module):
 
     @classmethod
     def from_hf(cls, block: nn.Module, group=None, config=None, **kwargs) -> "MoELayer":
-        """Shard a transformers MoE block over ``group``; see :func:`moe_comm.nn.hf.from_hf`."""
-        from .hf import from_hf
-        return from_hf(block, group=group, config=config, **kwargs)
+        """Build a MoELayer that computes what ``block`` computes, its experts sharded over
+        ``group``.
+
+        Args:
+            block: a transformers MoE block (see :mod:`moe_comm.nn.hf` for the recognised
+                kinds); it is left unchanged.
+            group: process group of the expert-parallel ranks (None = world); every rank
+                calls this with an identical block.
+            config: the model config, read for routing settings a v4-style block does not
+                carry (``num_experts_per_tok``, ``norm_topk_prob``).
+            **kwargs: passed to :class:`MoELayer` (mode, num_redundant_experts, buffer,
+                shared_buffers, num_nvl_bytes, max_tokens_per_rank, ll_max_tokens,
+                load_recorder, layer_index, ...).
+        Returns:
+            a MoELayer in the dtype of the block's expert weights.
+        """
+        if isinstance(block, MoELayer):     # has a gate and packed experts, but is sharded
+            raise TypeError(f"{type(block).__name__} is not a recognised MoE block (it is "
+                            "already an expert-parallel MoELayer)")
+        spec = hf.read_block(block, config)
+        # copies: the layer must not share modules with the block it replaces
+        layer = MoELayer(
+            spec.num_experts, spec.top_k, spec.hidden_size, spec.intermediate_size, group=group,
+            scoring_func="softmax", norm_topk_prob=spec.norm_topk_prob,
+            shared_experts=copy.deepcopy(spec.shared_experts),
+            shared_expert_gate=copy.deepcopy(spec.shared_expert_gate),
+            activation=spec.activation, dtype=spec.gate_up_proj.dtype, **kwargs)
+        with torch.no_grad():
+            if spec.legacy_gate:
+                layer.gate.weight.copy_(spec.gate.weight)
+                layer.return_router_logits = True    # v4 blocks returned (hidden, router_logits)
+            else:
+                layer.gate = copy.deepcopy(spec.gate)
+            layer.experts.load_from_full(spec.gate_up_proj, spec.down_proj)
+        return layer.train(spec.training)
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         out = self.shared_experts(x)
