@@ -18,7 +18,8 @@ each step's deadline shrinks to what is left, keeping some for the steps after i
              NVSHMEM tests skip without nvshmem4py: docs/PERF.md says how to carry it).
              CI runs the CPU-only compile tests, so they are not repeated here.
 3. timing    moe_comm on 8 ranks sharing this GPU as 8 streams of one process (threads,
-             CudaComm.local_group): normal 4096 tokens and low-latency 128 tokens, H=7168,
+             moe_comm.cuda.groups.local_group): normal 4096 tokens and low-latency 128
+             tokens, H=7168,
              top-8, 256 experts; all ranks' calls are queued behind one gate kernel so they
              start together, each rank's time is taken with CUDA events, the slowest rank's
              mean per call is reported. Also the device copy bandwidth (copy_gbps).
@@ -261,7 +262,7 @@ def time_normal(comms, shape, spec, iters, timeout):
         data, scales = x if isinstance(x, tuple) else (x, None)
         rx, rs, _, _, handle = cn.dispatch(
             comm, x_bytes=data.view(torch.uint8), dtype=data.dtype, hidden=H, scales=scales,
-            topk_idx=idx, topk_weights=w, is_token_in_rank=None, num_tokens_per_rank=None,
+            topk_idx=idx, topk_weights=w, layout=None,
             handle=None, num_experts=shape.experts, num_worst_tokens=0, buffer_key=("bench",))
         y = (rx.float() if rs is None else rx.float() * rs.repeat_interleave(128, 1)).bfloat16()
         recv_bytes = rx.numel() * rx.element_size() + (0 if rs is None else rs.numel() * 4)
@@ -274,8 +275,7 @@ def time_normal(comms, shape, spec, iters, timeout):
         data, scales = x if isinstance(x, tuple) else (x, None)
         return lambda: cn.dispatch(
             comms[r], x_bytes=data.view(torch.uint8), dtype=data.dtype, hidden=H,
-            scales=scales, topk_idx=None, topk_weights=None, is_token_in_rank=None,
-            num_tokens_per_rank=None, handle=state[r][0], num_experts=None,
+            scales=scales, topk_idx=None, topk_weights=None, layout=None, handle=state[r][0], num_experts=None,
             num_worst_tokens=0, buffer_key=("bench",))
 
     def combine(r):
@@ -341,16 +341,16 @@ def time_ll(comms, shape, spec, iters, timeout):
 
 
 def time_spec(shape, spec, device, iters, comm_timeout):
-    from moe_comm.cuda.comm import CudaComm
+    from moe_comm.cuda import groups
     from moe_comm.wire import LLLayout, SlabLayout
     mode, tokens, _ = spec
     R, H = shape.ranks, shape.hidden
     if mode == "normal":
         heap = SlabLayout(tokens * R, H * 2, H // 128, shape.topk).nbytes
-        comms = CudaComm.local_group(R, heap, 0, comm_timeout, device)
+        comms = groups.local_group(R, heap, 0, comm_timeout, device)
     else:
         ll_bytes = LLLayout(tokens, H, R, shape.experts).nbytes
-        comms = CudaComm.local_group(R, 1 << 20, ll_bytes, comm_timeout, device)
+        comms = groups.local_group(R, 1 << 20, ll_bytes, comm_timeout, device)
     # the host side of one spec (threads, first calls): a few comm deadlines at most
     outer = max(30.0, 6 * comm_timeout)
     try:
