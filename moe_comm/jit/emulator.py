@@ -24,6 +24,7 @@ import subprocess
 import threading
 from pathlib import Path
 
+from . import device_header
 from .nvrtc import cache_dir, kernel_dir, write_atomic
 from .variants import THREADS, Variant
 
@@ -68,7 +69,8 @@ def _key(source: Path, defines: tuple, cxx: str) -> str:
         for f in sorted(folder.iterdir()):
             if f.is_file() and f.suffix in (".cu", ".cuh", ".h", ".cpp"):
                 h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
-    for part in (str(source), repr(defines), _compiler_version(cxx), " ".join(_FLAGS)):
+    for part in (str(source), repr(defines), _compiler_version(cxx), " ".join(_FLAGS),
+                 device_header.header_text()):
         h.update(part.encode() + b"\0")
     return h.hexdigest()
 
@@ -93,7 +95,9 @@ def build_source(source: Path, defines=()) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
     emu = emu_dir()
-    cmd = [cxx, *_FLAGS, *(f"-D{k}={v}" for k, v in defines), f"-I{emu}", "-include",
+    generated = device_header.include_dir(cache_dir())
+    cmd = [cxx, *_FLAGS, *(f"-D{k}={v}" for k, v in defines), f"-I{emu}", f"-I{generated}",
+           "-include",
            str(emu / "cuda_emu.h"), "-x", "c++", str(source), "-x", "c++",
            str(emu / "runtime.cpp"), str(emu / "nvshmem_emu.cpp"), "-o", str(tmp)]
     done = subprocess.run(cmd, capture_output=True, text=True)

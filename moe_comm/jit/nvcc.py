@@ -31,7 +31,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import elf
+from . import device_header, elf
 from .variants import thread_defines
 from .nvrtc import write_atomic
 from .toolchain import nvcc_path, nvcc_version, nvshmem_install
@@ -104,7 +104,8 @@ def cache_key(program: Program, arch: str, root: Path | None = None) -> str:
     root = root or csrc_dir()
     nv = nvshmem_install()
     h = hashlib.sha256()
-    for part in (OPTIONS_VERSION, _STD, _sources_digest(root), program.source,
+    for part in (OPTIONS_VERSION, _STD, _sources_digest(root), device_header.header_text(),
+                 program.source,
                  repr(program.defines), arch, nv.version, nv.device_lib.stat().st_size,
                  nvcc_version(nvcc_path())):
         h.update(str(part).encode() + b"\0")
@@ -118,7 +119,8 @@ def _commands(program: Program, arch: str, root: Path, obj: Path, cubin: Path):
     # quiet/flush functions spill a few bytes; our kernels' frames are checked from the cubin.)
     compile_cmd = [nvcc, "-rdc=true", f"-arch={arch}", f"-std={_STD}", "-lineinfo",
                    "-DMOE_WITH_NVSHMEM", *macros,
-                   "-I", str(root / "kernels"), "-I", str(nv.include),
+                   "-I", str(root / "kernels"), "-I", str(device_header.include_dir(cache_dir())),
+                   "-I", str(nv.include),
                    "-c", str(root / program.source), "-o", str(obj)]
     link_cmd = [nvcc, f"-arch={arch}", "-dlink", "-cubin", str(obj), "-L", str(nv.lib),
                 "-lnvshmem_device", "-o", str(cubin)]

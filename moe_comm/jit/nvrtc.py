@@ -22,6 +22,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from . import device_header
 from .resources import check_loaded
 from .variants import Variant
 
@@ -79,8 +80,8 @@ def _nvrtc_version() -> str:
 def cache_key(variant: Variant, arch: str, folder: Path | None = None) -> str:
     folder = folder or kernel_dir()
     h = hashlib.sha256()
-    for part in (OPTIONS_VERSION, _STD, _sources_digest(folder), arch, variant.source,
-                 repr(variant.defines), _nvrtc_version()):
+    for part in (OPTIONS_VERSION, _STD, _sources_digest(folder), device_header.header_text(),
+                 arch, variant.source, repr(variant.defines), _nvrtc_version()):
         h.update(str(part).encode() + b"\0")
     return h.hexdigest()
 
@@ -91,7 +92,8 @@ def _program_options(variant: Variant, arch: str, folder: Path):
     ProgramOptions = cuda_core().ProgramOptions
     defines = [(name, str(value)) for name, value in variant.defines]
     return ProgramOptions(name=variant.source, arch=arch, std=_STD,
-                          include_path=[str(folder)], define_macro=defines or None,
+                          include_path=[str(folder), str(device_header.include_dir(cache_dir()))],
+                          define_macro=defines or None,
                           lineinfo=True, ptxas_options=["--warn-on-spills"])
 
 
