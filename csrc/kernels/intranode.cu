@@ -57,9 +57,10 @@ moe_combine_send(MOE_ARGS_moe_combine_send) {
                          (u64)done_off, (u64)done_stride, (u32)epoch, counter);
 }
 
-#define MOE_REDUCE_KERNEL(NAME, ELEM, THREADS)                                               \
-    MOE_KERNEL void __launch_bounds__(THREADS, 1)                                              \
-        NAME(MOE_ARGS_##NAME) {                                                             \
+// One reduce kernel per element type; MOE_ARGS_<NAME> declares `out` as ELEM::Storage*
+// (kernel_args._REDUCE), and a mismatch fails to compile.
+#define MOE_REDUCE_KERNEL(NAME, ELEM, THREADS)                                              \
+    MOE_KERNEL void __launch_bounds__(THREADS, 1) NAME(MOE_ARGS_##NAME) {                  \
         combine_reduce_body<R, ELEM>(MOE_GROUP, hidden, topk, matrix, send_pos, num_tokens, \
                                      bias0, bias1, out, w_out);                             \
     }
