@@ -73,6 +73,7 @@ LL_CALL_FIELDS = ("call", "hidden", "use_fp8", "round_scale", "topk", "num_exper
                   "num_max_dispatch_tokens_per_rank")
 CALL_WORDS = LINE_WORDS
 FENCE_WORD = 4                       # header word a masked rank finds set (HeaderLayout.fence)
+SLAB_ALIGN = 64                      # bytes: each sub-array of a SlabLayout starts on a line
 
 
 def tag(epoch: int, value: int) -> int:
@@ -192,7 +193,7 @@ class HeaderLayout:
 class SlabLayout:
     """Layout of one normal-mode receive region ("slab") holding ``rows`` received tokens.
 
-    Sub-arrays, each row-major, 64-byte aligned, in this order: payload ``[rows, row_bytes]``,
+    Sub-arrays, each row-major, :data:`SLAB_ALIGN`-byte aligned, in this order: payload ``[rows, row_bytes]``,
     fp8 scales ``[rows, scale_cols]`` float32 (0 columns if not fp8), top-k ids
     ``[rows, topk]`` int64, top-k weights ``[rows, topk]`` float32. Rows are ordered by source
     rank, then by the token's index on the source: source ``s`` owns rows
@@ -214,7 +215,7 @@ class SlabLayout:
         offs, at = [], 0
         for size in self._sizes():
             offs.append(at)
-            at = round_up(at + size, 64)
+            at = round_up(at + size, SLAB_ALIGN)
         return offs
 
     @property

@@ -1,15 +1,17 @@
-"""Every kernel launch of the CUDA backend passes what the kernel declares (CPU, no GPU).
+"""Every kernel launch of the CUDA backend passes exactly the arguments the kernel declares
+(CPU, no GPU).
 
-The backend's Python side (moe_comm/cuda/normal.py, ll.py) runs here against a CudaComm on the
-CPU "device" with a recording ``launch``: each recorded call is checked against the kernel's
-signature parsed from csrc/kernels (argument count, and pointer vs. int64 in every position),
-and every kernel it asks for must be one its variant lists. Catches drift between the host
-code and the kernels without a GPU.
+The backend's Python side (moe_comm/cuda/normal.py, ll.py, elastic.py) runs here against a
+CudaComm on the CPU "device" with a recording ``launch``: each recorded launch must carry the
+packed arguments of the kernel it launches, with exactly the names moe_comm/jit/kernel_args.py
+declares for it (the list the kernel's C++ signature is generated from), pointers as tensors or
+None and scalars as ints, at the block the kernel is compiled for; and every kernel it asks for
+must be one its variant lists. Catches drift between the host code and the kernels without a
+GPU.
 """
 from __future__ import annotations
 
-import re
-
+import numpy as np
 import pytest
 import torch
 
@@ -17,41 +19,10 @@ from moe_comm.cuda import elastic as cel
 from moe_comm.cuda import ll as cll
 from moe_comm.cuda import normal as cn
 from moe_comm.cuda.comm import CudaComm
-from moe_comm.jit.cache import kernel_dir
+from moe_comm.jit import variants
+from moe_comm.jit.kernel_args import KERNEL_ARGS, PackedArgs, pack
 from moe_comm.jit.variants import THREADS
 from moe_comm.wire import LLLayout
-
-
-# `MOE_KERNEL void __launch_bounds__(MOE_THREADS_X, 1) name(` (the bound is optional here)
-KERNEL_HEAD = r"MOE_KERNEL void (?:__launch_bounds__\([^)]*\)\s+)?"
-
-
-def _signatures() -> dict:
-    """{kernel: ["ptr" | "int", ...]} from the extern "C" kernels of every .cu/.cuh file."""
-    sigs = {}
-    files = [*kernel_dir().glob("*.cu"), *kernel_dir().glob("*.cuh")]
-    texts = [f.read_text().replace("\\\n", " ") for f in files]
-    defines = {}                      # argument macros, wherever they are defined
-    for text in texts:
-        defines.update(re.findall(r"#define (MOE_\w+_ARGS) ([^\n]*)", text))
-
-    def kinds(params):
-        for name, body in defines.items():
-            params = params.replace(name, body)
-        return ["ptr" if "*" in p else "int" for p in params.split(",") if p.strip()]
-
-    for text in texts:
-        for name, params in re.findall(KERNEL_HEAD + r"(\w+)\(([^)]*)\)", text):
-            if name != "NAME":
-                sigs[name] = kinds(params)
-        macro = re.search(r"#define MOE_REDUCE_KERNEL\(NAME, ELEM, THREADS\)\s*" + KERNEL_HEAD +
-                          r"NAME\(([^)]*)\)", text)
-        for inst in re.findall(r"^MOE_REDUCE_KERNEL\((\w+), \w+, \w+\)", text, re.M):
-            sigs[inst] = kinds(macro.group(1))
-    return sigs
-
-
-SIGS = _signatures()
 
 
 @pytest.fixture
@@ -61,13 +32,14 @@ def recorder(monkeypatch):
     def fake_load(variant, device):
         return {name: name for name in variant.kernels}
 
-    def fake_launch(kernel, grid, block, *args, shmem=0, device=None, stream=None):
+    def fake_launch(kernel, grid, block, args, shmem=0, device=None, stream=None):
         calls.append((kernel, grid, block, args))
-        # the count matrix notify would produce (its last ten arguments: call_off, signature)
-        if kernel == "moe_notify" and isinstance(args[-10], torch.Tensor):
-            args[-10].fill_(2)
-        if kernel == "moe_layout" and isinstance(args[4], torch.Tensor):
-            args[4].fill_(1)
+        named = dict(zip(args.names, args.values))
+        # what notify and layout would produce: a count matrix, per-rank counts
+        if kernel == "moe_notify" and isinstance(named["matrix"], torch.Tensor):
+            named["matrix"].fill_(2)
+        if kernel == "moe_layout" and isinstance(named["per_rank"], torch.Tensor):
+            named["per_rank"].fill_(1)
 
     monkeypatch.setattr(cn, "load_kernels", fake_load)            # the layout kernel
     monkeypatch.setattr(CudaComm, "kernels", lambda self, variant: fake_load(variant, None))
@@ -79,18 +51,34 @@ def recorder(monkeypatch):
 def _check(calls):
     assert calls
     for kernel, grid, block, args in calls:
-        sig = SIGS[kernel]
-        assert len(args) == len(sig), (kernel, len(args), len(sig))
-        for i, (a, kind) in enumerate(zip(args, sig)):
-            if kind == "ptr":
-                assert a is None or isinstance(a, torch.Tensor), (kernel, i, type(a))
+        assert isinstance(args, PackedArgs) and args.kernel == kernel, (kernel, args)
+        sig = KERNEL_ARGS[kernel]
+        assert args.names == sig.names, (kernel, args.names)
+        for p, a in zip(sig.params, args.values):
+            if p.is_pointer:
+                assert a is None or isinstance(a, torch.Tensor), (kernel, p.name, type(a))
             else:
-                assert isinstance(a, (int, bool)) and not isinstance(a, torch.Tensor), \
-                    (kernel, i, type(a))
+                assert isinstance(a, (int, np.int64)), (kernel, p.name, type(a))
         # every launch uses the block its kernel is compiled for (__launch_bounds__)
         assert block == THREADS[kernel], (kernel, block)
         dims = (grid,) if isinstance(grid, int) else grid
         assert all(isinstance(d, int) and d >= 1 for d in dims), (kernel, grid)
+
+
+def test_pack_takes_exactly_the_declared_names_and_kinds():
+    sig = KERNEL_ARGS["moe_ll_wait"]
+    values = {p.name: (None if p.is_pointer else 1) for p in sig.params}
+    packed = pack("moe_ll_wait", **values)
+    assert packed.names == sig.names and len(packed.values) == len(sig.params)
+    with pytest.raises(TypeError, match="missing"):
+        pack("moe_ll_wait", **{k: v for k, v in values.items() if k != "epoch"})
+    with pytest.raises(TypeError, match="unknown"):
+        pack("moe_ll_wait", **values, seq=3)
+    with pytest.raises(TypeError, match="bases"):
+        pack("moe_ll_wait", **{**values, "bases": 5})            # a pointer given an int
+    with pytest.raises(TypeError, match="epoch"):
+        pack("moe_ll_wait", **{**values, "epoch": torch.zeros(1)})
+    pack("moe_ll_wait", **{**values, "bases": np.uint64(64)})    # a raw device address
 
 
 def _comm(num_ranks, ll_bytes=0, elastic=False):
@@ -102,7 +90,7 @@ def _comm(num_ranks, ll_bytes=0, elastic=False):
 @pytest.mark.parametrize("dtype", ["bfloat16", "fp8", "float32"])
 @pytest.mark.parametrize("worst", [0, 64])
 @pytest.mark.parametrize("elastic", [False, True])
-def test_normal_launches_match_kernel_signatures(recorder, dtype, worst, elastic):
+def test_normal_launches_pass_the_declared_arguments(recorder, dtype, worst, elastic):
     R, T, H, K, E = 4, 10, 256, 4, 16
     comm = _comm(R, elastic=elastic)
     x = torch.randn(T, H)
@@ -125,8 +113,9 @@ def test_normal_launches_match_kernel_signatures(recorder, dtype, worst, elastic
                             bias=(torch.randn(T, H), torch.randn(T, H)))
     assert out.shape == (T, H) and out.dtype == torch.bfloat16 and w_out.shape == (T, K)
     cached = cn.dispatch(comm, x_bytes=data.view(torch.uint8), dtype=data.dtype, hidden=H,
-                         scales=scales, topk_idx=None, topk_weights=None, layout=None, handle=handle, num_experts=None,
-                         num_worst_tokens=worst, buffer_key=("k",))
+                         scales=scales, topk_idx=None, topk_weights=None, layout=None,
+                         handle=handle, num_experts=None, num_worst_tokens=worst,
+                         buffer_key=("k",))
     assert cached[2] is None and cached[4] is handle
     _check(recorder)
     names = [c[0] for c in recorder]
@@ -137,7 +126,7 @@ def test_normal_launches_match_kernel_signatures(recorder, dtype, worst, elastic
 
 @pytest.mark.parametrize("fp8,ue8m0", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("elastic", [False, True])
-def test_low_latency_launches_match_kernel_signatures(recorder, fp8, ue8m0, elastic):
+def test_low_latency_launches_pass_the_declared_arguments(recorder, fp8, ue8m0, elastic):
     R, M, H, K, E = 4, 8, 512, 4, 16
     lay = LLLayout(M, H, R, E)
     comm = _comm(R, lay.nbytes, elastic)
@@ -166,3 +155,42 @@ def test_low_latency_launches_match_kernel_signatures(recorder, fp8, ue8m0, elas
     # waits: recv and combine-recv every call, send-side flow control from call 3 on
     assert names.count("moe_ll_wait") == 4 * 2 + 2 * 2
     assert names.count("moe_agree") == (4 * 2 if elastic else 0)    # both receive halves
+
+
+def test_every_kernel_of_the_mode_variants_is_launched(recorder):
+    """The two tests above between them launch every kernel the intranode and LL variants
+    list; here in one compact run, so none escapes the argument check."""
+    R, H, K, E, M = 2, 512, 2, 4, 4
+    lay = LLLayout(M, H, R, E)
+    comm = _comm(R, lay.nbytes, elastic=True)
+    idx = torch.randint(0, E, (3, K))
+    w = torch.rand(3, K)
+    x = torch.randn(3, H)
+    rx, _, _, rw, handle = cn.dispatch(
+        comm, x_bytes=x.bfloat16().view(torch.uint8), dtype=torch.bfloat16, hidden=H,
+        scales=None, topk_idx=idx, topk_weights=w, layout=None, handle=None, num_experts=E,
+        num_worst_tokens=0, buffer_key=("k",))
+    for dtype in cn.REDUCE_KERNEL:
+        cn.combine(comm, x=torch.randn(rx.shape[0], H).to(dtype), handle=handle, topk_weights=rw,
+                   bias=())
+    for fp8 in (False, True):
+        h = cll.dispatch_send(comm, x=x.bfloat16(), topk_idx=idx, lay=lay, use_fp8=fp8,
+                              round_scale=False, buffer_key=("k",))
+        L = E // R
+        cll.dispatch_recv(comm, h, lay,
+                          recv_x=torch.empty(L, R * M, H, dtype=torch.float8_e4m3fn if fp8
+                                             else torch.bfloat16),
+                          recv_scales=torch.empty(L, R * M, H // 128) if fp8 else None,
+                          recv_count=torch.zeros(L, dtype=torch.int32), use_fp8=fp8,
+                          use_ue8m0=False, stats=None)
+        seq, buf = cll.combine_send(comm, x=torch.randn(L, R * M, H).bfloat16(), handle=h,
+                                    lay=lay)
+        cll.combine_recv(comm, seq, buf, lay, handle=h, topk_idx=idx, topk_weights=w,
+                         out=torch.empty(3, H, dtype=torch.bfloat16))
+    _check(recorder)
+    listed = set(variants.INTRANODE_KERNELS)
+    for v in (variants.ll_dispatch_send(H, False, False), variants.ll_dispatch_recv(H, False,
+                                                                                  False),
+              variants.ll_combine(H)):
+        listed |= set(v.kernels)
+    assert {c[0] for c in recorder} == listed

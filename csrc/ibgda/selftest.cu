@@ -3,8 +3,8 @@
 // for CI's compile + device-link check (tests/test_ibgda_compile.py). They go through the very
 // methods the mode kernels use, so a round trip here exercises the kernels' remote branch.
 //
-// Every argument is 8 bytes (pointer or int64), like the kernels of csrc/kernels, so
-// moe_comm/jit/launch.py launches them unchanged.
+// Their parameter lists are MOE_ARGS_<kernel> (moe_comm/jit/kernel_args.py, through
+// moe_generated.cuh), like the kernels of csrc/kernels: moe_comm/jit/launch.py launches both.
 #ifndef MOE_WITH_NVSHMEM
 #error "selftest.cu is the NVSHMEM build: compile with -DMOE_WITH_NVSHMEM (moe_comm/jit/nvcc.py)"
 #endif
@@ -13,9 +13,7 @@
 // One warp: put `bytes` from `src` (registered memory: our symmetric buffer) to `dst_off` of
 // `peer`'s buffer, then lane 0 signals `word` at `sig_off` of `peer`'s buffer.
 MOE_KERNEL void __launch_bounds__(MOE_THREADS_IBGDA_TEST_SEND, 1)
-moe_ibgda_test_send(const u64* bases, i32* err_host, i32* err_dev, i64 op,
-                    i64 peer, i64 dst_off, const u8* src, i64 bytes,
-                    i64 sig_off, i64 word) {
+moe_ibgda_test_send(MOE_ARGS_moe_ibgda_test_send) {
     const Transport t{bases, ErrorSink{err_host, err_dev, (i32)op}};
     if (threadIdx.x >= kWarpSize) return;
     t.put_warp((int)peer, (u64)dst_off, src, (u64)bytes);
@@ -26,9 +24,7 @@ moe_ibgda_test_send(const u64* bases, i32* err_host, i32* err_dev, i64 op,
 // One thread: wait (deadline-bounded) until the local word `word` carries `epoch`, pushed by
 // `peer`; out[0] = its value, or -1 on timeout (then the error word names `peer`).
 MOE_KERNEL void __launch_bounds__(MOE_THREADS_IBGDA_TEST_WAIT, 1)
-moe_ibgda_test_wait(const u64* bases, i32* err_host, i32* err_dev, i64 op,
-                    i64 peer, const u64* word, i64 epoch, i64 timeout_ns,
-                    i64* out) {
+moe_ibgda_test_wait(MOE_ARGS_moe_ibgda_test_wait) {
     const Transport t{bases, ErrorSink{err_host, err_dev, (i32)op}};
     if (threadIdx.x != 0) return;
     out[0] = t.wait_local(word, (u32)epoch, (u64)timeout_ns, (int)peer);
@@ -37,9 +33,7 @@ moe_ibgda_test_wait(const u64* bases, i32* err_host, i32* err_dev, i64 op,
 // One thread: the pull fallback, wait_peer_tag on the word at `off` of `peer`'s buffer (an
 // RDMA read per poll for a network peer). out[0] = 1 if it showed `epoch` in time, else 0.
 MOE_KERNEL void __launch_bounds__(MOE_THREADS_IBGDA_TEST_WAIT_REMOTE, 1)
-moe_ibgda_test_wait_remote(const u64* bases, i32* err_host, i32* err_dev,
-                           i64 op, i64 peer, i64 off, i64 epoch,
-                           i64 timeout_ns, i64* out) {
+moe_ibgda_test_wait_remote(MOE_ARGS_moe_ibgda_test_wait_remote) {
     const Transport t{bases, ErrorSink{err_host, err_dev, (i32)op}};
     if (threadIdx.x != 0) return;
     out[0] = wait_peer_tag(t, (int)peer, (u64)off, (u32)epoch, (u64)timeout_ns) ? 1 : 0;
@@ -50,10 +44,7 @@ moe_ibgda_test_wait_remote(const u64* bases, i32* err_host, i32* err_dev,
 // at `sig_off`; the other side waits for it on its own copy of the word. out[0] = legs received
 // in time (`iters` when all were), out[1] = %globaltimer ns the loop took.
 MOE_KERNEL void __launch_bounds__(MOE_THREADS_IBGDA_TEST_PINGPONG, 1)
-moe_ibgda_test_pingpong(const u64* bases, i32* err_host, i32* err_dev, i64 op,
-                        i64 rank, i64 peer, i64 first, i64 iters, i64 dst_off,
-                        const u8* src, i64 bytes, i64 sig_off, i64 epoch0,
-                        i64 timeout_ns, i64* out) {
+moe_ibgda_test_pingpong(MOE_ARGS_moe_ibgda_test_pingpong) {
     const Transport t{bases, ErrorSink{err_host, err_dev, (i32)op}};
     if (threadIdx.x >= kWarpSize) return;
     const u64* mine = (const u64*)((const u8*)bases[rank] + sig_off);

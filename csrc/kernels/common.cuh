@@ -14,15 +14,19 @@ typedef unsigned int u32;
 typedef long long i64;
 typedef unsigned long long u64;
 
+// Generated from Python (moe_comm/jit/device_header.py), found on the include path every build
+// adds: the wire-format constants of moe_comm/wire.py (kPage, kSignalStride, kFenceOffset, ...)
+// and every kernel's parameter list as MOE_ARGS_<kernel> (moe_comm/jit/kernel_args.py).
+#include "moe_generated.cuh"
+
 #define MOE_DEVICE __device__ __forceinline__
 
-// Kernel parameters are all 8 bytes wide (pointers, i64 scalars): the Python launcher then
-// passes every argument as one numpy 64-bit scalar without a per-kernel signature table.
+// Kernels are declared `name(MOE_ARGS_name)`. Their parameters are all 8 bytes wide (pointers,
+// i64 scalars): the Python launcher passes every argument as one numpy 64-bit scalar.
 #define MOE_KERNEL extern "C" __global__
 
 constexpr int kWarpSize = 32;
 constexpr u32 kFullMask = 0xffffffffu;
-constexpr u64 kSignalStride = 64;  // bytes between one-per-rank signal slots (wire.LINE_WORDS * 8)
 
 MOE_DEVICE int lane_id() { return threadIdx.x & (kWarpSize - 1); }
 MOE_DEVICE int warp_id() { return threadIdx.x / kWarpSize; }

@@ -30,9 +30,7 @@
 #pragma once
 #include "transport.cuh"
 
-constexpr int kMaskBits = 32;  // wire.MASK_BITS
-constexpr int kMaxMaskWords = kMaxErrorRanks / kMaskBits;
-constexpr u64 kMaxEpoch = (1ull << 31) - 1;  // wire.MAX_EPOCH
+constexpr int kMaxMaskWords = kMaxErrorRanks / kMaskBits;  // kMaskBits: moe_generated.cuh
 
 // grid 1, blockDim >= num_ranks (<= kMaxErrorRanks). active: the group's words (elastic);
 // told: the ranks the previous agreement kept (updated here to this one's decision);

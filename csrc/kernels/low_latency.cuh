@@ -76,24 +76,6 @@ struct LLBuffer {
     i64 max_tokens;                      // M
 };
 
-// ---- wait ----------------------------------------------------------------------------------
-// grid 1, one thread per rank s: the `words` words at offset + s * src_stride of this rank's
-// buffer (s's count row, DONE slot or FREE slot) all carry `epoch`. Timeouts name s. Every
-// LL module carries this kernel (each .cu is its own compiled program).
-MOE_KERNEL void __launch_bounds__(MOE_THREADS_LL_WAIT, 1)
-moe_ll_wait(const u64* bases, i64 rank, i64 num_ranks, i64 timeout_ns,
-            i32* err_host, i32* err_dev, i64 op, i64 offset, i64 src_stride,
-            i64 words, i64 epoch, i32* active) {
-    const LLGroup g{bases, rank, num_ranks, timeout_ns, Active{active}};
-    const ErrorSink err{err_host, err_dev, (i32)op};
-    const Transport t{bases, err};
-    const int s = threadIdx.x;
-    if (err.aborted() || s >= g.num_ranks) return;
-    const u64* row = (const u64*)g.own((u64)offset + s * (u64)src_stride);
-    for (i64 j = 0; j < words; ++j)
-        if (wait_from(t, g.live, row + j, (u32)epoch, g.timeout_ns, s) < 0) return;
-}
-
 // Push "this rank finished reading buffer b of call seq" into every rank's FREE[b][me] slot
 // (`free_off` = FREE[b][0]); release: ordered after this rank's earlier reads. kFailedValue
 // once this rank has failed (sync.cuh): the peer's next send fails at once.

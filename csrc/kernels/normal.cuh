@@ -16,19 +16,17 @@
 //   copy_out /  grid: dispatch copies the received region into the output tensors (rows past
 //   reduce      the real count padded for num_worst_tokens); combine sums rows per token in fp32.
 //
-// The data region of every rank starts at `data_off` of its buffer and holds one SlabLayout
-// (moe_comm/wire.py): payload [rows, row_bytes], scales [rows, S] f32, top-k ids [rows, K]
-// i64, weights [rows, K] f32, each 64-byte aligned. Dispatch: rows ordered by source rank then
-// source token index; source s owns rows [sum_{s'<s} m[s'][d], ...). Combine staging at the
-// token owner: rows ordered by expert rank d then token, d's rows start at sum_{d'<d} m[me][d'].
+// The data region of every rank starts at `data_off` of its buffer and holds one
+// wire.SlabLayout (moe_comm/wire.py describes its sub-arrays; `Slab` below computes their
+// offsets with kSlabAlign and kPage from moe_generated.cuh). Dispatch: rows ordered by source
+// rank then source token index; source s owns rows [sum_{s'<s} m[s'][d], ...). Combine staging
+// at the token owner: rows ordered by expert rank d then token, d's rows start at
+// sum_{d'<d} m[me][d'].
 //
 // Why two parities for NOTIFY and one slot for DONE: see docs/ARCHITECTURE.md ("Why the slots
 // are safe without resets"); the per-operation notify barrier gives the same guarantees here.
 #pragma once
 #include "transport.cuh"
-
-constexpr u64 kSlabAlign = 64;
-constexpr u64 kPage = 4096;  // wire.PAGE
 
 // wire.SlabLayout on the device.
 struct Slab {

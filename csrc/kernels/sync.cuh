@@ -28,7 +28,7 @@
 //    free" (notify rows, LL *_FREE words) with a release store has finished reading the region
 //    before any peer that acquires the word can overwrite it.
 //
-// Signal words are tagged (moe_comm/wire.py): `(epoch << 32) | value`, epoch >= 1. A reader
+// Signal words are tagged (moe_comm/wire.py): `(epoch << kValueBits) | value`, epoch >= 1. A reader
 // waits until the epoch field equals the epoch of the current operation, so slots are never
 // reset and a word left by an older operation can never be mistaken for a new one.
 //
@@ -71,9 +71,11 @@ MOE_DEVICE u64 ld_volatile_u64(const u64* p) { return *(const volatile u64*)p; }
 #endif
 
 // ---- tagged words (wire.tag / tag_epoch / tag_value) --------------------------------------
-MOE_DEVICE u64 tag(u32 epoch, u32 value) { return ((u64)epoch << 32) | (u64)value; }
-MOE_DEVICE u32 tag_epoch(u64 word) { return (u32)(word >> 32); }
-MOE_DEVICE u32 tag_value(u64 word) { return (u32)(word & 0xffffffffull); }
+// kValueBits (moe_generated.cuh) is 32: the value is the low u32, the epoch the high one.
+static_assert(kValueBits == 32, "tagged words split into two u32 halves");
+MOE_DEVICE u64 tag(u32 epoch, u32 value) { return ((u64)epoch << kValueBits) | (u64)value; }
+MOE_DEVICE u32 tag_epoch(u64 word) { return (u32)(word >> kValueBits); }
+MOE_DEVICE u32 tag_value(u64 word) { return (u32)word; }
 
 // ---- errors ------------------------------------------------------------------------------
 // Codes, mirrored in moe_comm/cuda/comm.py.

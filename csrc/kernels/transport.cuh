@@ -189,15 +189,12 @@ struct Active {
 
 // ---- call signatures (moe_comm/signature.py) ---------------------------------------------------
 // What every rank must pass alike for one call: eight values (wire.NORMAL_CALL_FIELDS or
-// LL_CALL_FIELDS), one tagged word each, in a CALL / LL_CALL header row per source. Kernels
-// take them as eight i64 arguments.
-constexpr int kCallWords = 8;  // wire.CALL_WORDS
-constexpr u64 kFenceOffset = 8 * 4;  // wire.FENCE_WORD: set by the survivors that masked this rank
+// LL_CALL_FIELDS), one tagged word each, in a CALL / LL_CALL header row per source (kCallWords
+// of them, moe_generated.cuh). Kernels take them as the i64 arguments call0..call7
+// (moe_comm/jit/kernel_args.py). FENCE (kFenceOffset) is set by the survivors that masked a rank.
 struct CallRow {
     u32 v[kCallWords];
 };
-#define MOE_CALL_ARGS \
-    i64 call0, i64 call1, i64 call2, i64 call3, i64 call4, i64 call5, i64 call6, i64 call7
 #define MOE_CALL_ROW                                                                        \
     CallRow {                                                                               \
         { (u32)call0, (u32)call1, (u32)call2, (u32)call3, (u32)call4, (u32)call5, (u32)call6, \

@@ -217,12 +217,6 @@ class CudaComm:
             raise RankMaskedError(f"rank {self.rank} is masked out of this Buffer "
                                   "(active_ranks[rank] == 0); a new Buffer is needed to rejoin")
 
-    def group_args(self):
-        """(bases, rank, data offset, data bytes, timeout, active or None) - the normal-mode
-        kernels' first arguments."""
-        return (self.bases, self.rank, self.heap_offset, self.heap_bytes, self.timeout_ns,
-                self.active)
-
     def error_args(self, op: str):
         return (self.err_host, self.err_dev, OP[op])
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 from ..wire import LINE_WORDS, MAX_EPOCH, agree_round_tag, agree_rounds, round_up
 from ..jit import variants
 from .comm import CudaComm
+from .kernel_inputs import errors, ll_group
+from ..jit.kernel_args import pack
 from ..jit.launch import launch
 from ..jit.variants import THREADS
 
@@ -38,7 +40,10 @@ def agree(comm: CudaComm, op: str, matrix=None) -> None:
     # a rank whose signals reached this one): each round's wait covers that, and a grace more.
     wait_ns = comm.timeout_ns + min(comm.timeout_ns, AGREE_GRACE_NS)
     seq, R = comm.agree_seq, comm.num_ranks
-    launch(k["moe_agree"], 1, THREADS["moe_agree"], comm.bases, comm.rank, R,
-           wait_ns, *comm.error_args(op), comm.active, comm.told, lay.mask(0, 0) * 8,
-           lay.decided(seq % 2, 0) * 8, lay.fence * 8, row_stride, lay.mask_words, seq,
-           agree_round_tag(seq, 1, R), agree_rounds(R), matrix, device=comm.device)
+    launch(k["moe_agree"], 1, THREADS["moe_agree"],
+           pack("moe_agree", **ll_group(comm, timeout_ns=wait_ns), **errors(comm, op),
+                active=comm.active, told=comm.told, mask_off=lay.mask(0, 0) * 8,
+                decided_off=lay.decided(seq % 2, 0) * 8, fence_off=lay.fence * 8,
+                row_stride=row_stride, mask_words=lay.mask_words, seq=seq,
+                tag0=agree_round_tag(seq, 1, R), max_rounds=agree_rounds(R), matrix=matrix),
+           device=comm.device)

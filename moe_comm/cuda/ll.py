@@ -24,6 +24,8 @@ from ..wire import LL_MAX_TOPK, LL_NUM_BUFFERS, LLLayout, ll_msg_stride, ll_stri
 from ..jit import variants
 from .comm import SIGNAL_STRIDE, CudaComm
 from .elastic import agree
+from .kernel_inputs import errors, ll_group
+from ..jit.kernel_args import call_args, pack
 from ..jit.launch import launch
 from ..jit.variants import THREADS
 
@@ -76,9 +78,10 @@ def _check(comm: CudaComm, lay: LLLayout, hidden: int, num_tokens: int, topk: in
 def _wait(comm: CudaComm, kernels, op: str, offset: int, src_stride: int, words: int,
           epoch: int) -> None:
     """One-block wait on this rank's own slots, one row per source (low_latency.cuh)."""
-    launch(kernels["moe_ll_wait"], 1, THREADS["moe_ll_wait"], comm.bases, comm.rank,
-           comm.num_ranks, comm.timeout_ns, *comm.error_args(op), offset, src_stride, words, epoch,
-           comm.active, device=comm.device)
+    launch(kernels["moe_ll_wait"], 1, THREADS["moe_ll_wait"],
+           pack("moe_ll_wait", **ll_group(comm), **errors(comm, op), offset=offset,
+                src_stride=src_stride, words=words, epoch=epoch, active=comm.active),
+           device=comm.device)
 
 
 def dispatch_send(comm: CudaComm, *, x, topk_idx, lay: LLLayout, use_fp8: bool,
@@ -104,12 +107,15 @@ def dispatch_send(comm: CudaComm, *, x, topk_idx, lay: LLLayout, use_fp8: bool,
         _wait(comm, k, "low_latency_dispatch/send", comm.layout.ll_dispatch_free(buf, 0) * 8,
               SIGNAL_STRIDE, 1, seq - LL_NUM_BUFFERS)
     launch(k["moe_ll_dispatch_send"], max(1, lay.num_experts), THREADS["moe_ll_dispatch_send"],
-           comm.bases, comm.rank, comm.num_ranks, comm.timeout_ns,
-           *comm.error_args("low_latency_dispatch/send"), off["payload"], off["meta"],
-           off["counts"], lay.count_row_words, ll_msg_stride(hidden, use_fp8), lay.max_tokens,
-           x.contiguous(), num_tokens, hidden, topk_idx.contiguous(), topk, lay.num_experts,
-           send_index, seq, comm.active, comm.layout.ll_call(buf, 0) * 8,
-           *(int(v) for v in call_row), device=comm.device)
+           pack("moe_ll_dispatch_send", **ll_group(comm),
+                **errors(comm, "low_latency_dispatch/send"), payload_off=off["payload"],
+                meta_off=off["meta"], counts_off=off["counts"],
+                count_row_words=lay.count_row_words, stride=ll_msg_stride(hidden, use_fp8),
+                max_tokens=lay.max_tokens, x=x.contiguous(), num_tokens=num_tokens,
+                hidden=hidden, topk_idx=topk_idx.contiguous(), topk=topk,
+                num_experts=lay.num_experts, send_index=send_index, seq=seq,
+                active=comm.active, call_off=comm.layout.ll_call(buf, 0) * 8,
+                **call_args(call_row)), device=comm.device)
     return CudaLowLatencyHandle(buffer_key, seq, buf, lay.max_tokens, hidden, lay.num_experts,
                                 num_tokens, topk, send_index=send_index, call_row=call_row)
 
@@ -137,22 +143,26 @@ def dispatch_recv(comm: CudaComm, handle: LowLatencyHandle, lay: LLLayout, *, re
     # every source's count row: num_local counts + the base word
     # every source's signature first: one with another layout writes its counts elsewhere
     comm.last_call = ("ll", handle.buf)
-    launch(k["moe_ll_check_call"], 1, THREADS["moe_ll_check_call"], comm.bases, comm.rank,
-           R, comm.timeout_ns, *comm.error_args("low_latency_dispatch/recv"),
-           comm.layout.ll_call(handle.buf, 0) * 8, handle.seq, comm.active,
-           *(int(v) for v in handle.call_row), device=dev)
+    launch(k["moe_ll_check_call"], 1, THREADS["moe_ll_check_call"],
+           pack("moe_ll_check_call", **ll_group(comm),
+                **errors(comm, "low_latency_dispatch/recv"),
+                call_off=comm.layout.ll_call(handle.buf, 0) * 8, seq=handle.seq,
+                active=comm.active, **call_args(handle.call_row)), device=dev)
     _wait(comm, k, "low_latency_dispatch/recv", off["counts"], lay.count_row_words * 8,
           num_local + 1, handle.seq)
     agree(comm, "low_latency_dispatch/recv")   # elastic: the same sources count on every rank
     launch(k["moe_ll_dispatch_recv"], (num_local, _split(num_local)),
-           THREADS["moe_ll_dispatch_recv"], comm.bases, comm.rank, R, comm.timeout_ns,
-           *comm.error_args("low_latency_dispatch/recv"),
-           off["payload"], off["meta"], off["counts"], lay.count_row_words,
-           ll_msg_stride(handle.hidden, use_fp8), M, handle.hidden, num_local,
-           comm.layout.ll_dispatch_free(handle.buf, 0) * 8, handle.seq, recv_x,
-           recv_scales if use_fp8 else None, recv_count, stats32, handle.recv_meta,
-           handle.recv_ranges, handle.return_base, comm.counter("ll_dispatch_recv"),
-           comm.active, device=dev)
+           THREADS["moe_ll_dispatch_recv"],
+           pack("moe_ll_dispatch_recv", **ll_group(comm),
+                **errors(comm, "low_latency_dispatch/recv"), payload_off=off["payload"],
+                meta_off=off["meta"], counts_off=off["counts"],
+                count_row_words=lay.count_row_words,
+                stride=ll_msg_stride(handle.hidden, use_fp8), max_tokens=M, hidden=handle.hidden,
+                num_local=num_local, free_off=comm.layout.ll_dispatch_free(handle.buf, 0) * 8,
+                seq=handle.seq, recv_x=recv_x, recv_scales=recv_scales if use_fp8 else None,
+                recv_count=recv_count, stats=stats32, recv_meta=handle.recv_meta,
+                recv_ranges=handle.recv_ranges, return_base=handle.return_base,
+                counter=comm.counter("ll_dispatch_recv"), active=comm.active), device=dev)
     if wide_stats:                              # the kernel adds int32; int64 stats allowed
         stats += stats32
     handle.received = True
@@ -174,11 +184,15 @@ def combine_send(comm: CudaComm, *, x, handle: CudaLowLatencyHandle, lay: LLLayo
         _wait(comm, k, "low_latency_combine/send", comm.layout.ll_combine_free(buf, 0) * 8,
               SIGNAL_STRIDE, 1, seq - LL_NUM_BUFFERS)
     launch(k["moe_ll_combine_send"], (num_local, _split(num_local)),
-           THREADS["moe_ll_combine_send"], comm.bases, comm.rank, comm.num_ranks, comm.timeout_ns,
-           *comm.error_args("low_latency_combine/send"), _offsets(comm, lay, buf)["combine"],
-           lay.max_tokens, x.contiguous(), hidden, num_local, lay.max_tokens * LL_MAX_TOPK,
-           handle.recv_ranges, handle.return_base, comm.layout.ll_combine_done(buf, 0) * 8,
-           SIGNAL_STRIDE, seq, comm.counter("ll_combine_send"), comm.active,
+           THREADS["moe_ll_combine_send"],
+           pack("moe_ll_combine_send", **ll_group(comm),
+                **errors(comm, "low_latency_combine/send"),
+                combine_off=_offsets(comm, lay, buf)["combine"], max_tokens=lay.max_tokens,
+                x=x.contiguous(), hidden=hidden, num_local=num_local,
+                rows_cap=lay.max_tokens * LL_MAX_TOPK, recv_ranges=handle.recv_ranges,
+                return_base=handle.return_base,
+                done_off=comm.layout.ll_combine_done(buf, 0) * 8, done_stride=SIGNAL_STRIDE,
+                seq=seq, counter=comm.counter("ll_combine_send"), active=comm.active),
            device=comm.device)
     return seq, buf
 
@@ -197,11 +211,13 @@ def combine_recv(comm: CudaComm, seq: int, buf: int, lay: LLLayout, *, handle, t
           SIGNAL_STRIDE, 1, seq)
     agree(comm, "low_latency_combine/recv")
     launch(k["moe_ll_combine_recv"], max(1, min(num_tokens, 64)),
-           THREADS["moe_ll_combine_recv"], comm.bases, comm.rank, comm.num_ranks, comm.timeout_ns,
-           *comm.error_args("low_latency_combine/recv"), _offsets(comm, lay, buf)["combine"],
-           hidden, num_tokens, topk, lay.max_tokens * LL_MAX_TOPK, topk_idx.contiguous(),
-           topk_weights.contiguous(), handle.send_index,
-           comm.layout.ll_combine_free(buf, 0) * 8,
-           seq, out, comm.counter("ll_combine_recv"), lay.num_local, comm.active,
-           device=comm.device)
+           THREADS["moe_ll_combine_recv"],
+           pack("moe_ll_combine_recv", **ll_group(comm),
+                **errors(comm, "low_latency_combine/recv"),
+                combine_off=_offsets(comm, lay, buf)["combine"], hidden=hidden,
+                num_tokens=num_tokens, topk=topk, rows_cap=lay.max_tokens * LL_MAX_TOPK,
+                topk_idx=topk_idx.contiguous(), topk_w=topk_weights.contiguous(),
+                send_index=handle.send_index, free_off=comm.layout.ll_combine_free(buf, 0) * 8,
+                seq=seq, out=out, counter=comm.counter("ll_combine_recv"),
+                num_local=lay.num_local, active=comm.active), device=comm.device)
     return out

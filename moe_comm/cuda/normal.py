@@ -35,6 +35,8 @@ from ..wire import SlabLayout
 from ..jit import variants
 from .comm import SIGNAL_STRIDE, CudaComm
 from .elastic import agree
+from .kernel_inputs import errors, group
+from ..jit.kernel_args import call_args, pack
 from ..jit.nvrtc import load_kernels
 from ..jit.launch import launch
 from ..jit.variants import THREADS
@@ -91,8 +93,10 @@ def _layout(topk_idx, num_experts, num_ranks, *, want_experts, want_pos):
         else None
     grid = num_ranks + (-(-num_experts // EXPERTS_PER_LAYOUT_BLOCK) if want_experts else 0)
     layout_kernel = load_kernels(variants.intranode(num_ranks), device)["moe_layout"]
-    launch(layout_kernel, grid, THREADS["moe_layout"], topk_idx, num_tokens, topk,
-           num_experts, per_rank, per_expert, in_rank, send_pos, device=device)
+    launch(layout_kernel, grid, THREADS["moe_layout"],
+           pack("moe_layout", topk_idx=topk_idx, num_tokens=num_tokens, topk=topk,
+                num_experts=num_experts, per_rank=per_rank, per_expert=per_expert,
+                in_rank=in_rank, send_pos=send_pos), device=device)
     return per_rank, per_expert, in_rank, send_pos
 
 
@@ -100,14 +104,16 @@ def _notify(comm: CudaComm, k, epoch: int, counts, matrix, op: str, call_row) ->
     """Notify (normal.cuh), carrying the call's signature ``call_row`` (moe_comm/signature.py):
     ranks that disagree about the call fail it together (CallMismatchError)."""
     notify_off, call_off = comm.next_notify_offsets()
-    launch(k["moe_notify"], 1, THREADS["moe_notify"], *comm.group_args(), *comm.error_args(op),
-           notify_off, comm.layout.row_words, epoch, counts, matrix, call_off,
-           *(int(v) for v in call_row), device=comm.device)
+    launch(k["moe_notify"], 1, THREADS["moe_notify"],
+           pack("moe_notify", **group(comm), **errors(comm, op), notify_off=notify_off,
+                row_words=comm.layout.row_words, epoch=epoch, counts=counts, matrix=matrix,
+                call_off=call_off, **call_args(call_row)), device=comm.device)
 
 
 def _wait_done(comm: CudaComm, k, epoch: int, op: str) -> None:
-    launch(k["moe_wait_done"], 1, THREADS["moe_wait_done"], *comm.group_args(),
-           *comm.error_args(op), comm.done_offset(), SIGNAL_STRIDE, epoch, device=comm.device)
+    launch(k["moe_wait_done"], 1, THREADS["moe_wait_done"],
+           pack("moe_wait_done", **group(comm), **errors(comm, op), done_off=comm.done_offset(),
+                done_stride=SIGNAL_STRIDE, epoch=epoch), device=comm.device)
 
 
 def _check_capacity(comm: CudaComm, what: str, layouts) -> None:
@@ -177,12 +183,14 @@ def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_w
                                            for n in recv_rows])
 
     launch(k["moe_dispatch_send"], max(1, num_sms), THREADS["moe_dispatch_send"],
-           *comm.group_args(), *comm.error_args("dispatch/send"), x_bytes, num_tokens, row_bytes,
-           None if scales is None else scales.contiguous(), scale_cols,
-           topk_idx if topk else None,
-           None if topk_weights is None or not topk else topk_weights.contiguous(), topk,
-           num_local, send_pos, matrix, num_worst_tokens, comm.done_offset(), SIGNAL_STRIDE,
-           epoch, comm.counter("dispatch_send"), device=dev)
+           pack("moe_dispatch_send", **group(comm), **errors(comm, "dispatch/send"), x=x_bytes,
+                num_tokens=num_tokens, row_bytes=row_bytes,
+                scales=None if scales is None else scales.contiguous(), scale_cols=scale_cols,
+                topk_idx=topk_idx if topk else None,
+                topk_w=None if topk_weights is None or not topk else topk_weights.contiguous(),
+                topk=topk, num_local=num_local, send_pos=send_pos, matrix=matrix,
+                worst=num_worst_tokens, done_off=comm.done_offset(), done_stride=SIGNAL_STRIDE,
+                epoch=epoch, counter=comm.counter("dispatch_send")), device=dev)
     _wait_done(comm, k, epoch, "dispatch/payload")
     agree(comm, "dispatch/payload")
 
@@ -195,9 +203,11 @@ def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_w
     if rows_out:
         launch(k["moe_dispatch_copy_out"], _grid_for_rows(rows_out, num_sms),
                THREADS["moe_dispatch_copy_out"],
-               *comm.group_args(), row_bytes, scale_cols, topk, matrix, num_worst_tokens,
-               rows_out, recv_x, recv_scales, recv_idx, recv_w, expert_counts, num_local,
-               device=dev)
+               pack("moe_dispatch_copy_out", **group(comm), row_bytes=row_bytes,
+                    scale_cols=scale_cols, topk=topk, matrix=matrix, worst=num_worst_tokens,
+                    rows_out=rows_out, recv_x=recv_x, recv_scales=recv_scales,
+                    recv_idx=recv_idx, recv_w=recv_w, expert_counts=expert_counts,
+                    num_local=num_local), device=dev)
     if not cached:
         handle = CudaDispatchHandle(
             buffer_key, num_tokens, hidden, matrix_host, in_rank, None,
@@ -235,9 +245,11 @@ def combine(comm: CudaComm, *, x, handle: CudaDispatchHandle, topk_weights, bias
         sent = handle.count_matrix.sum(1)
         _check_capacity(comm, "combine", [SlabLayout(int(n), row_bytes, 0, topk) for n in sent])
     launch(k["moe_combine_send"], max(1, num_sms), THREADS["moe_combine_send"],
-           *comm.group_args(), *comm.error_args("combine/send"), x, row_bytes,
-           None if topk_weights is None else topk_weights.contiguous(), topk, handle.matrix,
-           comm.done_offset(), SIGNAL_STRIDE, epoch, comm.counter("combine_send"), device=dev)
+           pack("moe_combine_send", **group(comm), **errors(comm, "combine/send"), x=x,
+                row_bytes=row_bytes,
+                topk_w=None if topk_weights is None else topk_weights.contiguous(), topk=topk,
+                matrix=handle.matrix, done_off=comm.done_offset(), done_stride=SIGNAL_STRIDE,
+                epoch=epoch, counter=comm.counter("combine_send")), device=dev)
     _wait_done(comm, k, epoch, "combine/payload")
     agree(comm, "combine/payload")
 
@@ -249,6 +261,7 @@ def combine(comm: CudaComm, *, x, handle: CudaDispatchHandle, topk_weights, bias
     if num_tokens:
         reduce = REDUCE_KERNEL[x.dtype]
         launch(k[reduce], min(num_tokens, 8 * max(1, num_sms)), THREADS[reduce],
-               *comm.group_args(), hidden, topk, handle.matrix, handle.send_pos, num_tokens,
-               biases[0], biases[1], out, w_out, device=dev)
+               pack(reduce, **group(comm), hidden=hidden, topk=topk, matrix=handle.matrix,
+                    send_pos=handle.send_pos, num_tokens=num_tokens, bias0=biases[0],
+                    bias1=biases[1], out=out, w_out=w_out), device=dev)
     return out, w_out

@@ -1,6 +1,8 @@
 """Building and launching the kernels of csrc/: no GPU needed to build, none to emulate.
 
 - ``variants``   every kernel variant (source + specialisation macros) and which a call needs
+- ``kernel_args``  every kernel's parameter list (names, C types), and packing arguments by name
+- ``device_header``  the generated header of csrc/ (wire constants, MOE_ARGS_<kernel> lists)
 - ``cache``      the on-disk kernel cache: where it is, keys over the sources, atomic writes
 - ``nvrtc``      NVRTC compile to cubin (cuda.core), and loading a variant's kernels on a
                  device (a GPU's, or the emulator's for a CPU device)

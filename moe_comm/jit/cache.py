@@ -66,13 +66,15 @@ def key(*parts) -> str:
     return h.hexdigest()
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write a cache file so readers never see half of it."""
+def write_atomic(path: Path, data: bytes) -> bool:
+    """Write a cache file so readers never see half of it; False if it could not be written
+    (a read-only cache only costs a rebuild next time)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
+        return True
     except OSError:
-        pass                        # a read-only cache only costs a recompile next time
+        return False

@@ -23,6 +23,7 @@ import subprocess
 import threading
 from pathlib import Path
 
+from . import device_header
 from .cache import cache_dir, key, kernel_dir, sources_digest, write_atomic
 from .variants import THREADS, Variant
 
@@ -64,7 +65,7 @@ def _key(source: Path, defines: tuple, cxx: str) -> str:
     folders = dict.fromkeys((kernel_dir(), kernel_dir().parent / "ibgda", emu_dir(),
                              source.parent))
     return key(sources_digest(folders), source, repr(defines), _compiler_version(cxx),
-               " ".join(_FLAGS))
+               " ".join(_FLAGS), device_header.header_text())
 
 
 NVSHMEM_DEFINE = ("MOE_WITH_NVSHMEM", 1)
@@ -87,7 +88,9 @@ def build_source(source: Path, defines=()) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
     emu = emu_dir()
-    cmd = [cxx, *_FLAGS, *(f"-D{k}={v}" for k, v in defines), f"-I{emu}", "-include",
+    generated = device_header.include_dir(cache_dir())
+    cmd = [cxx, *_FLAGS, *(f"-D{k}={v}" for k, v in defines), f"-I{emu}", f"-I{generated}",
+           "-include",
            str(emu / "cuda_emu.h"), "-x", "c++", str(source), "-x", "c++",
            str(emu / "runtime.cpp"), str(emu / "nvshmem_emu.cpp"), "-o", str(tmp)]
     done = subprocess.run(cmd, capture_output=True, text=True)

@@ -1,8 +1,9 @@
 """Launch a compiled kernel on torch's current CUDA stream with cuda.core.
 
-Every kernel of csrc/kernels takes only 8-byte arguments, so arguments convert without a
-signature table: a tensor (or None) becomes ``np.uint64(data_ptr)`` (0 for None), a Python
-int or bool ``np.int64``; numpy scalars pass through (raw device pointers are handed over as
+A launch takes the kernel's arguments packed by name (moe_comm/jit/kernel_args.py ``pack``:
+declared names, declared order, kinds checked). Every parameter is 8 bytes, so each converts
+on its own: a tensor (or None) becomes ``np.uint64(data_ptr)`` (0 for None), a Python int or
+bool ``np.int64``; numpy scalars pass through (raw device pointers are handed over as
 ``np.uint64`` by the caller).
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from ..deps.cuda_core import cuda_core
 from .emulator import EmuKernel, launch_emu
+from .kernel_args import PackedArgs
 
 _tls = threading.local()
 
@@ -55,18 +57,24 @@ def make_current(device: torch.device) -> None:
         done.add(index)
 
 
-def launch(kernel, grid, block, *args, shmem: int = 0, device=None, stream=None) -> None:
-    """Launch ``kernel`` (a cuda.core Kernel) with ``grid``/``block`` (int or tuple) on
-    ``stream`` (default: torch's current stream of ``device``)."""
+def launch(kernel, grid, block, args: PackedArgs, *, shmem: int = 0, device=None,
+           stream=None) -> None:
+    """Launch ``kernel`` (a cuda.core Kernel) with ``grid``/``block`` (int or tuple) and
+    ``args`` (``kernel_args.pack(name, ...)`` of the same kernel) on ``stream`` (default:
+    torch's current stream of ``device``)."""
+    if not isinstance(args, PackedArgs):
+        raise TypeError("kernel arguments are passed packed by name: kernel_args.pack(...)")
     if isinstance(kernel, EmuKernel):           # CPU emulator: runs now, no stream
-        launch_emu(kernel, grid, block, [_arg(a) for a in args])
+        if kernel.name != args.kernel:
+            raise TypeError(f"{kernel.name} launched with the arguments of {args.kernel}")
+        launch_emu(kernel, grid, block, [_arg(a) for a in args.values])
         return
     cc = cuda_core()
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
     make_current(device)
     stream = torch.cuda.current_stream(device) if stream is None else stream
     config = cc.LaunchConfig(grid=grid, block=block, shmem_size=shmem)
-    cc.launch(_cc_stream(cc, stream), config, kernel, *[_arg(a) for a in args])
+    cc.launch(_cc_stream(cc, stream), config, kernel, *[_arg(a) for a in args.values])
 
 
 _streams: dict = {}

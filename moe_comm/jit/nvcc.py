@@ -29,7 +29,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import elf
+from . import device_header, elf
 from .cache import cache_dir, csrc_dir, key, sources_digest, write_atomic
 from .toolchain import nvcc_path, nvcc_version, nvshmem_install
 from .variants import thread_defines
@@ -77,7 +77,8 @@ def cache_key(program: Program, arch: str, root: Path | None = None) -> str:
     nv = nvshmem_install()
     digest = sources_digest([root / "kernels", root / "ibgda"],
                             label=lambda folder, f: f"{folder.name}/{f.name}")
-    return key(OPTIONS_VERSION, _STD, digest, program.source, repr(program.defines), arch,
+    return key(OPTIONS_VERSION, _STD, digest, device_header.header_text(), program.source,
+               repr(program.defines), arch,
                nv.version, nv.device_lib.stat().st_size, nvcc_version(nvcc_path()))
 
 
@@ -88,7 +89,8 @@ def _commands(program: Program, arch: str, root: Path, obj: Path, cubin: Path):
     # quiet/flush functions spill a few bytes; our kernels' frames are checked from the cubin.)
     compile_cmd = [nvcc, "-rdc=true", f"-arch={arch}", f"-std={_STD}", "-lineinfo",
                    "-DMOE_WITH_NVSHMEM", *macros,
-                   "-I", str(root / "kernels"), "-I", str(nv.include),
+                   "-I", str(root / "kernels"), "-I", str(device_header.include_dir(cache_dir("ibgda"))),
+                   "-I", str(nv.include),
                    "-c", str(root / program.source), "-o", str(obj)]
     link_cmd = [nvcc, f"-arch={arch}", "-dlink", "-cubin", str(obj), "-L", str(nv.lib),
                 "-lnvshmem_device", "-o", str(cubin)]

@@ -23,7 +23,7 @@ import torch
 
 from ..deps.cuda_bindings import driver, nvrtc
 from ..deps.cuda_core import cuda_core
-from . import cache, emulator
+from . import cache, device_header, emulator
 from .launch import make_current
 from .resources import check_loaded
 from .variants import Variant
@@ -45,7 +45,8 @@ def _nvrtc_version() -> str:
 
 def cache_key(variant: Variant, arch: str, folder: Path | None = None) -> str:
     folder = folder or cache.kernel_dir()
-    return cache.key(OPTIONS_VERSION, _STD, cache.sources_digest([folder]), arch,
+    return cache.key(OPTIONS_VERSION, _STD, cache.sources_digest([folder]),
+                     device_header.header_text(), arch,
                      variant.source, repr(variant.defines), _nvrtc_version())
 
 
@@ -55,7 +56,9 @@ def _program_options(variant: Variant, arch: str, folder: Path):
     ProgramOptions = cuda_core().ProgramOptions
     defines = [(name, str(value)) for name, value in variant.defines]
     return ProgramOptions(name=variant.source, arch=arch, std=_STD,
-                          include_path=[str(folder)], define_macro=defines or None,
+                          include_path=[str(folder),
+                                        str(device_header.include_dir(cache.cache_dir()))],
+                          define_macro=defines or None,
                           lineinfo=True, ptxas_options=["--warn-on-spills"])
 
 

@@ -12,12 +12,16 @@ source                 macros                                      kernels
 intranode.cu           MOE_NUM_RANKS in 1..8                       layout, notify, wait,
                                                                    normal dispatch/combine,
                                                                    elastic mask agreement
-ll_dispatch_send.cu    MOE_HIDDEN, MOE_FP8, MOE_ROUND_SCALE         LL dispatch send, wait
-ll_dispatch_recv.cu    MOE_HIDDEN, MOE_FP8, MOE_UE8M0               LL dispatch receive, call
+ll.cu                  MOE_HIDDEN, MOE_FP8, MOE_ROUND_SCALE         LL dispatch send, wait
+ll.cu                  MOE_HIDDEN, MOE_FP8, MOE_UE8M0               LL dispatch receive, call
                                                                    check, wait
-ll_combine.cu          MOE_HIDDEN                                  LL combine send/receive,
+ll.cu                  MOE_HIDDEN                                  LL combine send/receive,
                                                                    wait
 =====================  ==========================================  ========================
+
+ll.cu holds every low-latency entry but compiles only those of the kernels a variant lists
+(each entry is guarded by its ``MOE_THREADS_<KERNEL>`` bound, which :func:`thread_defines`
+defines for exactly those kernels), so the three LL programs stay as small as three files were.
 
 ``MOE_HIDDEN`` is the hidden size for the sizes models use (:data:`SPECIALISED_HIDDEN`, the
 128-channel loops unroll), and ``0`` for every other hidden size (read at run time). So the set
@@ -108,19 +112,18 @@ def intranode(num_ranks: int) -> Variant:
 
 
 def ll_dispatch_send(hidden: int, use_fp8: bool, round_scale: bool) -> Variant:
-    return _variant("ll_dispatch_send.cu", ("moe_ll_dispatch_send", "moe_ll_wait"),
+    return _variant("ll.cu", ("moe_ll_dispatch_send", "moe_ll_wait"),
                     hidden=hidden_key(hidden), fp8=use_fp8, round_scale=use_fp8 and round_scale)
 
 
 def ll_dispatch_recv(hidden: int, use_fp8: bool, use_ue8m0: bool) -> Variant:
-    return _variant("ll_dispatch_recv.cu", ("moe_ll_dispatch_recv", "moe_ll_check_call",
-                                            "moe_ll_wait"),
+    return _variant("ll.cu", ("moe_ll_dispatch_recv", "moe_ll_check_call", "moe_ll_wait"),
                     hidden=hidden_key(hidden), fp8=use_fp8, ue8m0=use_fp8 and use_ue8m0)
 
 
 def ll_combine(hidden: int) -> Variant:
-    return _variant("ll_combine.cu", ("moe_ll_combine_send", "moe_ll_combine_recv",
-                                      "moe_ll_wait"), hidden=hidden_key(hidden))
+    return _variant("ll.cu", ("moe_ll_combine_send", "moe_ll_combine_recv", "moe_ll_wait"),
+                    hidden=hidden_key(hidden))
 
 
 def all_variants() -> list:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from ..cuda.memory import bases_tensor
 from ..ibgda.bases import decode_base
 from ..ibgda.runtime import init_nvshmem
+from ..jit.kernel_args import pack
 from ..jit.launch import launch
 from ..jit.nvcc import build_cubin, selftest_program
 
@@ -93,16 +94,17 @@ def _worker(rank, world, port, opts, queue):
                 out.zero_()
                 torch.cuda.synchronize()
 
-            common = (bases, err_host, err_dev, 0)
+            common = {"bases": bases, "err_host": err_host, "err_dev": err_dev, "op": 0}
 
-            def run(name, *args):       # one block of the kernel's own size
-                launch(k[name], 1, THREADS[name], *common, *args)
+            def run(name, **args):      # one block of the kernel's own size
+                launch(k[name], 1, THREADS[name], pack(name, **common, **args))
             # 1. one way: rank 0 puts its pattern into rank 1 and signals; rank 1 waits.
             if rank == 0:
-                run("moe_ibgda_test_send", peer, DST, np.uint64(base + SRC), nbytes, SIG_ONEWAY,
-                    _tag(1, nbytes))
+                run("moe_ibgda_test_send", peer=peer, dst_off=DST, src=np.uint64(base + SRC),
+                    bytes=nbytes, sig_off=SIG_ONEWAY, word=_tag(1, nbytes))
             else:
-                run("moe_ibgda_test_wait", peer, np.uint64(base + SIG_ONEWAY), 1, int(10e9), out)
+                run("moe_ibgda_test_wait", peer=peer, word=np.uint64(base + SIG_ONEWAY), epoch=1,
+                    timeout_ns=int(10e9), out=out)
             sync()
             if rank == 1:
                 got = buf[DST:DST + nbytes].cpu()
@@ -113,8 +115,9 @@ def _worker(rank, world, port, opts, queue):
             reset()
             iters = opts["iters"]
             dist.barrier()
-            run("moe_ibgda_test_pingpong", rank, peer, int(rank == 0), iters, DST,
-                np.uint64(base + SRC), opts["ping_bytes"], SIG_PING, 10, int(10e9), out)
+            run("moe_ibgda_test_pingpong", rank=rank, peer=peer, first=int(rank == 0),
+                iters=iters, dst_off=DST, src=np.uint64(base + SRC), bytes=opts["ping_bytes"],
+                sig_off=SIG_PING, epoch0=10, timeout_ns=int(10e9), out=out)
             sync()
             report["pingpong_received"] = int(out[0])
             report["pingpong_iters"] = iters
@@ -125,7 +128,8 @@ def _worker(rank, world, port, opts, queue):
             reset()
             buf[SIG_PULL:SIG_PULL + 8].view(torch.int64).fill_(_tag(5, rank))
             sync()
-            run("moe_ibgda_test_wait_remote", peer, SIG_PULL, 5, int(10e9), out)
+            run("moe_ibgda_test_wait_remote", peer=peer, off=SIG_PULL, epoch=5,
+                timeout_ns=int(10e9), out=out)
             sync()
             report["pull_ok"] = int(out[0]) == 1
             report["pull_error"] = int(err_host[0])
@@ -135,8 +139,8 @@ def _worker(rank, world, port, opts, queue):
             if rank == 0:
                 deadline_ns = int(opts["deadline_ms"] * 1e6)
                 t0 = time.monotonic()
-                run("moe_ibgda_test_wait", peer, np.uint64(base + SIG_NEVER), 99, deadline_ns,
-                    out)
+                run("moe_ibgda_test_wait", peer=peer, word=np.uint64(base + SIG_NEVER), epoch=99,
+                    timeout_ns=deadline_ns, out=out)
                 torch.cuda.synchronize()
                 report["timeout_s"] = time.monotonic() - t0
                 report["timeout_value"] = int(out[0])

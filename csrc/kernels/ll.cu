@@ -1,0 +1,112 @@
+// ll.cu: the low-latency kernels' entries over the bodies of low_latency.cuh. One program per
+// variant of moe_comm/jit/variants.py, specialised with MOE_HIDDEN (0 = read at run time) and,
+// for the dispatch halves, MOE_FP8 (e4m3 messages + f32 scales) with MOE_ROUND_SCALE
+// (send: power-of-two scales) or MOE_UE8M0 (receive: scales handed out as packed UE8M0 bytes,
+// four per int32).
+//
+// A variant compiles only the kernels it lists: it defines MOE_THREADS_<KERNEL> (the launch
+// bound) for exactly those, so each entry below is guarded by its own bound. The dispatch
+// send, dispatch receive and combine programs stay separate compiles (as small as before);
+// moe_ll_wait is in all three.
+#include "low_latency.cuh"
+
+static_assert(kHidden % 128 == 0, "specialised hidden sizes are multiples of 128");
+#if defined(MOE_THREADS_LL_DISPATCH_SEND) || defined(MOE_THREADS_LL_DISPATCH_RECV)
+#ifndef MOE_FP8
+#error "the LL dispatch kernels need MOE_FP8 (0 or 1)"
+#endif
+#endif
+#ifndef MOE_ROUND_SCALE
+#define MOE_ROUND_SCALE 0
+#endif
+#ifndef MOE_UE8M0
+#define MOE_UE8M0 0
+#endif
+
+#define MOE_LL_GROUP LLGroup{bases, rank, num_ranks, timeout_ns, Active{active}}
+#define MOE_ERRORS ErrorSink{err_host, err_dev, (i32)op}
+
+// ---- wait ----------------------------------------------------------------------------------
+// grid 1, one thread per rank s: the `words` words at offset + s * src_stride of this rank's
+// buffer (s's count row, DONE slot or FREE slot) all carry `epoch`. Timeouts name s.
+MOE_KERNEL void __launch_bounds__(MOE_THREADS_LL_WAIT, 1)
+moe_ll_wait(MOE_ARGS_moe_ll_wait) {
+    const LLGroup g = MOE_LL_GROUP;
+    const ErrorSink err = MOE_ERRORS;
+    const Transport t{bases, err};
+    const int s = threadIdx.x;
+    if (err.aborted() || s >= g.num_ranks) return;
+    const u64* row = (const u64*)g.own((u64)offset + s * (u64)src_stride);
+    for (i64 j = 0; j < words; ++j)
+        if (wait_from(t, g.live, row + j, (u32)epoch, g.timeout_ns, s) < 0) return;
+}
+
+// ---- dispatch send -------------------------------------------------------------------------
+#ifdef MOE_THREADS_LL_DISPATCH_SEND
+static_assert(MOE_FP8 || !MOE_ROUND_SCALE, "round_scale needs fp8");
+
+// grid: up to E blocks, block <= 1024 threads (a multiple of 32)
+MOE_KERNEL void __launch_bounds__(MOE_THREADS_LL_DISPATCH_SEND, 1)
+moe_ll_dispatch_send(MOE_ARGS_moe_ll_dispatch_send) {
+    const LLBuffer lb{(u64)payload_off, (u64)meta_off, (u64)counts_off, 0, count_row_words,
+                      stride, max_tokens};
+    ll_dispatch_send_body<MOE_FP8 != 0, MOE_ROUND_SCALE != 0>(
+        MOE_LL_GROUP, MOE_ERRORS, lb, x, num_tokens, hidden, topk_idx, topk, num_experts,
+        send_index, (u32)seq, (u64)call_off, MOE_CALL_ROW);
+}
+#endif
+
+// ---- dispatch receive (the hook) -----------------------------------------------------------
+#ifdef MOE_THREADS_LL_CHECK_CALL
+// grid 1, one thread per source s: s's signature of call `seq` in LL_CALL[buf][s] (call_off =
+// LL_CALL[buf][0]) equals this rank's, else kErrMismatch (every rank sees every signature, so
+// all fail this call; the receive kernel then reads nothing and frees the buffer).
+MOE_KERNEL void __launch_bounds__(MOE_THREADS_LL_CHECK_CALL, 1)
+moe_ll_check_call(MOE_ARGS_moe_ll_check_call) {
+    const LLGroup g = MOE_LL_GROUP;
+    const Transport t{bases, MOE_ERRORS};
+    const int s = threadIdx.x;
+    if (t.err.aborted() || s >= g.num_ranks) return;
+    same_call(t, g.live, (const u64*)g.own((u64)call_off + (u64)s * kCallWords * 8), (u32)seq,
+              g.timeout_ns, s, MOE_CALL_ROW);
+}
+#endif
+
+#ifdef MOE_THREADS_LL_DISPATCH_RECV
+static_assert(MOE_FP8 || !MOE_UE8M0, "UE8M0 scales need fp8");
+
+// grid: (num_local, SPLIT), block: a multiple of 32 threads, >= num_ranks. Runs after
+// moe_ll_wait has seen every source's count row.
+MOE_KERNEL void __launch_bounds__(MOE_THREADS_LL_DISPATCH_RECV, 1)
+moe_ll_dispatch_recv(MOE_ARGS_moe_ll_dispatch_recv) {
+    const LLBuffer lb{(u64)payload_off, (u64)meta_off, (u64)counts_off, 0, count_row_words,
+                      stride, max_tokens};
+    ll_dispatch_recv_body<MOE_FP8 != 0, MOE_UE8M0 != 0>(
+        MOE_LL_GROUP, MOE_ERRORS, lb, hidden, num_local, (u64)free_off, (u32)seq, recv_x,
+        recv_scales, recv_count, stats, recv_meta, recv_ranges, return_base, counter);
+}
+#endif
+
+// ---- combine (bf16 both ways) --------------------------------------------------------------
+#ifdef MOE_THREADS_LL_COMBINE_SEND
+// grid: (num_local, SPLIT), block: a multiple of 32 threads, >= num_ranks
+MOE_KERNEL void __launch_bounds__(MOE_THREADS_LL_COMBINE_SEND, 1)
+moe_ll_combine_send(MOE_ARGS_moe_ll_combine_send) {
+    const LLBuffer lb{0, 0, 0, (u64)combine_off, 0, 0, max_tokens};
+    ll_combine_send_body(MOE_LL_GROUP, MOE_ERRORS, lb, x, hidden, num_local, rows_cap,
+                         recv_ranges, return_base, (u64)done_off, (u64)done_stride, (u32)seq,
+                         counter);
+}
+#endif
+
+#ifdef MOE_THREADS_LL_COMBINE_RECV
+// grid: any (>= 1), block: a multiple of 32 threads, >= topk. Runs after moe_ll_wait has seen
+// every rank's DONE.
+MOE_KERNEL void __launch_bounds__(MOE_THREADS_LL_COMBINE_RECV, 1)
+moe_ll_combine_recv(MOE_ARGS_moe_ll_combine_recv) {
+    const LLBuffer lb{0, 0, 0, (u64)combine_off, 0, 0, 0};
+    ll_combine_recv_body(MOE_LL_GROUP, MOE_ERRORS, lb, hidden, num_tokens, topk, rows_cap,
+                         topk_idx, topk_w, send_index, (u64)free_off, (u32)seq, out, counter,
+                         num_local);
+}
+#endif
