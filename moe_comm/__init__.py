@@ -4,8 +4,8 @@ from .config import Config
 from .errors import BufferTooSmallError, CallMismatchError, CommTimeoutError, RankMaskedError
 from .event import EventOverlap
 from .handle import DispatchHandle
-from .nn.replace import replace_moe_blocks
 from .nn.layer import MoELayer
+from .nn.replace import replace_moe_blocks
 from .reference import reference_combine, reference_dispatch
 
 __all__ = ["Buffer", "Config", "EventOverlap", "DispatchHandle", "CommTimeoutError",

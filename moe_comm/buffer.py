@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 
 from . import validate
+from .backend import emulate_cuda, open_backend, pick_device
 from .config import Config, normal_buffer_size_hint
 from .event import EventOverlap, RecvHook, capture_event
 from .handle import DispatchHandle, LowLatencyHandle
-from .backend import emulate_cuda, open_backend, pick_device
 from .wire import LL_NUM_BUFFERS, LLLayout
 
 DEFAULT_TIMEOUT_S = 120.0

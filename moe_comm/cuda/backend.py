@@ -7,9 +7,9 @@ import secrets
 
 import torch
 
+from . import groups, ll, normal
 from ..event import EventOverlap, capture_event
 from ..layout import DispatchLayout
-from . import groups, ll, normal
 
 
 class CudaBackend:

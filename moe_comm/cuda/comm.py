@@ -26,13 +26,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from . import memory
 from .. import signature
 from ..errors import CommTimeoutError, RankMaskedError
 from ..jit.nvrtc import load_kernels
 from ..jit.variants import MAX_RANKS
 from ..wire import (CALL_WORDS, LINE_WORDS, LL_CALL_FIELDS, MAX_EPOCH, NORMAL_CALL_FIELDS,
                     VALUE_MASK, HeaderLayout)
-from . import memory
 
 log = logging.getLogger("moe_comm")
 

@@ -15,13 +15,13 @@ raises ``moe_comm.RankMaskedError`` at the next check.
 """
 from __future__ import annotations
 
-from ..wire import LINE_WORDS, MAX_EPOCH, agree_round_tag, agree_rounds, round_up
 from ..jit import variants
-from .comm import CudaComm
-from .kernel_inputs import errors, ll_group
 from ..jit.kernel_args import pack
 from ..jit.launch import launch
 from ..jit.variants import THREADS
+from ..wire import LINE_WORDS, MAX_EPOCH, agree_round_tag, agree_rounds, round_up
+from .comm import CudaComm
+from .kernel_inputs import errors, ll_group
 
 AGREE_GRACE_NS = 10**9    # HostComm's AGREE_GRACE_S: the round waits a deadline plus this
 

@@ -24,6 +24,7 @@ import secrets
 import torch
 import torch.distributed as dist
 
+from . import memory
 from ..ibgda import path as ibgda
 from ..jit.variants import MAX_RANKS
 from ..shm.identity import host_identity
@@ -31,7 +32,6 @@ from ..shm.segment import Segment, reclaim_stale_segments, segment_name
 from ..transport import open_transport
 from ..transport.select import requested_kind
 from ..wire import PAGE, HeaderLayout, round_up
-from . import memory
 from .comm import CudaComm
 from .kernel_proxy import KernelProxy
 

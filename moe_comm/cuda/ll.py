@@ -20,14 +20,14 @@ import torch
 from .. import signature
 from ..errors import BufferTooSmallError
 from ..handle import LowLatencyHandle
-from ..wire import LL_MAX_TOPK, LL_NUM_BUFFERS, LLLayout, ll_msg_stride, ll_stride
 from ..jit import variants
-from .comm import SIGNAL_STRIDE, CudaComm
-from .elastic import agree
-from .kernel_inputs import errors, ll_group
 from ..jit.kernel_args import call_args, pack
 from ..jit.launch import launch
 from ..jit.variants import THREADS
+from ..wire import LL_MAX_TOPK, LL_NUM_BUFFERS, LLLayout, ll_msg_stride, ll_stride
+from .comm import SIGNAL_STRIDE, CudaComm
+from .elastic import agree
+from .kernel_inputs import errors, ll_group
 
 MAX_SPLIT = 8           # blocks per local expert in recv / combine send
 

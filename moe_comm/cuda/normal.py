@@ -30,16 +30,16 @@ import torch
 from .. import signature
 from ..errors import BufferTooSmallError
 from ..handle import DispatchHandle
+from ..jit import variants
+from ..jit.kernel_args import call_args, pack
+from ..jit.launch import launch
+from ..jit.nvrtc import load_kernels
+from ..jit.variants import THREADS
 from ..layout import DispatchLayout
 from ..wire import SlabLayout
-from ..jit import variants
 from .comm import SIGNAL_STRIDE, CudaComm
 from .elastic import agree
 from .kernel_inputs import errors, group
-from ..jit.kernel_args import call_args, pack
-from ..jit.nvrtc import load_kernels
-from ..jit.launch import launch
-from ..jit.variants import THREADS
 
 DEFAULT_NUM_SMS = 20         # blocks of the data kernels (DeepEP's Buffer.num_sms default)
 EXPERTS_PER_LAYOUT_BLOCK = 1024   # csrc/kernels/layout.cuh kExpertsPerBlock

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from . import ll, normal
 from ..event import EventOverlap
 from ..layout import DispatchLayout, aligned_expert_counts, dispatch_layout
-from . import ll, normal
 from .comm import HostComm
 from .pool import OutputPool
 

@@ -32,15 +32,13 @@ import torch.distributed as dist
 
 from .. import signature
 from ..errors import RankMaskedError
-from ..wire import (CALL_WORDS, MAGIC, PAGE, VERSION, HeaderLayout, MAX_EPOCH, agree_round_tag,
-                    agree_rounds, ll_stride, mask_bits, mask_words, round_up, tag_epoch,
-                    tag_value)
 from ..shm import atomics
 from ..shm.identity import host_identity
 from ..shm.segment import Segment, reclaim_stale_segments, segment_name
-from .heap import PageHeap
 from ..transport import open_transport
-
+from ..wire import (CALL_WORDS, MAGIC, MAX_EPOCH, PAGE, VERSION, HeaderLayout, agree_round_tag,
+                    agree_rounds, ll_stride, mask_bits, mask_words, round_up, tag_epoch, tag_value)
+from .heap import PageHeap
 
 log = logging.getLogger("moe_comm")
 

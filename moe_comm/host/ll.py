@@ -30,9 +30,7 @@ from .. import signature
 from ..errors import CallMismatchError
 from ..handle import LowLatencyHandle
 from ..quant import pack_ue8m0, quantize_fp8
-from ..wire import (CALL_WORDS, LL_CALL_FIELDS, LL_NUM_BUFFERS, LLLayout, ll_msg_stride,
-                   tag_value)
-
+from ..wire import CALL_WORDS, LL_CALL_FIELDS, LL_NUM_BUFFERS, LLLayout, ll_msg_stride, tag_value
 
 COMBINE_CHUNK_ROWS = 64           # float32 copy of 64 returned rows stays in cache
 

@@ -38,7 +38,6 @@ from ..layout import local_topk
 from ..wire import GRANT_FAILED, PAGE, SlabLayout, tag_epoch, tag_value
 from .reduce import sum_rows_per_token
 
-
 log = logging.getLogger("moe_comm")
 
 

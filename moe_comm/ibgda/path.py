@@ -23,8 +23,8 @@ mode kernels runs against the reference in CI.
 from __future__ import annotations
 
 import logging
-import threading
 from pathlib import Path
+import threading
 
 import torch
 import torch.distributed as dist

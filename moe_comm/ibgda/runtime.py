@@ -18,8 +18,8 @@ Typical use, one process per rank (PE i = rank i of ``group``)::
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
+import threading
 
 import torch
 import torch.distributed as dist

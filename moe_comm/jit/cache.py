@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from pathlib import Path
+import tempfile
 
 SOURCE_SUFFIXES = (".cu", ".cuh", ".h", ".cpp")
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import tempfile
 from pathlib import Path
+import tempfile
 
 from .. import wire
 from .cache import write_atomic

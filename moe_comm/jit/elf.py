@@ -17,8 +17,8 @@
 """
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
+import struct
 
 SHT_SYMTAB = 2
 SHN_UNDEF = 0

@@ -18,13 +18,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from pathlib import Path
 import shutil
 import subprocess
 import threading
-from pathlib import Path
 
 from . import device_header
-from .cache import cache_dir, key, kernel_dir, sources_digest, write_atomic
+from .cache import cache_dir, kernel_dir, key, sources_digest, write_atomic
 from .variants import THREADS, Variant
 
 ERR_CHARS = 512

@@ -24,10 +24,10 @@ written atomically (ranks that build the same program at once do not corrupt eac
 """
 from __future__ import annotations
 
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+import subprocess
+import tempfile
 
 from . import device_header, elf
 from .cache import cache_dir, csrc_dir, key, sources_digest, write_atomic

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import io
 import logging
-import threading
 from pathlib import Path
+import threading
 
 import torch
 
+from . import cache, device_header, emulator
 from ..deps.cuda_bindings import driver, nvrtc
 from ..deps.cuda_core import cuda_core
-from . import cache, device_header, emulator
 from .launch import make_current
 from .resources import check_loaded
 from .variants import Variant

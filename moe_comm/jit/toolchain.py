@@ -10,14 +10,14 @@ nvcc: ``$MOE_COMM_NVCC``, then ``$CUDA_HOME/bin/nvcc`` (or ``$CUDA_PATH``), then
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 import functools
 import importlib.util
 import os
+from pathlib import Path
 import re
 import shutil
 import subprocess
-from dataclasses import dataclass
-from pathlib import Path
 
 from ..deps.pathfinder import nvidia_header_directory
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+import torch.nn.functional as F
 
 from ..quant import dequantize_fp8
 

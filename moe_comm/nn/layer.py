@@ -26,17 +26,17 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.distributed as dist
 from torch import nn
+import torch.distributed as dist
 
 from . import autograd as ag
 from . import hf
 from ..buffer import Buffer
 from ..eplb import ExpertLoadRecorder, map_logical_to_physical, rebalance_experts
+from ..wire import LL_MAX_TOPK, LLLayout
 from .experts import LocalExperts
 from .router import TopKRouter
 from .shared_buffers import DEFAULT_SHARED_BUFFERS, SharedBuffers, world_if_none
-from ..wire import LL_MAX_TOPK, LLLayout
 
 MODES = ("auto", "normal", "low_latency")
 

@@ -17,8 +17,8 @@ Weights come back in float32 (what dispatch carries); ids as int64.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+import torch.nn.functional as F
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 

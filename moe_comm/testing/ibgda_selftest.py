@@ -22,7 +22,6 @@ import sys
 import time
 import traceback
 
-from ..jit.variants import THREADS
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -33,6 +32,7 @@ from ..ibgda.runtime import init_nvshmem
 from ..jit.kernel_args import pack
 from ..jit.launch import launch
 from ..jit.nvcc import build_cubin, selftest_program
+from ..jit.variants import THREADS
 
 SIG_ONEWAY, SIG_PING, SIG_PULL, SIG_NEVER = 0, 64, 128, 192
 SRC, DST = 4096, 4096 + (1 << 20)

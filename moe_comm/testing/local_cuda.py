@@ -26,6 +26,7 @@ import traceback
 import warnings
 
 import torch
+
 from ..errors import CommTimeoutError
 
 

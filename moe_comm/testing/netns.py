@@ -50,9 +50,10 @@ import tempfile
 import time
 import traceback
 
-from ..shm.segment import pid_alive
 import torch
 import torch.distributed as dist
+
+from ..shm.segment import pid_alive
 
 PREFIX = "mcns"
 IFNAME = "eth0"

@@ -13,6 +13,7 @@ import os
 import socket
 import time
 import traceback
+
 import torch
 import torch.distributed as dist
 

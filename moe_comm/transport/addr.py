@@ -17,6 +17,7 @@ import fcntl
 import os
 import socket
 import struct
+
 import torch.distributed as dist
 
 _SIOCGIFADDR = 0x8915

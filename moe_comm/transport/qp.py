@@ -15,9 +15,9 @@ the same version -- without leaving Debian's other packages on ``sys.path``.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 import importlib
 import sys
-from dataclasses import dataclass
 
 # ibv_qp_state
 RESET, INIT, RTR, RTS, SQD, SQE, ERR = range(7)

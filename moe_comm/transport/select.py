@@ -24,11 +24,12 @@ import os
 import secrets as _secrets
 import time
 
+import torch.distributed as dist
+
 from .addr import local_address
 from .proxy import ProxyTransport
 from .receiver import Region
 from .tcp import TcpEngine, listen
-import torch.distributed as dist
 from .verbs import VerbsEngine, probe
 
 log = logging.getLogger("moe_comm.transport")
