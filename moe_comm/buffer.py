@@ -283,8 +283,8 @@ class Buffer:
         recv_x, recv_s, recv_i, recv_w, handle = self._be.normal.dispatch(
             comm, x_bytes=data.view(torch.uint8), dtype=data.dtype, hidden=data.shape[1],
             scales=scales, topk_idx=topk_idx, topk_weights=topk_weights,
-            layout=layout, handle=handle, num_experts=num_experts, num_worst_tokens=num_worst_tokens,
-            buffer_key=self._key)
+            layout=layout, handle=handle, num_experts=num_experts,
+            num_worst_tokens=num_worst_tokens, buffer_key=self._key)
         self._leave(active_ranks)
         counts = [] if recv_i is None else self._be.expert_counts(
             recv_i, handle, num_experts // self.group_size, expert_alignment)

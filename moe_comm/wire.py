@@ -66,6 +66,27 @@ MAX_EPOCH = (1 << 31) - 1
 GRANT_FAILED = VALUE_MASK            # grant value meaning "receiver could not allocate"
 LL_NUM_BUFFERS = 2                   # low-latency double buffering
 MASK_BITS = 32                       # rank bits per MASK word (the value field of a tag)
+# A tagged word's value meaning "the sender's call failed" (CUDA kernels): nothing it would
+# announce arrived; every other value the kernels signal is below 2^31.
+FAILED_VALUE = VALUE_MASK
+
+# The CUDA kernels' error word (int32, pinned host memory, read by moe_comm/cuda/comm.py):
+# [0] code, [1] op id, [2] epoch, [3] detail, [ERROR_HEADER + r] = 1 if rank r is silent.
+ERROR_HEADER = 4
+MAX_ERROR_RANKS = 64
+ERR_TIMEOUT = 1          # a peer's signal did not arrive before the deadline
+ERR_OVERFLOW = 2         # more rows than the receive region / num_worst_tokens hold
+ERR_NO_TRANSPORT = 3     # a rank is neither mapped nor served by a transport
+ERR_MASKED = 4           # elastic: the survivors masked this rank out
+ERR_PROXY = 5            # the host proxy took no command in time
+ERR_PEER_FAILED = 6      # a peer's call failed: it signalled FAILED_VALUE
+ERR_MISMATCH = 7         # the ranks' call signatures differ (moe_comm/signature.py)
+
+# The host proxy's command ring (u64 words in host memory; csrc/kernels/proxy_ring.cuh has
+# the protocol): header words, then slots {seq, op << 32 | rank, offset, bytes or value}.
+PROXY_HEAD, PROXY_DEPTH, PROXY_TIMEOUT, PROXY_TAIL = 0, 1, 2, 8   # header word indices
+PROXY_HEADER_WORDS, PROXY_SLOT_WORDS = 16, 4
+PROXY_OP_PUT, PROXY_OP_SIGNAL = 1, 2
 # What every rank must pass alike, one tagged word each (one line): the call's signature.
 NORMAL_CALL_FIELDS = ("call", "hidden", "dtype", "scale_cols", "topk", "num_experts",
                       "num_worst_tokens", "handle")
@@ -193,7 +214,8 @@ class HeaderLayout:
 class SlabLayout:
     """Layout of one normal-mode receive region ("slab") holding ``rows`` received tokens.
 
-    Sub-arrays, each row-major, :data:`SLAB_ALIGN`-byte aligned, in this order: payload ``[rows, row_bytes]``,
+    Sub-arrays, each row-major, :data:`SLAB_ALIGN`-byte aligned, in this order: payload
+    ``[rows, row_bytes]``,
     fp8 scales ``[rows, scale_cols]`` float32 (0 columns if not fp8), top-k ids
     ``[rows, topk]`` int64, top-k weights ``[rows, topk]`` float32. Rows are ordered by source
     rank, then by the token's index on the source: source ``s`` owns rows

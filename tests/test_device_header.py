@@ -29,6 +29,17 @@ EXPECTED = {
     "kMaskBits": wire.MASK_BITS,
     "kCallWords": wire.CALL_WORDS,
     "kFenceOffset": wire.HeaderLayout(num_ranks=2).fence * 8,
+    "kFailedValue": wire.FAILED_VALUE,
+    "kErrorHeader": wire.ERROR_HEADER, "kMaxErrorRanks": wire.MAX_ERROR_RANKS,
+    "kErrTimeout": wire.ERR_TIMEOUT, "kErrOverflow": wire.ERR_OVERFLOW,
+    "kErrNoTransport": wire.ERR_NO_TRANSPORT, "kErrMasked": wire.ERR_MASKED,
+    "kErrProxy": wire.ERR_PROXY, "kErrPeerFailed": wire.ERR_PEER_FAILED,
+    "kErrMismatch": wire.ERR_MISMATCH,
+    "kProxyHead": wire.PROXY_HEAD, "kProxyDepth": wire.PROXY_DEPTH,
+    "kProxyTimeout": wire.PROXY_TIMEOUT, "kProxyTail": wire.PROXY_TAIL,
+    "kProxyHeaderWords": wire.PROXY_HEADER_WORDS, "kProxySlotWords": wire.PROXY_SLOT_WORDS,
+    "kProxyOpPut": wire.PROXY_OP_PUT, "kProxyOpSignal": wire.PROXY_OP_SIGNAL,
+    "kExpertsPerBlock": variants.EXPERTS_PER_LAYOUT_BLOCK, "kMaxRanks": variants.MAX_RANKS,
 }
 
 
@@ -39,7 +50,7 @@ def _sources():
 def test_header_carries_the_wire_values():
     text = device_header.header_text()
     found = {name: int(value) for name, value in
-             re.findall(r"constexpr \w+ (k\w+) = (\d+)(?:ull)?;", text)}
+             re.findall(r"constexpr \w+ (k\w+) = (\d+)(?:ull|u)?;", text)}
     assert found == EXPECTED
 
 

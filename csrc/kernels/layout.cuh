@@ -14,7 +14,7 @@
 #pragma once
 #include "common.cuh"
 
-constexpr int kExpertsPerBlock = 1024;
+// kExpertsPerBlock: moe_generated.cuh (jit/variants.py EXPERTS_PER_LAYOUT_BLOCK)
 
 template <int R>
 __device__ void layout_body(const i64* topk_idx, i64 num_tokens, i64 topk, i64 num_experts,

@@ -55,7 +55,6 @@
 constexpr i64 kHidden = MOE_HIDDEN;
 MOE_DEVICE i64 hidden_size(i64 runtime_hidden) { return kHidden > 0 ? kHidden : runtime_hidden; }
 
-constexpr int kMaxRanks = 8;  // intranode groups; the host checks
 
 // One rank's view of the group for LL kernels. All offsets are bytes from a buffer's base.
 struct LLGroup {

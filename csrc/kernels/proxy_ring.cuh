@@ -30,10 +30,8 @@
 #pragma once
 #include "sync.cuh"
 
-constexpr u64 kProxyOpPut = 1;     // moe_comm/cuda/kernel_proxy.py OP_PUT
-constexpr u64 kProxyOpSignal = 2;  // ... OP_SIGNAL
-constexpr int kProxyHeaderWords = 16;
-constexpr int kProxySlotWords = 4;
+// kProxyOp*, kProxyHead/Depth/Timeout/Tail (header word indices) and the header and slot sizes
+// come from moe_comm/wire.py through moe_generated.cuh.
 
 struct ProxyRing {
     u64* words;  // the ring in host memory (null: no proxy in this group)
@@ -43,11 +41,11 @@ struct ProxyRing {
     // rank's kernels still signal, and each push would otherwise wait the whole timeout.
     MOE_DEVICE bool push(const ErrorSink& err, u64 op, int rank, u64 offset, u64 arg) const {
         if (ld_volatile_i32(err.dev) == kErrProxy) return false;
-        u64* head = (u64*)ld_volatile_u64(words + 0);
-        const u64 depth = ld_volatile_u64(words + 1);
+        u64* head = (u64*)ld_volatile_u64(words + kProxyHead);
+        const u64 depth = ld_volatile_u64(words + kProxyDepth);
         const u64 n = atomicAdd((unsigned long long*)head, 1ull);
-        const u64 deadline = globaltimer_ns() + ld_volatile_u64(words + 2);
-        while (n - ld_acquire_sys(words + 8) >= depth) {
+        const u64 deadline = globaltimer_ns() + ld_volatile_u64(words + kProxyTimeout);
+        while (n - ld_acquire_sys(words + kProxyTail) >= depth) {
             // The proxy thread stopped taking commands (its slot n stays unpublished, so the
             // ring is stuck for good): not a peer's fault, the host raises CudaCommError.
             if (globaltimer_ns() > deadline || ld_volatile_i32(err.dev) == kErrProxy) {

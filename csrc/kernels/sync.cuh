@@ -78,24 +78,10 @@ MOE_DEVICE u32 tag_epoch(u64 word) { return (u32)(word >> kValueBits); }
 MOE_DEVICE u32 tag_value(u64 word) { return (u32)word; }
 
 // ---- errors ------------------------------------------------------------------------------
-// Codes, mirrored in moe_comm/cuda/comm.py.
-constexpr i32 kErrTimeout = 1;      // a peer's signal did not arrive before the deadline
-constexpr i32 kErrOverflow = 2;     // more rows than the receive region / num_worst_tokens hold
-constexpr i32 kErrNoTransport = 3;  // a rank is neither mapped nor served by a transport
-constexpr i32 kErrMasked = 4;       // elastic: the survivors masked this rank out (elastic.cuh)
-constexpr i32 kErrProxy = 5;        // the host proxy took no command in time (proxy_ring.cuh)
-constexpr i32 kErrPeerFailed = 6;   // a peer's call failed: it signalled kFailedValue
-constexpr i32 kErrMismatch = 7;     // the ranks' call signatures differ (moe_comm/signature.py)
-
-// The value a tagged signal word carries when its sender's call failed (an error of its own,
-// or an earlier one that stopped its kernels): nothing the word would announce arrived, and
-// the receiver fails at once instead of at its deadline (`wait_from`, transport.cuh). Every
-// other value the kernels signal (counts, row numbers, flags) is below 2^31.
-constexpr u32 kFailedValue = 0xffffffffu;
-// Host error word layout (int32): [0] code, [1] op id, [2] epoch, [3] detail,
-// [4 + r] = 1 if rank r is silent. kMaxErrorRanks bounds r.
-constexpr int kErrorHeader = 4;
-constexpr int kMaxErrorRanks = 64;
+// The codes kErr*, the error word's layout (kErrorHeader ints, then one per rank up to
+// kMaxErrorRanks) and kFailedValue - the value a tagged signal word carries when its sender's
+// call failed, so the receiver fails at once instead of at its deadline (`wait_from`,
+// transport.cuh) - come from moe_comm/wire.py through moe_generated.cuh.
 
 struct ErrorSink {
     i32* host;  // pinned, mapped host memory (same address on host and device under UVA)

@@ -31,16 +31,12 @@ from .. import signature
 from ..errors import CommTimeoutError, RankMaskedError
 from ..jit.nvrtc import load_kernels
 from ..jit.variants import MAX_RANKS
-from ..wire import (CALL_WORDS, LINE_WORDS, LL_CALL_FIELDS, MAX_EPOCH, NORMAL_CALL_FIELDS,
-                    VALUE_MASK, HeaderLayout)
+from ..wire import (CALL_WORDS, ERR_MASKED, ERR_MISMATCH, ERR_OVERFLOW, ERR_PEER_FAILED,
+                    ERR_PROXY, ERR_TIMEOUT, ERROR_HEADER, LINE_WORDS, LL_CALL_FIELDS,
+                    MAX_EPOCH, MAX_ERROR_RANKS, NORMAL_CALL_FIELDS, VALUE_MASK, HeaderLayout)
 
 log = logging.getLogger("moe_comm")
 
-ERROR_HEADER = 4                 # csrc/kernels/sync.cuh: kErrorHeader
-MAX_ERROR_RANKS = 64             # ... kMaxErrorRanks
-ERR_TIMEOUT, ERR_OVERFLOW, ERR_NO_TRANSPORT, ERR_MASKED, ERR_PROXY, ERR_PEER_FAILED = \
-    1, 2, 3, 4, 5, 6
-ERR_MISMATCH = 7
 
 # Phase ids passed to kernels (the `op` argument) and the names errors report.
 OPS = ("", "dispatch/notify", "dispatch/send", "dispatch/payload", "combine/notify",
@@ -241,8 +237,9 @@ class CudaComm:
                                   "missed their deadline); a new Buffer is needed to rejoin")
         if code == ERR_PROXY:
             raise CudaCommError(f"{op}: the host proxy took no command for "
-                                f"{2 * self.timeout_s + 5:g} s (moe_comm/cuda/kernel_proxy.py); this "
-                                "communicator cannot reach other hosts any more: destroy it")
+                                f"{2 * self.timeout_s + 5:g} s (moe_comm/cuda/kernel_proxy.py); "
+                                "this communicator cannot reach other hosts any more: destroy "
+                                "it")
         if code == ERR_MISMATCH:
             # every rank saw the same signatures and failed this call at its notify, before
             # any payload moved: once this rank's kernels of it are done, it is in step

@@ -24,15 +24,14 @@ import time
 import torch
 
 from ..shm import atomics
+from ..wire import (PROXY_DEPTH, PROXY_HEAD, PROXY_HEADER_WORDS, PROXY_OP_PUT, PROXY_OP_SIGNAL,
+                    PROXY_SLOT_WORDS, PROXY_TAIL, PROXY_TIMEOUT)
 from .memory import host_tensor_address
 
 log = logging.getLogger("moe_comm")
 
 
 
-OP_PUT, OP_SIGNAL = 1, 2        # proxy_ring.cuh kProxyOpPut / kProxyOpSignal
-HEADER_WORDS, SLOT_WORDS = 16, 4
-HEAD, DEPTH, TIMEOUT, TAIL = 0, 1, 2, 8
 DEFAULT_DEPTH = 4096
 CREDIT_EVERY = 64               # slots taken between two credit (tail) updates
 
@@ -51,15 +50,15 @@ class KernelProxy:
         self._mirror_tensors = mirrors
         self.depth = depth
         pinned = device.type == "cuda"
-        self._ring = torch.zeros(HEADER_WORDS + depth * SLOT_WORDS, dtype=torch.int64,
+        self._ring = torch.zeros(PROXY_HEADER_WORDS + depth * PROXY_SLOT_WORDS, dtype=torch.int64,
                                  pin_memory=pinned)
         self._head = torch.zeros(1, dtype=torch.int64, device=device)   # GPU-side counter
         self.words = self._ring.numpy()
-        self.words[HEAD] = self._head.data_ptr()
-        self.words[DEPTH] = depth
+        self.words[PROXY_HEAD] = self._head.data_ptr()
+        self.words[PROXY_DEPTH] = depth
         # a producer waits longer than any one blocking transport step (a full queue waits
         # timeout_s), so only a proxy that stopped makes it give up
-        self.words[TIMEOUT] = int((2 * timeout_s + 5.0) * 1e9)
+        self.words[PROXY_TIMEOUT] = int((2 * timeout_s + 5.0) * 1e9)
         self.address = host_tensor_address(self._ring)
         self.cut_off: dict = {}                  # rank -> why its commands are dropped
         self._stop = False
@@ -76,7 +75,7 @@ class KernelProxy:
         while not self._stop:
             n = taken
             while True:                          # every slot published in order
-                at = HEADER_WORDS + (n % depth) * SLOT_WORDS
+                at = PROXY_HEADER_WORDS + (n % depth) * PROXY_SLOT_WORDS
                 if int(words[at]) != n + 1:
                     break
                 atomics.acquire()
@@ -85,22 +84,22 @@ class KernelProxy:
                 n += 1
                 if n % CREDIT_EVERY == 0:         # producers waiting for a slot go on early
                     atomics.release()
-                    words[TAIL] = n
+                    words[PROXY_TAIL] = n
             if n == taken:
                 backoff.pause()
                 continue
             backoff = atomics.Backoff()
             taken = n
             atomics.release()                    # credits: the slots may be reused
-            words[TAIL] = taken
+            words[PROXY_TAIL] = taken
 
     def _execute(self, op: int, rank: int, offset: int, arg: int) -> None:
         if rank in self.cut_off:
             return
         try:
-            if op == OP_PUT:
+            if op == PROXY_OP_PUT:
                 self.transport.put(rank, offset, self.mirrors[rank][offset:offset + arg].copy())
-            elif op == OP_SIGNAL:
+            elif op == PROXY_OP_SIGNAL:
                 self.transport.signal(rank, offset, arg)
             else:
                 raise ValueError(f"unknown proxy command {op}")
@@ -113,7 +112,7 @@ class KernelProxy:
         """Wait until the proxy took every command published so far (bounded)."""
         head = int(self._head.item())
         deadline = time.monotonic() + timeout_s
-        while int(self.words[TAIL]) < head and time.monotonic() < deadline and \
+        while int(self.words[PROXY_TAIL]) < head and time.monotonic() < deadline and \
                 self._thread.is_alive():
             time.sleep(1e-4)
 

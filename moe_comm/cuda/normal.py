@@ -34,7 +34,7 @@ from ..jit import variants
 from ..jit.kernel_args import call_args, pack
 from ..jit.launch import launch
 from ..jit.nvrtc import load_kernels
-from ..jit.variants import THREADS
+from ..jit.variants import EXPERTS_PER_LAYOUT_BLOCK, THREADS
 from ..layout import DispatchLayout
 from ..wire import SlabLayout
 from .comm import SIGNAL_STRIDE, CudaComm
@@ -42,7 +42,6 @@ from .elastic import agree
 from .kernel_inputs import errors, group
 
 DEFAULT_NUM_SMS = 20         # blocks of the data kernels (DeepEP's Buffer.num_sms default)
-EXPERTS_PER_LAYOUT_BLOCK = 1024   # csrc/kernels/layout.cuh kExpertsPerBlock
 REDUCE_KERNEL = {torch.bfloat16: "moe_combine_reduce_bf16", torch.float16: "moe_combine_reduce_f16",
                  torch.float32: "moe_combine_reduce_f32"}
 

@@ -7,9 +7,9 @@ How a CUDA group reaches a rank (``moe_comm.cuda.groups.from_group``'s ``transpo
 - ``ibgda``, or ``auto`` when the group spans hosts and every rank can do IBGDA (a GPU,
   nvshmem4py, NVSHMEM's headers and device library, nvcc, a ConnectX RDMA NIC): NVSHMEM over
   the group. (Whether the NIC can reach GPU memory, nvidia_peermem or dma-buf, is not probed:
-  where it cannot, set ``MOE_COMM_TRANSPORT=verbs`` or ``tcp``.) Peers NVSHMEM maps (NVLink/P2P) are stores; the others are network ranks, put to by
-  the GPU itself from mirrors in the symmetric heap (csrc/kernels/transport.cuh). Asked for
-  explicitly it needs no NIC (NVSHMEM then serves what it can by P2P), and a rank that cannot
+  where it cannot, set ``MOE_COMM_TRANSPORT=verbs`` or ``tcp``.) Peers NVSHMEM maps
+  (NVLink/P2P) are stores; the others are network ranks, put to by the GPU itself from
+  mirrors in the symmetric heap (csrc/kernels/transport.cuh). Asked for explicitly it needs no NIC (NVSHMEM then serves what it can by P2P), and a rank that cannot
   do it makes every rank raise rather than run slower than asked;
 - otherwise across hosts: the host proxy over ``tcp``/``verbs`` (moe_comm/cuda/kernel_proxy.py).
 
@@ -71,8 +71,9 @@ def _is_connectx(name: str) -> bool:
 
 def choose(kind: str, spans_hosts: bool, probes: list) -> tuple:
     """``(path, why)`` with path ``"ipc"``, ``"ibgda"`` or ``"proxy"``, from the requested
-    ``kind`` (moe_comm.transport.requested_kind with ``cuda=True``), whether the group spans hosts, and every rank's
-    :func:`probe` (rank order). Pure: every rank computes the same answer."""
+    ``kind`` (moe_comm.transport.requested_kind with ``cuda=True``), whether the group spans
+    hosts, and every rank's :func:`probe` (rank order). Pure: every rank computes the same
+    answer."""
     if kind == "ibgda":
         lacking = [(r, p["software"]) for r, p in enumerate(probes) if p["software"]]
         if lacking:

@@ -20,6 +20,7 @@ import tempfile
 from .. import wire
 from .cache import write_atomic
 from .kernel_args import KERNEL_ARGS
+from .variants import EXPERTS_PER_LAYOUT_BLOCK, MAX_RANKS
 
 HEADER_NAME = "moe_generated.cuh"
 
@@ -36,6 +37,27 @@ WIRE_CONSTANTS = (
     ("kCallWords", "int", wire.CALL_WORDS, "wire.CALL_WORDS: words of a call signature row"),
     ("kFenceOffset", "u64", wire.FENCE_WORD * 8,
      "wire.FENCE_WORD * 8: byte offset of the FENCE word in every header"),
+    ("kFailedValue", "u32", wire.FAILED_VALUE, "wire.FAILED_VALUE: the sender's call failed"),
+    ("kErrorHeader", "int", wire.ERROR_HEADER, "wire.ERROR_HEADER: error word header ints"),
+    ("kMaxErrorRanks", "int", wire.MAX_ERROR_RANKS, "wire.MAX_ERROR_RANKS"),
+    ("kErrTimeout", "i32", wire.ERR_TIMEOUT, "wire.ERR_TIMEOUT"),
+    ("kErrOverflow", "i32", wire.ERR_OVERFLOW, "wire.ERR_OVERFLOW"),
+    ("kErrNoTransport", "i32", wire.ERR_NO_TRANSPORT, "wire.ERR_NO_TRANSPORT"),
+    ("kErrMasked", "i32", wire.ERR_MASKED, "wire.ERR_MASKED"),
+    ("kErrProxy", "i32", wire.ERR_PROXY, "wire.ERR_PROXY"),
+    ("kErrPeerFailed", "i32", wire.ERR_PEER_FAILED, "wire.ERR_PEER_FAILED"),
+    ("kErrMismatch", "i32", wire.ERR_MISMATCH, "wire.ERR_MISMATCH"),
+    ("kProxyHead", "int", wire.PROXY_HEAD, "wire.PROXY_HEAD: ring header word: slot counter"),
+    ("kProxyDepth", "int", wire.PROXY_DEPTH, "wire.PROXY_DEPTH: ring header word: slots"),
+    ("kProxyTimeout", "int", wire.PROXY_TIMEOUT, "wire.PROXY_TIMEOUT: ring header word"),
+    ("kProxyTail", "int", wire.PROXY_TAIL, "wire.PROXY_TAIL: ring header word: slots done"),
+    ("kProxyHeaderWords", "int", wire.PROXY_HEADER_WORDS, "wire.PROXY_HEADER_WORDS"),
+    ("kProxySlotWords", "int", wire.PROXY_SLOT_WORDS, "wire.PROXY_SLOT_WORDS"),
+    ("kProxyOpPut", "u64", wire.PROXY_OP_PUT, "wire.PROXY_OP_PUT"),
+    ("kProxyOpSignal", "u64", wire.PROXY_OP_SIGNAL, "wire.PROXY_OP_SIGNAL"),
+    ("kExpertsPerBlock", "int", EXPERTS_PER_LAYOUT_BLOCK,
+     "jit/variants.py EXPERTS_PER_LAYOUT_BLOCK: experts per layout histogram block"),
+    ("kMaxRanks", "int", MAX_RANKS, "jit/variants.py MAX_RANKS: ranks of one CUDA group"),
 )
 
 
@@ -48,7 +70,7 @@ def header_text() -> str:
              "// Included by common.cuh after the integer typedefs.",
              "#pragma once", "", "// ---- wire format (moe_comm/wire.py)"]
     for name, ctype, value, why in WIRE_CONSTANTS:
-        suffix = "ull" if ctype == "u64" else ""
+        suffix = {"u64": "ull", "u32": "u"}.get(ctype, "")
         lines.append(f"constexpr {ctype} {name} = {value}{suffix};  // {why}")
     lines += ["", "// ---- kernel parameter lists (moe_comm/jit/kernel_args.py)"]
     for name, sig in KERNEL_ARGS.items():

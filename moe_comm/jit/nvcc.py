@@ -89,7 +89,8 @@ def _commands(program: Program, arch: str, root: Path, obj: Path, cubin: Path):
     # quiet/flush functions spill a few bytes; our kernels' frames are checked from the cubin.)
     compile_cmd = [nvcc, "-rdc=true", f"-arch={arch}", f"-std={_STD}", "-lineinfo",
                    "-DMOE_WITH_NVSHMEM", *macros,
-                   "-I", str(root / "kernels"), "-I", str(device_header.include_dir(cache_dir("ibgda"))),
+                   "-I", str(root / "kernels"),
+                   "-I", str(device_header.include_dir(cache_dir("ibgda"))),
                    "-I", str(nv.include),
                    "-c", str(root / program.source), "-o", str(obj)]
     link_cmd = [nvcc, f"-arch={arch}", "-dlink", "-cubin", str(obj), "-L", str(nv.lib),

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+EXPERTS_PER_LAYOUT_BLOCK = 1024      # experts per block of the layout kernel's histograms
 MAX_RANKS = 8                       # ranks of one CUDA group (one node's GPUs; also across
                                     # hosts through the host proxy, until IBGDA lifts it)
 SPECIALISED_HIDDEN = (1024, 2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
@@ -41,7 +42,7 @@ INTRANODE_KERNELS = ("moe_layout", "moe_notify", "moe_wait_done", "moe_dispatch_
                      "moe_combine_reduce_f16", "moe_combine_reduce_f32", "moe_agree")
 
 # Threads per block of every kernel: the one definition of a kernel's block size. The launch
-# sites (normal.py, ll.py, elastic.py, moe_comm/testing/ibgda_selftest.py) launch with THREADS[name],
+# sites (cuda/normal.py, ll.py, elastic.py, testing/ibgda_selftest.py) launch with THREADS[name],
 # and every build (NVRTC, the nvcc/NVSHMEM build, the emulator) compiles the kernel with
 # __launch_bounds__(MOE_THREADS_<NAME>) of the same number (:func:`thread_defines`), so the
 # compiler keeps each kernel within the registers a block that size can have (65,536 per

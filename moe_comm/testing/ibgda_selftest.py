@@ -3,8 +3,9 @@ the pull fallback (remote read) and a deadline that expires (no hang, silent ran
 
 Needs a GPU and an RDMA NIC (IB or RoCE, ConnectX-class for IBGDA); both ranks may share one
 GPU and NIC: ``force_network=True`` (the default) sets ``NVSHMEM_DISABLE_P2P=1`` so the two PEs
-talk through the NIC even on one node. Run by hand with ``python -m moe_comm.testing.ibgda_selftest``
-or through tests/test_ibgda_gpu.py. Ranks are spawned processes (not forked: CUDA).
+talk through the NIC even on one node. Run by hand with
+``python -m moe_comm.testing.ibgda_selftest`` or through tests/test_ibgda_gpu.py. Ranks are
+spawned processes (not forked: CUDA).
 
 Buffer layout of each rank (its own buffer of ctx.comm_buffers; a message to a network peer
 is staged in the mirror at the same offset), byte offsets:
@@ -33,12 +34,11 @@ from ..jit.kernel_args import pack
 from ..jit.launch import launch
 from ..jit.nvcc import build_cubin, selftest_program
 from ..jit.variants import THREADS
+from ..wire import ERR_TIMEOUT, ERROR_HEADER, MAX_ERROR_RANKS
 
 SIG_ONEWAY, SIG_PING, SIG_PULL, SIG_NEVER = 0, 64, 128, 192
 SRC, DST = 4096, 4096 + (1 << 20)
 BUFFER_BYTES = 4096 + (2 << 20)
-ERR_TIMEOUT = 1                       # csrc/kernels/sync.cuh kErrTimeout
-ERROR_HEADER, MAX_ERROR_RANKS = 4, 64
 
 
 def _pattern(rank: int, nbytes: int):

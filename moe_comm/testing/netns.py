@@ -405,7 +405,8 @@ class _ExecRank:
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
-                hosts.exec_argv(spec["host"], [sys.executable, "-m", "moe_comm.testing.netns", path]),
+                hosts.exec_argv(spec["host"],
+                                [sys.executable, "-m", "moe_comm.testing.netns", path]),
                 stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def alive(self) -> bool:
