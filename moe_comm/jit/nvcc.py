@@ -24,7 +24,6 @@ written atomically (ranks that build the same program at once do not corrupt eac
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 import subprocess
 import tempfile
@@ -32,7 +31,7 @@ import tempfile
 from . import device_header, elf
 from .cache import cache_dir, csrc_dir, key, sources_digest, write_atomic
 from .toolchain import nvcc_path, nvcc_version, nvshmem_install
-from .variants import thread_defines
+from .variants import Variant, thread_defines
 
 OPTIONS_VERSION = "2"            # bump when the commands below change
 _STD = "c++17"
@@ -43,20 +42,9 @@ class IbgdaBuildError(RuntimeError):
     """nvcc rejected the program (or, in strict mode, warned), or the link left symbols open."""
 
 
-@dataclass(frozen=True)
-class Program:
-    """One translation unit: ``source`` (relative to csrc/) compiled with ``defines`` (sorted
-    ``(name, value)`` pairs, MOE_WITH_NVSHMEM implied); it holds ``kernels``."""
-
-    source: str
-    defines: tuple
-    kernels: tuple
-
-    @property
-    def label(self) -> str:
-        macros = ",".join(f"{k}={v}" for k, v in self.defines
-                          if not k.startswith("MOE_THREADS_"))
-        return f"{self.source}[{macros}]"
+# One translation unit of an nvcc build: a Variant whose ``source`` is relative to csrc/ (not
+# csrc/kernels), compiled with its ``defines`` (MOE_WITH_NVSHMEM implied); it holds ``kernels``.
+Program = Variant
 
 
 SELFTEST_KERNELS = ("moe_ibgda_test_send", "moe_ibgda_test_wait", "moe_ibgda_test_wait_remote",
