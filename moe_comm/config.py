@@ -40,9 +40,11 @@ class Config:
 
 def normal_buffer_size_hint(num_max_tokens_per_rank: int, hidden_bytes: int, num_ranks: int,
                             topk: int = 8, scale_bytes: int = 0, keep_alive: int = 1) -> int:
-    """Host backend heap bytes that always suffice: the worst case where every token of every
-    rank comes to one rank, for ``keep_alive`` received results held at once plus the combine
-    staging region."""
+    """Host backend heap bytes for the single-copy path in the worst case (every token of
+    every rank comes to one rank), for ``keep_alive`` received results held at once plus the
+    combine staging region. A smaller heap still runs any batch: what does not fit streams
+    through half the heap in rounds (moe_comm/host/normal.py RoundPlan), at the cost of one
+    more copy; it needs at least two rows' worth (``2 * SlabLayout(1, ...).nbytes``)."""
     rows = num_max_tokens_per_rank * num_ranks
     recv = SlabLayout(rows, hidden_bytes, scale_bytes // 4, topk).nbytes
     staging = SlabLayout(num_max_tokens_per_rank * num_ranks, hidden_bytes, 0, topk).nbytes

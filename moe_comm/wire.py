@@ -250,6 +250,24 @@ class SlabLayout:
         return max(1, self.nbytes // PAGE)
 
 
+def stream_chunk_rows(rows: int, row_bytes: int, scale_cols: int, topk: int,
+                      heap_bytes: int) -> int:
+    """Rows per round of a normal-mode receive region of ``rows`` rows in a heap of
+    ``heap_bytes``: all of them when their slab fits the heap (one round, the single-copy
+    path), else as many as fit half the heap (the region streams through it in rounds; the
+    other half stays for results the caller still holds). 0 when not even one row fits. Every
+    rank computes it from the count matrix and the (equal) heap size: the same geometry
+    everywhere."""
+    if SlabLayout(rows, row_bytes, scale_cols, topk).nbytes <= heap_bytes:
+        return rows
+    budget = heap_bytes // 2
+    per_row = row_bytes + scale_cols * 4 + topk * 12
+    n = min(rows, budget // per_row)
+    while n > 0 and SlabLayout(n, row_bytes, scale_cols, topk).nbytes > budget:
+        n -= max(1, (SlabLayout(n, row_bytes, scale_cols, topk).nbytes - budget) // per_row)
+    return max(n, 0)
+
+
 LL_MAX_TOPK = 16                     # combine slots per token in the LL receive region
 
 

@@ -108,10 +108,11 @@ def _bad_calls(rank, n):
             seen.append(name)
         else:
             raise AssertionError(f"{name}: no {exc.__name__}")
-    # too small a buffer: every rank learns it from the count matrix, nothing moves
+    # too small a buffer (a batch larger than it streams through it; a row larger than half
+    # of it cannot): every rank learns it from the count matrix, nothing moves
     tiny = moe_comm.Buffer(None, 64 << 10, timeout_s=20)
-    big = torch.randn(200, 1024).bfloat16()
-    bidx = torch.zeros(200, 1, dtype=torch.int64)           # all to expert 0 (rank 0)
+    big = torch.randn(4, 32768).bfloat16()
+    bidx = torch.zeros(4, 1, dtype=torch.int64)             # all to expert 0 (rank 0)
     ntr2, _, nte2, itr2, _ = tiny.get_dispatch_layout(bidx, E)
     try:
         tiny.dispatch(big, topk_idx=bidx, num_tokens_per_rank=ntr2, is_token_in_rank=itr2,

@@ -154,6 +154,11 @@ class HostComm:
             at = (self.heap_offset if region == "heap" else self.ll_offset) + start
             self.transport.put(rank, at, self._mem[rank][at:at + nbytes])
 
+    def refresh_deadline(self) -> None:
+        """A fresh deadline for the next round of a call that streams through the heap in
+        rounds (each round is one exchange with its peers, bounded on its own)."""
+        self._deadline = time.monotonic() + self.timeout_s
+
     def wait(self, waits: dict, epoch: int, op: str, on_ready=None) -> set:
         """Wait for the tagged words ``waits`` (rank -> view of *this* rank's header) of the
         active ranks until the call's deadline. Returns the ranks that missed it (elastic

@@ -35,7 +35,7 @@ from .. import signature
 from ..errors import BufferTooSmallError
 from ..handle import DispatchHandle
 from ..layout import local_topk
-from ..wire import GRANT_FAILED, PAGE, SlabLayout, tag_epoch, tag_value
+from ..wire import GRANT_FAILED, PAGE, SlabLayout, stream_chunk_rows, tag_epoch, tag_value
 from .reduce import sum_rows_per_token
 
 log = logging.getLogger("moe_comm")
@@ -45,12 +45,55 @@ class ReceiverFailed(RuntimeError):
     pass
 
 
-def _capacity_error(comm, what: str, layouts):
-    """BufferTooSmallError if a slab of ``layouts`` exceeds the heap (the same on every rank
-    that computed the same layouts), else None."""
-    need = max((lay.nbytes for lay in layouts), default=0)
-    if need > comm.heap.capacity:
-        return BufferTooSmallError(what, need, comm.heap.capacity)
+class RoundPlan:
+    """How one call's receive regions pass through the heaps: rank d's region holds
+    ``chunk[d]`` of its ``rows_at[d]`` rows per round - all of them when they fit (one round,
+    the region is the output), else it streams in rounds. ``counts[s, d]``: rows s sends d,
+    which land at rows ``[row0[s, d], row0[s, d] + counts[s, d])`` of d's region (by source,
+    then token). Computed from the count matrix and the equal heap size: the same everywhere."""
+
+    def __init__(self, counts: np.ndarray, rows_at: list, chunk: list):
+        self.counts, self.rows_at, self.chunk = counts, rows_at, chunk
+        self.row0 = np.cumsum(counts, 0) - counts
+        self.rounds = max([1] + [-(-n // c) for n, c in zip(rows_at, chunk) if n and c])
+
+    def streams(self, d: int) -> bool:
+        return self.chunk[d] < self.rows_at[d]
+
+    def span(self, d: int, r: int):
+        """Rows ``[lo, hi)`` of d's region that round r moves (empty when none)."""
+        lo = r * self.chunk[d]
+        return lo, max(lo, min(lo + self.chunk[d], self.rows_at[d]))
+
+    def part(self, s: int, d: int, r: int):
+        """``(first, last, local)``: s's rows at d that round r moves, as rows of d's region,
+        and where ``first`` lands in that round's chunk."""
+        lo, hi = self.span(d, r)
+        first = max(lo, int(self.row0[s, d]))
+        last = max(first, min(hi, int(self.row0[s, d] + self.counts[s, d])))
+        return first, last, first - lo
+
+    def sources(self, d: int, r: int) -> list:
+        return [s for s in range(len(self.rows_at)) if self.part(s, d, r)[1] >
+                self.part(s, d, r)[0]]
+
+    def dests(self, s: int, r: int) -> list:
+        """Ranks s writes to in round r, in s's rotation order."""
+        return [d for d in _rotation(s, len(self.rows_at)) if self.part(s, d, r)[1] >
+                self.part(s, d, r)[0]]
+
+    def epochs(self, comm, epoch: int, refused: bool) -> list:
+        """One epoch per round, all taken now: every rank advances alike whatever fails."""
+        return [epoch] + ([] if refused else [comm.next_epoch() for _ in range(self.rounds - 1)])
+
+
+def _row_error(comm, what: str, plan: RoundPlan, layout_of):
+    """BufferTooSmallError when a rank's region cannot take even one row per round (the same
+    on every rank), else None. ``layout_of(n)``: the SlabLayout of n rows."""
+    for d, (rows, chunk) in enumerate(zip(plan.rows_at, plan.chunk)):
+        if rows and not chunk:
+            return BufferTooSmallError(f"{what} (one row, streamed through half the heap)",
+                                       2 * layout_of(1).nbytes, comm.heap.capacity)
     return None
 
 
@@ -213,65 +256,91 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
     scale_cols = 0 if scales is None else scales.shape[1]
     topk = 0 if topk_idx is None else topk_idx.shape[1]
     recv_rows = matrix.sum(0)
+    rows_at = [max(int(recv_rows[d]), num_worst_tokens) for d in range(R)]
+    plan = RoundPlan(matrix, rows_at, [stream_chunk_rows(
+        rows_at[d], row_bytes, scale_cols, topk, comm.heap_bytes) for d in range(R)])
 
-    def slab(d):
-        return SlabLayout(max(int(recv_rows[d]), num_worst_tokens), row_bytes, scale_cols, topk)
+    def slab(d):            # the region rank d receives into, each round
+        return SlabLayout(plan.chunk[d], row_bytes, scale_cols, topk)
 
-    refuse = _capacity_error(comm, "dispatch", [slab(d) for d in range(R)])
+    refuse = _row_error(comm, "dispatch", plan, lambda n: SlabLayout(n, row_bytes, scale_cols,
+                                                                      topk))
     if refuse is not None and calls is None:
         raise refuse       # after the count exchange: every rank raises here, nothing moved
     # (a cached dispatch goes through the payload phase granting nothing, so a rank that
     # signed the call differently - and sized it differently - still raises with the rest)
-    mine = slab(me)
+    epochs = plan.epochs(comm, epoch, refuse is not None)
     num_recv = int(recv_rows[me])
     if refuse is None and num_worst_tokens and num_recv > num_worst_tokens:
         refuse = ValueError(f"num_worst_tokens={num_worst_tokens} is smaller than the "
                             f"{num_recv} tokens rank {me} receives")
-    sources = [s for s in range(R) if matrix[s, me] > 0]
-    page, own_error = _grant(comm, epoch, mine.nbytes, "dispatch", sources, refuse)
-
     num_local = num_experts // R if topk else 0
 
-    def write(dst, dst_page):
-        ids, c = send_ids[dst], int(matrix[me, dst])
-        lay, row0 = slab(dst), int(matrix[:me, dst].sum())
-        base = dst_page * PAGE
-        heap = comm.peer_heap(dst)
-        offs = lay.offsets
-        spans = []
+    def write_round(r):
+        def write(dst, dst_page):
+            first, last, local = plan.part(me, dst, r)
+            at = first - int(plan.row0[me, dst])
+            ids, c = send_ids[dst][at:at + last - first], last - first
+            base, heap, offs = dst_page * PAGE, comm.peer_heap(dst), slab(dst).offsets
+            spans = []
 
-        def rows(sub, width, elem, dt):
-            start = base + offs[sub] + row0 * width * elem
-            spans.append((start, c * width * elem))
-            return heap[start:start + c * width * elem].view(dt).view(c, width)
+            def rows(sub, width, elem, dt):
+                start = base + offs[sub] + local * width * elem
+                spans.append((start, c * width * elem))
+                return heap[start:start + c * width * elem].view(dt).view(c, width)
 
-        torch.index_select(x_bytes, 0, ids, out=rows(0, row_bytes, 1, torch.uint8))
-        if scales is not None:
-            torch.index_select(scales, 0, ids, out=rows(1, scale_cols, 4, torch.float32))
-        if topk:
-            li, lw = local_topk(topk_idx[ids], None if topk_weights is None
-                                else topk_weights[ids], dst, num_local)
-            rows(2, topk, 8, torch.int64).copy_(li)
-            w = rows(3, topk, 4, torch.float32)
-            w.copy_(lw) if lw is not None else w.zero_()
-        for start, nbytes in spans:
-            comm.commit(dst, "heap", start, nbytes)
+            torch.index_select(x_bytes, 0, ids, out=rows(0, row_bytes, 1, torch.uint8))
+            if scales is not None:
+                torch.index_select(scales, 0, ids, out=rows(1, scale_cols, 4, torch.float32))
+            if topk:
+                li, lw = local_topk(topk_idx[ids], None if topk_weights is None
+                                    else topk_weights[ids], dst, num_local)
+                rows(2, topk, 8, torch.int64).copy_(li)
+                w = rows(3, topk, 4, torch.float32)
+                w.copy_(lw) if lw is not None else w.zero_()
+            for start, nbytes in spans:
+                comm.commit(dst, "heap", start, nbytes)
+        return write
 
-    _exchange(comm, epoch, "dispatch", page=page, own_error=own_error, write=write,
-              need=lambda d: slab(d).nbytes, calls=calls, call_row=call_row,
-              dests=[d for d in _rotation(me, R) if matrix[me, d] > 0], sources=sources)
+    widths = [(row_bytes, 1, torch.uint8), (scale_cols, 4, torch.float32),
+              (topk, 8, torch.int64), (topk, 4, torch.float32)]
+    wanted = [True, scales is not None, topk > 0, topk > 0]
+    mine, streamed = slab(me), plan.streams(me)
+    if streamed:                      # the rows pass through the heap: outputs of their own
+        recv = [torch.empty(rows_at[me], w, dtype=dt) if want else None
+                for (w, _, dt), want in zip(widths, wanted)]
+    for r, ep in enumerate(epochs):
+        if r:
+            comm.refresh_deadline()
+        sources = plan.sources(me, r)
+        has_region = r == 0 or plan.span(me, r)[1] > plan.span(me, r)[0]
+        page, own_error = (_grant(comm, ep, mine.nbytes, "dispatch", sources,
+                                  refuse if r == 0 else None) if has_region else (None, None))
+        if r == 0:
+            first_page = page
+        _exchange(comm, ep, "dispatch", page=page, own_error=own_error,
+                  write=write_round(r), need=lambda d: slab(d).nbytes,
+                  calls=calls if r == 0 else None, call_row=call_row,
+                  dests=plan.dests(me, r), sources=sources)
+        if streamed and page is not None:
+            lo, hi = plan.span(me, r)
+            region = torch.from_numpy(comm.heap.view(page, mine.nbytes))
+            for sub, ((w, elem, dt), out) in enumerate(zip(widths, recv)):
+                if out is not None:
+                    at = mine.offsets[sub]
+                    out[lo:hi] = region[at:at + (hi - lo) * w * elem].view(dt).view(hi - lo, w)
+            comm.heap.free(page)
 
-    region = comm.heap.tensor_owning(page, mine.nbytes)
-    offs, rows_out = mine.offsets, mine.rows
+    if not streamed:                  # single copy: the region itself is the output
+        region = comm.heap.tensor_owning(first_page, mine.nbytes)
+        offs, rows_out = mine.offsets, mine.rows
 
-    def out(sub, width, elem, dt):
-        return region[offs[sub]:offs[sub] + rows_out * width * elem].view(dt).view(rows_out,
-                                                                                   width)
+        def out(sub, width, elem, dt):
+            return region[offs[sub]:offs[sub] + rows_out * width * elem].view(dt).view(
+                rows_out, width)
 
-    recv = [out(0, row_bytes, 1, torch.uint8),
-            out(1, scale_cols, 4, torch.float32) if scales is not None else None,
-            out(2, topk, 8, torch.int64) if topk else None,
-            out(3, topk, 4, torch.float32) if topk else None]
+        recv = [out(sub, w, elem, dt) if want else None
+                for sub, ((w, elem, dt), want) in enumerate(zip(widths, wanted))]
     survivors = handle.without_inactive(comm.active, me)
     if survivors is not handle:       # ranks masked during the payload: drop what they sent
         keep = _rows_of(matrix[:, me], comm.active)
@@ -312,53 +381,89 @@ def combine(comm, *, x, handle, topk_weights, bias):
     row_bytes = x_bytes.shape[1]
     topk = 0 if topk_weights is None else topk_weights.shape[1]
     sent_rows = matrix.sum(1)
+    # the rows come back to their owners: expert rank d sends owner o matrix[o, d] rows
+    plan = RoundPlan(matrix.T, [int(n) for n in sent_rows], [stream_chunk_rows(
+        int(sent_rows[o]), row_bytes, 0, topk, comm.heap_bytes) for o in range(R)])
 
-    def slab(r):
-        return SlabLayout(int(sent_rows[r]), row_bytes, 0, topk)
+    def slab(o):            # the staging region owner o receives into, each round
+        return SlabLayout(plan.chunk[o], row_bytes, 0, topk)
 
     # too small: granted nothing but gone through with the others (see dispatch)
-    refuse = _capacity_error(comm, "combine", [slab(r) for r in range(R)])
+    refuse = _row_error(comm, "combine", plan, lambda n: SlabLayout(n, row_bytes, 0, topk))
+    epochs = plan.epochs(comm, epoch, refuse is not None)
     mine = slab(me)
-    experts = [d for d in range(R) if matrix[me, d] > 0 and comm.active[d]]
-    page, own_error = _grant(comm, epoch, mine.nbytes, "combine", experts, refuse)
 
-    def write(owner, owner_page):
-        c = int(matrix[owner, me])
-        src0 = int(matrix[:owner, me].sum())       # my received rows from `owner` start here
-        row0 = int(matrix[owner, :me].sum())       # owner's staging rows from me start here
-        lay, base, heap = slab(owner), owner_page * PAGE, comm.peer_heap(owner)
-        o = lay.offsets
-        at = base + o[0] + row0 * row_bytes
-        heap[at:at + c * row_bytes].view(c, row_bytes).copy_(x_bytes[src0:src0 + c])
-        comm.commit(owner, "heap", at, c * row_bytes)
-        if topk:
-            at = base + o[3] + row0 * topk * 4
-            heap[at:at + c * topk * 4].view(torch.float32).view(c, topk).copy_(
-                topk_weights[src0:src0 + c])
-            comm.commit(owner, "heap", at, c * topk * 4)
+    def write_round(r):
+        def write(owner, owner_page):
+            first, last, local = plan.part(me, owner, r)
+            c = last - first
+            # my received rows from `owner` start at src0; these are `first - row0` further
+            src0 = int(matrix[:owner, me].sum()) + first - int(plan.row0[me, owner])
+            base, heap, o = owner_page * PAGE, comm.peer_heap(owner), slab(owner).offsets
+            at = base + o[0] + local * row_bytes
+            heap[at:at + c * row_bytes].view(c, row_bytes).copy_(x_bytes[src0:src0 + c])
+            comm.commit(owner, "heap", at, c * row_bytes)
+            if topk:
+                at = base + o[3] + local * topk * 4
+                heap[at:at + c * topk * 4].view(torch.float32).view(c, topk).copy_(
+                    topk_weights[src0:src0 + c])
+                comm.commit(owner, "heap", at, c * topk * 4)
+        return write
 
-    _exchange(comm, epoch, "combine", page=page, own_error=own_error, write=write,
-              need=lambda owner: slab(owner).nbytes, calls=calls, call_row=call_row,
-              dests=[s for s in _rotation(me, R) if matrix[s, me] > 0 and comm.active[s]],
-              sources=experts)
-
-    try:
+    streamed, n_rows = plan.streams(me), plan.rows_at[me]
+    if streamed:                      # the rows pass through the heap into tensors of their own
+        rows_all = torch.empty(n_rows, row_bytes, dtype=torch.uint8)
+        weights_all = torch.empty(n_rows, topk, dtype=torch.float32) if topk else None
+    result = None
+    for r, ep in enumerate(epochs):   # every round, also those that bring this rank nothing
+        if r:
+            comm.refresh_deadline()
+        experts = [d for d in plan.sources(me, r) if comm.active[d]]
+        lo, hi = plan.span(me, r)
+        page, own_error = (_grant(comm, ep, mine.nbytes, "combine", experts,
+                                  refuse if r == 0 else None)
+                           if r == 0 or hi > lo else (None, None))
+        _exchange(comm, ep, "combine", page=page, own_error=own_error, write=write_round(r),
+                  need=lambda owner: slab(owner).nbytes, calls=calls if r == 0 else None,
+                  call_row=call_row, sources=experts,
+                  dests=[o for o in plan.dests(me, r) if comm.active[o]])
+        if page is None:
+            continue
         staging = torch.from_numpy(comm.heap.view(page, mine.nbytes))
-        o, n = mine.offsets, mine.rows
-        rows = staging[o[0]:o[0] + n * row_bytes].view(dtype).view(n, hidden)
-        bounds = np.concatenate([[0], np.cumsum(matrix[me])])
-        live = [d for d in range(R) if comm.active[d]]
-        segments = [rows[bounds[d]:bounds[d + 1]] for d in live]
-        ids = [send_ids[d] for d in live]
-        out = sum_rows_per_token(segments, ids, handle.num_tokens, dtype, bias)
-        combined_w = None
-        if topk:
-            w = staging[o[3]:o[3] + n * topk * 4].view(torch.float32).view(n, topk)
-            combined_w = torch.zeros(handle.num_tokens, topk, dtype=torch.float32)
-            for d in live:
-                combined_w.index_add_(0, send_ids[d], w[bounds[d]:bounds[d + 1]])
-    finally:
-        comm.heap.free(page)
+        o = mine.offsets
+        rows = staging[o[0]:o[0] + (hi - lo) * row_bytes].view(hi - lo, row_bytes)
+        weights = staging[o[3]:o[3] + (hi - lo) * topk * 4].view(torch.float32).view(
+            hi - lo, topk) if topk else None
+        try:
+            if not streamed:          # one round: reduce straight from the staging region
+                result = _reduce(comm, rows.view(dtype).view(hi - lo, hidden), weights,
+                                 matrix[me], send_ids, handle.num_tokens, bias)
+            else:
+                rows_all[lo:hi] = rows
+                if topk:
+                    weights_all[lo:hi] = weights
+        finally:
+            comm.heap.free(page)
+    if streamed:
+        result = _reduce(comm, rows_all.view(dtype).view(n_rows, hidden), weights_all,
+                         matrix[me], send_ids, handle.num_tokens, bias)
+    return result
+
+
+def _reduce(comm, rows, weights, counts, send_ids, num_tokens, bias):
+    """Per-token sums of the rows this rank got back (``rows`` [n, H], grouped by expert rank,
+    ``counts[d]`` each; ``weights`` [n, K] or None) over the active ranks, plus ``bias``.
+    Returns ``(combined_x, combined_topk_weights or None)``."""
+    bounds = np.concatenate([[0], np.cumsum(counts)])
+    live = [d for d in range(comm.num_ranks) if comm.active[d]]
+    segments = [rows[bounds[d]:bounds[d + 1]] for d in live]
+    ids = [send_ids[d] for d in live]
+    out = sum_rows_per_token(segments, ids, num_tokens, rows.dtype, bias)
+    combined_w = None
+    if weights is not None:
+        combined_w = torch.zeros(num_tokens, weights.shape[1], dtype=torch.float32)
+        for d in live:
+            combined_w.index_add_(0, send_ids[d], weights[bounds[d]:bounds[d + 1]])
     return out, combined_w
 
 

@@ -37,3 +37,4 @@ def sum_rows_per_token(segments, ids_per_segment, num_tokens: int, out_dtype, bi
             a += bias[t0:t1]
         out[t0:t1] = a
     return out
+
