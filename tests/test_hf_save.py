@@ -16,13 +16,14 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
-from moe_comm import replace_moe_blocks  # noqa: E402
-from moe_comm.nn import (gather_full_state_dict, load_full_state_dict,  # noqa: E402
-                         save_pretrained)
-from moe_comm.nn.checkpoint import moe_layers  # noqa: E402
-from ranks import run_ranks  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
-from test_hf_adapter import H, LegacyBlock, configs, randomize  # noqa: E402
+from ranks import run_ranks
+from safetensors.torch import load_file
+from test_hf_adapter import H, LegacyBlock, configs, randomize
+
+from moe_comm import replace_moe_blocks
+from moe_comm.nn import gather_full_state_dict, load_full_state_dict, save_pretrained
+from moe_comm.nn.checkpoint import moe_layers
+from moe_comm.nn.hf_layout import BlockLayout
 
 N_RANKS = 2
 CLASSES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
@@ -30,8 +31,8 @@ CLASSES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
 # (name, model kind, replace_moe_blocks arguments, rebalance to a skewed load afterwards)
 CASES = [("mixtral", "mixtral", {}, False),
          ("qwen2_moe", "qwen2_moe", {}, False),
-         ("mixtral_eplb", "mixtral", dict(num_redundant_experts=2), True),
-         ("deepseek_v3_eplb", "deepseek_v3", dict(num_redundant_experts=2), False)]
+         ("mixtral_eplb", "mixtral", {"num_redundant_experts": 2}, True),
+         ("deepseek_v3_eplb", "deepseek_v3", {"num_redundant_experts": 2}, False)]
 SKEWED_LOAD = torch.tensor([50.0, 1, 1, 1, 1, 1, 1, 30])
 
 
@@ -80,11 +81,11 @@ def _run_transformers(rank, n, tmp):
         load_result = load_full_state_dict(fresh, full)
         with torch.no_grad():
             unsharded, refilled = reloaded(ids).logits, fresh(ids).logits
-        res[name] = dict(
-            original=original, full=full, on_rank0=on_rank0, sharded=sharded,
-            unsharded=unsharded, refilled=refilled, load_result=load_result,
-            replicas=[int(layer.experts.logcnt.max()) for _, layer in layers],
-            files=(_files(reference_dir), _files(saved_dir)) if rank == 0 else None)
+        res[name] = {
+            "original": original, "full": full, "on_rank0": on_rank0, "sharded": sharded,
+            "unsharded": unsharded, "refilled": refilled, "load_result": load_result,
+            "replicas": [int(layer.experts.logcnt.max()) for _, layer in layers],
+            "files": (_files(reference_dir), _files(saved_dir)) if rank == 0 else None}
     return res
 
 
@@ -122,12 +123,12 @@ def test_save_pretrained_writes_the_unreplaced_checkpoint(transformers_results, 
 @pytest.mark.parametrize("case", [c[0] for c in CASES])
 def test_reloaded_checkpoint_matches_sharded_model(transformers_results, case):
     for rank, res in enumerate(transformers_results):
-        r = res[case]
+        r, where = res[case], f"{case} rank {rank}"
         torch.testing.assert_close(r["unsharded"], r["sharded"], rtol=1e-4, atol=1e-4,
-                                   msg=lambda m: f"{case} rank {rank} from_pretrained: {m}")
+                                   msg=lambda m, w=where: f"{w} from_pretrained: {m}")
         assert not r["load_result"].missing_keys and not r["load_result"].unexpected_keys
         torch.testing.assert_close(r["refilled"], r["sharded"], rtol=1e-4, atol=1e-4,
-                                   msg=lambda m: f"{case} rank {rank} load_full: {m}")
+                                   msg=lambda m, w=where: f"{w} load_full_state_dict: {m}")
 
 
 class LegacyModel(nn.Module):
@@ -148,11 +149,11 @@ class LegacyModel(nn.Module):
         return x
 
 
-def _run_legacy(rank, n, tmp):
-    model = randomize(LegacyModel(), 3).eval()
+def _run_legacy(rank, n, tmp, dtype):
+    model = randomize(LegacyModel(), 3).to(dtype).eval()
     original = {k: v.clone() for k, v in model.state_dict().items()}
     replace_moe_blocks(model, max_tokens_per_rank=64)
-    x = torch.randn(2, 6 + rank, H, generator=torch.Generator().manual_seed(rank))
+    x = torch.randn(2, 6 + rank, H, generator=torch.Generator().manual_seed(rank)).to(dtype)
     with torch.no_grad():
         sharded = model(x)
     path = os.path.join(tmp, "legacy.pt")
@@ -160,17 +161,42 @@ def _run_legacy(rank, n, tmp):
     if rank == 0:
         torch.save(full, path)
     torch.distributed.barrier()
-    plain = LegacyModel().eval()                   # plain torch: strict load by the old names
+    plain = LegacyModel().to(dtype).eval()         # plain torch: strict load by the old names
     plain.load_state_dict(torch.load(path), strict=True)
     with torch.no_grad():
         unsharded = plain(x)
-    return dict(original=original, full=full, sharded=sharded, unsharded=unsharded)
+    return {"original": original, "full": full, "sharded": sharded, "unsharded": unsharded}
 
 
-def test_legacy_blocks_roundtrip(tmp_path):
-    for rank, r in enumerate(run_ranks(_run_legacy, N_RANKS, str(tmp_path), timeout=120)):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_legacy_blocks_roundtrip(tmp_path, dtype):
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    results = run_ranks(_run_legacy, N_RANKS, str(tmp_path), dtype, timeout=120)
+    for rank, r in enumerate(results):
         if rank == 0:
             assert list(r["full"]) == list(r["original"])
             for key, want in r["original"].items():
                 assert torch.equal(r["full"][key], want), key
-        torch.testing.assert_close(r["unsharded"], r["sharded"], rtol=1e-4, atol=1e-4)
+        else:
+            assert r["full"] is None
+        torch.testing.assert_close(r["unsharded"].float(), r["sharded"].float(), rtol=tol,
+                                   atol=tol * max(1.0, float(r["sharded"].abs().max())))
+
+
+def test_transposed_layout_roundtrip():
+    """Packed experts stored [E, H, 2I] / [E, I, H] (``is_transposed``) go back transposed."""
+    layout = BlockLayout(transposed=True, shared_name="shared_expert",
+                         block_keys=("gate.weight", "experts.gate_up_proj", "experts.down_proj",
+                                     "shared_expert.w"))
+    full = {"gate.weight": torch.randn(4, 6), "experts.gate_up_proj": torch.randn(4, 10, 6),
+            "experts.down_proj": torch.randn(4, 6, 5), "shared_experts.w": torch.randn(3)}
+    block = layout.to_block(full)
+    assert list(block) == list(layout.block_keys)
+    assert block["experts.gate_up_proj"].shape == (4, 6, 10)
+    assert block["experts.down_proj"].shape == (4, 5, 6)
+    back = layout.from_block(block)
+    assert sorted(back) == sorted(full)
+    for key, value in full.items():
+        assert torch.equal(back[key], value), key
+    with pytest.raises(ValueError, match="unexpected"):      # a weight the block lacked
+        layout.to_block({**full, "gate.bias": torch.zeros(4)})

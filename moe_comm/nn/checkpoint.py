@@ -5,8 +5,9 @@ placement, which is what a per-rank resume needs. A checkpoint other code can re
 model as it was before :func:`~moe_comm.nn.replace.replace_moe_blocks`:
 
 * :func:`gather_full_state_dict` (collective) gathers every layer's expert slots over its
-  group, keeps one copy of each logical expert (EPLB replicas hold equal weights: the first
-  is taken), drops moe_comm's placement buffers and renames the layer's weights to the
+  group, keeps one copy of each logical expert (the first slot holding it: EPLB replicas
+  start equal and rebalancing copies them exactly, but training updates each replica with
+  its own tokens' gradients, so replicas trained apart are not averaged), drops moe_comm's placement buffers and renames the layer's weights to the
   replaced block's (:mod:`moe_comm.nn.hf_layout`): the result has the original model's
   ``state_dict()`` names and shapes.
 * :func:`save_pretrained` (collective) writes that with transformers' ``save_pretrained``

@@ -349,7 +349,9 @@ class MoELayer(nn.Module):
                 shared_buffers, num_nvl_bytes, max_tokens_per_rank, ll_max_tokens,
                 load_recorder, layer_index, ...).
         Returns:
-            a MoELayer in the dtype of the block's expert weights.
+            a MoELayer in the dtype of the block's expert weights, remembering how the block
+            named its weights (``checkpoint_layout``) so that
+            :func:`moe_comm.nn.save_pretrained` writes the block's own checkpoint.
         """
         if isinstance(block, MoELayer):     # has a gate and packed experts, but is sharded
             raise TypeError(f"{type(block).__name__} is not a recognised MoE block (it is "
