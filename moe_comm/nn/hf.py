@@ -70,7 +70,8 @@ class MoEBlockSpec:
         return isinstance(self.gate, nn.Linear)
 
 
-def _legacy_names(expert: nn.Module):
+def legacy_linear_names(expert: nn.Module):
+    """(gate, up, down) names of a v4-style expert's Linear layers, or None."""
     for names in _LEGACY_NAMES:
         if all(isinstance(getattr(expert, n, None), nn.Linear) for n in names):
             return names
@@ -94,8 +95,8 @@ def expert_weights(experts: nn.Module):
         if getattr(experts, "is_transposed", False):           # [E, H, 2I] / [E, I, H]
             gu, dn = gu.transpose(1, 2), dn.transpose(1, 2)
         return gu.detach(), dn.detach(), experts.act_fn
-    if isinstance(experts, nn.ModuleList) and len(experts) and _legacy_names(experts[0]):
-        g, u, d = _legacy_names(experts[0])
+    if isinstance(experts, nn.ModuleList) and len(experts) and legacy_linear_names(experts[0]):
+        g, u, d = legacy_linear_names(experts[0])
         gu = torch.stack([torch.cat([getattr(e, g).weight, getattr(e, u).weight]) for e in experts])
         dn = torch.stack([getattr(e, d).weight for e in experts])
         return gu.detach(), dn.detach(), experts[0].act_fn
@@ -114,7 +115,7 @@ def is_moe_block(module: nn.Module) -> bool:
     if isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
         return True
     return isinstance(experts, nn.ModuleList) and len(experts) > 0 and \
-        _legacy_names(experts[0]) is not None
+        legacy_linear_names(experts[0]) is not None
 
 
 def _pick(name, *sources, default=None):

@@ -30,7 +30,7 @@ from torch import nn
 import torch.distributed as dist
 
 from . import autograd as ag
-from . import hf
+from . import hf, hf_layout
 from ..buffer import Buffer
 from ..eplb import ExpertLoadRecorder, map_logical_to_physical, rebalance_experts
 from ..wire import LL_MAX_TOPK, LLLayout
@@ -39,6 +39,9 @@ from .router import TopKRouter
 from .shared_buffers import DEFAULT_SHARED_BUFFERS, SharedBuffers, world_if_none
 
 MODES = ("auto", "normal", "low_latency")
+# the experts' EPLB placement (physical slot <-> logical expert): moe_comm's own state, kept in
+# the state dict so a rank's shard reloads with its placement, never part of a HF checkpoint
+PLACEMENT_BUFFERS = ("phy2log", "log2phy", "logcnt")
 
 
 class ExpertParallelExperts(LocalExperts):
@@ -131,9 +134,8 @@ class ExpertParallelExperts(LocalExperts):
         else:
             phy2log = torch.arange(E)
             log2phy, logcnt = phy2log.view(E, 1).clone(), torch.ones(E, dtype=torch.int64)
-        self.register_buffer("phy2log", phy2log)
-        self.register_buffer("log2phy", log2phy)
-        self.register_buffer("logcnt", logcnt)
+        for name, value in zip(PLACEMENT_BUFFERS, (phy2log, log2phy, logcnt)):
+            self.register_buffer(name, value)
 
     @property
     def redundant(self) -> bool:
@@ -327,6 +329,9 @@ class MoELayer(nn.Module):
         self.shared_experts = shared_experts
         self.shared_expert_gate = shared_expert_gate
         self.return_router_logits = False
+        # how a checkpoint names this layer's weights (moe_comm.nn.checkpoint); from_hf sets
+        # the replaced block's
+        self.checkpoint_layout = hf_layout.NATIVE_LAYOUT
 
     @classmethod
     def from_hf(cls, block: nn.Module, group=None, config=None, **kwargs) -> "MoELayer":
@@ -344,7 +349,9 @@ class MoELayer(nn.Module):
                 shared_buffers, num_nvl_bytes, max_tokens_per_rank, ll_max_tokens,
                 load_recorder, layer_index, ...).
         Returns:
-            a MoELayer in the dtype of the block's expert weights.
+            a MoELayer in the dtype of the block's expert weights, remembering how the block
+            named its weights (``checkpoint_layout``) so that
+            :func:`moe_comm.nn.save_pretrained` writes the block's own checkpoint.
         """
         if isinstance(block, MoELayer):     # has a gate and packed experts, but is sharded
             raise TypeError(f"{type(block).__name__} is not a recognised MoE block (it is "
@@ -364,6 +371,7 @@ class MoELayer(nn.Module):
             else:
                 layer.gate = copy.deepcopy(spec.gate)
             layer.experts.load_from_full(spec.gate_up_proj, spec.down_proj)
+        layer.checkpoint_layout = hf_layout.layout_of(block)
         return layer.train(spec.training)
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
