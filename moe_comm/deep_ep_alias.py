@@ -18,8 +18,8 @@ picking one of them.
 from __future__ import annotations
 
 import importlib.machinery
-import sys
 from pathlib import Path
+import sys
 
 import torch
 
