@@ -4,6 +4,7 @@ from .config import Config
 from .errors import BufferTooSmallError, CallMismatchError, CommTimeoutError, RankMaskedError
 from .event import EventOverlap
 from .handle import DispatchHandle
+from .logs import apply_env_level
 from .nn.layer import MoELayer
 from .nn.replace import replace_moe_blocks
 from .reference import reference_combine, reference_dispatch
@@ -12,3 +13,5 @@ __all__ = ["Buffer", "Config", "EventOverlap", "DispatchHandle", "CommTimeoutErr
            "RankMaskedError", "BufferTooSmallError", "CallMismatchError", "reference_dispatch",
            "reference_combine", "MoELayer", "replace_moe_blocks"]
 __version__ = "0.1.0"
+
+apply_env_level()           # MOE_COMM_LOG_LEVEL (moe_comm/logs.py)

@@ -19,6 +19,7 @@ from .backend import emulate_cuda, open_backend, pick_device
 from .config import Config, normal_buffer_size_hint
 from .event import EventOverlap, RecvHook, capture_event
 from .handle import DispatchHandle, LowLatencyHandle
+from .logs import log
 from .wire import LL_NUM_BUFFERS, LLLayout
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -102,6 +103,10 @@ class Buffer:
         self._be = open_backend(self.group, self.device, self.num_nvl_bytes, num_rdma_bytes,
                                 self.timeout_s, elastic=self.elastic, transport=transport)
         self._comm = self._be.comm
+        log.info("moe_comm rank %d of %d: %s on %s, %d NVL + %d RDMA bytes, waits time out "
+                 "after %.0f s", self.rank, self.group_size, type(self._be).__name__,
+                 "the CPU kernel emulator" if emulate_cuda() else self.device,
+                 self.num_nvl_bytes, num_rdma_bytes, self.timeout_s)
         self._key = (id(self), self._be.job)
         self._facts = validate.BufferFacts(self.group_size, self.device, self._key,
                                            self.low_latency_mode)

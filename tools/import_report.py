@@ -21,7 +21,7 @@ PKG = "moe_comm"
 # (layer, the top-level modules and folders of moe_comm in it), bottom first
 LAYERS = [
     ("format and pure helpers", ["wire", "errors", "config", "quant", "layout", "event",
-                                 "handle", "signature", "reference", "deps"]),
+                                 "handle", "signature", "reference", "deps", "logs"]),
     ("shared memory", ["shm"]),
     ("transport, kernel builds", ["transport", "jit"]),
     ("IBGDA host side", ["ibgda"]),
@@ -30,7 +30,8 @@ LAYERS = [
     ("expert placement", ["eplb"]),
     ("MoE layer", ["nn"]),
     ("test helpers", ["testing"]),
-    ("package", [""]),
+    ("package", ["", "deep_ep_alias"]),
+    ("deep_ep, when opted in (a path entry, not a subpackage)", ["deep_ep_shim"]),
 ]
 
 

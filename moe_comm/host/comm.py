@@ -80,6 +80,9 @@ class HostComm:
             raise ValueError("num_nvl_bytes/num_rdma_bytes/num_experts must be equal on every "
                              f"rank; segment sizes differ: {[i[1] for i in infos]}")
         job = infos[0][2]
+        log.debug("moe_comm rank %d: job %s, %d rank(s) share this host's memory, ranks on "
+                  "other hosts: %s", self.rank, job, self.num_ranks - len(self.remote_ranks),
+                  self.remote_ranks or "none")
         self.job = job
         self._own = Segment.create(segment_name(job, self.rank), size)
         words = self._own.bytes[:self.layout.nbytes].view(np.int64)

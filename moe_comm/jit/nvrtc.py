@@ -77,7 +77,10 @@ def compile_cubin(variant: Variant, arch: str, *, strict: bool = False, use_cach
     key = cache_key(variant, arch, folder)
     path = cache.cache_dir() / f"{variant.source.rsplit('.', 1)[0]}-{arch}-{key[:40]}.cubin"
     if use_cache and path.is_file():
+        logger.debug("moe_comm: %s for %s from the kernel cache %s", variant.label, arch, path)
         return path.read_bytes()
+    logger.info("moe_comm: compiling %s for %s with NVRTC (cached afterwards in %s)",
+                variant.label, arch, cache.cache_dir())
     source = (folder / variant.source).read_text()
     log = io.StringIO()
     program = cuda_core().Program(source, "c++", _program_options(variant, arch, folder))
