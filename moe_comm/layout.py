@@ -20,6 +20,21 @@ class DispatchLayout:
     per_expert: torch.Tensor | None
     in_rank: torch.Tensor
     send_pos: torch.Tensor | None = None
+    per_host: torch.Tensor | None = None    # DeepEP's num_tokens_per_rdma_rank
+
+
+def tokens_per_host(in_rank: torch.Tensor, host_of) -> torch.Tensor | None:
+    """DeepEP's ``num_tokens_per_rdma_rank``: int32 [hosts], how many tokens go to at least one
+    rank of each host (a token crosses to a host once, however many of its ranks it visits);
+    None when the group is on one host. ``host_of``: int64 [R] host index of every rank. Any
+    device, no host synchronisation."""
+    if host_of is None:
+        return None
+    host_of = host_of.to(in_rank.device)
+    num_hosts = int(host_of.max()) + 1 if host_of.numel() else 1
+    hits = torch.zeros(in_rank.shape[0], num_hosts, dtype=torch.int32, device=in_rank.device)
+    hits.index_add_(1, host_of, in_rank.to(torch.int32))
+    return (hits > 0).sum(0, dtype=torch.int32)
 
 
 def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):

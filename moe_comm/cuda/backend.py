@@ -9,7 +9,7 @@ import torch
 
 from . import groups, ll, normal
 from ..event import EventOverlap, capture_event
-from ..layout import DispatchLayout
+from ..layout import DispatchLayout, tokens_per_host
 
 
 class CudaBackend:
@@ -25,7 +25,8 @@ class CudaBackend:
         """One layout kernel: counts, membership and the send positions dispatch needs."""
         lay = self.normal.dispatch_layout(topk_idx, num_experts, num_ranks)
         per_rank, per_expert, in_rank = self.masked(lay.per_rank, lay.per_expert, lay.in_rank)
-        return DispatchLayout(per_rank, per_expert, in_rank, lay.send_pos)
+        return DispatchLayout(per_rank, per_expert, in_rank, lay.send_pos,
+                              tokens_per_host(in_rank, self.comm.host_of))
 
     def masked(self, per_rank, per_expert, in_rank):
         """The layout with the masked ranks' experts counting no tokens (new tensors once a

@@ -73,11 +73,15 @@ class CudaComm:
     def __init__(self, *, rank: int, num_ranks: int, device: torch.device, pointers: list,
                  heap_bytes: int, ll_bytes: int, timeout_s: float, own_allocation: bool,
                  opened: list, group=None, host_buffers=None, elastic: bool = False,
-                 proxy=None, nvshmem=None, registered=None):
+                 proxy=None, nvshmem=None, registered=None, host_of=None):
         if not 1 <= num_ranks <= MAX_RANKS:
             raise ValueError(f"the CUDA backend maps groups of 1..{MAX_RANKS} ranks, got "
                              f"{num_ranks}")
         self.rank, self.num_ranks, self.group = rank, num_ranks, group
+        # int64 [R] host index of every rank (ranks that map each other's memory share one);
+        # None on one host (layout.tokens_per_host)
+        self.host_of = None if host_of is None or len(set(host_of)) < 2 else \
+            torch.tensor(list(host_of), dtype=torch.int64)
         self.device = torch.device(device)
         self.layout = HeaderLayout(num_ranks)
         self.heap_offset = self.layout.nbytes

@@ -44,6 +44,12 @@ def buffer_bytes(num_ranks: int, heap_bytes: int, ll_bytes: int) -> int:
                                                                                  PAGE)
 
 
+def host_index(identities) -> list:
+    """Each rank's host as an index (hosts numbered in the order of their first rank)."""
+    hosts = list(dict.fromkeys(identities))
+    return [hosts.index(h) for h in identities]
+
+
 def _check_sizes(infos, index: int) -> None:
     sizes = [i[index] for i in infos]
     if len(set(sizes)) != 1:
@@ -83,7 +89,8 @@ def from_group(group, heap_bytes: int, ll_bytes: int, timeout_s: float, device=N
     if path == ibgda.PROXY:
         return _in_host_memory(group, rank, num_ranks, total, engine, **sizes)
     if path == ibgda.IBGDA:
-        return _over_nvshmem(group, rank, num_ranks, total, **sizes)
+        return _over_nvshmem(group, rank, num_ranks, total,
+                             host_of=host_index([h for h, _ in infos]), **sizes)
     return _over_ipc(group, rank, num_ranks, total, **sizes)
 
 
@@ -116,7 +123,7 @@ def _over_ipc(group, rank, num_ranks, total, *, device, **sizes) -> CudaComm:
     return comm
 
 
-def _over_nvshmem(group, rank, num_ranks, total, *, device, **sizes) -> CudaComm:
+def _over_nvshmem(group, rank, num_ranks, total, *, device, host_of, **sizes) -> CudaComm:
     """The buffer and the network ranks' mirrors in the NVSHMEM symmetric heap
     (moe_comm/ibgda/path.py): peers NVSHMEM maps are stores, the others are put to by the GPU
     (IBGDA), and the kernels are the nvcc builds linked against NVSHMEM."""
@@ -124,7 +131,8 @@ def _over_nvshmem(group, rank, num_ranks, total, *, device, **sizes) -> CudaComm
     comm, error = None, None
     try:
         comm = CudaComm(rank=rank, num_ranks=num_ranks, device=device, pointers=bufs.pointers,
-                        own_allocation=False, opened=[], group=group, nvshmem=bufs, **sizes)
+                        own_allocation=False, opened=[], group=group, nvshmem=bufs,
+                        host_of=host_of, **sizes)
         torch.cuda.synchronize(device)
     except Exception as e:  # noqa: BLE001 - reported to every rank below
         error = e
@@ -174,7 +182,8 @@ def _in_host_memory(group, rank, num_ranks, total, transport, *, device, timeout
                 pointers[r] = proxy.mirror_word(r)
         comm = CudaComm(rank=rank, num_ranks=num_ranks, device=device, pointers=pointers,
                         timeout_s=timeout_s, own_allocation=False, opened=[], group=group,
-                        host_buffers=segments, proxy=proxy, registered=registered, **sizes)
+                        host_buffers=segments, proxy=proxy, registered=registered,
+                        host_of=host_index([i[0] for i in infos]), **sizes)
     except BaseException:
         if proxy is not None:
             proxy.close()
@@ -211,7 +220,7 @@ def local_group(num_ranks: int, heap_bytes: int, ll_bytes: int, timeout_s: float
                              "from_group with transport='ibgda')")
         sym = ibgda.EmulatedNvshmemBuffers(num_ranks, total, network_hosts)
         return [CudaComm(rank=r, pointers=sym.pointers(r), own_allocation=False,
-                         host_buffers=sym.tensors, nvshmem=sym, **sizes)
+                         host_buffers=sym.tensors, nvshmem=sym, host_of=sym.host_of, **sizes)
                 for r in range(num_ranks)]
     host_buffers = None
     if device.type == "cpu":        # emulator: plain host memory (64-byte aligned)

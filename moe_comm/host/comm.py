@@ -76,6 +76,10 @@ class HostComm:
         infos = [None] * self.num_ranks
         dist.all_gather_object(infos, info, group=group)
         self.remote_ranks = [r for r in range(self.num_ranks) if infos[r][0] != info[0]]
+        hosts = list(dict.fromkeys(i[0] for i in infos))      # host index: order of first rank
+        # int64 [R] host index of every rank; None on one host (layout.tokens_per_host)
+        self.host_of = torch.tensor([hosts.index(i[0]) for i in infos]) if len(hosts) > 1 \
+            else None
         if len({i[1] for i in infos}) != 1:
             raise ValueError("num_nvl_bytes/num_rdma_bytes/num_experts must be equal on every "
                              f"rank; segment sizes differ: {[i[1] for i in infos]}")
