@@ -63,7 +63,7 @@ def _run_cases(rank, n, cases):
             (lambda t: t.clone())
         out.append(dict(rx=clone(rx), ri=ri.clone(), rw=rw.clone(), counts=counts,
                         comb=comb, comb_w=comb_w, y=y.clone(), rx2=clone(rx2), ri2=ri2,
-                        counts2=counts2, same_handle=handle2 is handle))
+                        counts2=counts2, handle2=handle2))
     buf.destroy()
     return out
 
