@@ -431,6 +431,8 @@ class Buffer:
         else:
             layout = self._layout_of_membership(num_tokens_per_rank, num_tokens_per_expert,
                                                 is_token_in_rank)
+            # no routing ids travel: the backends take that as top-k of width 0
+            topk_idx = torch.empty(data.shape[0], 0, dtype=torch.int64, device=self.device)
         self._enter(active_ranks)
         recv_x, recv_s, recv_i, recv_w, handle = self._be.normal.dispatch(
             comm, x_bytes=data.view(torch.uint8), dtype=data.dtype, hidden=data.shape[1],
