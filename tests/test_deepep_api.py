@@ -374,3 +374,38 @@ def test_wait_cost_stats_name_the_slow_rank():
                 assert cost[slow] > cost[rank], (rank, kind, cost)
             else:                       # it arrived last: nobody kept it waiting long
                 assert cost.max() < 0.8 * SLOW * 1e9, (rank, kind, cost)
+
+
+def _bad_extras_worker(rank, n):
+    buf = _ll_buffer(n, timeout_s=20)
+    x, idx, w = _inputs(rank)
+    calls = [
+        (lambda: buf.get_local_buffer_tensor(torch.int32, offset=2), "not a multiple"),
+        (lambda: buf.get_local_buffer_tensor("int32"), "dtype must be a torch.dtype"),
+        (lambda: buf.low_latency_query_mask_buffer(torch.zeros(n + 1, dtype=torch.int32)),
+         "mask_status must have shape"),
+        (lambda: buf.low_latency_query_mask_buffer(torch.zeros(n)), "mask_status must have"),
+        (lambda: buf.low_latency_update_mask_buffer(0, "yes"), "mask must be a bool"),
+        (lambda: buf.low_latency_dispatch(x.bfloat16(), idx, M, E, use_fp8=False,
+                                          dispatch_wait_recv_cost_stats=torch.zeros(n)),
+         "dispatch_wait_recv_cost_stats must have dtype"),
+    ]
+    seen = []
+    for call, words in calls:
+        try:
+            call()
+        except (TypeError, ValueError) as e:
+            seen.append(words in str(e))
+    # the Buffer still works: every rank's next call goes through
+    _, count, _, _, _ = buf.low_latency_dispatch(x.bfloat16(), idx, M, E, use_fp8=False)
+    buf.destroy()
+    return seen, int(count.sum())
+
+
+def test_bad_extras_are_named_and_buffer_survives():
+    n = 2
+    results = run_ranks(_bad_extras_worker, n, timeout=60)
+    assert sum(int(r[1]) for r in results) == sum(
+        int((_inputs(s)[1] >= 0).sum()) for s in range(n))
+    for seen, _ in results:
+        assert seen == [True] * 6, seen
