@@ -8,22 +8,54 @@ tensors), and the results are wrapped in DeepEP's return tuple.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import threading
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from . import validate
 from .backend import emulate_cuda, open_backend, pick_device
 from .config import Config, normal_buffer_size_hint
+from .deps.cuda_bindings import nvrtc
 from .event import EventOverlap, RecvHook, capture_event
 from .handle import DispatchHandle, LowLatencyHandle
+from .layout import DispatchLayout
 from .logs import log
 from .wire import LL_NUM_BUFFERS, LLLayout
 
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_NVL_BYTES = 256 << 20
+
+
+class _CudaBytes:
+    """A device byte range torch can view without copying (__cuda_array_interface__)."""
+
+    def __init__(self, address: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
+                                         "data": (address, False), "version": 3}
+
+
+def _raw_bytes(address: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over memory the Buffer's backend owns at ``address`` (on the GPU, or
+    host memory for the CPU kernel emulator); it does not keep that memory alive."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    if device.type == "cuda":
+        return torch.as_tensor(_CudaBytes(address, nbytes), device=device)
+    host = (ctypes.c_uint8 * nbytes).from_address(address)
+    return torch.from_numpy(np.ctypeslib.as_array(host))
+
+
+def nvrtc_targets(sm: int) -> bool:
+    """Whether the installed NVRTC can compile for ``sm_<sm>``."""
+    try:
+        result, archs = nvrtc().nvrtcGetSupportedArchs()
+    except ImportError:
+        return False
+    return result == nvrtc().nvrtcResult.NVRTC_SUCCESS and sm in archs
 
 
 def _one_thread(method):
@@ -47,8 +79,22 @@ class Buffer:
         num_rdma_bytes: bytes of low-latency receive memory per rank (see
             :meth:`get_low_latency_rdma_size_hint`); 0 if low-latency mode is unused.
         low_latency_mode: enable the low-latency calls.
-        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy:
-            accepted for DeepEP compatibility (the host backend needs none of them).
+        num_qps_per_rank: DeepEP's RDMA queue pairs per peer (a positive int); no effect here:
+            moe_comm's transports size their own queues.
+        allow_nvlink_for_low_latency_mode: DeepEP lets low-latency traffic between GPUs of one
+            node use NVLink; moe_comm always reaches same-host ranks through their memory
+            (CUDA IPC, /dev/shm), so a bool with no effect.
+        allow_mnnvl, use_fabric: DeepEP's multi-node NVLink and fabric memory handles; no
+            effect on this library's transports (bools, checked).
+        explicitly_destroy: DeepEP releases resources only in :meth:`destroy` when set;
+            moe_comm releases them in :meth:`destroy` or when the Buffer is collected, either
+            way (a bool, kept as an attribute).
+        enable_shrink: DeepEP's shrink mode: ranks that miss a deadline are masked instead of
+            failing the call; here it turns on ``elastic`` (below), and the shrink calls
+            (:meth:`low_latency_update_mask_buffer` and friends) read and set the same mask.
+        comm: DeepEP's ``mpi4py`` communicator for a Buffer without ``group``; moe_comm needs
+            a torch.distributed group, so only None is taken when ``group`` is None (with a
+            group, a communicator is ignored, as DeepEP does).
         timeout_s: deadline of every wait on a peer; a missed deadline raises
             :class:`moe_comm.CommTimeoutError` naming the silent ranks (or, with
             ``elastic=True``, masks them).
@@ -82,9 +128,17 @@ class Buffer:
     def __init__(self, group=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
-                 explicitly_destroy: bool = False, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 elastic: bool = False, transport: str = "auto", device=None):
+                 use_fabric: bool = False, explicitly_destroy: bool = False,
+                 enable_shrink: bool = False, comm=None, *,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, elastic: bool = False,
+                 transport: str = "auto", device=None):
         validate.buffer_args(num_nvl_bytes, num_rdma_bytes, timeout_s, transport)
+        validate.deepep_buffer_args(
+            group, comm, num_qps_per_rank=num_qps_per_rank, low_latency_mode=low_latency_mode,
+            allow_nvlink_for_low_latency_mode=allow_nvlink_for_low_latency_mode,
+            allow_mnnvl=allow_mnnvl, use_fabric=use_fabric,
+            explicitly_destroy=explicitly_destroy, enable_shrink=enable_shrink,
+            elastic=elastic)
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: call "
                                "dist.init_process_group first (gloo for CPU tensors)")
@@ -96,7 +150,8 @@ class Buffer:
         self.low_latency_mode = low_latency_mode
         self.timeout_s = float(timeout_s)
         self.explicitly_destroy = explicitly_destroy
-        self.elastic = bool(elastic)
+        self.enable_shrink = enable_shrink
+        self.elastic = bool(elastic or enable_shrink)      # shrink mode is elastic masking
         self.device = pick_device(self.group, device)
         if self.device.type != "cuda" and not emulate_cuda():
             validate.host_transport(transport, self.device)
@@ -197,6 +252,87 @@ class Buffer:
         mask = validate.set_active_ranks_args(self._facts, mask)
         self._be.mask((mask.cpu() == 0).nonzero().flatten().tolist(), "set_active_ranks")
 
+    # -- DeepEP's shrink mode: the same mask, DeepEP's calls and convention (1 = masked) -----
+    @_one_thread
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask ``rank_to_mask`` (``mask=True``): nothing is sent to it or awaited from it in
+        any later call, low-latency and normal alike (DeepEP masks it in the low-latency
+        calls). Like :meth:`set_active_ranks`, it is this rank's view: give every surviving
+        rank the same update (with ``enable_shrink`` the survivors also agree on it at their
+        next call). ``mask=False`` on an active rank does nothing; on a masked one it raises
+        ValueError: moe_comm cannot take a rank back into a Buffer whose calls went on
+        without it (its call numbers fell behind); a new Buffer can."""
+        self._live()
+        rank_to_mask = validate.rank_index("rank_to_mask", rank_to_mask, self.group_size)
+        validate.flag("mask", mask)
+        if mask:
+            self._be.mask([rank_to_mask], "low_latency_update_mask_buffer")
+        else:
+            self._refuse_unmask([rank_to_mask], "low_latency_update_mask_buffer")
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Fill ``mask_status`` (int32 [R], DeepEP's convention: 1 = masked, 0 = taking
+        part) with this rank's mask, :attr:`active_ranks` inverted (on the stream, no host
+        synchronisation on the CUDA backend)."""
+        validate.mask_status_args(self._facts, mask_status)
+        mask_status.copy_(1 - self.active_ranks)
+
+    @_one_thread
+    def low_latency_clean_mask_buffer(self) -> None:
+        """DeepEP: unmask every rank. With no rank masked this does nothing; with one masked
+        it raises ValueError, for the reason :meth:`low_latency_update_mask_buffer` gives."""
+        self._live()
+        masked = (self._be.active_ranks() == 0).nonzero().flatten().tolist()
+        self._refuse_unmask(masked, "low_latency_clean_mask_buffer")
+
+    def _refuse_unmask(self, ranks, what: str) -> None:
+        still = [r for r in ranks if not bool(self._be.active_ranks()[r])]
+        if still:
+            raise ValueError(f"{what}: rank(s) {still} are masked, and moe_comm cannot take a "
+                             "masked rank back into a Buffer (the calls it missed went on "
+                             "without it); build a new Buffer with every rank to start over")
+
+    # -- DeepEP's buffer access and build facts ------------------------------------------
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: torch.Size | None = None,
+                                offset: int = 0, use_rdma_buffer: bool = False) -> torch.Tensor:
+        """A view of this rank's own receive memory: the normal-mode region
+        (``num_nvl_bytes``), or with ``use_rdma_buffer`` the low-latency one
+        (``num_rdma_bytes``), from byte ``offset`` (as DeepEP's runtime counts it), as
+        ``dtype``: flat, or shaped ``size``. Peers write there during calls and received
+        tensors live there (normal mode), so it is for inspection between calls; valid until
+        :meth:`destroy`."""
+        validate.flag("use_rdma_buffer", use_rdma_buffer)
+        region = self._local_region(bool(use_rdma_buffer))
+        count = validate.local_buffer_args(dtype, size, offset, region.numel())
+        elem = torch.empty((), dtype=dtype).element_size()
+        flat = region[offset:offset + count * elem].view(dtype)
+        return flat if size is None else flat.view(size)
+
+    def _local_region(self, low_latency: bool) -> torch.Tensor:
+        """This rank's normal-mode or low-latency region as uint8."""
+        comm = self._live()
+        if hasattr(comm, "peer_heap"):           # host backend: mapped segments
+            return comm.peer_ll(comm.rank) if low_latency else comm.peer_heap(comm.rank)
+        start = comm.pointers[comm.rank] + (comm.ll_offset if low_latency else comm.heap_offset)
+        return _raw_bytes(start, comm.ll_bytes if low_latency else comm.heap_bytes,
+                          comm.device)
+
+    def get_comm_stream(self):
+        """DeepEP's communication stream. moe_comm's CUDA kernels run on the caller's current
+        stream, so that is what this returns; None on the host backend (its calls run on the
+        calling thread and are complete when they return)."""
+        self._live()
+        if self.device.type == "cuda":
+            return torch.cuda.current_stream(self.device)
+        return None
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """DeepEP: whether its kernels were built for sm_90 (Hopper). moe_comm builds its
+        kernels at run time with NVRTC, so: whether this installation's NVRTC can build for
+        sm_90 (False without cuda-bindings)."""
+        return nvrtc_targets(90)
+
     def _enter(self, active_ranks) -> None:
         """Start a call: apply a caller's ``active_ranks`` tensor (checked with the call's
         other arguments)."""
@@ -227,15 +363,17 @@ class Buffer:
             topk_idx: int64 [T, K], expert ids in [0, num_experts) or -1 for an unused slot.
             num_experts: total experts E (divisible by the group size).
         Returns:
-            num_tokens_per_rank int32 [R], num_tokens_per_rdma_rank (None: single node),
-            num_tokens_per_expert int32 [E], is_token_in_rank bool [T, R], EventOverlap.
+            num_tokens_per_rank int32 [R], num_tokens_per_rdma_rank int32 [hosts] (tokens
+            that go to at least one rank of each host, hosts numbered in the order of their
+            first rank; None when the group is on one host), num_tokens_per_expert int32 [E],
+            is_token_in_rank bool [T, R], EventOverlap.
         """
         validate.layout_args(self._facts, topk_idx, num_experts, active_ranks)
         self._live()
         self._enter(active_ranks)
         lay = self._be.layout(topk_idx, num_experts, self.group_size)
         self._leave(active_ranks)
-        return lay.per_rank, None, lay.per_expert, lay.in_rank, self._be.event()
+        return lay.per_rank, lay.per_host, lay.per_expert, lay.in_rank, self._be.event()
 
     @_one_thread
     def dispatch(self, x, handle: DispatchHandle | None = None,
@@ -257,11 +395,16 @@ class Buffer:
                 without the count exchange (then pass no topk_idx/topk_weights).
             num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert: the outputs of
                 :meth:`get_dispatch_layout` (computed from topk_idx when omitted).
-            topk_idx: int64 [T, K] expert ids, -1 for unused slots (needed without handle).
+            topk_idx: int64 [T, K] expert ids, -1 for unused slots. Without it (and without
+                handle) is_token_in_rank says where each token goes, no top-k travels, and
+                the per-expert list is the sum of every source's num_tokens_per_expert for
+                this rank's experts (as in DeepEP: one all_gather of those counts over the
+                group, so every rank must be active).
             topk_weights: float32 [T, K] or None.
             expert_alignment: round each entry of the per-expert count list up to this.
             num_worst_tokens: if > 0, received tensors have exactly this many rows (padding
-                rows have topk ids -1 and zero weights); must be >= the rows received.
+                rows have topk ids -1 and zero weights); must be >= the rows received. The
+                per-expert list is then empty (DeepEP: no host synchronisation).
             config, previous_event, async_finish, allocate_on_comm_stream: DeepEP
                 compatibility; host-backend calls are complete when they return.
             active_ranks: int32 [R] or None, read and updated in place (see the class).
@@ -270,11 +413,15 @@ class Buffer:
                 source rank then source token index; it lives in the buffer's memory until
                 you drop it. Masked ranks send and receive nothing;
             recv_topk_idx: int64 [N, K] local expert ids (-1 = not on this rank), or None
-                with a cached handle;
+                without topk_idx;
             recv_topk_weights: float32 [N, K] (0 where the id is -1) or None;
-            num_recv_tokens_per_expert_list: list of E/R ints, aligned;
-            handle: for combine and cached dispatch;
+            num_recv_tokens_per_expert_list: list of E/R ints, aligned ([] with
+                num_worst_tokens);
+            handle: for combine and cached dispatch (indexable like DeepEP's tuple:
+                moe_comm/handle.py);
             event: EventOverlap.
+            A cached dispatch (``handle=``) returns ``(recv_x, None, None, None, None,
+            event)``, as DeepEP does: combine takes the handle it was given.
         """
         comm = self._live()
         args = validate.dispatch_args(
@@ -282,8 +429,17 @@ class Buffer:
             num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
             active_ranks)
         data, scales, num_experts = args.data, args.scales, args.num_experts
-        layout = None if handle is not None else self._layout_of(
-            topk_idx, num_experts, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)
+        cached = handle is not None
+        if cached:
+            layout = None
+        elif topk_idx is not None:
+            layout = self._layout_of(topk_idx, num_experts, num_tokens_per_rank,
+                                     num_tokens_per_expert, is_token_in_rank)
+        else:
+            layout = self._layout_of_membership(num_tokens_per_rank, num_tokens_per_expert,
+                                                is_token_in_rank)
+            # no routing ids travel: the backends take that as top-k of width 0
+            topk_idx = torch.empty(data.shape[0], 0, dtype=torch.int64, device=self.device)
         self._enter(active_ranks)
         recv_x, recv_s, recv_i, recv_w, handle = self._be.normal.dispatch(
             comm, x_bytes=data.view(torch.uint8), dtype=data.dtype, hidden=data.shape[1],
@@ -291,9 +447,16 @@ class Buffer:
             layout=layout, handle=handle, num_experts=num_experts,
             num_worst_tokens=num_worst_tokens, buffer_key=self._key)
         self._leave(active_ranks)
-        counts = [] if recv_i is None else self._be.expert_counts(
-            recv_i, handle, num_experts // self.group_size, expert_alignment)
         out_x = recv_x if recv_s is None else (recv_x, recv_s)
+        if cached:
+            return out_x, None, None, None, None, self._be.event()
+        if num_worst_tokens:
+            counts = []
+        elif recv_i is None:
+            counts = self._expert_counts_from_peers(num_tokens_per_expert, expert_alignment)
+        else:
+            counts = self._be.expert_counts(recv_i, handle, num_experts // self.group_size,
+                                            expert_alignment)
         return out_x, recv_i, recv_w, counts, handle, self._be.event()
 
     @_one_thread
@@ -343,6 +506,35 @@ class Buffer:
              "is_token_in_rank": lay.in_rank})
         return lay
 
+    def _layout_of_membership(self, num_tokens_per_rank, num_tokens_per_expert,
+                              is_token_in_rank):
+        """The layout of a dispatch without topk_idx, from the caller's is_token_in_rank
+        (and num_tokens_per_rank, which must agree with it). Every rank must be active: the
+        per-expert list then needs every rank's counts (:meth:`_expert_counts_from_peers`)."""
+        validate.all_active(self._be.active_ranks(), "dispatch without topk_idx")
+        per_rank = is_token_in_rank.sum(0, dtype=torch.int32)
+        if num_tokens_per_rank is not None:
+            validate.layout_matches({"num_tokens_per_rank": num_tokens_per_rank},
+                                    {"num_tokens_per_rank": per_rank})
+        # token t's row among this rank's rows for rank d (-1: not sent): the order by token
+        # index the receivers expect (the CUDA backend's kernels need it; the host derives it)
+        rows = is_token_in_rank.cumsum(0, dtype=torch.int32) - 1
+        send_pos = torch.where(is_token_in_rank, rows, torch.full_like(rows, -1))
+        return DispatchLayout(per_rank, num_tokens_per_expert, is_token_in_rank, send_pos)
+
+    def _expert_counts_from_peers(self, num_tokens_per_expert, alignment) -> list:
+        """DeepEP's per-expert list without topk_idx: every source's num_tokens_per_expert
+        summed for this rank's experts, each rounded up to ``alignment``. One all_gather over
+        the group, after the dispatch (whose signature check already made every rank agree
+        that no topk_idx travels)."""
+        mine = num_tokens_per_expert.to(torch.int64).contiguous()
+        gathered = [torch.empty_like(mine) for _ in range(self.group_size)]
+        dist.all_gather(gathered, mine, group=self.group)
+        num_local = mine.shape[0] // self.group_size
+        first = self.rank * num_local
+        counts = torch.stack(gathered)[:, first:first + num_local].sum(0).tolist()
+        return [(c + alignment - 1) // alignment * alignment for c in counts]
+
     # -- low-latency mode -------------------------------------------------------------------
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
@@ -372,6 +564,7 @@ class Buffer:
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
                              num_max_dispatch_tokens_per_rank: int, num_experts: int,
                              cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+                             dispatch_wait_recv_cost_stats: torch.Tensor | None = None,
                              use_fp8: bool = True, round_scale: bool = False,
                              use_ue8m0: bool = False, async_finish: bool = False,
                              return_recv_hook: bool = False,
@@ -385,6 +578,10 @@ class Buffer:
             num_experts: total experts E; rank r owns [r*E/R, (r+1)*E/R).
             cumulative_local_expert_recv_stats: int32 [E/R] or None; received counts are
                 added to it (for EPLB).
+            dispatch_wait_recv_cost_stats: int64 [R] or None; the receive adds, per source
+                rank, how long it waited for that source's messages, in nanoseconds on the
+                host backend (DeepEP: GPU clock cycles; a rank that is slow to send shows up).
+                Left unchanged on the CUDA backend, whose waits run on the device.
             use_fp8: cast to float8_e4m3fn with one float32 scale per 128 channels before
                 sending; round_scale: scales rounded up to powers of two; use_ue8m0: scales
                 packed as UE8M0 bytes, four per int32 (needs round_scale, H % 512 == 0).
@@ -405,6 +602,8 @@ class Buffer:
             self._facts, comm.ll_bytes, x, topk_idx, num_max_dispatch_tokens_per_rank,
             num_experts, cumulative_local_expert_recv_stats, use_fp8, round_scale, use_ue8m0,
             active_ranks)
+        validate.wait_cost_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats,
+                                 self._facts)
         hidden, num_local = x.shape[1], lay.num_local
         stats = cumulative_local_expert_recv_stats
         buf = self._ll_reserve("dispatch", comm.ll_seq["dispatch"] + 1)
@@ -429,7 +628,8 @@ class Buffer:
             try:
                 self._be.ll.dispatch_recv(comm, handle, lay, recv_x=recv_x,
                                           recv_scales=recv_scales, recv_count=recv_count,
-                                          use_fp8=use_fp8, use_ue8m0=use_ue8m0, stats=stats)
+                                          use_fp8=use_fp8, use_ue8m0=use_ue8m0, stats=stats,
+                                          wait_stats=dispatch_wait_recv_cost_stats)
             finally:
                 self._leave(active_ranks)
 
@@ -458,6 +658,7 @@ class Buffer:
                             topk_weights: torch.Tensor, handle: LowLatencyHandle,
                             zero_copy: bool = False, async_finish: bool = False,
                             return_recv_hook: bool = False, out: torch.Tensor | None = None,
+                            combine_wait_recv_cost_stats: torch.Tensor | None = None,
                             active_ranks: torch.Tensor | None = None):
         """Send expert outputs back and take each token's top-k weighted sum.
 
@@ -470,6 +671,9 @@ class Buffer:
             zero_copy: x was written into get_next_low_latency_combine_buffer(handle).
             return_recv_hook: only send; ``hook()`` receives and fills the output.
             out: optional bf16 [T, H] to write the result into.
+            combine_wait_recv_cost_stats: int64 [R] or None; the receive adds the nanoseconds
+                it waited for each expert rank's rows (host backend; as
+                ``dispatch_wait_recv_cost_stats`` of low_latency_dispatch).
             active_ranks: int32 [R] or None, read and updated in place (see the class).
         Returns:
             combined_x bf16 [T, H], event, hook.
@@ -477,6 +681,8 @@ class Buffer:
         comm = self._live()
         lay = validate.ll_combine_args(self._facts, comm.ll_bytes, x, topk_idx, topk_weights,
                                        handle, zero_copy, out, active_ranks)
+        validate.wait_cost_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats,
+                                 self._facts)
         if zero_copy:
             x = self.get_next_low_latency_combine_buffer(handle)
         if out is None:
@@ -490,7 +696,8 @@ class Buffer:
         def receive():
             try:
                 self._be.ll.combine_recv(comm, seq, buf, lay, handle=handle, topk_idx=topk_idx,
-                                         topk_weights=topk_weights, out=out)
+                                         topk_weights=topk_weights, out=out,
+                                         wait_stats=combine_wait_recv_cost_stats)
             finally:
                 self._leave(active_ranks)
 

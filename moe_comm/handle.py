@@ -1,4 +1,8 @@
-"""The handle of a normal-mode dispatch: everything combine (and a cached dispatch) needs."""
+"""The handles of a dispatch: everything combine (and a cached dispatch) needs.
+
+Both also read like DeepEP's handle tuples (index, ``len``, unpacking), so clients that index
+them (``handle[0]`` is the rank prefix matrix) run unchanged; entries moe_comm has no
+equivalent for (DeepEP's per-channel tables) are None."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -27,6 +31,31 @@ class DispatchHandle:
     num_recv_tokens: int
     num_worst_tokens: int = 0
     call_id: int = 0
+
+    # DeepEP's normal-mode handle is a 6-tuple; these are its entries, in its order
+    DEEPEP_FIELDS = ("rank_prefix_matrix", "channel_prefix_matrix",
+                     "recv_channel_prefix_matrix", "recv_src_idx", "is_token_in_rank",
+                     "send_head")
+
+    def rank_prefix_matrix(self) -> torch.Tensor:
+        """int32 [R, R], DeepEP's ``handle[0]``: entry [s, d] = tokens ranks 0..s send to rank
+        d (the count matrix summed over source ranks), so rank d's rows from source s are
+        ``recv_x[m[s-1, d]:m[s, d]]``."""
+        return torch.from_numpy(np.cumsum(self.count_matrix, axis=0).astype(np.int32))
+
+    def _deepep_entries(self) -> tuple:
+        # moe_comm moves rows without channels, and the receiver is not told the senders'
+        # token indices: channel tables, recv_src_idx and send_head have no equivalent
+        return (self.rank_prefix_matrix(), None, None, None, self.is_token_in_rank, None)
+
+    def __getitem__(self, i):
+        return self._deepep_entries()[i]
+
+    def __len__(self) -> int:
+        return len(self.DEEPEP_FIELDS)
+
+    def __iter__(self):
+        return iter(self._deepep_entries())
 
     def rows_from(self, rank: int) -> int:
         return int(self.count_matrix[:, rank].sum())
@@ -72,3 +101,39 @@ class LowLatencyHandle:
     send_slot: torch.Tensor = None
     received: bool = False
     call_row: np.ndarray = None         # this call's signature (moe_comm/signature.py)
+
+    # DeepEP's low-latency handle is a 5-tuple; these are its entries, in its order
+    DEEPEP_FIELDS = ("src_info", "layout_range", "num_max_dispatch_tokens_per_rank", "hidden",
+                     "num_experts")
+
+    def src_info(self) -> torch.Tensor:
+        """int32 [E/R, R*M], DeepEP's ``handle[0]``: the source token index of each packed
+        row (-1 past a local expert's received rows). Needs the receive (the hook) done."""
+        self._require_received("src_info")
+        return torch.where(self.recv_meta >= 0, self.recv_meta >> 8, -1).to(torch.int32)
+
+    def layout_range(self) -> torch.Tensor:
+        """int64 [E/R, R], DeepEP's ``handle[1]``: ``first packed row << 32 | row count`` of
+        the rows each source sent to each local expert."""
+        self._require_received("layout_range")
+        return (self.recv_ranges[..., 0] << 32) | self.recv_ranges[..., 1]
+
+    def _require_received(self, what: str) -> None:
+        if not self.received:
+            raise RuntimeError(f"the handle's {what} exists once the dispatch has received: "
+                               "call its receive hook first")
+
+    def _deepep_getters(self) -> tuple:
+        # the numbers are there at once, the tables only after the receive
+        return (self.src_info, self.layout_range, lambda: self.max_tokens,
+                lambda: self.hidden, lambda: self.num_experts)
+
+    def __getitem__(self, i):
+        got = self._deepep_getters()[i]
+        return tuple(g() for g in got) if isinstance(i, slice) else got()
+
+    def __len__(self) -> int:
+        return len(self.DEEPEP_FIELDS)
+
+    def __iter__(self):
+        return (g() for g in self._deepep_getters())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .errors import BufferTooSmallError
@@ -233,6 +234,73 @@ def buffer_args(num_nvl_bytes, num_rdma_bytes, timeout_s, transport) -> None:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
 
 
+def flag(name, v) -> None:
+    """A DeepEP switch: a bool (numpy bools and 0/1 ints pass too: they compare alike)."""
+    if not (isinstance(v, (bool, np.bool_)) or (isinstance(v, int) and v in (0, 1))):
+        raise TypeError(f"{name} must be a bool, got {v!r}")
+
+
+def deepep_buffer_args(group, comm, *, num_qps_per_rank, **flags) -> None:
+    """The constructor keywords ``Buffer`` takes from DeepEP (``flags``: name -> value)."""
+    for name, v in flags.items():
+        flag(name, v)
+    positive_int("num_qps_per_rank", num_qps_per_rank)
+    if group is None and comm is not None:
+        raise TypeError("moe_comm needs a torch.distributed group (an mpi4py communicator "
+                        "cannot carry it): pass group=..., or None for the default group")
+
+
+def rank_index(name, r, group_size) -> int:
+    if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < group_size:
+        raise ValueError(f"{name} must be a rank in [0, {group_size}), got {r!r}")
+    return r
+
+
+def all_active(active: torch.Tensor, what: str) -> None:
+    """``what`` needs every rank of the group taking part (``active``: int [R], 1 = active)."""
+    if not bool(active.all()):
+        gone = (active == 0).nonzero().flatten().tolist()
+        raise ValueError(f"{what} needs every rank active (it gathers over the whole group); "
+                         f"rank(s) {gone} are masked")
+
+
+def mask_status_args(facts: BufferFacts, mask_status) -> None:
+    """``low_latency_query_mask_buffer``'s output: an int32/int64 [R] tensor."""
+    tensor("mask_status", mask_status, ndim=1, dtypes=(torch.int32, torch.int64))
+    shape("mask_status", mask_status, (facts.group_size,))
+
+
+def local_buffer_args(dtype, size, offset, nbytes) -> int:
+    """``get_local_buffer_tensor``: returns the elements the view holds (``size``'s, else
+    all that fit after ``offset`` bytes)."""
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+    if not isinstance(offset, int) or not 0 <= offset <= nbytes:
+        raise ValueError(f"offset must be a byte offset in [0, {nbytes}], got {offset!r}")
+    elem = torch.empty((), dtype=dtype).element_size()
+    if offset % elem:
+        raise ValueError(f"offset {offset} is not a multiple of {dtype}'s {elem} bytes")
+    fits = (nbytes - offset) // elem
+    if size is None:
+        return fits
+    want = torch.Size(size).numel()
+    if want > fits:
+        raise ValueError(f"size {tuple(size)} needs {want} elements of {dtype}; the buffer "
+                         f"holds {fits} after offset {offset}")
+    return want
+
+
+def wait_cost_stats(name, t, facts: BufferFacts) -> None:
+    """``*_wait_recv_cost_stats``: None or an int64 [R] tensor, added to in place."""
+    if t is None:
+        return
+    tensor(name, t, ndim=1, dtypes=(torch.int64,))
+    shape(name, t, (facts.group_size,))
+    on_device(facts.device, **{name: t})
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
 def host_transport(transport, device) -> None:
     """The host backend (CPU tensors) cannot use GPU-initiated RDMA."""
     if transport == "ibgda":
@@ -290,8 +358,14 @@ def dispatch_args(facts: BufferFacts, x, handle, num_tokens_per_rank, is_token_i
         active_mask(active_ranks, R)
         return DispatchArgs(data, scales, None)
     if topk_idx is None:
-        raise ValueError("topk_idx is required when no handle is given")
-    tensor("topk_idx", topk_idx, ndim=2, dtypes=(torch.int64,))
+        # DeepEP's dispatch without routing ids: the membership says where tokens go
+        if is_token_in_rank is None or num_tokens_per_expert is None:
+            raise ValueError("dispatch without handle and topk_idx needs is_token_in_rank and "
+                             "num_tokens_per_expert (from get_dispatch_layout)")
+        if topk_weights is not None:
+            raise ValueError("topk_weights needs the topk_idx it belongs to")
+    else:
+        tensor("topk_idx", topk_idx, ndim=2, dtypes=(torch.int64,))
     if num_tokens_per_expert is None:
         raise ValueError("num_tokens_per_expert (from get_dispatch_layout) is required "
                          "with topk_idx: it fixes num_experts")
@@ -310,8 +384,9 @@ def dispatch_args(facts: BufferFacts, x, handle, num_tokens_per_rank, is_token_i
     on_device(facts.device, x=data, scales=scales, topk_idx=topk_idx,
               topk_weights=topk_weights, num_tokens_per_rank=num_tokens_per_rank,
               is_token_in_rank=is_token_in_rank, num_tokens_per_expert=num_tokens_per_expert)
-    expert_ids(topk_idx, num_experts, n_tokens)
-    routing_weights(topk_weights, topk_idx)
+    if topk_idx is not None:
+        expert_ids(topk_idx, num_experts, n_tokens)
+        routing_weights(topk_weights, topk_idx)
     active_mask(active_ranks, R)
     return DispatchArgs(data, scales, num_experts)
 

@@ -82,8 +82,10 @@ def _bad_calls(rank, n):
                              bias=torch.zeros(3, H))),
         ("alignment", ValueError, "expert_alignment",
          lambda: buf.dispatch(x, topk_idx=idx, expert_alignment=0, **kw)),
-        ("no topk", ValueError, "topk_idx is required",
+        ("no routing", ValueError, "without handle and topk_idx needs is_token_in_rank",
          lambda: buf.dispatch(x)),
+        ("weights without ids", ValueError, "topk_weights needs the topk_idx",
+         lambda: buf.dispatch(x, topk_weights=torch.rand(10, K), **kw)),
         ("hidden 0", ValueError, "x has hidden size 0",
          lambda: buf.dispatch(torch.zeros(10, 0), topk_idx=idx, **kw)),
         ("per rank vs topk", ValueError, "num_tokens_per_rank does not match topk_idx",
@@ -143,6 +145,6 @@ def test_bad_input_is_named_and_buffer_survives():
     n = 2
     results = run_ranks(_bad_calls, n, timeout=120)
     for r in range(n):
-        assert len(results[r][0]) == 30, results[r][0]
+        assert len(results[r][0]) == 31, results[r][0]
     _check_roundtrip(results, 1, 5, n)
     _check_roundtrip(results, 2, 7, n)

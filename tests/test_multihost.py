@@ -58,8 +58,11 @@ def _path(rank, n):
     proxied = sorted(proxy.mirrors) if proxy is not None else \
         sorted(buf._comm.remote_ranks) if hasattr(buf._comm, "remote_ranks") else None
     kind = type(buf._be).__name__
+    # DeepEP's num_tokens_per_rdma_rank: tokens that go to each host at least once
+    idx = torch.tensor([[0, 1], [0, 4 * PER_HOST], [4 * PER_HOST + 1, -1], [-1, -1]])
+    per_host = buf.get_dispatch_layout(idx, 4 * n)[1]
     buf.destroy()
-    return kind, proxied
+    return kind, proxied, per_host.tolist()
 
 
 def _both_modes(rank, n, normal, ll):
@@ -76,7 +79,7 @@ def test_dispatch_combine_across_hosts_match_reference(env):
     kind = "CudaBackend" if "MOE_COMM_CPU_BACKEND" in env else "HostBackend"
     for r, (path, _, _) in enumerate(results):        # the other host's ranks, by proxy
         other = [p for p in range(N) if p // PER_HOST != r // PER_HOST]
-        assert path == (kind, other), (r, path)
+        assert path == (kind, other, [2, 2]), (r, path)
     check_normal(N, normal, [r[1] for r in results])
     check_ll(N, ll, [r[2] for r in results], quantize_fp8)
 

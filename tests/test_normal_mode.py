@@ -46,7 +46,8 @@ def _run_cases(rank, n, cases):
     out = []
     for case in cases:
         x, idx, w, bias = make_inputs(case, rank)
-        ntr, _, nte, itr, _ = buf.get_dispatch_layout(idx, case["experts"])
+        ntr, per_host, nte, itr, _ = buf.get_dispatch_layout(idx, case["experts"])
+        assert per_host is None                  # one host: no num_tokens_per_rdma_rank
         buf._comm.poison_free_heap()
         rx, ri, rw, counts, handle, ev = buf.dispatch(
             x, num_tokens_per_rank=ntr, is_token_in_rank=itr, num_tokens_per_expert=nte,
@@ -63,7 +64,7 @@ def _run_cases(rank, n, cases):
             (lambda t: t.clone())
         out.append(dict(rx=clone(rx), ri=ri.clone(), rw=rw.clone(), counts=counts,
                         comb=comb, comb_w=comb_w, y=y.clone(), rx2=clone(rx2), ri2=ri2,
-                        counts2=counts2, same_handle=handle2 is handle))
+                        counts2=counts2, handle2=handle2))
     buf.destroy()
     return out
 

@@ -121,12 +121,14 @@ def dispatch_send(comm: CudaComm, *, x, topk_idx, lay: LLLayout, use_fp8: bool,
 
 
 def dispatch_recv(comm: CudaComm, handle: LowLatencyHandle, lay: LLLayout, *, recv_x,
-                  recv_scales, recv_count, use_fp8: bool, use_ue8m0: bool, stats) -> None:
+                  recv_scales, recv_count, use_fp8: bool, use_ue8m0: bool, stats,
+                  wait_stats=None) -> None:
     """Receive call ``handle.seq``: fills ``recv_x`` [E/R, R*M, H] (float8_e4m3fn or bf16),
     ``recv_scales`` (float32 [E/R, R*M, H/128], or int32 [E/R, R*M, H/512] with UE8M0),
     ``recv_count`` int32 [E/R], adds to ``stats`` (int32/int64 [E/R] or None), and the
     handle's ``recv_meta`` int64 [E/R, R*M], ``recv_ranges`` int64 [E/R, R, 2] and
-    ``return_base`` int64 [R] (device tensors)."""
+    ``return_base`` int64 [R] (device tensors). ``wait_stats`` is left as it is: the wait
+    kernel does not time its sources (csrc/kernels/low_latency.cuh)."""
     comm.begin_call()
     if use_ue8m0 and handle.hidden % 512:
         raise ValueError(f"UE8M0 scales pack four per int32: hidden % 512 == 0 needed, got "
@@ -198,10 +200,11 @@ def combine_send(comm: CudaComm, *, x, handle: CudaLowLatencyHandle, lay: LLLayo
 
 
 def combine_recv(comm: CudaComm, seq: int, buf: int, lay: LLLayout, *, handle, topk_idx,
-                 topk_weights, out):
+                 topk_weights, out, wait_stats=None):
     """Wait for every rank's rows; ``out`` bf16 [T, H] = sum_k w[t, k] * row(t, k) in float32
     (slots with id -1 skipped). ``handle``: this call's dispatch handle (its send_index);
-    ``topk_idx`` int64 / ``topk_weights`` float32 [T, K], as dispatched."""
+    ``topk_idx`` int64 / ``topk_weights`` float32 [T, K], as dispatched. ``wait_stats``: left
+    as it is (see :func:`dispatch_recv`)."""
     comm.begin_call()
     _contiguous(out=out)
     num_tokens, topk = topk_idx.shape

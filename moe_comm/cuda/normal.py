@@ -63,6 +63,11 @@ class CudaDispatchHandle(DispatchHandle):
     matrix: torch.Tensor = None
     recv_expert_counts: torch.Tensor = None
 
+    def rank_prefix_matrix(self) -> torch.Tensor:
+        """DeepEP's ``handle[0]`` from the device matrix (no host synchronisation; also with
+        num_worst_tokens, where the host never saw the counts)."""
+        return self.matrix.cumsum(0, dtype=torch.int32)
+
 
 def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int,
                     want_experts: bool = True) -> DispatchLayout:

@@ -23,6 +23,8 @@ on the mask (one round of signal words without failures).
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -51,6 +53,24 @@ def _wait_free(comm, kind, slot_of, seq, op, on_ready):
         return
     waits = {r: comm.slot(me, slot_of(r)) for r in range(comm.num_ranks)}
     comm.wait(waits, seq - LL_NUM_BUFFERS, op, on_ready)
+
+
+def _timed_wait(comm, waits, epoch, op, wait_stats, start_ns) -> None:
+    """``comm.wait``; with ``wait_stats`` (int64 [R]) also add, per source, the nanoseconds
+    from ``start_ns`` until its words arrived (a source still silent at the end: until
+    then). Sources masked before the wait are not awaited and add nothing."""
+    if wait_stats is None:
+        comm.wait(waits, epoch, op)
+        return
+    awaited = [r for r in waits if comm.active[r]]
+    arrived = {}
+    comm.wait(waits, epoch, op,
+              lambda src, _words: arrived.setdefault(src, time.monotonic_ns()))
+    end = time.monotonic_ns()
+    cost = torch.zeros(comm.num_ranks, dtype=torch.int64)
+    for r in awaited:
+        cost[r] = arrived.get(r, end) - start_ns
+    wait_stats += cost
 
 
 def _publish_free(comm, slot, seq):
@@ -141,18 +161,20 @@ def _check_signatures(comm, handle) -> None:
 
 
 def dispatch_recv(comm, handle: LowLatencyHandle, lay: LLLayout, *, recv_x, recv_scales,
-                  recv_count, use_fp8, use_ue8m0, stats):
+                  recv_count, use_fp8, use_ue8m0, stats, wait_stats=None):
     """Wait for every source's counts, pack rows per local expert into ``recv_x`` (and
-    ``recv_scales``), fill ``recv_count`` and the handle; then free the buffer for reuse."""
+    ``recv_scales``), fill ``recv_count`` and the handle; then free the buffer for reuse.
+    ``wait_stats``: int64 [R] or None, adds the ns waited for each source's counts."""
     me, R, num_local, buf = comm.rank, comm.num_ranks, lay.num_local, handle.buf
     hidden, M = handle.hidden, lay.max_tokens
     stride = ll_msg_stride(hidden, use_fp8)
     count_off = lay.offset(buf, "counts", comm.ll_stride)
     comm.start_call()
+    start_ns = time.monotonic_ns()
     _check_signatures(comm, handle)
     waits = {s: comm.ll_slot(me, count_off + s * lay.count_row_words * 8, num_local + 1)
              for s in range(R)}
-    comm.wait(waits, handle.seq, "low_latency_dispatch/recv")
+    _timed_wait(comm, waits, handle.seq, "low_latency_dispatch/recv", wait_stats, start_ns)
     if comm.elastic:
         comm.agree("low_latency_dispatch")
     zeros = np.zeros(num_local + 1, np.int64)        # inactive sources sent nothing
@@ -224,12 +246,15 @@ def combine_send(comm, *, x, handle: LowLatencyHandle, lay: LLLayout):
     return seq, buf
 
 
-def combine_recv(comm, seq, buf, lay: LLLayout, *, handle, topk_idx, topk_weights, out):
-    """Wait for every rank's rows; ``out`` [T, H] = sum_k w[t, k] * row(t, k) (float32)."""
+def combine_recv(comm, seq, buf, lay: LLLayout, *, handle, topk_idx, topk_weights, out,
+                 wait_stats=None):
+    """Wait for every rank's rows; ``out`` [T, H] = sum_k w[t, k] * row(t, k) (float32).
+    ``wait_stats``: int64 [R] or None, adds the ns waited for each rank's rows."""
     me, R = comm.rank, comm.num_ranks
     comm.start_call()
     waits = {s: comm.slot(me, comm.layout.ll_combine_done(buf, s)) for s in range(R)}
-    comm.wait(waits, seq, "low_latency_combine/recv")
+    _timed_wait(comm, waits, seq, "low_latency_combine/recv", wait_stats,
+                time.monotonic_ns())
     if comm.elastic:
         comm.agree("low_latency_combine")
     num_tokens, topk = topk_idx.shape
