@@ -47,7 +47,8 @@ def _run_cases(rank, n, cases):
     for case in cases:
         x, idx, w, bias = make_inputs(case, rank)
         ntr, per_host, nte, itr, _ = buf.get_dispatch_layout(idx, case["experts"])
-        assert per_host is None                  # one host: no num_tokens_per_rdma_rank
+        # num_tokens_per_rdma_rank: None on one host (tests/test_multihost.py checks hosts)
+        assert (per_host is None) == (buf._comm.host_of is None)
         buf._comm.poison_free_heap()
         rx, ri, rw, counts, handle, ev = buf.dispatch(
             x, num_tokens_per_rank=ntr, is_token_in_rank=itr, num_tokens_per_expert=nte,

@@ -55,7 +55,7 @@ def _run(rank, n, cases, heap):
             (lambda t: t.clone())
         out.append(dict(rx=clone(rx), ri=ri.clone(), rw=rw.clone(), counts=counts,
                         comb=comb, comb_w=comb_w, y=y.clone(), rx2=clone(rx2), ri2=ri2,
-                        counts2=counts2, same_handle=handle2 is handle,
+                        counts2=counts2, handle2=handle2,
                         rows=(rx[0] if isinstance(rx, tuple) else rx).shape[0]))
         del rx, ri, rw, y, rx2                  # the next case gets the whole heap
     buf.destroy()
