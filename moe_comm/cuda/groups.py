@@ -27,7 +27,7 @@ import torch.distributed as dist
 from . import memory
 from ..ibgda import path as ibgda
 from ..jit.variants import MAX_RANKS
-from ..shm.identity import host_identity
+from ..shm.identity import host_identity, ranks_by_host
 from ..shm.segment import Segment, reclaim_stale_segments, segment_name
 from ..transport import open_transport
 from ..transport.select import requested_kind
@@ -174,7 +174,8 @@ def _in_host_memory(group, rank, num_ranks, total, transport, *, device, timeout
             pointers = [0 if p == 0 else memory.register_host(p, total, registered)
                         for p in pointers]
         if remote:
-            link = open_transport(group, own.bytes, remote, kind=transport, timeout_s=timeout_s)
+            link = open_transport(group, own.bytes, remote, kind=transport, timeout_s=timeout_s,
+                                  channel_groups=ranks_by_host([i[0] for i in infos], remote))
             mirrors = {r: torch.zeros(total, dtype=torch.uint8,
                                       pin_memory=device.type == "cuda") for r in remote}
             proxy = KernelProxy(link, mirrors, device, timeout_s)

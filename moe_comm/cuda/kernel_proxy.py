@@ -10,13 +10,19 @@ is the thread that drains the ring in order and hands each command to the host t
 and signals to the remote rank's buffer in order. Nothing in the mode kernels changes.
 
 A put's bytes are copied out of the mirror when the command is taken, so the kernels may
-rewrite the mirror as soon as the remote rank answers a later signal. A command the transport
+rewrite the mirror as soon as the remote rank answers a later signal. Taken commands go to a
+*lane* per transport channel (one per remote host where the group says so), whose own thread
+hands them to the transport in order: a host whose channel is full (slow, or dead and not yet
+noticed) holds up its lane only, never the ring nor the healthy hosts. What waits in a lane is
+bounded by the protocol: a kernel sends a rank no more than one call's rows before that rank
+answers. A command the transport
 refuses (a lost peer, a full queue) cuts that rank off: this and every later command to it are
 dropped and logged, so no signal ever announces bytes that did not go, and the remote rank's
 silence surfaces as the usual deadline (CommTimeoutError, or masking in elastic mode).
 """
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -34,6 +40,49 @@ log = logging.getLogger("moe_comm")
 
 DEFAULT_DEPTH = 4096
 CREDIT_EVERY = 64               # slots taken between two credit (tail) updates
+
+
+class _Lane:
+    """Commands for the ranks of one transport channel, executed in order by a thread of its
+    own (``execute(op, rank, offset, payload_or_value)``)."""
+
+    def __init__(self, name: str, execute):
+        self._queue = collections.deque()
+        self._cv = threading.Condition()
+        self._busy = self._stop = False
+        self._execute = execute
+        self._thread = threading.Thread(target=self._loop, daemon=True, name=name)
+        self._thread.start()
+
+    def push(self, cmd) -> None:
+        with self._cv:
+            self._queue.append(cmd)
+            self._cv.notify()
+
+    def idle(self) -> bool:
+        with self._cv:
+            return not self._queue and not self._busy
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._stop:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                cmd = self._queue.popleft()
+                self._busy = True
+            try:
+                self._execute(*cmd)
+            finally:
+                with self._cv:
+                    self._busy = False
+
+    def close(self, timeout_s: float) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout=timeout_s)
 
 
 class KernelProxy:
@@ -61,6 +110,15 @@ class KernelProxy:
         self.words[PROXY_TIMEOUT] = int((2 * timeout_s + 5.0) * 1e9)
         self.address = host_tensor_address(self._ring)
         self.cut_off: dict = {}                  # rank -> why its commands are dropped
+        # one lane per transport channel (ranks sharing a channel are ordered together anyway)
+        channel_of = getattr(transport, "channel_of", {})
+        lanes: dict = {}                         # id of the transport channel -> its lane
+        for r in sorted(mirrors):
+            key = id(channel_of.get(r))
+            if key not in lanes:
+                lanes[key] = _Lane(f"moe_comm-kproxy-lane{len(lanes)}", self._execute)
+        self._lane_of = {r: lanes[id(channel_of.get(r))] for r in mirrors}
+        self._lanes = list(lanes.values())
         self._stop = False
         self._thread = threading.Thread(target=self._loop, daemon=True, name="moe_comm-kproxy")
         self._thread.start()
@@ -80,7 +138,7 @@ class KernelProxy:
                     break
                 atomics.acquire()
                 op_rank, offset, arg = (int(v) for v in words[at + 1:at + 4])
-                self._execute(op_rank >> 32, op_rank & 0xffffffff, offset, arg)
+                self._take(op_rank >> 32, op_rank & 0xffffffff, offset, arg)
                 n += 1
                 if n % CREDIT_EVERY == 0:         # producers waiting for a slot go on early
                     atomics.release()
@@ -93,12 +151,26 @@ class KernelProxy:
             atomics.release()                    # credits: the slots may be reused
             words[PROXY_TAIL] = taken
 
-    def _execute(self, op: int, rank: int, offset: int, arg: int) -> None:
+    def _take(self, op: int, rank: int, offset: int, arg: int) -> None:
+        """A command taken from the ring: a put's bytes leave the mirror now (see the module
+        docstring), then the command waits in its rank's lane."""
+        lane = self._lane_of.get(rank)
+        if lane is None or rank in self.cut_off:
+            if rank not in self.cut_off:
+                self.cut_off[rank] = "not a proxied rank"
+                log.warning("moe_comm kernel proxy: command for rank %d, which has no mirror; "
+                            "dropped", rank)
+            return
+        if op == PROXY_OP_PUT:
+            arg = self.mirrors[rank][offset:offset + arg].copy()
+        lane.push((op, rank, offset, arg))
+
+    def _execute(self, op: int, rank: int, offset: int, arg) -> None:
         if rank in self.cut_off:
             return
         try:
             if op == PROXY_OP_PUT:
-                self.transport.put(rank, offset, self.mirrors[rank][offset:offset + arg].copy())
+                self.transport.put(rank, offset, arg)
             elif op == PROXY_OP_SIGNAL:
                 self.transport.signal(rank, offset, arg)
             else:
@@ -109,13 +181,17 @@ class KernelProxy:
                         "every later command to it are dropped", op, rank, e)
 
     def flush(self, timeout_s: float) -> None:
-        """Wait until the proxy took every command published so far (bounded)."""
+        """Wait until the proxy took every command published so far and its lanes handed them
+        to the transport (bounded)."""
         head = int(self._head.item())
         deadline = time.monotonic() + timeout_s
-        while int(self.words[PROXY_TAIL]) < head and time.monotonic() < deadline and \
-                self._thread.is_alive():
+        while (int(self.words[PROXY_TAIL]) < head or not all(lane.idle() for lane in
+                                                          self._lanes)) and \
+                time.monotonic() < deadline and self._thread.is_alive():
             time.sleep(1e-4)
 
     def close(self) -> None:
         self._stop = True
         self._thread.join(timeout=2.0)
+        for lane in self._lanes:         # a lane stuck on a full channel: left to the daemon
+            lane.close(timeout_s=1.0)

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from .. import signature
 from ..errors import RankMaskedError
 from ..shm import atomics
-from ..shm.identity import host_identity
+from ..shm.identity import host_identity, ranks_by_host
 from ..shm.segment import Segment, reclaim_stale_segments, segment_name
 from ..transport import open_transport
 from ..wire import (CALL_WORDS, MAGIC, MAX_EPOCH, PAGE, VERSION, HeaderLayout, agree_round_tag,
@@ -113,8 +113,10 @@ class HostComm:
         self._ll_words = [m[self.ll_offset:size].view(np.int64) for m in mem]
         self._mem = mem
         if self.remote_ranks:
-            self.transport = open_transport(group, self._own.bytes, self.remote_ranks,
-                                            kind=transport, timeout_s=self.timeout_s)
+            self.transport = open_transport(
+                group, self._own.bytes, self.remote_ranks, kind=transport,
+                timeout_s=self.timeout_s,
+                channel_groups=ranks_by_host([i[0] for i in infos], self.remote_ranks))
         self.ll_seq = {"dispatch": 0, "combine": 0}
         self.ll_base = {"dispatch": 0, "combine": 0}
         self._told = self.active.copy()     # whom agreements tell: the last decision

@@ -14,3 +14,12 @@ def host_identity() -> str:
     except OSError:
         netns = 0
     return f"{socket.gethostname()}/{netns}"
+
+
+def ranks_by_host(identities, ranks) -> list:
+    """``ranks`` grouped by the host identity of each (``identities[r]``), hosts in the order
+    of their first rank: the transport gives each remote host a channel of its own."""
+    groups: dict = {}
+    for r in ranks:
+        groups.setdefault(identities[r], []).append(r)
+    return list(groups.values())

@@ -3,7 +3,8 @@
 Interface (one object per rank, created collectively over a process group)::
 
     t = open_transport(group, region, remote_ranks, *, kind="auto", timeout_s=120.0,
-                       secret=None, bind_addr=None, channels=None, depth=1024)
+                       secret=None, bind_addr=None, channels=None, channel_groups=None,
+                       depth=1024)
     t.put(dst_rank, dst_offset, src)          # queue: write src's bytes at dst_offset
     t.signal(dst_rank, word_offset_bytes, v)  # queue: store int64 v, after earlier puts
     failed = t.flush(dst_rank=None, raise_on_timeout=True)
@@ -28,6 +29,8 @@ Arguments of :func:`open_transport`:
   ``GLOO_SOCKET_IFNAME``, or the route to the store's host (``addr.py``). Never 0.0.0.0
   unless passed.
 - ``channels``: proxy threads (each with its own ring); ``depth``: ring slots per channel.
+- ``channel_groups``: lists of remote ranks, one channel each, instead of ``channels`` (the
+  backends pass one group per remote host: a slow host holds up only its own channel).
 
 Semantics:
 

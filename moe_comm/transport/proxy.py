@@ -4,9 +4,11 @@
 queued), then push one fixed-size command into the ring of the destination's channel and
 return: the caller never waits on the network. Each channel has one daemon proxy thread that
 takes commands in batches, groups consecutive ones by destination and hands them to the
-engine (TCP or verbs). Destinations map to channels by position in ``remote_ranks``, so all
-commands to one rank go through one ring, one thread and one connection, in push order --
-which is what orders a put before a later signal to the same rank.
+engine (TCP or verbs). Destinations map to channels by position in ``remote_ranks``, or by
+``channel_groups`` (one channel per group, e.g. the ranks of one remote host, so a slow host
+holds up only its own channel), so all commands to one rank go through one ring, one thread
+and one connection, in push order -- which is what orders a put before a later signal to the
+same rank.
 
 A peer whose connection fails is marked lost (logged once): its queued and future commands
 are dropped (their credits returned), and ``flush`` reports it. Nothing here raises because a
@@ -52,16 +54,23 @@ class ProxyTransport:
     """See the package docstring for the interface."""
 
     def __init__(self, engine, rank: int, remote_ranks, region_sizes: dict, timeout_s: float,
-                 channels: int = 1, depth: int = 1024):
+                 channels: int = 1, depth: int = 1024, channel_groups=None):
         self.engine = engine
         self.kind = engine.kind
         self.rank = rank
         self.remote_ranks = list(remote_ranks)
         self.region_sizes = dict(region_sizes)
         self.timeout_s = float(timeout_s)
-        channels = max(1, min(int(channels), len(self.remote_ranks) or 1))
-        self.rings = [CommandRing(depth) for _ in range(channels)]
-        self.channel_of = {r: self.rings[i % channels] for i, r in enumerate(self.remote_ranks)}
+        if channel_groups is not None:
+            groups = [list(g) for g in channel_groups if len(g)]
+            if sorted(r for g in groups for r in g) != sorted(self.remote_ranks):
+                raise ValueError(f"channel_groups {channel_groups} must hold every remote rank "
+                                 f"{self.remote_ranks} exactly once")
+        else:
+            channels = max(1, min(int(channels), len(self.remote_ranks) or 1))
+            groups = [self.remote_ranks[i::channels] for i in range(channels)]
+        self.rings = [CommandRing(depth) for _ in groups]
+        self.channel_of = {r: ring for ring, g in zip(self.rings, groups) for r in g}
         self.lost: dict = {}                     # rank -> why
         self.closed = False
         self.threads = [threading.Thread(target=self._proxy_loop, args=(ring,), daemon=True,

@@ -78,6 +78,7 @@ def _check_remote(remote_ranks, rank: int, world: int) -> list:
 def open_transport(group, region, remote_ranks, *, kind: str = "auto",
                    timeout_s: float = 120.0, secret: bytes | None = None,
                    bind_addr: str | None = None, channels: int | None = None,
+                   channel_groups=None,
                    depth: int = 1024) -> ProxyTransport:
     """Collective over ``group``: every rank calls it. See the package docstring."""
 
@@ -138,6 +139,7 @@ def open_transport(group, region, remote_ranks, *, kind: str = "auto",
     _log_once(chosen, why)
     if channels is None:
         channels = min(4, max(1, len(remote)))
-    t = ProxyTransport(engine, rank, remote, sizes, timeout_s, channels=channels, depth=depth)
+    t = ProxyTransport(engine, rank, remote, sizes, timeout_s, channels=channels, depth=depth,
+                       channel_groups=channel_groups)
     t.address = getattr(engine, "address", None)
     return t
