@@ -21,40 +21,26 @@ from moe_comm.transport.commands import OP_PUT, OP_SIGNAL
 from moe_comm.transport.proxy import ProxyTransport
 from moe_comm.wire import (PROXY_HEADER_WORDS, PROXY_OP_PUT, PROXY_OP_SIGNAL,
                            PROXY_SLOT_WORDS, PROXY_TAIL)
+from test_transport_tcp import _FakeEngine
 
 REGION = 4096
 
 
-class _StallingEngine:
-    """Sends to ``stalled`` block until ``release`` is set; everything sent is recorded."""
-
-    kind = "recording"
+class _StallingEngine(_FakeEngine):
+    """Records what it is handed; sends to ``stalled`` block until ``release`` is set."""
 
     def __init__(self, stalled):
-        self.stalled, self.release = set(stalled), threading.Event()
-        self.sent, self.lock = [], threading.Lock()
+        super().__init__()
+        self.stalled, self.release, self.lock = set(stalled), threading.Event(), threading.Lock()
 
     def send(self, dst, cmds):
         if dst in self.stalled:
             self.release.wait(30)
         with self.lock:
-            self.sent += [(dst, c[0], c[2], bytes(c[6]) if c[0] == OP_PUT else c[4])
-                          for c in cmds]
-
-    def quiet(self, dst, deadline):
-        return True
-
-    def progress(self):
-        pass
-
-    def drop(self, dst):
-        pass
+            super().send(dst, cmds)
 
     def abort_sends(self):
         self.release.set()
-
-    def close(self):
-        pass
 
 
 def _publish(proxy: KernelProxy, op: int, rank: int, offset: int, arg: int) -> None:

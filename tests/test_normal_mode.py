@@ -41,8 +41,8 @@ def _cases(n):
     return cases
 
 
-def _run_cases(rank, n, cases):
-    buf = moe_comm.Buffer(None, 32 << 20, timeout_s=30)
+def _run_cases(rank, n, cases, heap=32 << 20):
+    buf = moe_comm.Buffer(None, heap, timeout_s=30)
     out = []
     for case in cases:
         x, idx, w, bias = make_inputs(case, rank)
@@ -66,6 +66,7 @@ def _run_cases(rank, n, cases):
         out.append(dict(rx=clone(rx), ri=ri.clone(), rw=rw.clone(), counts=counts,
                         comb=comb, comb_w=comb_w, y=y.clone(), rx2=clone(rx2), ri2=ri2,
                         counts2=counts2, handle2=handle2))
+        del rx, ri, rw, y, rx2          # a small heap (tests/test_streaming.py) is free again
     buf.destroy()
     return out
 

@@ -12,9 +12,9 @@ import torch
 
 import moe_comm
 from checks import check_normal
-from inputs import expert_fn, make_inputs
 from moe_comm.wire import SlabLayout
 from ranks import run_ranks
+from test_normal_mode import _run_cases
 
 SMALL_HEAP = 256 << 10
 LARGE_HEAP = 32 << 20
@@ -35,33 +35,6 @@ def _cases(n):
     ]
 
 
-def _run(rank, n, cases, heap):
-    buf = moe_comm.Buffer(None, heap, timeout_s=60)
-    out = []
-    for case in cases:
-        x, idx, w, bias = make_inputs(case, rank)
-        ntr, _, nte, itr, _ = buf.get_dispatch_layout(idx, case["experts"])
-        buf._comm.poison_free_heap()
-        rx, ri, rw, counts, handle, _ = buf.dispatch(
-            x, num_tokens_per_rank=ntr, is_token_in_rank=itr, num_tokens_per_expert=nte,
-            topk_idx=idx, topk_weights=w, expert_alignment=case["alignment"],
-            num_worst_tokens=case["worst"])
-        y = expert_fn(rx, rank)
-        buf._comm.poison_free_heap()
-        comb, comb_w, _ = buf.combine(y, handle, topk_weights=rw, bias=bias)
-        buf._comm.poison_free_heap()
-        rx2, ri2, _, counts2, handle2, _ = buf.dispatch(x, handle=handle)
-        clone = (lambda t: tuple(a.clone() for a in t)) if isinstance(rx, tuple) else \
-            (lambda t: t.clone())
-        out.append(dict(rx=clone(rx), ri=ri.clone(), rw=rw.clone(), counts=counts,
-                        comb=comb, comb_w=comb_w, y=y.clone(), rx2=clone(rx2), ri2=ri2,
-                        counts2=counts2, handle2=handle2,
-                        rows=(rx[0] if isinstance(rx, tuple) else rx).shape[0]))
-        del rx, ri, rw, y, rx2                  # the next case gets the whole heap
-    buf.destroy()
-    return out
-
-
 def _flat(value):
     return list(value) if isinstance(value, tuple) else [value]
 
@@ -69,15 +42,15 @@ def _flat(value):
 def test_a_batch_larger_than_the_buffer_streams_exactly():
     n = 3
     cases = _cases(n)
-    small = run_ranks(_run, n, cases, SMALL_HEAP, timeout=300)
+    small = run_ranks(_run_cases, n, cases, SMALL_HEAP, timeout=300)
     check_normal(n, cases, small)
     # it did stream: the largest receive region of the first four cases is >= 4x the heap
     for ci, case in enumerate(cases[:4]):
-        most = max(small[r][ci]["rows"] for r in range(n))
+        most = max(_flat(small[r][ci]["rx"])[0].shape[0] for r in range(n))
         elem = 1 if case["dtype"] == "fp8" else getattr(torch, case["dtype"]).itemsize
         row = case["hidden"] * elem
         assert SlabLayout(most, row, 0, case["topk"]).nbytes >= 4 * SMALL_HEAP, (ci, most)
-    large = run_ranks(_run, n, cases, LARGE_HEAP, timeout=300)
+    large = run_ranks(_run_cases, n, cases, LARGE_HEAP, timeout=300)
     for r in range(n):
         for ci in range(len(cases)):
             a, b = small[r][ci], large[r][ci]
