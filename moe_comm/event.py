@@ -6,6 +6,21 @@ import contextlib
 import torch
 
 
+class EventHandle:
+    """DeepEP's ``EventHandle``: the work queued so far on the current CUDA stream, recorded at
+    construction (nothing on a machine without CUDA, where calls complete when they return)."""
+
+    def __init__(self):
+        self.event = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream())
+
+    def current_stream_wait(self) -> None:
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+
 class EventOverlap:
     """Wraps a ``torch.cuda.Event`` (CUDA backend) or nothing (host backend, whose calls are
     complete when they return). ``current_stream_wait()`` makes the current stream wait for
@@ -16,7 +31,9 @@ class EventOverlap:
         self.extra_tensors = extra_tensors      # kept alive until the event completes
 
     def current_stream_wait(self) -> None:
-        if self.event is not None:
+        if isinstance(self.event, EventHandle):          # DeepEP's way of building one
+            self.event.current_stream_wait()
+        elif self.event is not None:
             torch.cuda.current_stream().wait_event(self.event)
 
     def __enter__(self):

@@ -721,11 +721,6 @@ def test_megatron_fused_dispatch_combine_gradients():
                                            torch.where(idx >= 0, probs.grad, 0.0), **close)
 
 
-@pytest.mark.xfail(strict=True, reason="moe_comm's deep_ep shim has no deep_ep.utils "
-                   "(EventHandle, EventOverlap): Megatron-Core's fused_a2a imports both in "
-                   "the same try block as Buffer, so with the shim HAVE_DEEP_EP is False and "
-                   "fused_dispatch/fused_combine are None (moe_comm/deep_ep_shim is outside "
-                   "this change)")
 def test_megatron_imports_deep_ep_utils_through_the_shim():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SHIM), str(ROOT)]))
     probe = ("from deep_ep import Buffer\n"
