@@ -150,6 +150,18 @@ class HostComm:
             return
         atomics.store_words(self.slot(rank, word, vals.size), (epoch << 32) | vals)
 
+    def signal_each(self, ranks, word: int, epoch: int, values) -> None:
+        """:meth:`signal` of the same ``values`` into the same slot of every rank in
+        ``ranks`` (a rank telling all its peers): tagged once, one release fence for all."""
+        tagged = (epoch << 32) | np.asarray(values, dtype=np.int64)
+        ranks = [int(r) for r in ranks]
+        n = tagged.size
+        atomics.store_each([self.slot(r, word, n) for r in ranks
+                            if self.words[r] is not None], tagged)
+        for r in ranks:
+            if self.words[r] is None:
+                self._remote_signal(r, word * 8, tagged)
+
     def _remote_signal(self, rank: int, byte_offset: int, words: np.ndarray) -> None:
         for i, w in enumerate(np.atleast_1d(words).tolist()):
             self.transport.signal(rank, byte_offset + 8 * i, w)
@@ -188,8 +200,7 @@ class HostComm:
         lay, me = self.layout, self.rank
         parity = self.call_seq % 2
         self.call_seq += 1
-        for p in np.flatnonzero(self.active):
-            self.signal(p, lay.call(parity, me), epoch, row)
+        self.signal_each(np.flatnonzero(self.active), lay.call(parity, me), epoch, row)
         return {s: self.slot(me, lay.call(parity, s), CALL_WORDS)
                 for s in range(self.num_ranks)}
 
@@ -236,8 +247,7 @@ class HostComm:
         decision = None
         for rnd in range(1, agree_rounds(R) + 1):
             row_tag, row = agree_round_tag(seq, rnd, R), mask_words(estimate)
-            for p in tell:
-                self.signal(p, lay.mask(rnd % 2, me), row_tag, row)
+            self.signal_each(tell, lay.mask(rnd % 2, me), row_tag, row)
             heard, decision = self._agree_round(listen, rnd, seq, row_tag, deadline,
                                                 op + "/agree")
             if decision is not None:
@@ -254,11 +264,10 @@ class HostComm:
         if decision is None:             # every rank it listened to went silent: alone
             decision = estimate
         row = mask_words(decision)
-        for p in tell:
-            self.signal(p, lay.decided(seq % 2, me), seq, row)
+        self.signal_each(tell, lay.decided(seq % 2, me), seq, row)
         dropped = [p for p in tell if not decision[p]]
-        for p in dropped:                   # a late rank stops before it writes again
-            self.signal(p, lay.fence, seq, me + 1)
+        # a late rank stops before it writes again
+        self.signal_each(dropped, lay.fence, seq, me + 1)
         self.mask(np.flatnonzero(~decision & self.active).tolist(), op + ": agreed by survivors")
         self._told = self.active.copy()
         self._deadline = time.monotonic() + self.timeout_s
@@ -271,24 +280,23 @@ class HostComm:
         of agreement ``seq`` from any of them. Returns ({rank: estimate words} heard, the
         first decision read as bool [R] or None)."""
         lay, me, mw = self.layout, self.rank, self.layout.mask_words
-        rows = {p: self.slot(me, lay.mask(rnd % 2, p), mw) for p in listen}
-        decided = {p: self.slot(me, lay.decided(seq % 2, p), mw) for p in listen}
+        rows = atomics.SlotPoll({p: self.slot(me, lay.mask(rnd % 2, p), mw) for p in listen})
+        decided = atomics.SlotPoll({p: self.slot(me, lay.decided(seq % 2, p), mw)
+                                    for p in listen})
         heard = {}
         backoff = atomics.Backoff()
         while True:
             self.check_fence()
-            for p in listen:
-                # a decision first, from any peer (one already heard too): it has left.
-                # (Each row is read once: its tags and values come from the same load.)
-                words = decided[p].copy()
-                if (tag_epoch(words) == seq).all():
-                    atomics.acquire()
-                    return heard, mask_bits(tag_value(words), self.num_ranks)
-                if p not in heard:
-                    words = rows[p].copy()
-                    if (tag_epoch(words) == row_tag).all():
-                        atomics.acquire()
-                        heard[p] = tag_value(words)
+            # a decision first, from any peer (one already heard too): it has left. (Each
+            # row's tags and values come from the same load.)
+            decisions = decided.take(seq)
+            if decisions:
+                atomics.acquire()
+                return heard, mask_bits(tag_value(decisions[0][1]), self.num_ranks)
+            arrived = rows.take(row_tag)
+            if arrived:
+                atomics.acquire()
+                heard.update((p, tag_value(words)) for p, words in arrived)
             if len(heard) == len(listen) or time.monotonic() > deadline:
                 if len(heard) < len(listen):
                     log.warning("moe_comm rank %d: %s round %d: no word from rank(s) %s",
