@@ -23,6 +23,7 @@ ranks it drops (their FENCE word: they raise RankMaskedError before they wait or
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import time
 
@@ -76,6 +77,8 @@ class HostComm:
         infos = [None] * self.num_ranks
         dist.all_gather_object(infos, info, group=group)
         self.remote_ranks = [r for r in range(self.num_ranks) if infos[r][0] != info[0]]
+        # more ranks than cores here: waits sleep rather than poll (atomics.Backoff)
+        self.crowded = self.num_ranks - len(self.remote_ranks) > len(os.sched_getaffinity(0))
         hosts = list(dict.fromkeys(i[0] for i in infos))      # host index: order of first rank
         # int64 [R] host index of every rank; None on one host (layout.tokens_per_host)
         self.host_of = torch.tensor([hosts.index(i[0]) for i in infos]) if len(hosts) > 1 \
@@ -185,7 +188,7 @@ class HostComm:
         waits = {r: w for r, w in waits.items() if self.active[r]}
         silent = atomics.wait_words(waits, epoch, self._deadline, op, self.timeout_s,
                                     on_ready, raise_on_timeout=not self.elastic,
-                                    check=self.check_fence)
+                                    check=self.check_fence, crowded=self.crowded)
         if silent:
             self.mask(silent, op)
             # Healthy peers may have been held up by the same silent rank: they get a fresh
@@ -284,7 +287,7 @@ class HostComm:
         decided = atomics.SlotPoll({p: self.slot(me, lay.decided(seq % 2, p), mw)
                                     for p in listen})
         heard = {}
-        backoff = atomics.Backoff()
+        backoff = atomics.Backoff(self.crowded)
         while True:
             self.check_fence()
             # a decision first, from any peer (one already heard too): it has left. (Each

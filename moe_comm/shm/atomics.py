@@ -61,23 +61,43 @@ def acquire() -> None:
         _fence(_ACQUIRE)
 
 
+CROWDED_MAX_SLEEP_S = 1e-3
+
+
 class Backoff:
     """Spin briefly, then yield, then sleep: ranks often outnumber cores, and a spinning rank
-    must not starve the peer it waits for."""
+    must not starve the peer it waits for.
 
-    __slots__ = ("spins",)
+    ``crowded``: this host runs more ranks than it has cores (e.g. 64 ranks on 2). Then a
+    wait is as long as the work of many peers sharing the cores, and every poll of a waiting
+    rank takes a slice from a rank with work to do: it yields only briefly, then sleeps,
+    doubling the sleep up to :data:`CROWDED_MAX_SLEEP_S` (a poll costs ~10 us, so polling
+    takes ~1% of a core, and a wait ends at most that much late)."""
 
-    def __init__(self):
+    __slots__ = ("spins", "crowded", "sleep_s")
+
+    def __init__(self, crowded: bool = False):
         self.spins = 0
+        self.crowded = crowded
+        self.sleep_s = 20e-6
 
     def pause(self) -> None:
         self.spins += 1
         if self.spins < 32:
             return
-        if self.spins < 1024:
+        if self.crowded:
+            self._pause_crowded()
+        elif self.spins < 1024:
             os.sched_yield()
         else:
             time.sleep(20e-6 if self.spins < 4096 else 200e-6)
+
+    def _pause_crowded(self) -> None:
+        if self.spins < 64:
+            os.sched_yield()
+            return
+        time.sleep(self.sleep_s)
+        self.sleep_s = min(2 * self.sleep_s, CROWDED_MAX_SLEEP_S)
 
 
 def _root(view: np.ndarray) -> np.ndarray:
@@ -147,7 +167,8 @@ class SlotPoll:
 
 
 def wait_words(waits: dict, epoch: int, deadline: float, op: str, timeout_s: float,
-               on_ready=None, raise_on_timeout: bool = True, check=None) -> set:
+               on_ready=None, raise_on_timeout: bool = True, check=None,
+               crowded: bool = False) -> set:
     """Wait until, for every ``rank -> numpy int64 view`` in ``waits``, all words of the view
     carry ``epoch``. ``on_ready(rank, words)`` runs (after an acquire fence) for each rank as
     soon as its words are complete, with the words as read, so independent work starts early.
@@ -155,10 +176,10 @@ def wait_words(waits: dict, epoch: int, deadline: float, op: str, timeout_s: flo
     Returns the set of ranks still silent at ``deadline`` (empty on success) when
     ``raise_on_timeout`` is False; otherwise raises :class:`CommTimeoutError` naming them.
     ``check()`` runs while words are missing and may raise (a rank that learns it was masked
-    stops waiting).
+    stops waiting). ``crowded``: more ranks than cores on this host (:class:`Backoff`).
     """
     poll = SlotPoll(waits)
-    backoff = Backoff()
+    backoff = Backoff(crowded)
     while poll.ranks:
         arrived = poll.take(epoch)
         if arrived:
