@@ -20,8 +20,9 @@ import torch
 
 import moe_comm
 from moe_comm.quant import quantize_fp8
+from moe_comm.shm import atomics
 from moe_comm.wire import (LINE_WORDS, MASK_BITS, VALUE_MASK, HeaderLayout, mask_bits,
-                           mask_words)
+                           mask_words, tag)
 from checks import check_ll, check_normal
 from ranks import run_ranks
 from test_elastic import _inputs, _ll_step, _normal_step, _route, _served_sum, _slots
@@ -194,3 +195,34 @@ def test_header_slots_own_their_lines_at_any_group_size(num_ranks):
             owner[line] = (name, at)
     notify_words = 2 * num_ranks * lay.row_words
     assert lay.num_words - notify_words <= 64 * LINE_WORDS * num_ranks
+
+
+@pytest.mark.parametrize("num_slots, width", [(2, 1), (64, 1), (64, 9), (256, 2)])
+def test_slot_poll_takes_each_slot_once_when_all_its_words_arrive(num_slots, width):
+    """One gather per poll (4 slots or more) or one read per slot: the same answers."""
+    header = np.zeros((num_slots * 2 + 1) * LINE_WORDS * 8, dtype=np.uint8).view(np.int64)
+    stride = 2 * LINE_WORDS
+    views = {r: header[r * stride:r * stride + width] for r in range(num_slots)}
+    poll = atomics.SlotPoll(views)
+    assert poll.take(7) == []
+    for r in range(0, num_slots, 3):
+        views[r][:] = tag(7, r)                       # complete: every word carries epoch 7
+    views[1][0] = tag(7, 1)                           # only part of slot 1 (or all of it)
+    taken = poll.take(7)
+    done = set(range(0, num_slots, 3)) | ({1} if width == 1 else set())
+    assert sorted(r for r, _ in taken) == sorted(done)
+    for r, words in taken:
+        assert (words == tag(7, r)).all() and words is not views[r]      # the words as read
+    assert poll.take(7) == [] and set(poll.ranks) == set(range(num_slots)) - done
+    for r in poll.ranks:
+        views[r][:] = tag(6, r)                       # an older epoch never matches
+    assert poll.take(7) == []
+
+
+def test_slot_poll_reads_views_of_mixed_widths_one_by_one():
+    header = np.zeros(64 * LINE_WORDS, dtype=np.int64)
+    views = {r: header[r * LINE_WORDS:r * LINE_WORDS + 1 + r % 2] for r in range(8)}
+    poll = atomics.SlotPoll(views)
+    for r in (2, 5):
+        views[r][:] = tag(3, 0)
+    assert sorted(r for r, _ in poll.take(3)) == [2, 5]
