@@ -23,6 +23,7 @@ ranks it drops (their FENCE word: they raise RankMaskedError before they wait or
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import time
 
@@ -76,6 +77,8 @@ class HostComm:
         infos = [None] * self.num_ranks
         dist.all_gather_object(infos, info, group=group)
         self.remote_ranks = [r for r in range(self.num_ranks) if infos[r][0] != info[0]]
+        # more ranks than cores here: waits sleep rather than poll (atomics.Backoff)
+        self.crowded = self.num_ranks - len(self.remote_ranks) > len(os.sched_getaffinity(0))
         hosts = list(dict.fromkeys(i[0] for i in infos))      # host index: order of first rank
         # int64 [R] host index of every rank; None on one host (layout.tokens_per_host)
         self.host_of = torch.tensor([hosts.index(i[0]) for i in infos]) if len(hosts) > 1 \
@@ -152,6 +155,18 @@ class HostComm:
             return
         atomics.store_words(self.slot(rank, word, vals.size), (epoch << 32) | vals)
 
+    def signal_each(self, ranks, word: int, epoch: int, values) -> None:
+        """:meth:`signal` of the same ``values`` into the same slot of every rank in
+        ``ranks`` (a rank telling all its peers): tagged once, one release fence for all."""
+        tagged = (epoch << 32) | np.asarray(values, dtype=np.int64)
+        ranks = [int(r) for r in ranks]
+        n = tagged.size
+        atomics.store_each([self.slot(r, word, n) for r in ranks
+                            if self.words[r] is not None], tagged)
+        for r in ranks:
+            if self.words[r] is None:
+                self._remote_signal(r, word * 8, tagged)
+
     def _remote_signal(self, rank: int, byte_offset: int, words: np.ndarray) -> None:
         for i, w in enumerate(np.atleast_1d(words).tolist()):
             self.transport.signal(rank, byte_offset + 8 * i, w)
@@ -175,7 +190,7 @@ class HostComm:
         waits = {r: w for r, w in waits.items() if self.active[r]}
         silent = atomics.wait_words(waits, epoch, self._deadline, op, self.timeout_s,
                                     on_ready, raise_on_timeout=not self.elastic,
-                                    check=self.check_fence)
+                                    check=self.check_fence, crowded=self.crowded)
         if silent:
             self.mask(silent, op)
             # Healthy peers may have been held up by the same silent rank: they get a fresh
@@ -190,8 +205,7 @@ class HostComm:
         lay, me = self.layout, self.rank
         parity = self.call_seq % 2
         self.call_seq += 1
-        for p in np.flatnonzero(self.active):
-            self.signal(p, lay.call(parity, me), epoch, row)
+        self.signal_each(np.flatnonzero(self.active), lay.call(parity, me), epoch, row)
         return {s: self.slot(me, lay.call(parity, s), CALL_WORDS)
                 for s in range(self.num_ranks)}
 
@@ -238,8 +252,7 @@ class HostComm:
         decision = None
         for rnd in range(1, agree_rounds(R) + 1):
             row_tag, row = agree_round_tag(seq, rnd, R), mask_words(estimate)
-            for p in tell:
-                self.signal(p, lay.mask(rnd % 2, me), row_tag, row)
+            self.signal_each(tell, lay.mask(rnd % 2, me), row_tag, row)
             heard, decision = self._agree_round(listen, rnd, seq, row_tag, deadline,
                                                 op + "/agree")
             if decision is not None:
@@ -256,11 +269,10 @@ class HostComm:
         if decision is None:             # every rank it listened to went silent: alone
             decision = estimate
         row = mask_words(decision)
-        for p in tell:
-            self.signal(p, lay.decided(seq % 2, me), seq, row)
+        self.signal_each(tell, lay.decided(seq % 2, me), seq, row)
         dropped = [p for p in tell if not decision[p]]
-        for p in dropped:                   # a late rank stops before it writes again
-            self.signal(p, lay.fence, seq, me + 1)
+        # a late rank stops before it writes again
+        self.signal_each(dropped, lay.fence, seq, me + 1)
         self.mask(np.flatnonzero(~decision & self.active).tolist(), op + ": agreed by survivors")
         self._told = self.active.copy()
         self._deadline = time.monotonic() + self.timeout_s
@@ -273,24 +285,23 @@ class HostComm:
         of agreement ``seq`` from any of them. Returns ({rank: estimate words} heard, the
         first decision read as bool [R] or None)."""
         lay, me, mw = self.layout, self.rank, self.layout.mask_words
-        rows = {p: self.slot(me, lay.mask(rnd % 2, p), mw) for p in listen}
-        decided = {p: self.slot(me, lay.decided(seq % 2, p), mw) for p in listen}
+        rows = atomics.SlotPoll({p: self.slot(me, lay.mask(rnd % 2, p), mw) for p in listen})
+        decided = atomics.SlotPoll({p: self.slot(me, lay.decided(seq % 2, p), mw)
+                                    for p in listen})
         heard = {}
-        backoff = atomics.Backoff()
+        backoff = atomics.Backoff(self.crowded)
         while True:
             self.check_fence()
-            for p in listen:
-                # a decision first, from any peer (one already heard too): it has left.
-                # (Each row is read once: its tags and values come from the same load.)
-                words = decided[p].copy()
-                if (tag_epoch(words) == seq).all():
-                    atomics.acquire()
-                    return heard, mask_bits(tag_value(words), self.num_ranks)
-                if p not in heard:
-                    words = rows[p].copy()
-                    if (tag_epoch(words) == row_tag).all():
-                        atomics.acquire()
-                        heard[p] = tag_value(words)
+            # a decision first, from any peer (one already heard too): it has left. (Each
+            # row's tags and values come from the same load.)
+            decisions = decided.take(seq)
+            if decisions:
+                atomics.acquire()
+                return heard, mask_bits(tag_value(decisions[0][1]), self.num_ranks)
+            arrived = rows.take(row_tag)
+            if arrived:
+                atomics.acquire()
+                heard.update((p, tag_value(words)) for p, words in arrived)
             if len(heard) == len(listen) or time.monotonic() > deadline:
                 if len(heard) < len(listen):
                     log.warning("moe_comm rank %d: %s round %d: no word from rank(s) %s",

@@ -75,8 +75,7 @@ def _timed_wait(comm, waits, epoch, op, wait_stats, start_ns) -> None:
 
 def _publish_free(comm, slot, seq):
     """Tell every active peer this rank finished reading a buffer for call ``seq``."""
-    for p in np.flatnonzero(comm.active).tolist():
-        comm.signal(p, slot, seq, 0)
+    comm.signal_each(np.flatnonzero(comm.active), slot, seq, 0)
 
 
 def dispatch_send(comm, *, x, topk_idx, lay: LLLayout, use_fp8, round_scale, buffer_key):

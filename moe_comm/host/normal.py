@@ -56,6 +56,7 @@ class RoundPlan:
         self.counts, self.rows_at, self.chunk = counts, rows_at, chunk
         self.row0 = np.cumsum(counts, 0) - counts
         self.rounds = max([1] + [-(-n // c) for n, c in zip(rows_at, chunk) if n and c])
+        self._parts = {}
 
     def streams(self, d: int) -> bool:
         return self.chunk[d] < self.rows_at[d]
@@ -65,22 +66,34 @@ class RoundPlan:
         lo = r * self.chunk[d]
         return lo, max(lo, min(lo + self.chunk[d], self.rows_at[d]))
 
+    def _round(self, r: int):
+        """``(first, last)`` [s, d] of round r for every pair at once, numpy: every rank asks
+        about all its peers each round, and a Python loop per pair is O(R^2) per rank."""
+        if r not in self._parts:
+            chunk = np.asarray(self.chunk, dtype=np.int64)
+            lo = r * chunk
+            hi = np.maximum(lo, np.minimum(lo + chunk, np.asarray(self.rows_at, np.int64)))
+            first = np.maximum(lo[None, :], self.row0)
+            last = np.maximum(first, np.minimum(hi[None, :], self.row0 + self.counts))
+            self._parts[r] = first, last
+        return self._parts[r]
+
     def part(self, s: int, d: int, r: int):
         """``(first, last, local)``: s's rows at d that round r moves, as rows of d's region,
         and where ``first`` lands in that round's chunk."""
-        lo, hi = self.span(d, r)
-        first = max(lo, int(self.row0[s, d]))
-        last = max(first, min(hi, int(self.row0[s, d] + self.counts[s, d])))
-        return first, last, first - lo
+        first, last = self._round(r)
+        lo = r * self.chunk[d]
+        return int(first[s, d]), int(last[s, d]), int(first[s, d]) - lo
 
     def sources(self, d: int, r: int) -> list:
-        return [s for s in range(len(self.rows_at)) if self.part(s, d, r)[1] >
-                self.part(s, d, r)[0]]
+        first, last = self._round(r)
+        return np.flatnonzero(last[:, d] > first[:, d]).tolist()
 
     def dests(self, s: int, r: int) -> list:
         """Ranks s writes to in round r, in s's rotation order."""
-        return [d for d in _rotation(s, len(self.rows_at)) if self.part(s, d, r)[1] >
-                self.part(s, d, r)[0]]
+        first, last = self._round(r)
+        order = np.asarray(_rotation(s, len(self.rows_at)), dtype=np.int64)
+        return order[last[s, order] > first[s, order]].tolist()
 
     def epochs(self, comm, epoch: int, refused: bool) -> list:
         """One epoch per round, all taken now: every rank advances alike whatever fails."""
@@ -105,8 +118,7 @@ def exchange_counts(comm, epoch: int, row: np.ndarray, call_row: np.ndarray) -> 
     parity = comm.notify_seq % 2
     comm.notify_seq += 1
     calls = comm.post_call(epoch, call_row)
-    for p in np.flatnonzero(comm.active):
-        comm.signal(p, lay.notify(parity, me), epoch, row)
+    comm.signal_each(np.flatnonzero(comm.active), lay.notify(parity, me), epoch, row)
     comm.verify_call(calls, epoch, "dispatch")
     waits = {s: comm.slot(me, lay.notify(parity, s), R) for s in range(R)}
     comm.wait(waits, epoch, "dispatch/notify")
@@ -130,9 +142,8 @@ def _grant(comm, epoch: int, nbytes: int, what: str, senders, refuse=None):
             error = BufferTooSmallError(
                 what + f" (while {comm.heap.bytes_in_use} bytes are held by received tensors "
                 "still alive)", nbytes + comm.heap.bytes_in_use, comm.heap.capacity)
-    for s in senders:
-        comm.signal(s, comm.layout.grant(comm.rank), epoch,
-                    [GRANT_FAILED, 0] if page is None else [page, pages])
+    comm.signal_each(senders, comm.layout.grant(comm.rank), epoch,
+                     [GRANT_FAILED, 0] if page is None else [page, pages])
     return page, error
 
 

@@ -61,54 +61,140 @@ def acquire() -> None:
         _fence(_ACQUIRE)
 
 
+CROWDED_MAX_SLEEP_S = 1e-3
+
+
 class Backoff:
     """Spin briefly, then yield, then sleep: ranks often outnumber cores, and a spinning rank
-    must not starve the peer it waits for."""
+    must not starve the peer it waits for.
 
-    __slots__ = ("spins",)
+    ``crowded``: this host runs more ranks than it has cores (e.g. 64 ranks on 2). Then a
+    wait is as long as the work of many peers sharing the cores, and every poll of a waiting
+    rank takes a slice from a rank with work to do: it yields only briefly, then sleeps,
+    doubling the sleep up to :data:`CROWDED_MAX_SLEEP_S` (a poll costs ~10 us, so polling
+    takes ~1% of a core, and a wait ends at most that much late)."""
 
-    def __init__(self):
+    __slots__ = ("spins", "crowded", "sleep_s")
+
+    def __init__(self, crowded: bool = False):
         self.spins = 0
+        self.crowded = crowded
+        self.sleep_s = 20e-6
 
     def pause(self) -> None:
         self.spins += 1
         if self.spins < 32:
             return
-        if self.spins < 1024:
+        if self.crowded:
+            self._pause_crowded()
+        elif self.spins < 1024:
             os.sched_yield()
         else:
             time.sleep(20e-6 if self.spins < 4096 else 200e-6)
 
+    def _pause_crowded(self) -> None:
+        if self.spins < 64:
+            os.sched_yield()
+            return
+        time.sleep(self.sleep_s)
+        self.sleep_s = min(2 * self.sleep_s, CROWDED_MAX_SLEEP_S)
+
+
+def _root(view: np.ndarray) -> np.ndarray:
+    """The array at the bottom of ``view``'s chain of numpy views (the mapping's own)."""
+    while isinstance(view.base, np.ndarray):
+        view = view.base
+    return view
+
+
+def _gathered(views: list):
+    """``(words, index)``: ``words`` int64 over the memory every view lies in and ``index``
+    [n, width] the word positions of each view, so one fancy-index load reads them all; None
+    when the views are not C-contiguous int64 runs of one width at 8-byte offsets of one
+    buffer (then each is read on its own)."""
+    if not views:
+        return None
+    root, width = _root(views[0]), views[0].size
+    if any(v.dtype != np.int64 or v.size != width or not v.flags.c_contiguous
+           or _root(v) is not root for v in views):
+        return None
+    if root.ndim != 1 or not root.flags.c_contiguous or root.nbytes % 8:
+        return None
+    offsets = np.array([v.ctypes.data for v in views], dtype=np.int64) - root.ctypes.data
+    if (offsets % 8).any():
+        return None
+    words = root.view(np.int64)
+    return words, offsets[:, None] // 8 + np.arange(width, dtype=np.int64)
+
+
+GATHER_MIN_SLOTS = 4    # fewer slots are read one by one: finding their addresses costs more
+
+
+class SlotPoll:
+    """The slots one wait still polls (``rank -> int64 view`` of signal words). A group of
+    64 ranks polls 64 slots on every spin of every waiting rank, on a host where ranks
+    outnumber cores: reading them with one numpy gather instead of a Python loop per slot
+    keeps the waiters from eating the time their peers need to send."""
+
+    def __init__(self, views: dict):
+        self.ranks = list(views)
+        self._views = [views[r] for r in self.ranks]
+        self._gather = _gathered(self._views) if len(self._views) >= GATHER_MIN_SLOTS \
+            else None
+
+    def take(self, epoch: int) -> list:
+        """``[(rank, words)]`` of the slots whose every word now carries ``epoch``, removed
+        from the poll; ``words`` is the copy the check read (tags and values of one load).
+        The caller fences (:func:`acquire`) before trusting data they announce."""
+        if not self.ranks:
+            return []
+        if self._gather is None:
+            loaded = [v.copy() for v in self._views]
+            ready = np.array([(tag_epoch(w) == epoch).all() for w in loaded], dtype=bool)
+        else:
+            words, index = self._gather
+            loaded = words[index]                     # one load of every pending slot
+            ready = (tag_epoch(loaded) == epoch).all(1)
+        if not ready.any():
+            return []
+        taken = [(self.ranks[i], loaded[i]) for i in np.flatnonzero(ready)]
+        keep = np.flatnonzero(~ready)
+        self.ranks = [self.ranks[i] for i in keep]
+        self._views = [self._views[i] for i in keep]
+        if self._gather is not None:
+            self._gather = (self._gather[0], self._gather[1][keep])
+        return taken
+
 
 def wait_words(waits: dict, epoch: int, deadline: float, op: str, timeout_s: float,
-               on_ready=None, raise_on_timeout: bool = True, check=None) -> set:
+               on_ready=None, raise_on_timeout: bool = True, check=None,
+               crowded: bool = False) -> set:
     """Wait until, for every ``rank -> numpy int64 view`` in ``waits``, all words of the view
     carry ``epoch``. ``on_ready(rank, words)`` runs (after an acquire fence) for each rank as
-    soon as its words are complete, so independent work starts early.
+    soon as its words are complete, with the words as read, so independent work starts early.
 
     Returns the set of ranks still silent at ``deadline`` (empty on success) when
     ``raise_on_timeout`` is False; otherwise raises :class:`CommTimeoutError` naming them.
     ``check()`` runs while words are missing and may raise (a rank that learns it was masked
-    stops waiting).
+    stops waiting). ``crowded``: more ranks than cores on this host (:class:`Backoff`).
     """
-    pending = dict(waits)
-    backoff = Backoff()
-    while pending:
-        for rank in list(pending):
-            words = pending[rank]
-            if (tag_epoch(words) == epoch).all():
-                del pending[rank]
-                acquire()
+    poll = SlotPoll(waits)
+    backoff = Backoff(crowded)
+    while poll.ranks:
+        arrived = poll.take(epoch)
+        if arrived:
+            acquire()
+            for rank, words in arrived:
                 if on_ready is not None:
                     on_ready(rank, words)
-        if not pending:
+        if not poll.ranks:
             break
         if check is not None:
             check()
         if time.monotonic() > deadline:
             if raise_on_timeout:
-                raise CommTimeoutError(op, pending.keys(), timeout_s)
-            return set(pending)
+                raise CommTimeoutError(op, poll.ranks, timeout_s)
+            return set(poll.ranks)
         backoff.pause()
     return set()
 
@@ -117,3 +203,11 @@ def store_words(words: np.ndarray, values) -> None:
     """Publish signal words after everything written before (release)."""
     release()
     words[...] = values
+
+
+def store_each(views, values) -> None:
+    """Publish the same signal words into every view of ``views`` after everything written
+    before: one release fence for all of them (a rank tells all its peers at once)."""
+    release()
+    for words in views:
+        words[...] = values
