@@ -389,8 +389,10 @@ class Buffer:
         """Send each token once to every rank owning one of its top-k experts.
 
         Args:
-            x: [T, H] bf16/fp16/fp32, or a tuple (float8_e4m3fn [T, H], float32 scales
-                [T, H/128]).
+            x: [T, H] bf16/fp16/fp32, or a tuple (float8_e4m3fn [T, H], scales [T, S]): the
+                scales float32 or int32 (e.g. UE8M0 packed, four per int32), any S >= 1,
+                row-major or column-major (stride (1, T)); they travel as S 4-byte columns
+                and come back in the same dtype, row-major (as DeepEP returns them).
             handle: a handle from an earlier dispatch of the same routing: repeats its layout
                 without the count exchange (then pass no topk_idx/topk_weights).
             num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert: the outputs of
@@ -409,9 +411,9 @@ class Buffer:
                 compatibility; host-backend calls are complete when they return.
             active_ranks: int32 [R] or None, read and updated in place (see the class).
         Returns:
-            recv_x: [N, H] (or (fp8 [N, H], float32 scales [N, H/128])), rows ordered by
-                source rank then source token index; it lives in the buffer's memory until
-                you drop it. Masked ranks send and receive nothing;
+            recv_x: [N, H] (or (fp8 [N, H], scales [N, S] of x[1]'s dtype, row-major)), rows
+                ordered by source rank then source token index; it lives in the buffer's
+                memory until you drop it. Masked ranks send and receive nothing;
             recv_topk_idx: int64 [N, K] local expert ids (-1 = not on this rank), or None
                 without topk_idx;
             recv_topk_weights: float32 [N, K] (0 where the id is -1) or None;
