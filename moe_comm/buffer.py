@@ -658,7 +658,8 @@ class Buffer:
     @_one_thread
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor,
                             topk_weights: torch.Tensor, handle: LowLatencyHandle,
-                            zero_copy: bool = False, async_finish: bool = False,
+                            use_logfmt: bool = False, zero_copy: bool = False,
+                            async_finish: bool = False,
                             return_recv_hook: bool = False, out: torch.Tensor | None = None,
                             combine_wait_recv_cost_stats: torch.Tensor | None = None,
                             active_ranks: torch.Tensor | None = None):
@@ -670,6 +671,10 @@ class Buffer:
             topk_idx: int64 [T, K], the ids passed to the dispatch of ``handle``.
             topk_weights: float32 [T, K]; -1 slots contribute nothing.
             handle: the dispatch handle (its receive hook must have run).
+            use_logfmt: DeepEP's log-domain compressed encoding of the rows sent back; not
+                implemented on either backend: True raises NotImplementedError before
+                anything is sent (rows travel as bf16). It sits where DeepEP V1 puts it, so
+                positional calls land on the same arguments.
             zero_copy: x was written into get_next_low_latency_combine_buffer(handle).
             return_recv_hook: only send; ``hook()`` receives and fills the output.
             out: optional bf16 [T, H] to write the result into.
@@ -682,7 +687,7 @@ class Buffer:
         """
         comm = self._live()
         lay = validate.ll_combine_args(self._facts, comm.ll_bytes, x, topk_idx, topk_weights,
-                                       handle, zero_copy, out, active_ranks)
+                                       handle, use_logfmt, zero_copy, out, active_ranks)
         validate.wait_cost_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats,
                                  self._facts)
         if zero_copy:

@@ -480,10 +480,21 @@ def ll_dispatch_args(facts: BufferFacts, ll_bytes, x, topk_idx, max_tokens, num_
     return lay
 
 
+def logfmt(use_logfmt) -> None:
+    """``low_latency_combine(use_logfmt=True)``: DeepEP's log-domain encoding of the combine
+    rows is not built; refused rather than ignored, so a caller counting on its bandwidth (or
+    its rounding) learns it at once."""
+    if use_logfmt:
+        raise NotImplementedError("low_latency_combine(use_logfmt=True): moe_comm does not "
+                                  "implement DeepEP's LogFMT encoding; combine rows travel as "
+                                  "bf16 (pass use_logfmt=False)")
+
+
 def ll_combine_args(facts: BufferFacts, ll_bytes, x, topk_idx, topk_weights, handle,
-                    zero_copy, out, active_ranks) -> LLLayout:
+                    use_logfmt, zero_copy, out, active_ranks) -> LLLayout:
     """``low_latency_combine``; returns the low-latency layout. With ``zero_copy`` x is
     ignored (the Buffer's own combine buffer is sent), so it is not checked."""
+    logfmt(use_logfmt)
     ll_handle(handle, facts.key)
     if not handle.received:
         raise RuntimeError("the dispatch of this handle has not received yet: call its "
