@@ -135,3 +135,26 @@ def test_bad_scales_are_refused():
     assert "has 3 rows but x[0] has 4 tokens" in errors[1]
     assert "between 1 and" in errors[2]
     assert "must be 2-D" in errors[3]
+
+
+def _streamed_rank(rank, n):
+    """A heap of 16 KiB: the receive regions (about 30 rows of 1 KiB) stream through it in
+    rounds (host backend), scales copied out of each round in their own dtype."""
+    buf = moe_comm.Buffer(None, 16 << 10, timeout_s=60)
+    data, scales, idx = _inputs(rank, "int32 [T, H/512] column-major")
+    ntr, _, nte, itr, _ = buf.get_dispatch_layout(idx, E)
+    (rx, rs), *_ = buf.dispatch((data, scales), topk_idx=idx, num_tokens_per_rank=ntr,
+                                is_token_in_rank=itr, num_tokens_per_expert=nte)
+    buf.destroy()
+    return rx.view(torch.uint8).clone(), _layout_of(rs)
+
+
+def test_scales_stream_through_a_small_buffer():
+    kind = "int32 [T, H/512] column-major"
+    ins = [_inputs(r, kind) for r in range(N)]
+    ref = moe_comm.reference_dispatch([i[0] for i in ins], [i[2] for i in ins], E,
+                                      scales=[i[1] for i in ins])
+    for d, (rx, s) in enumerate(run_ranks(_streamed_rank, N, timeout=120)):
+        assert torch.equal(rx, ref[d]["recv_x"].view(torch.uint8)), d
+        assert s["dtype"] == torch.int32 and s["stride"] == (H // 512, 1)
+        assert torch.equal(s["values"], ref[d]["recv_scales"]), d
