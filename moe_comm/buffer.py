@@ -389,8 +389,10 @@ class Buffer:
         """Send each token once to every rank owning one of its top-k experts.
 
         Args:
-            x: [T, H] bf16/fp16/fp32, or a tuple (float8_e4m3fn [T, H], float32 scales
-                [T, H/128]).
+            x: [T, H] bf16/fp16/fp32, or a tuple (float8_e4m3fn [T, H], scales [T, S]): the
+                scales float32 or int32 (e.g. UE8M0 packed, four per int32), any S >= 1,
+                row-major or column-major (stride (1, T)); they travel as S 4-byte columns
+                and come back in the same dtype, row-major (as DeepEP returns them).
             handle: a handle from an earlier dispatch of the same routing: repeats its layout
                 without the count exchange (then pass no topk_idx/topk_weights).
             num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert: the outputs of
@@ -409,9 +411,9 @@ class Buffer:
                 compatibility; host-backend calls are complete when they return.
             active_ranks: int32 [R] or None, read and updated in place (see the class).
         Returns:
-            recv_x: [N, H] (or (fp8 [N, H], float32 scales [N, H/128])), rows ordered by
-                source rank then source token index; it lives in the buffer's memory until
-                you drop it. Masked ranks send and receive nothing;
+            recv_x: [N, H] (or (fp8 [N, H], scales [N, S] of x[1]'s dtype, row-major)), rows
+                ordered by source rank then source token index; it lives in the buffer's
+                memory until you drop it. Masked ranks send and receive nothing;
             recv_topk_idx: int64 [N, K] local expert ids (-1 = not on this rank), or None
                 without topk_idx;
             recv_topk_weights: float32 [N, K] (0 where the id is -1) or None;
@@ -656,7 +658,8 @@ class Buffer:
     @_one_thread
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor,
                             topk_weights: torch.Tensor, handle: LowLatencyHandle,
-                            zero_copy: bool = False, async_finish: bool = False,
+                            use_logfmt: bool = False, zero_copy: bool = False,
+                            async_finish: bool = False,
                             return_recv_hook: bool = False, out: torch.Tensor | None = None,
                             combine_wait_recv_cost_stats: torch.Tensor | None = None,
                             active_ranks: torch.Tensor | None = None):
@@ -668,6 +671,10 @@ class Buffer:
             topk_idx: int64 [T, K], the ids passed to the dispatch of ``handle``.
             topk_weights: float32 [T, K]; -1 slots contribute nothing.
             handle: the dispatch handle (its receive hook must have run).
+            use_logfmt: DeepEP's log-domain compressed encoding of the rows sent back; not
+                implemented on either backend: True raises NotImplementedError before
+                anything is sent (rows travel as bf16). It sits where DeepEP V1 puts it, so
+                positional calls land on the same arguments.
             zero_copy: x was written into get_next_low_latency_combine_buffer(handle).
             return_recv_hook: only send; ``hook()`` receives and fills the output.
             out: optional bf16 [T, H] to write the result into.
@@ -680,7 +687,7 @@ class Buffer:
         """
         comm = self._live()
         lay = validate.ll_combine_args(self._facts, comm.ll_bytes, x, topk_idx, topk_weights,
-                                       handle, zero_copy, out, active_ranks)
+                                       handle, use_logfmt, zero_copy, out, active_ranks)
         validate.wait_cost_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats,
                                  self._facts)
         if zero_copy:

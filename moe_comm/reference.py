@@ -15,7 +15,9 @@ from .layout import local_topk
 
 def reference_dispatch(xs, topk_idxs, num_experts, topk_weights=None, scales=None):
     """``xs[r]`` [T_r, H] (any dtype), ``topk_idxs[r]`` [T_r, K] int64 with -1 for unused
-    slots, ``topk_weights[r]`` [T_r, K] float32 or None, ``scales[r]`` [T_r, S] or None.
+    slots, ``topk_weights[r]`` [T_r, K] float32 or None, ``scales[r]`` [T_r, S] or None (any
+    dtype and layout, float32 or UE8M0-packed int32: rows are taken as they are, and
+    ``recv_scales`` is row-major in that dtype).
 
     Returns a list (per destination rank) of dicts with ``recv_x``, ``recv_scales``,
     ``recv_topk_idx`` (local ids / -1), ``recv_topk_weights`` (0 where -1),

@@ -24,6 +24,13 @@ CALLS = {1: "dispatch", 2: "cached dispatch", 3: "combine", 4: "low-latency disp
 CALL_CODE = {name: code for code, name in CALLS.items()}
 DTYPES = {1: torch.bfloat16, 2: torch.float16, 3: torch.float32, 4: torch.float8_e4m3fn}
 DTYPE_CODE = {dtype: code for code, dtype in DTYPES.items()}
+# The scales' word holds their column count and, above SCALE_COLS_BITS, their dtype: a float32
+# and an int32 (UE8M0-packed) tensor of one width are different calls (wire.NORMAL_CALL_FIELDS
+# has no word to spare, and a tagged word's value has 32 bits).
+SCALE_DTYPES = {1: torch.float32, 2: torch.int32}
+SCALE_DTYPE_CODE = {dtype: code for code, dtype in SCALE_DTYPES.items()}
+SCALE_COLS_BITS = 24
+MAX_SCALE_COLS = (1 << SCALE_COLS_BITS) - 1
 
 
 def _row(values) -> np.ndarray:
@@ -39,16 +46,21 @@ def normal(call: str, *, hidden: int, dtype, scale_cols: int, topk: int, num_exp
                  num_worst_tokens, handle_id))
 
 
+def scale_word(scales) -> int:
+    """The scales' signature word: 0 without scales, else columns | dtype code << 24."""
+    if scales is None:
+        return 0
+    return scales.shape[1] | SCALE_DTYPE_CODE[scales.dtype] << SCALE_COLS_BITS
+
+
 def of_dispatch(*, hidden, dtype, scales, topk_idx, num_experts, num_worst_tokens,
                 handle) -> np.ndarray:
     """A normal dispatch's signature from the arguments the backends' dispatch takes."""
     if handle is not None:
         return normal("cached dispatch", hidden=hidden, dtype=dtype,
-                      scale_cols=0 if scales is None else scales.shape[1], topk=0,
-                      num_experts=0, num_worst_tokens=num_worst_tokens,
-                      handle_id=handle.call_id)
-    return normal("dispatch", hidden=hidden, dtype=dtype,
-                  scale_cols=0 if scales is None else scales.shape[1],
+                      scale_cols=scale_word(scales), topk=0, num_experts=0,
+                      num_worst_tokens=num_worst_tokens, handle_id=handle.call_id)
+    return normal("dispatch", hidden=hidden, dtype=dtype, scale_cols=scale_word(scales),
                   topk=0 if topk_idx is None else topk_idx.shape[1], num_experts=num_experts,
                   num_worst_tokens=num_worst_tokens, handle_id=0)
 
@@ -74,7 +86,19 @@ def _shown(field: str, value: int):
         return str(DTYPES.get(value, value)).replace("torch.", "")
     if field in ("use_fp8", "round_scale"):
         return bool(value)
+    if field == "scale_cols":
+        return _shown_scales(value)
     return value
+
+
+def _shown_scales(word: int):
+    """A scales' word as "4 x int32" ("none" without scales)."""
+    if not word:
+        return "none"
+    dtype = SCALE_DTYPES.get(word >> SCALE_COLS_BITS)
+    if dtype is None:
+        return word
+    return f"{word & MAX_SCALE_COLS} x {str(dtype).replace('torch.', '')}"
 
 
 def check(op: str, rows: dict, fields=NORMAL_CALL_FIELDS) -> None:

@@ -16,11 +16,13 @@ import torch
 
 from .errors import BufferTooSmallError
 from .handle import DispatchHandle, LowLatencyHandle
+from .signature import MAX_SCALE_COLS
 from .transport.select import KINDS as TRANSPORTS
 from .wire import LL_MAX_TOPK, LLLayout
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FP8 = torch.float8_e4m3fn
+SCALE_DTYPES = (torch.float32, torch.int32)       # DeepEP's: float scales, or UE8M0 packed
 MASK_DTYPES = (torch.int32, torch.int64, torch.bool)
 
 
@@ -119,20 +121,33 @@ def routing_weights(t, idx):
     return t
 
 
+def dispatch_scales(scales, num_tokens) -> None:
+    """The scales of fp8 x: float32 or int32 (UE8M0-packed), [T, S] with any S >= 1, either
+    major-ness. They travel as S opaque 4-byte columns per row, as DeepEP carries them."""
+    tensor("x[1]", scales, ndim=2, dtypes=SCALE_DTYPES)
+    if scales.shape[0] != num_tokens:
+        raise ValueError(f"x[1] (scales) has {scales.shape[0]} rows but x[0] has "
+                         f"{num_tokens} tokens")
+    if not 1 <= scales.shape[1] <= MAX_SCALE_COLS:
+        raise ValueError(f"x[1] (scales) must have between 1 and {MAX_SCALE_COLS} columns, "
+                         f"got {scales.shape[1]}")
+
+
 def dispatch_x(x):
-    """Returns ``(data [T, H], scales [T, H/128] or None)``, both contiguous."""
+    """Returns ``(data [T, H], scales [T, S] or None)``, both row-major contiguous: the wire
+    moves rows (column-major scales, SGLang's ``s.t().contiguous().t()``, are copied here, a
+    few bytes per token; received scales are row-major, as DeepEP returns them)."""
     if isinstance(x, tuple):
         if len(x) != 2:
-            raise ValueError("x as a tuple must be (float8_e4m3fn data [T, H], float32 scales "
-                             f"[T, H/128]), got {len(x)} items")
+            raise ValueError("x as a tuple must be (float8_e4m3fn data [T, H], float32 or "
+                             f"int32 scales [T, S]), got {len(x)} items")
         data, scales = x
         tensor("x[0]", data, ndim=2, dtypes=(FP8,))
-        tensor("x[1]", scales, ndim=2, dtypes=(torch.float32,))
         hidden_size("x[0]", data.shape[1])
         if data.shape[1] % 128:
             raise ValueError(f"hidden size {data.shape[1]} of fp8 x must be a multiple of 128 "
-                             "(one scale per 128 channels)")
-        shape("x[1] (scales)", scales, (data.shape[0], data.shape[1] // 128))
+                             "(scales cover blocks of 128 channels)")
+        dispatch_scales(scales, data.shape[0])
         return data.contiguous(), scales.contiguous()
     tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES + (FP8,))
     if x.dtype == FP8:
@@ -465,10 +480,21 @@ def ll_dispatch_args(facts: BufferFacts, ll_bytes, x, topk_idx, max_tokens, num_
     return lay
 
 
+def logfmt(use_logfmt) -> None:
+    """``low_latency_combine(use_logfmt=True)``: DeepEP's log-domain encoding of the combine
+    rows is not built; refused rather than ignored, so a caller counting on its bandwidth (or
+    its rounding) learns it at once."""
+    if use_logfmt:
+        raise NotImplementedError("low_latency_combine(use_logfmt=True): moe_comm does not "
+                                  "implement DeepEP's LogFMT encoding; combine rows travel as "
+                                  "bf16 (pass use_logfmt=False)")
+
+
 def ll_combine_args(facts: BufferFacts, ll_bytes, x, topk_idx, topk_weights, handle,
-                    zero_copy, out, active_ranks) -> LLLayout:
+                    use_logfmt, zero_copy, out, active_ranks) -> LLLayout:
     """``low_latency_combine``; returns the low-latency layout. With ``zero_copy`` x is
     ignored (the Buffer's own combine buffer is sent), so it is not checked."""
+    logfmt(use_logfmt)
     ll_handle(handle, facts.key)
     if not handle.received:
         raise RuntimeError("the dispatch of this handle has not received yet: call its "

@@ -1,8 +1,9 @@
 """Ranks that disagree about a call: every rank raises CallMismatchError naming the field and
 the ranks, before any payload moves, and the Buffer serves the next call on which they agree
 (with exact results). One rank at a time passes another hidden size, dtype, fp8 instead of
-bf16, top-k, num_worst_tokens, or a cached handle of another dispatch; in low-latency mode
-another hidden size, fp8 flag, or num_max_dispatch_tokens_per_rank.
+bf16, int32 scales instead of float32 or fewer scale columns, top-k, num_worst_tokens, or a
+cached handle of another dispatch; in low-latency mode another hidden size, fp8 flag, or
+num_max_dispatch_tokens_per_rank.
 
 Both backends: the host backend, and the CUDA backend on the CPU kernel emulator (ranks as
 processes). The CUDA backend reports a mismatch when the call next meets the host: at once for
@@ -50,6 +51,8 @@ CASES = {  # name: (field the error names, what the odd rank changes)
     "hidden": ("hidden", "x"),
     "dtype": ("dtype", "x"),
     "fp8": ("dtype", "x"),
+    "scale_dtype": ("scale_cols", "x"),
+    "scale_cols": ("scale_cols", "x"),
     "topk": ("topk", "idx"),
     "num_worst_tokens": ("num_worst_tokens", "worst"),
     "handle": ("handle", "handle"),
@@ -85,6 +88,12 @@ def _normal_worker(rank, n, case):
         attempt(lambda: buf.dispatch(x.float() if odd else x, **args))
     elif case == "fp8":
         attempt(lambda: buf.dispatch(_fp8(x) if odd else x, **args))
+    elif case == "scale_dtype":      # UE8M0-packed int32 words instead of float32 scales
+        data, s = _fp8(x)
+        attempt(lambda: buf.dispatch((data, s.view(torch.int32) if odd else s), **args))
+    elif case == "scale_cols":       # one scale per 256 channels instead of per 128
+        data, s = _fp8(x)
+        attempt(lambda: buf.dispatch((data, s[:, :1] if odd else s), **args))
     elif case == "topk":
         small = buf.get_dispatch_layout(idx[:, :1], E)
         attempt(lambda: buf.dispatch(x, topk_idx=idx[:, :1], num_tokens_per_rank=small[0],

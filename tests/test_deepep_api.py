@@ -1,10 +1,12 @@
 """DeepEP's V1 calls beyond the core four, with DeepEP's meaning, on real rank processes:
 constructor keywords (enable_shrink is elastic masking), the shrink mask calls, the local
 buffer view, dispatch without topk_idx, DeepEP's returns of a cached dispatch and of
-num_worst_tokens, handles indexed like DeepEP's tuples, and the low-latency wait-cost stats.
+num_worst_tokens, handles indexed like DeepEP's tuples, the low-latency wait-cost stats, and
+low_latency_combine's positional order (use_logfmt before zero_copy; use_logfmt=True refused).
 """
 from __future__ import annotations
 
+import inspect
 import os
 import time
 
@@ -409,3 +411,45 @@ def test_bad_extras_are_named_and_buffer_survives():
         int((_inputs(s)[1] >= 0).sum()) for s in range(n))
     for seen, _ in results:
         assert seen == [True] * 6, seen
+
+
+# -- 7. low_latency_combine's argument order --------------------------------------------------
+DEEPEP_LL_COMBINE = ("x", "topk_idx", "topk_weights", "handle", "use_logfmt", "zero_copy",
+                     "async_finish", "return_recv_hook", "out", "combine_wait_recv_cost_stats")
+
+
+def test_low_latency_combine_takes_deepeps_argument_order():
+    names = list(inspect.signature(moe_comm.Buffer.low_latency_combine).parameters)[1:]
+    assert tuple(names[:len(DEEPEP_LL_COMBINE)]) == DEEPEP_LL_COMBINE
+
+
+def _positional_combine_worker(rank, n):
+    """DeepEP's positional order: (x, idx, w, handle, use_logfmt, zero_copy, async_finish,
+    return_recv_hook); use_logfmt=True is refused before anything moves."""
+    buf = _ll_buffer(n, timeout_s=20)
+    x, idx, w = _inputs(rank)
+    rx, _, handle, _, _ = buf.low_latency_dispatch(x.bfloat16(), idx, M, E, use_fp8=False)
+    try:
+        buf.low_latency_combine(rx, idx, w, handle, True)
+        refused = None
+    except NotImplementedError as e:
+        refused = str(e)
+    buf.get_next_low_latency_combine_buffer(handle).copy_(rx)
+    zero_copy, _, _ = buf.low_latency_combine(torch.empty(0), idx, w, handle, False, True)
+    zero_copy = zero_copy.float()
+    hooked, _, hook = buf.low_latency_combine(rx, idx, w, handle, False, False, False, True)
+    hook()
+    buf.destroy()
+    return refused, zero_copy, hooked.float()
+
+
+def test_low_latency_combine_positional_calls_land_as_in_deepep(backend):
+    n = 3
+    for rank, (refused, zero_copy, hooked) in enumerate(
+            run_ranks(_positional_combine_worker, n, timeout=60)):
+        assert refused and "use_logfmt=True" in refused, refused
+        x, idx, w = _inputs(rank)
+        # identity experts: each token's rows weighted by its slots' weights (-1: nothing)
+        want = x.bfloat16().float() * torch.where(idx >= 0, w, 0.0).sum(1, keepdim=True)
+        torch.testing.assert_close(zero_copy, want, rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(hooked, want, rtol=1e-2, atol=1e-2)

@@ -137,7 +137,8 @@ def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_w
 
     ``layout``: the DispatchLayout of ``topk_idx`` with its send positions (the Buffer's, from
     :func:`dispatch_layout`); None with a cached ``handle``, or to have it computed here.
-    Returns ``(recv_x [N, H] dtype, recv_scales f32 [N, H/128] or None, recv_topk_idx int64
+    Returns ``(recv_x [N, H] dtype, recv_scales [N, S] in scales' dtype (float32 or int32)
+    or None, recv_topk_idx int64
     [N, K] or None, recv_topk_weights f32 [N, K] or None, handle)``."""
     comm.begin_call()
     me, R, dev = comm.rank, comm.num_ranks, comm.device
@@ -199,7 +200,9 @@ def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_w
     agree(comm, "dispatch/payload")
 
     recv_x = torch.empty(rows_out, row_bytes, dtype=torch.uint8, device=dev)
-    recv_scales = torch.empty(rows_out, scale_cols, dtype=torch.float32, device=dev) \
+    # the kernels copy scale_cols 4-byte words per row (declared float*): int32 scales
+    # (UE8M0 packed) travel as the same bytes and come back in their own dtype
+    recv_scales = torch.empty(rows_out, scale_cols, dtype=scales.dtype, device=dev) \
         if scales is not None else None
     recv_idx = torch.empty(rows_out, topk, dtype=torch.int64, device=dev) if topk else None
     recv_w = torch.empty(rows_out, topk, dtype=torch.float32, device=dev) if topk else None

@@ -302,7 +302,7 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
 
             torch.index_select(x_bytes, 0, ids, out=rows(0, row_bytes, 1, torch.uint8))
             if scales is not None:
-                torch.index_select(scales, 0, ids, out=rows(1, scale_cols, 4, torch.float32))
+                torch.index_select(scales, 0, ids, out=rows(1, scale_cols, 4, scales.dtype))
             if topk:
                 li, lw = local_topk(topk_idx[ids], None if topk_weights is None
                                     else topk_weights[ids], dst, num_local)
@@ -313,7 +313,9 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
                 comm.commit(dst, "heap", start, nbytes)
         return write
 
-    widths = [(row_bytes, 1, torch.uint8), (scale_cols, 4, torch.float32),
+    # scales are 4-byte columns of the caller's dtype (float32, or int32 UE8M0 packed)
+    scale_dtype = torch.float32 if scales is None else scales.dtype
+    widths = [(row_bytes, 1, torch.uint8), (scale_cols, 4, scale_dtype),
               (topk, 8, torch.int64), (topk, 4, torch.float32)]
     wanted = [True, scales is not None, topk > 0, topk > 0]
     mine, streamed = slab(me), plan.streams(me)
