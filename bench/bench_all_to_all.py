@@ -696,7 +696,7 @@ def _run_record(argv, args, backend, rows, launcher, no_mpi):
     med, lo, hi, n = copy_summary(rows)
     return dict(info, backend=backend, iters=args.iters, repeats=REPEATS,
                 argv=list(sys.argv[1:] if argv is None else argv),
-                mpi=None if no_mpi else MPI_BASELINE, no_mpi_reason=no_mpi,
+                mpi_baselines=None if no_mpi else MPI_BASELINE, no_mpi_reason=no_mpi,
                 copy_gbps=dict(median=med, min=lo, max=hi, samples=n))
 
 
