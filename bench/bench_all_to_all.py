@@ -31,7 +31,7 @@ back in combine) divided by the call's time. ``copy_gbps`` is what one process c
 second while all ranks copy at once: a copy-based exchange cannot beat it. Times are the
 median over repeats of the slowest rank (each repeat: --iters calls back to back after a
 barrier); the JSON keeps min/median/max of every time. copy_gbps is measured several times in
-each case (after moe_comm's calls and after each baseline's) and reported as the median, its
+each case (after moe_comm's dispatch and after each baseline's) and reported as the median, its
 samples and spread beside it. The JSON is {"run": versions, machine and settings, "rows": [...]}.
 
 Backends: ``host`` runs CPU tensors over the shared-memory backend (gloo for the baseline);
@@ -65,8 +65,8 @@ from call_timing import copy_gbps, timed_across_ranks, timed_spread  # noqa: E40
 from hosts import measure as measure_link  # noqa: E402
 from moe_comm.testing.processes import run_ranks  # noqa: E402
 from moe_comm.wire import LL_MAX_TOPK  # noqa: E402
-import mpi_ranks  # noqa: E402
 from mpi_exchange import mpi_all_to_all_single  # noqa: E402
+import mpi_ranks  # noqa: E402
 # COLUMNS also as this script's own name: tests/test_bench_cli.py reads bench.COLUMNS
 from result_table import (CASE_COLUMNS, COLUMNS, MPI_COLUMNS, case_columns,  # noqa: E402
                           header_line, row_line)
@@ -224,7 +224,7 @@ def _row(n, case, iters, env, baselines, y, recv_bytes, combine_bytes):
     over ranks). ``baselines``: {column prefix: (dispatch, combine)}."""
     for prefix, (b_dispatch, b_combine) in baselines.items():
         env.timed(prefix + "dispatch_us", b_dispatch, iters)
-        env.timed(prefix + "combine_us", lambda: b_combine(y), iters)
+        env.timed(prefix + "combine_us", functools.partial(b_combine, y), iters)
         env.sample_copy(recv_bytes, iters)
     stats = [None] * n
     dist.all_gather_object(stats, (recv_bytes, combine_bytes, env.copy_samples))
@@ -761,8 +761,8 @@ def main(argv=None):
                        proxy_tcp_gbps=link["proxy_tcp_GBps"])
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"run": _run_record(argv, args, backend, rows, launcher, no_mpi), "rows": rows},
-                      f, indent=1)
+            run = _run_record(argv, args, backend, rows, launcher, no_mpi)
+            json.dump({"run": run, "rows": rows}, f, indent=1)
     if args.plot:
         plot(rows, args.plot)
         print(f"plot: {args.plot}")
