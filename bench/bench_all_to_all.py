@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """bench_all_to_all: moe_comm dispatch/combine against torch.distributed all_to_all_single
-doing the same exchange, and against the machine's copy bandwidth, all in one run.
+doing the same exchange, against MPICH's Alltoallv doing it too (when mpi4py and the mpich
+wheel are installed), and against the machine's copy bandwidth, all in one run.
 
     python bench/bench_all_to_all.py                     # 4 local CPU ranks, both modes
     python bench/bench_all_to_all.py --mode normal --ranks 2,4 --tokens 256,1024 --json out.json
@@ -18,10 +19,20 @@ exchange payloads, unpermute). Low-latency mode's baseline is the plain padded e
 fixed-shape all_to_all needs without a count exchange: every rank sends each destination
 max_tokens x min(top-k, experts per rank) message slots, as pplx-kernels compares.
 
+MPI baseline (columns mpi_dispatch_us, mpi_combine_us): the same two exchanges with MPI as the
+transport (MPI_Alltoall for counts and equal parts, MPI_Alltoallv for uneven ones; see
+mpi_exchange.py). When mpi4py can be imported, the ranks are started by MPICH's
+``mpiexec -n R`` instead of being forked (mpi_ranks.py), and each rank builds its gloo group
+from MPI's rank and size, so moe_comm and both baselines run in the same processes on the same
+data. Without mpi4py (or with --hosts) the MPI columns are None and a note says why.
+
 GB/s follow DeepEP's convention: real payload bytes a rank receives in dispatch (and sends
 back in combine) divided by the call's time. ``copy_gbps`` is what one process copies per
 second while all ranks copy at once: a copy-based exchange cannot beat it. Times are the
-median over iterations of the slowest rank, each iteration started after a barrier.
+median over repeats of the slowest rank (each repeat: --iters calls back to back after a
+barrier); the JSON keeps min/median/max of every time. copy_gbps is measured several times in
+each case (after moe_comm's dispatch and after each baseline's) and reported as the median, its
+samples and spread beside it. The JSON is {"run": versions, machine and settings, "rows": [...]}.
 
 Backends: ``host`` runs CPU tensors over the shared-memory backend (gloo for the baseline);
 ``cuda`` puts every tensor on the GPU (rank r on GPU r) and runs the baseline through an NCCL
@@ -36,6 +47,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import sys
 import threading
 import time
@@ -49,26 +61,35 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(BENCH), BENCH]
 import moe_comm  # noqa: E402
 from a2a_baseline import PaddedExchange, byte_rows, normal_exchange  # noqa: E402
-from call_timing import copy_gbps, timed_across_ranks  # noqa: E402
+from call_timing import copy_gbps, timed_across_ranks, timed_spread  # noqa: E402
 from hosts import measure as measure_link  # noqa: E402
 from moe_comm.testing.processes import run_ranks  # noqa: E402
 from moe_comm.wire import LL_MAX_TOPK  # noqa: E402
+from mpi_exchange import mpi_all_to_all_single  # noqa: E402
+import mpi_ranks  # noqa: E402
 # COLUMNS also as this script's own name: tests/test_bench_cli.py reads bench.COLUMNS
-from result_table import CASE_COLUMNS, COLUMNS, case_columns, header_line, row_line  # noqa: E402
+from result_table import (CASE_COLUMNS, COLUMNS, MPI_COLUMNS, case_columns,  # noqa: E402
+                          header_line, row_line)
 from routed_inputs import per_block_fp8, random_routed_inputs, token_bytes  # noqa: E402
+from run_info import run_info  # noqa: E402
 
 MODES = ("normal", "ll")
 DTYPES = ("bfloat16", "float32", "fp8")
 DEFAULT_TOKENS = {"normal": [1024], "ll": [128]}
 DEFAULT_DTYPE = {"normal": ["bfloat16"], "ll": ["fp8"]}
 BASELINE = {"normal": "all_to_all_single", "ll": "the padded all_to_all_single exchange"}
+MPI_BASELINE = {"normal": "MPICH Alltoallv", "ll": "MPICH's padded Alltoall"}
+REPEATS = 3                     # timed repeats per call; each is --iters calls back to back
 CASE_TIMEOUT_S = 600
 
 
 class _RankEnv:
-    """Where one rank's tensors live and what its baseline runs over. ``host``: CPU tensors,
-    baseline on the default (gloo) group. ``cuda``: GPU ``LOCAL_RANK`` (else the rank), baseline
-    on an NCCL group of every rank; the Buffer gets the default group either way."""
+    """Where one rank's tensors live and what its baselines run over, and what it measured.
+    ``host``: CPU tensors, baseline on the default (gloo) group. ``cuda``: GPU ``LOCAL_RANK``
+    (else the rank), baseline on an NCCL group of every rank; the Buffer gets the default group
+    either way. ``mpi_a2a``: the same all_to_all over MPI_COMM_WORLD when mpiexec started this
+    rank, else None. ``spread``: (min, median, max) seconds per call of every timed column;
+    ``copy_samples``: copy GB/s measured at several points of the case."""
 
     def __init__(self, rank, backend):
         self.backend = backend
@@ -81,9 +102,22 @@ class _RankEnv:
             self.device = torch.device("cpu")
             self.group = None
         self.a2a = functools.partial(dist.all_to_all_single, group=self.group)
+        comm = mpi_ranks.world()
+        self.mpi_a2a = None if comm is None else mpi_all_to_all_single(comm)
+        self.spread = {}
+        self.copy_samples = []
 
-    def timed(self, fn, iters):
-        return timed_across_ranks(fn, iters, self.device)
+    def timed(self, column, fn, iters):
+        """Seconds per call of fn (the median over repeats), its spread kept for ``column``."""
+        self.spread[column] = timed_spread(fn, iters, self.device, REPEATS)
+        return self.spread[column][1]
+
+    def sample_copy(self, nbytes, iters):
+        """One more copy bandwidth sample: copies of ``nbytes`` (at least 1 MiB), every rank
+        at once. Several per case, as it swings with what the other processes do."""
+        self.copy_samples.append(copy_gbps(
+            max(nbytes, 1 << 20), self.device,
+            lambda fn: timed_across_ranks(fn, iters, self.device, REPEATS)))
 
 
 def _inputs(case, rank, device):
@@ -96,11 +130,11 @@ def _inputs(case, rank, device):
     return x, idx.to(device), w.to(device)
 
 
-def _baseline(x, idx, w, is_token_in_rank, num_tokens_per_rank, env):
-    """normal_exchange on the rank's group; its dispatch also cuts the received x out of the
-    byte rows, as moe_comm's dispatch hands x back as a tensor of its own."""
-    exchange, combine = normal_exchange(x, idx, w, is_token_in_rank, num_tokens_per_rank,
-                                        env.a2a)
+def _baseline(x, idx, w, is_token_in_rank, num_tokens_per_rank, a2a):
+    """normal_exchange over ``a2a`` (the rank's group, or MPI); its dispatch also cuts the
+    received x out of the byte rows, as moe_comm's dispatch hands x back as a tensor of its
+    own."""
+    exchange, combine = normal_exchange(x, idx, w, is_token_in_rank, num_tokens_per_rank, a2a)
     data = x[0] if isinstance(x, tuple) else x
     width = data.shape[1] * data.element_size()
 
@@ -110,13 +144,15 @@ def _baseline(x, idx, w, is_token_in_rank, num_tokens_per_rank, env):
     return dispatch, combine
 
 
-def _ll_baseline(x, idx, w, num_experts, max_tokens, use_fp8, env):
-    """PaddedExchange, with the receiver laying the messages out per local expert (as
-    moe_comm's low-latency dispatch returns them) and the expert outputs packed back into
-    their slots."""
+def _ll_baseline(x, idx, w, num_experts, max_tokens, use_fp8, a2a):
+    """PaddedExchange over ``a2a`` (the rank's group, or MPI), with the receiver laying the
+    messages out per local expert (as moe_comm's low-latency dispatch returns them) and the
+    expert outputs packed back into their slots. dispatch() returns (uint8 [local experts,
+    ranks * max_tokens, bytes]: each expert's message rows first, int64 [local experts]: how
+    many)."""
     R = dist.get_world_size()
     dev = x.device
-    padded = PaddedExchange(idx, w, num_experts, R, max_tokens, env.a2a)
+    padded = PaddedExchange(idx, w, num_experts, R, max_tokens, a2a)
     num_local, slots = padded.num_local, padded.slots
     state = {}
 
@@ -128,10 +164,13 @@ def _ll_baseline(x, idx, w, num_experts, max_tokens, use_fp8, env):
         flat = recv.view(R * slots, -1)
         out = torch.empty(num_local, R * max_tokens, msgs.shape[1], dtype=torch.uint8,
                           device=dev)
+        counts = torch.empty(num_local, dtype=torch.int64)
         for e in range(num_local):
             rows = (le == e).nonzero().flatten()
             out[e, :rows.numel()] = flat[rows]
+            counts[e] = rows.numel()
         state["recv_meta"] = recv_meta
+        return out, counts
 
     def combine(y):
         # expert outputs go back in the slots they came in, padded the same way
@@ -157,32 +196,51 @@ def _run_ll(rank, n, case, iters, env):
     def dispatch():
         state["out"] = buf.low_latency_dispatch(x, idx, t, e, use_fp8=fp8)
 
-    t_dispatch = env.timed(dispatch, iters)
+    env.timed("dispatch_us", dispatch, iters)
     recv_x, recv_count, handle, _, _ = state["out"]
-    y = torch.randn(e // n, n * t, h).bfloat16().to(env.device)
-    t_combine = env.timed(lambda: buf.low_latency_combine(y, idx, w, handle), iters)
     msgs = int(recv_count.sum())
     recv_bytes = msgs * token_bytes(h, fp8)
+    env.sample_copy(recv_bytes, iters)
+    y = torch.randn(e // n, n * t, h).bfloat16().to(env.device)
+    env.timed("combine_us", lambda: buf.low_latency_combine(y, idx, w, handle), iters)
     combine_bytes = msgs * 2 * h
     buf.destroy()
-    return _row(n, case, iters, env, t_dispatch, t_combine,
-                _ll_baseline(x, idx, w, e, t, fp8, env), y, recv_bytes, combine_bytes)
+    baselines = {prefix: _ll_baseline(x, idx, w, e, t, fp8, a2a)
+                 for prefix, a2a in _baseline_transports(env)}
+    return _row(n, case, iters, env, baselines, y, recv_bytes, combine_bytes)
 
 
-def _row(n, case, iters, env, t_dispatch, t_combine, baseline, y, recv_bytes, combine_bytes):
-    """Time the baseline and the copy bandwidth in the same run, then build the table row
-    (bytes averaged over ranks, times of the slowest rank)."""
-    b_dispatch, b_combine = baseline
-    t_b_dispatch = env.timed(b_dispatch, iters)
-    t_b_combine = env.timed(lambda: b_combine(y), iters)
-    copy = copy_gbps(max(recv_bytes, 1 << 20), env.device, lambda fn: env.timed(fn, iters))
+def _baseline_transports(env):
+    """(column prefix, all_to_all) of each baseline this rank can run: torch.distributed's,
+    and MPI's when mpiexec started the ranks."""
+    yield "baseline_", env.a2a
+    if env.mpi_a2a is not None:
+        yield "mpi_", env.mpi_a2a
+
+
+def _row(n, case, iters, env, baselines, y, recv_bytes, combine_bytes):
+    """Time the baselines (one copy bandwidth sample after each) in the same run, then build
+    the table row (bytes averaged over ranks, times of the slowest rank, copy samples averaged
+    over ranks). ``baselines``: {column prefix: (dispatch, combine)}."""
+    for prefix, (b_dispatch, b_combine) in baselines.items():
+        env.timed(prefix + "dispatch_us", b_dispatch, iters)
+        env.timed(prefix + "combine_us", functools.partial(b_combine, y), iters)
+        env.sample_copy(recv_bytes, iters)
     stats = [None] * n
-    dist.all_gather_object(stats, (recv_bytes, combine_bytes, copy))
+    dist.all_gather_object(stats, (recv_bytes, combine_bytes, env.copy_samples))
     mean = lambda i: sum(s[i] for s in stats) / n  # noqa: E731
-    return dict(case_columns(case), dispatch_us=t_dispatch * 1e6, combine_us=t_combine * 1e6,
-                dispatch_gbps=mean(0) / t_dispatch / 1e9, combine_gbps=mean(1) / t_combine / 1e9,
-                baseline_dispatch_us=t_b_dispatch * 1e6, baseline_combine_us=t_b_combine * 1e6,
-                copy_gbps=mean(2))
+    copies = [sum(ss) / n for ss in zip(*(s[2] for s in stats))]
+    us = {c: lo_med_hi[1] * 1e6 for c, lo_med_hi in env.spread.items()}
+    return dict(case_columns(case), dispatch_us=us["dispatch_us"], combine_us=us["combine_us"],
+                dispatch_gbps=mean(0) / us["dispatch_us"] / 1e3,
+                combine_gbps=mean(1) / us["combine_us"] / 1e3,
+                baseline_dispatch_us=us["baseline_dispatch_us"],
+                baseline_combine_us=us["baseline_combine_us"],
+                copy_gbps=statistics.median(copies),
+                mpi_dispatch_us=us.get("mpi_dispatch_us"), mpi_combine_us=us.get("mpi_combine_us"),
+                copy_gbps_samples=copies, copy_gbps_min=min(copies), copy_gbps_max=max(copies),
+                spread_us={c: dict(min=lo * 1e6, median=med * 1e6, max=hi * 1e6)
+                           for c, (lo, med, hi) in env.spread.items()})
 
 
 def _run_normal(rank, n, case, iters, env):
@@ -196,17 +254,19 @@ def _run_normal(rank, n, case, iters, env):
         state["out"] = buf.dispatch(x, num_tokens_per_rank=ntr, is_token_in_rank=itr,
                                     num_tokens_per_expert=nte, topk_idx=idx, topk_weights=w)
 
-    t_dispatch = env.timed(dispatch, iters)
+    env.timed("dispatch_us", dispatch, iters)
     recv_x, _, recv_w, _, handle, _ = state["out"]
-    y = (recv_x[0].float() if isinstance(recv_x, tuple) else recv_x.float()).bfloat16()
-    t_combine = env.timed(lambda: buf.combine(y, handle), iters)
     recv_bytes = sum(t.numel() * t.element_size()
                      for t in (recv_x if isinstance(recv_x, tuple) else (recv_x,)))
+    env.sample_copy(recv_bytes, iters)
+    y = (recv_x[0].float() if isinstance(recv_x, tuple) else recv_x.float()).bfloat16()
+    env.timed("combine_us", lambda: buf.combine(y, handle), iters)
     combine_bytes = y.numel() * y.element_size()
     del state["out"], recv_x, recv_w
     buf.destroy()
-    return _row(n, case, iters, env, t_dispatch, t_combine,
-                _baseline(x, idx, w, itr, ntr, env), y, recv_bytes, combine_bytes)
+    baselines = {prefix: _baseline(x, idx, w, itr, ntr, a2a)
+                 for prefix, a2a in _baseline_transports(env)}
+    return _row(n, case, iters, env, baselines, y, recv_bytes, combine_bytes)
 
 
 def run_rank(rank, n, case, iters, backend="host"):
@@ -284,12 +344,17 @@ def run_cases(cases, iters, backend="host", *, launcher=run_ranks, on_row=None,
 TABLE_WIDTH = 10
 
 
-def format_header():
-    return header_line(TABLE_WIDTH)
+def table_columns(with_mpi):
+    """The table's columns: the MPI baseline's last, and only when it ran."""
+    return COLUMNS + MPI_COLUMNS if with_mpi else COLUMNS
 
 
-def format_row(row):
-    return row_line(row, TABLE_WIDTH)
+def format_header(with_mpi=False):
+    return header_line(TABLE_WIDTH, table_columns(with_mpi))
+
+
+def format_row(row, with_mpi=False):
+    return row_line(row, TABLE_WIDTH, table_columns(with_mpi))
 
 
 def _geomean(values):
@@ -306,9 +371,14 @@ def _varying(rows, keys=("ranks", "tokens", "hidden", "topk", "experts", "dtype"
     return [k for k in keys if len({r[k] for r in rows}) > 1]
 
 
+def _has_mpi(rows):
+    return bool(rows) and all(r.get("mpi_dispatch_us") is not None for r in rows)
+
+
 def summarize(rows):
-    """One line per mode: speed-ups over the baseline and dispatch's share of copy bandwidth
-    (geometric means over the mode's cases; best and worst case when there are several)."""
+    """One line per mode: speed-ups over the baseline (and over MPI when it ran) and
+    dispatch's share of copy bandwidth (geometric means over the mode's cases; best and worst
+    case when there are several)."""
     lines = []
     for mode in dict.fromkeys(r["mode"] for r in rows):
         rs = [r for r in rows if r["mode"] == mode]
@@ -317,8 +387,14 @@ def summarize(rows):
             "combine": [r["baseline_combine_us"] / r["combine_us"] for r in rs],
             "copy": [r["dispatch_gbps"] / r["copy_gbps"] for r in rs]}
         g = {k: _geomean(v) for k, v in ratios.items()}
+        over_mpi = ""
+        if _has_mpi(rs):
+            g_mpi = {op: _geomean([r[f"mpi_{op}_us"] / r[f"{op}_us"] for r in rs])
+                     for op in ("dispatch", "combine")}
+            over_mpi = (f", {g_mpi['dispatch']:.1f}x / {g_mpi['combine']:.1f}x over "
+                        f"{MPI_BASELINE[mode]}")
         head = (f"dispatch {g['dispatch']:.1f}x / combine {g['combine']:.1f}x speed-up over "
-                f"{BASELINE[mode]}; dispatch at {_pct(g['copy'])} of copy bandwidth")
+                f"{BASELINE[mode]}{over_mpi}; dispatch at {_pct(g['copy'])} of copy bandwidth")
         if len(rs) == 1:
             lines.append(f"summary {mode} {case_label(rs[0], ('ranks', 'tokens'))}: {head}")
             continue
@@ -336,6 +412,18 @@ def summarize(rows):
     return lines
 
 
+def copy_summary(rows):
+    """The run's copy bandwidth over every sample of every case: (median, min, max, samples)."""
+    samples = [g for r in rows for g in r.get("copy_gbps_samples", [r["copy_gbps"]])]
+    return statistics.median(samples), min(samples), max(samples), len(samples)
+
+
+def copy_line(rows):
+    med, lo, hi, n = copy_summary(rows)
+    return (f"summary copy bandwidth: median {med:.1f} GB/s over {n} samples "
+            f"(min {lo:.1f}, max {hi:.1f})")
+
+
 def _check_matplotlib():
     try:
         import matplotlib  # noqa: F401
@@ -346,8 +434,9 @@ def _check_matplotlib():
 
 def plot(rows, path):
     """PNG at ``path``: for each mode and op (dispatch, combine) a column of two panels, time
-    per call and GB/s against tokens per rank, moe_comm solid, baseline dashed, copy
-    bandwidth dotted; one colour per combination of the other swept options."""
+    per call and GB/s against tokens per rank, moe_comm solid, baseline dashed, MPI
+    dash-dotted (when it ran), copy bandwidth dotted; one colour per combination of the other
+    swept options."""
     _check_matplotlib()
     import matplotlib
     matplotlib.use("Agg")
@@ -377,6 +466,11 @@ def plot(rows, path):
             bw_ax.plot(x, gbps, "o-", color=c, label=f"moe_comm{tag}")
             bw_ax.plot(x, [g * t / b for g, t, b in zip(gbps, ours, base)], "s--", color=c,
                        label=f"baseline{tag}")
+            if _has_mpi(grs):
+                mpi = [r[f"mpi_{op}_us"] for r in grs]
+                t_ax.plot(x, mpi, "^-.", color=c, label=f"MPI{tag}")
+                bw_ax.plot(x, [g * t / m for g, t, m in zip(gbps, ours, mpi)], "^-.", color=c,
+                           label=f"MPI{tag}")
             bw_ax.plot(x, [r["copy_gbps"] for r in grs], ":", color=c, label=f"copy{tag}")
         tokens = sorted({r["tokens"] for r in rs})
         for ax in (t_ax, bw_ax):
@@ -555,9 +649,13 @@ def build_parser():
                         "machine joined by veth links (needs root); ranks on different hosts "
                         "talk through the host proxy over TCP, the baseline's gloo over the "
                         "same links (default: 1)")
+    p.add_argument("--no-mpi", action="store_true",
+                   help="leave out the MPI baseline even when mpi4py is installed: the ranks "
+                        "are then forked, as without MPI")
     p.add_argument("--iters", type=int, default=10,
                    help="back-to-back calls per timed repeat (default: 10)")
-    p.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
+    p.add_argument("--json", metavar="PATH",
+                   help='write {"run": versions, machine, settings, "rows": [...]} as JSON')
     p.add_argument("--plot", metavar="PATH",
                    help="write a PNG of time and GB/s against tokens, moe_comm vs baseline, "
                         "one column per mode and op (needs matplotlib)")
@@ -589,6 +687,17 @@ def _hosts_launcher(p, hosts, backend, cases):
         return netns.run_on_hosts(fn, hosts, n // hosts, *args, timeout=timeout,
                                   env={"MOE_COMM_TRANSPORT": "tcp"})
     return launch
+
+
+def _run_record(argv, args, backend, rows, launcher, no_mpi):
+    """The JSON's "run": versions and machine (run_info), the settings, the copy bandwidth."""
+    mpi_library = getattr(launcher, "library_version", None)
+    info = run_info(None if no_mpi else mpi_ranks.versions(), mpi_library)
+    med, lo, hi, n = copy_summary(rows)
+    return dict(info, backend=backend, iters=args.iters, repeats=REPEATS,
+                argv=list(sys.argv[1:] if argv is None else argv),
+                mpi_baselines=None if no_mpi else MPI_BASELINE, no_mpi_reason=no_mpi,
+                copy_gbps=dict(median=med, min=lo, max=hi, samples=n))
 
 
 def main(argv=None):
@@ -623,17 +732,25 @@ def main(argv=None):
             _prepare_output(path)
 
     launcher = run_ranks
+    no_mpi = "--no-mpi" if args.no_mpi else mpi_ranks.unavailable()
     if args.hosts > 1:
         launcher = _hosts_launcher(p, args.hosts, backend, runnable)
+        no_mpi = no_mpi or "--hosts runs its ranks in network namespaces, not under mpiexec"
+    elif no_mpi is None:
+        launcher = mpi_ranks.Launcher()
+    if no_mpi is not None:
+        print(f"note: no MPI baseline (mpi_dispatch_us, mpi_combine_us are None): {no_mpi}",
+              file=sys.stderr)
     progress = Progress(len(runnable), enabled=not args.quiet)
-    progress.print(format_header())
+    progress.print(format_header(no_mpi is None))
     try:
         rows = run_cases(runnable, args.iters, backend, progress=progress, launcher=launcher,
-                         on_row=lambda row: progress.print(format_row(row)))
+                         on_row=lambda row: progress.print(format_row(row, no_mpi is None)))
     finally:
         progress.close()
     for line in summarize(rows):
         print(line)
+    print(copy_line(rows))
     if args.hosts > 1:
         # the link itself, same run: a plain socket stream vs the proxy's puts
         link = measure_link(total_mb=128, repeat=3)
@@ -644,7 +761,8 @@ def main(argv=None):
                        proxy_tcp_gbps=link["proxy_tcp_GBps"])
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            run = _run_record(argv, args, backend, rows, launcher, no_mpi)
+            json.dump({"run": run, "rows": rows}, f, indent=1)
     if args.plot:
         plot(rows, args.plot)
         print(f"plot: {args.plot}")

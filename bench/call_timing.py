@@ -34,11 +34,12 @@ def seconds_per_call(device, fn, iters=1):
     return a.elapsed_time(b) / 1e3 / iters
 
 
-def timed_across_ranks(fn, iters, device, repeats=3):
-    """Seconds per call of ``fn()`` run ``iters`` times back to back on every rank of the
-    default group between barriers: the slowest rank's time, median over ``repeats``, after
-    one warm-up call. Back-to-back calls measure what ranks sharing the cores sustain together
-    (per-call timing would let them take turns). Every rank returns the same number."""
+def timed_spread(fn, iters, device, repeats=3):
+    """(min, median, max) over ``repeats`` of the seconds per call of ``fn()`` run ``iters``
+    times back to back on every rank of the default group between barriers, each repeat
+    counted at its slowest rank, after one warm-up call. Back-to-back calls measure what ranks
+    sharing the cores sustain together (per-call timing would let them take turns). Every
+    rank returns the same numbers."""
     fn()
     per_call = []
     for _ in range(repeats):
@@ -51,7 +52,13 @@ def timed_across_ranks(fn, iters, device, repeats=3):
         per_call.append((time.perf_counter() - t0) / iters)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, per_call)
-    return statistics.median(max(col) for col in zip(*everyone))
+    slowest = [max(col) for col in zip(*everyone)]
+    return min(slowest), statistics.median(slowest), max(slowest)
+
+
+def timed_across_ranks(fn, iters, device, repeats=3):
+    """The median of timed_spread: seconds per call of ``fn()`` across the ranks."""
+    return timed_spread(fn, iters, device, repeats)[1]
 
 
 def copy_gbps(nbytes, device, time_call):

@@ -7,6 +7,9 @@ COLUMNS = ("mode", "ranks", "tokens", "hidden", "topk", "experts", "dtype", "dis
            "combine_us", "dispatch_gbps", "combine_gbps", "baseline_dispatch_us",
            "baseline_combine_us", "copy_gbps")
 CASE_COLUMNS = COLUMNS[:7]      # what was run; the columns after them are what was measured
+# bench_all_to_all.py's second baseline, MPICH's exchange: in its table only when MPI ran (the
+# JSON rows always have the keys, None without MPI)
+MPI_COLUMNS = ("mpi_dispatch_us", "mpi_combine_us")
 
 
 def case_columns(case) -> dict:
@@ -14,14 +17,14 @@ def case_columns(case) -> dict:
     return {c: case[c] for c in CASE_COLUMNS}
 
 
-def header_line(width: int) -> str:
-    return " ".join(f"{c:>{width}}" for c in COLUMNS)
+def header_line(width: int, columns=COLUMNS) -> str:
+    return " ".join(f"{c:>{width}}" for c in columns)
 
 
-def row_line(row, width: int) -> str:
+def row_line(row, width: int, columns=COLUMNS) -> str:
     """Floats with one decimal, a column the row lacks as nan (a spec whose timing failed)."""
     cells = []
-    for c in COLUMNS:
+    for c in columns:
         v = row.get(c)
         if v is None:
             v = float("nan")

@@ -1,6 +1,7 @@
 """bench/bench_all_to_all.py as a command: a tiny sweep end to end (2 ranks, both modes, --json,
---plot when matplotlib is installed), plus the pieces that need no ranks (case list, summary,
-progress line, argument errors)."""
+--plot when matplotlib is installed; --no-mpi: forked ranks, the path of a machine without MPI,
+which tests/test_bench_mpi.py complements), plus the pieces that need no ranks (case list,
+summary, progress line, argument errors)."""
 import importlib.util
 import io
 import json
@@ -36,14 +37,15 @@ def test_tiny_sweep_end_to_end(tmp_path):
     png = tmp_path / "plot.png"
     args = ["--mode", "both", "--ranks", "2", "--tokens", "16,32", "--hidden", "256",
             "--topk", "4", "--experts", "8", "--iters", "2", "--backend", "host",
-            "--json", str(out)]
+            "--no-mpi", "--json", str(out)]
     if HAVE_MPL:
         args += ["--plot", str(png)]
     r = _run(*args)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     assert lines[0].split() == list(bench.COLUMNS)
-    rows = json.loads(out.read_text())
+    saved = json.loads(out.read_text())
+    rows = saved["rows"]
     assert [(row["mode"], row["tokens"]) for row in rows] == [
         ("normal", 16), ("normal", 32), ("ll", 16), ("ll", 32)]
     for row in rows:
@@ -53,13 +55,33 @@ def test_tiny_sweep_end_to_end(tmp_path):
         assert row["backend"] == "host"
         for c in bench.COLUMNS[7:]:
             assert isinstance(row[c], float) and row[c] > 0, (c, row)
-    assert len(lines) == 1 + len(rows) + 2 + (1 if HAVE_MPL else 0), r.stdout
+        for c in bench.MPI_COLUMNS:
+            assert row[c] is None, (c, row)
+        times = [c for c in bench.COLUMNS[7:] if c.endswith("_us")]
+        assert set(row["spread_us"]) == set(times), row["spread_us"]
+        for c in times:
+            spread = row["spread_us"][c]
+            assert 0 < spread["min"] <= spread["median"] == row[c] <= spread["max"], (c, spread)
+        # copy bandwidth: sampled after moe_comm's calls and after the baseline's
+        assert len(row["copy_gbps_samples"]) == 2, row
+        assert row["copy_gbps_min"] <= row["copy_gbps"] <= row["copy_gbps_max"], row
+    run = saved["run"]
+    assert run["versions"]["torch"] == torch.__version__ and run["versions"]["mpi"] is None
+    assert run["versions"]["moe_comm"] and run["versions"]["python"]
+    assert run["machine"]["cores"] >= 1 and "cpu_model" in run["machine"]
+    assert (run["iters"], run["repeats"], run["backend"]) == (2, bench.REPEATS, "host")
+    assert run["copy_gbps"]["samples"] == 2 * len(rows)
+    assert run["copy_gbps"]["min"] <= run["copy_gbps"]["median"] <= run["copy_gbps"]["max"]
+    assert len(lines) == 1 + len(rows) + 3 + (1 if HAVE_MPL else 0), r.stdout
     for mode in ("normal", "ll"):
         summary = [ln for ln in lines if ln.startswith(f"summary {mode}, geometric mean of 2")]
         assert len(summary) == 1, r.stdout
         assert "speed-up over" in summary[0] and "of copy bandwidth" in summary[0]
         assert "Best / worst" in summary[0]
-    assert r.stderr.strip() == "", r.stderr       # no progress line: stderr is a pipe
+    assert lines[1 + len(rows) + 2].startswith("summary copy bandwidth: median "), r.stdout
+    # no progress line (stderr is a pipe); the one note says why the MPI columns are empty
+    assert r.stderr.splitlines() == [
+        "note: no MPI baseline (mpi_dispatch_us, mpi_combine_us are None): --no-mpi"], r.stderr
     if HAVE_MPL:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -102,6 +124,20 @@ def test_summary_geometric_mean_best_worst():
 class _Tty(io.StringIO):
     def isatty(self):
         return True
+
+
+def test_summary_with_mpi_gives_both_speed_ups():
+    rows = [dict(_row("normal", 64, 4.0, 2.0, 0.5), mpi_dispatch_us=300.0, mpi_combine_us=50.0)]
+    assert bench.summarize(rows) == [
+        "summary normal ranks=2 tokens=64: dispatch 4.0x / combine 2.0x speed-up over "
+        "all_to_all_single, 3.0x / 0.5x over MPICH Alltoallv; dispatch at 50% of copy "
+        "bandwidth"]
+    rows[0]["mpi_dispatch_us"] = None              # MPI absent: the line is unchanged
+    assert bench.summarize(rows)[0].endswith("over all_to_all_single; dispatch at 50% of copy "
+                                             "bandwidth")
+    rows = [dict(_row("ll", 64, 1, 1, 1), copy_gbps_samples=s) for s in ([4.0, 9.0], [1.0])]
+    assert bench.copy_line(rows) == ("summary copy bandwidth: median 4.0 GB/s over 3 samples "
+                                     "(min 1.0, max 9.0)")
 
 
 def test_progress_line_only_on_a_terminal():
