@@ -38,7 +38,7 @@ from ..shm.identity import host_identity, ranks_by_host
 from ..shm.segment import Segment, reclaim_stale_segments, segment_name
 from ..transport import open_transport
 from ..wire import (CALL_WORDS, MAGIC, MAX_EPOCH, PAGE, VERSION, HeaderLayout, agree_round_tag,
-                    agree_rounds, ll_stride, mask_bits, mask_words, round_up, tag_epoch, tag_value)
+                    agree_rounds, ll_stride, mask_bits, mask_words, round_up, tag_value)
 from .heap import PageHeap
 
 log = logging.getLogger("moe_comm")

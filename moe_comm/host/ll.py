@@ -219,7 +219,7 @@ def combine_send(comm, *, x, handle: LowLatencyHandle, lay: LLLayout):
     comm.ll_seq["combine"] += 1
     seq = comm.ll_seq["combine"]
     buf = seq % LL_NUM_BUFFERS
-    me, R, num_local, M = comm.rank, comm.num_ranks, lay.num_local, lay.max_tokens
+    me, num_local = comm.rank, lay.num_local
     hidden = x.shape[-1]
     ranges = handle.recv_ranges
     comb_off = lay.offset(buf, "combine", comm.ll_stride)
