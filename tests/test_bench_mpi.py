@@ -3,6 +3,7 @@ mpiexec has positive MPI columns, and MPICH's exchange computes what moe_comm co
 same received rows and the same combined tokens, compared by value), in normal and
 low-latency mode. Skips, saying so, when mpi4py or MPICH's mpiexec is not installed
 (pip install -e '.[mpi]')."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -19,10 +20,16 @@ import moe_comm  # noqa: E402
 import mpi_ranks  # noqa: E402
 from a2a_baseline import normal_exchange  # noqa: E402
 from mpi_exchange import mpi_all_to_all_single  # noqa: E402
-import test_bench_cli  # noqa: E402
 
 
-bench = test_bench_cli.bench           # the script, loaded once as a module
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("bench_all_to_all", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+bench = _load_bench()
 NO_MPI = mpi_ranks.unavailable()
 pytestmark = pytest.mark.skipif(NO_MPI is not None, reason=f"no MPI baseline: {NO_MPI}")
 
