@@ -22,6 +22,8 @@ from a2a_baseline import normal_exchange  # noqa: E402
 from mpi_exchange import mpi_all_to_all_single  # noqa: E402
 
 
+# loaded here, not taken from test_bench_cli: mpiexec ranks load this file by path, without
+# tests/ on their module path
 def _load_bench():
     spec = importlib.util.spec_from_file_location("bench_all_to_all", BENCH)
     mod = importlib.util.module_from_spec(spec)
