@@ -89,6 +89,10 @@ class Backend(Protocol):
 
     def event(self) -> EventOverlap: ...
 
+    def meet(self, why: str) -> None:
+        """A meeting of the group's ranks outside a call (clean_low_latency_buffer), bounded:
+        it never waits forever on a rank that died."""
+
     def destroy(self) -> None: ...
 
 

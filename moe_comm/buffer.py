@@ -725,26 +725,9 @@ class Buffer:
         for kind, hooks in self._ll_pending.items():
             if any(h is not None and not h.done for h in hooks):
                 raise RuntimeError(f"a low-latency {kind} still awaits its receive hook")
-        self._clean_barrier(comm)
+        self._be.meet("clean_low_latency_buffer")       # bounded: a dead rank is not awaited
         comm.reset_ll()
-        self._clean_barrier(comm)
-
-    def _clean_barrier(self, comm) -> None:
-        """The meeting before and after clean_low_latency_buffer. A group barrier would wait
-        forever on a rank that died (shrink mode exists for exactly that), so an elastic
-        Buffer on the host backend meets its survivors through the mask agreement, whose
-        waits have a deadline and mask the ranks that stay silent. A backend without a host
-        agreement (CUDA) refuses once a rank is masked rather than wait on it."""
-        if self.elastic and hasattr(comm, "agree"):
-            comm.start_call()
-            comm.agree("clean_low_latency_buffer")
-            return
-        masked = (self._be.active_ranks() == 0).nonzero().flatten().tolist()
-        if masked:
-            raise RuntimeError(f"clean_low_latency_buffer: rank(s) {masked} are masked and "
-                               "this backend can only clean with every rank of the group "
-                               "taking part; build a new Buffer over the survivors")
-        dist.barrier(group=self.group)
+        self._be.meet("clean_low_latency_buffer")
 
     # -- lifetime ---------------------------------------------------------------------------
     @_one_thread

@@ -58,3 +58,13 @@ class RankMaskedError(RuntimeError):
     """This rank was masked out of an elastic Buffer (by ``set_active_ranks``, or by its peers
     when it missed their deadline); it takes no further part: a new Buffer is needed to
     rejoin."""
+
+
+def refuse_if_masked(active_ranks, why: str) -> None:
+    """RuntimeError when a rank of ``active_ranks`` (int [R], 0 = masked) is masked: ``why``
+    (a meeting of every rank) cannot take place without it."""
+    masked = (active_ranks == 0).nonzero().flatten().tolist()
+    if masked:
+        raise RuntimeError(f"{why}: rank(s) {masked} are masked and this backend can only do it "
+                           "with every rank of the group taking part; build a new Buffer over "
+                           "the survivors")

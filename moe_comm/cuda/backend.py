@@ -6,8 +6,10 @@ from __future__ import annotations
 import secrets
 
 import torch
+import torch.distributed as dist
 
 from . import groups, ll, normal
+from ..errors import refuse_if_masked
 from ..event import EventOverlap, capture_event
 from ..layout import DispatchLayout, tokens_per_host
 
@@ -60,6 +62,12 @@ class CudaBackend:
 
     def event(self) -> EventOverlap:
         return capture_event()            # marks the kernels just queued on this stream
+
+    def meet(self, why: str) -> None:
+        """No agreement runs on the host here: a group barrier, refused once a rank is masked
+        (it would wait on a rank that may be dead)."""
+        refuse_if_masked(self.active_ranks(), why)
+        dist.barrier(group=self.comm.group)
 
     def destroy(self) -> None:
         self.comm.destroy(barrier=True)

@@ -3,8 +3,10 @@ processes of one machine sharing memory, other hosts through the transport."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from . import ll, normal
+from ..errors import refuse_if_masked
 from ..event import EventOverlap
 from ..layout import DispatchLayout, aligned_expert_counts, dispatch_layout, tokens_per_host
 from .comm import HostComm
@@ -57,6 +59,17 @@ class HostBackend:
 
     def event(self) -> EventOverlap:
         return EventOverlap()             # host calls are complete when they return
+
+    def meet(self, why: str) -> None:
+        """Elastic (DeepEP's shrink mode): meet the survivors through the mask agreement, whose
+        waits have a deadline and mask the ranks that stay silent. Else a group barrier,
+        refused once a rank is masked (it would wait on a rank that may be dead)."""
+        if self.comm.elastic:
+            self.comm.start_call()
+            self.comm.agree(why)
+            return
+        refuse_if_masked(self.active_ranks(), why)
+        dist.barrier(group=self.comm.group)
 
     def destroy(self) -> None:
         self.comm.destroy()
