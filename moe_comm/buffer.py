@@ -22,7 +22,7 @@ from .config import Config, normal_buffer_size_hint
 from .deps.cuda_bindings import nvrtc
 from .event import EventOverlap, RecvHook, capture_event
 from .handle import DispatchHandle, LowLatencyHandle
-from .layout import DispatchLayout
+from .layout import DispatchLayout, tokens_per_host
 from .logs import log
 from .wire import LL_NUM_BUFFERS, LLLayout
 
@@ -373,7 +373,9 @@ class Buffer:
         self._enter(active_ranks)
         lay = self._be.layout(topk_idx, num_experts, self.group_size)
         self._leave(active_ranks)
-        return lay.per_rank, lay.per_host, lay.per_expert, lay.in_rank, self._be.event()
+        # DeepEP's num_tokens_per_rdma_rank: only here, dispatch has no use for it
+        per_host = tokens_per_host(lay.in_rank, self._comm.host_of)
+        return lay.per_rank, per_host, lay.per_expert, lay.in_rank, self._be.event()
 
     @_one_thread
     def dispatch(self, x, handle: DispatchHandle | None = None,

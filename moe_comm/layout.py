@@ -20,7 +20,6 @@ class DispatchLayout:
     per_expert: torch.Tensor | None
     in_rank: torch.Tensor
     send_pos: torch.Tensor | None = None
-    per_host: torch.Tensor | None = None    # DeepEP's num_tokens_per_rdma_rank
 
 
 def tokens_per_host(in_rank: torch.Tensor, host_of) -> torch.Tensor | None:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from . import groups, ll, normal
 from ..errors import refuse_if_masked
 from ..event import EventOverlap, capture_event
-from ..layout import DispatchLayout, tokens_per_host
+from ..layout import DispatchLayout
 
 
 class CudaBackend:
@@ -27,8 +27,7 @@ class CudaBackend:
         """One layout kernel: counts, membership and the send positions dispatch needs."""
         lay = self.normal.dispatch_layout(topk_idx, num_experts, num_ranks)
         per_rank, per_expert, in_rank = self.masked(lay.per_rank, lay.per_expert, lay.in_rank)
-        return DispatchLayout(per_rank, per_expert, in_rank, lay.send_pos,
-                              tokens_per_host(in_rank, self.comm.host_of))
+        return DispatchLayout(per_rank, per_expert, in_rank, lay.send_pos)
 
     def masked(self, per_rank, per_expert, in_rank):
         """The layout with the masked ranks' experts counting no tokens (new tensors once a

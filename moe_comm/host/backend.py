@@ -8,7 +8,7 @@ import torch.distributed as dist
 from . import ll, normal
 from ..errors import refuse_if_masked
 from ..event import EventOverlap
-from ..layout import DispatchLayout, aligned_expert_counts, dispatch_layout, tokens_per_host
+from ..layout import DispatchLayout, aligned_expert_counts, dispatch_layout
 from .comm import HostComm
 from .pool import OutputPool
 
@@ -25,9 +25,7 @@ class HostBackend:
 
     def layout(self, topk_idx, num_experts, num_ranks) -> DispatchLayout:
         per_rank, per_expert, in_rank = dispatch_layout(topk_idx, num_experts, num_ranks)
-        per_rank, per_expert, in_rank = self.masked(per_rank, per_expert, in_rank)
-        return DispatchLayout(per_rank, per_expert, in_rank,
-                              per_host=tokens_per_host(in_rank, self.comm.host_of))
+        return DispatchLayout(*self.masked(per_rank, per_expert, in_rank))
 
     def masked(self, per_rank, per_expert, in_rank):
         """The layout with the masked ranks' experts counting no tokens (new tensors where a
