@@ -40,6 +40,7 @@ from ..transport import open_transport
 from ..wire import (CALL_WORDS, MAGIC, MAX_EPOCH, PAGE, VERSION, HeaderLayout, agree_round_tag,
                     agree_rounds, ll_stride, mask_bits, mask_words, round_up, tag_value)
 from .heap import PageHeap
+from .relay import Relays
 
 log = logging.getLogger("moe_comm")
 
@@ -73,7 +74,8 @@ class HostComm:
 
         reclaim_stale_segments()
         # Agree on a job id, find which ranks share this host, check segments are sized alike.
-        info = (host_identity(), size, secrets.token_hex(8))
+        hierarchical = os.environ.get("MOE_COMM_RELAY", "1") != "0"
+        info = (host_identity(), size, secrets.token_hex(8), hierarchical)
         infos = [None] * self.num_ranks
         dist.all_gather_object(infos, info, group=group)
         self.remote_ranks = [r for r in range(self.num_ranks) if infos[r][0] != info[0]]
@@ -86,6 +88,12 @@ class HostComm:
         if len({i[1] for i in infos}) != 1:
             raise ValueError("num_nvl_bytes/num_rdma_bytes/num_experts must be equal on every "
                              f"rank; segment sizes differ: {[i[1] for i in infos]}")
+        if len({i[3] for i in infos}) != 1:
+            raise ValueError("MOE_COMM_RELAY must be the same on every rank: "
+                             f"{[int(i[3]) for i in infos]}")
+        # a token crosses to each other host once, through a relay there (relay.py)
+        self.relays = Relays(self.host_of.tolist(), self.rank) if \
+            self.host_of is not None and hierarchical else None
         job = infos[0][2]
         log.debug("moe_comm rank %d: job %s, %d rank(s) share this host's memory, ranks on "
                   "other hosts: %s", self.rank, job, self.num_ranks - len(self.remote_ranks),

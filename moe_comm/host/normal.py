@@ -34,15 +34,15 @@ import torch
 from .. import signature
 from ..errors import BufferTooSmallError
 from ..handle import DispatchHandle
-from ..layout import local_topk
-from ..wire import GRANT_FAILED, PAGE, SlabLayout, stream_chunk_rows, tag_epoch, tag_value
+from ..layout import local_topk, tokens_per_host
+from ..wire import PAGE, SlabLayout, stream_chunk_rows
+from . import relay
+from .exchange import (ReceiverFailed, done_words, exchange_counts, grant, release_on_error,
+                       send_when_granted, settle, signature_check)
 from .reduce import sum_rows_per_token
 
 log = logging.getLogger("moe_comm")
-
-
-class ReceiverFailed(RuntimeError):
-    pass
+__all__ = ["ReceiverFailed", "dispatch", "combine"]
 
 
 class RoundPlan:
@@ -110,73 +110,6 @@ def _row_error(comm, what: str, plan: RoundPlan, layout_of):
     return None
 
 
-def exchange_counts(comm, epoch: int, row: np.ndarray, call_row: np.ndarray) -> np.ndarray:
-    """Notify phase: the call's signature and this rank's counts to every rank, the
-    signatures checked (CallMismatchError), then the R x R matrix, ``m[s, d]`` = tokens s sends
-    to d (zero rows for inactive ranks)."""
-    lay, me, R = comm.layout, comm.rank, comm.num_ranks
-    parity = comm.notify_seq % 2
-    comm.notify_seq += 1
-    calls = comm.post_call(epoch, call_row)
-    comm.signal_each(np.flatnonzero(comm.active), lay.notify(parity, me), epoch, row)
-    comm.verify_call(calls, epoch, "dispatch")
-    waits = {s: comm.slot(me, lay.notify(parity, s), R) for s in range(R)}
-    comm.wait(waits, epoch, "dispatch/notify")
-    return np.stack([tag_value(waits[s]) if comm.active[s] else np.zeros(R, np.int64)
-                     for s in range(R)]).astype(np.int64)
-
-
-# DONE values: what a sender did with this rank's grant
-DONE_NOTHING, DONE_WRITTEN, DONE_REFUSED = 0, 1, 2
-
-
-def _grant(comm, epoch: int, nbytes: int, what: str, senders, refuse=None):
-    """Allocate this rank's receive region and push its first page and its page count to
-    every sender. Returns (page, error); ``refuse`` (an error) grants nothing and answers
-    GRANT_FAILED."""
-    page, error = None, refuse
-    pages = max(1, -(-nbytes // PAGE))
-    if refuse is None:
-        page = comm.heap.alloc(pages)
-        if page is None:
-            error = BufferTooSmallError(
-                what + f" (while {comm.heap.bytes_in_use} bytes are held by received tensors "
-                "still alive)", nbytes + comm.heap.bytes_in_use, comm.heap.capacity)
-    comm.signal_each(senders, comm.layout.grant(comm.rank), epoch,
-                     [GRANT_FAILED, 0] if page is None else [page, pages])
-    return page, error
-
-
-def _send_when_granted(comm, epoch, dests, write, need, op, agrees=None):
-    """Wait for each destination's grant and call ``write(dst, page)``; returns the ranks
-    whose grant said they could not allocate, and those whose granted pages were fewer than
-    ``need(dst)`` bytes (nothing is written there: no write leaves the region granted for
-    the call, whatever the sender computed). ``agrees(dst)``: whether dst signed this call
-    as this rank did (its signature came before its grant); nothing is written to a rank
-    that did not (the caller then raises CallMismatchError)."""
-    failed, short = [], []
-    me = comm.rank
-
-    def on_ready(dst, words):
-        page, pages = int(tag_value(words[0])), int(tag_value(words[1]))
-        if page == GRANT_FAILED:
-            failed.append(dst)         # DONE (nothing sent) all the same: the receiver
-            done = DONE_NOTHING        # waits for it before granting again
-        elif agrees is not None and not agrees(dst):
-            done = DONE_REFUSED
-        elif need(dst) > pages * PAGE:
-            short.append(dst)
-            done = DONE_REFUSED
-        else:
-            comm.check_fence()         # a rank the survivors masked writes nothing
-            write(dst, page)
-            done = DONE_WRITTEN
-        comm.signal(dst, comm.layout.done(me), epoch, done)
-
-    comm.wait({d: comm.slot(me, comm.layout.grant(d), 2) for d in dests}, epoch, op, on_ready)
-    return failed, short
-
-
 def _exchange(comm, epoch, op, *, page, own_error, dests, sources, write, need, calls=None,
               call_row=None):
     """The payload phase after this rank's grant: write to each destination once it grants,
@@ -186,50 +119,16 @@ def _exchange(comm, epoch, op, *, page, own_error, dests, sources, write, need, 
     when no count exchange checked the signatures already): each destination's signature is
     checked before writing to it, and all of them at the end (CallMismatchError on every
     rank), so the call costs no extra round."""
-    agrees = None
-    dones = {s: comm.slot(comm.rank, comm.layout.done(s)) for s in sources}
-    if calls is not None:
-        def agrees(dst):
-            comm.wait({dst: calls[dst]}, epoch, op + "/notify")   # sent before its grant
-            return np.array_equal(tag_value(calls[dst]), call_row)
+    dones = done_words(comm, sources)
     try:
-        failed, short = _send_when_granted(comm, epoch, dests, write, need, op + "/grant",
-                                           agrees)
+        failed, short = send_when_granted(comm, epoch, dests, write, need, op + "/grant",
+                                          signature_check(comm, epoch, op, calls, call_row))
         comm.wait(dones, epoch, op + "/payload")
-        if comm.elastic:
-            comm.agree(op)
-        _quarantine_if_late(comm, epoch, page, dones)
-        if calls is not None:
-            comm.verify_call(calls, epoch, op)
-        if own_error is not None:
-            raise own_error
-        refused = sorted(s for s in sources if comm.active[s] and
-                         int(tag_value(dones[s][0])) == DONE_REFUSED)
-        if short or refused:
-            raise RuntimeError(f"{op}: rows larger than the granted region (sender and "
-                               f"receiver computed other sizes): nothing written to rank(s) "
-                               f"{short}, nothing received from rank(s) {refused}")
-        if failed:
-            raise ReceiverFailed(f"{op}: rank(s) {sorted(failed)} could not allocate their "
-                                 "receive region (buffer too small there); nothing was sent "
-                                 "to them")
+        settle(comm, epoch, op, pages=[page], own_error=own_error, dones=dones, failed=failed,
+               short=short, calls=calls)
     except BaseException:
-        _quarantine_if_late(comm, epoch, page, dones)
-        if page is not None:
-            comm.heap.free(page)
+        release_on_error(comm, epoch, [page], dones)
         raise
-
-
-def _quarantine_if_late(comm, epoch, page, dones) -> None:
-    """A source whose DONE never came (masked, or the call failed waiting for it) may still be
-    writing into the region granted to it - frozen, not dead: the region is never handed out
-    again (PageHeap.quarantine)."""
-    late = [s for s, w in dones.items() if tag_epoch(w[0]) != epoch]
-    if late and page is not None and page not in comm.heap.quarantined:
-        comm.heap.quarantine(page)
-        log.warning("moe_comm rank %d: %d bytes of the heap quarantined: granted to rank(s) "
-                    "%s, whose DONE never came", comm.rank,
-                    comm.heap.quarantined[page] * PAGE, late)
 
 
 def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, layout,
@@ -252,7 +151,10 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
         row = layout.per_rank.numpy().astype(np.int64)
         is_token_in_rank = layout.in_rank
         row[~comm.active] = 0
-        matrix = exchange_counts(comm, epoch, row, call_row)
+        if _relays(comm) is not None:     # hierarchical: tokens per host too (relay.py)
+            row = np.concatenate([row, tokens_per_host(is_token_in_rank, comm.host_of).numpy()])
+        counts = exchange_counts(comm, epoch, row, call_row)
+        matrix, host_counts = counts[:, :R], counts[:, R:]
         if comm.elastic:
             comm.agree("dispatch/notify")
         if not comm.active.all():                  # nothing goes to masked ranks
@@ -286,6 +188,10 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
         refuse = ValueError(f"num_worst_tokens={num_worst_tokens} is smaller than the "
                             f"{num_recv} tokens rank {me} receives")
     num_local = num_experts // R if topk else 0
+    if layout is not None and _relays(comm) is not None:
+        routes = relay.Routes(_relays(comm), matrix, host_counts)
+        if relay.dispatch_fits(routes, R, rows_at, row_bytes, scale_cols, topk, comm.heap_bytes):
+            handle.relay = routes          # else flat: it streams what does not fit
 
     def write_round(r):
         def write(dst, dst_page):
@@ -322,12 +228,18 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
     if streamed:                      # the rows pass through the heap: outputs of their own
         recv = [torch.empty(rows_at[me], w, dtype=dt) if want else None
                 for (w, _, dt), want in zip(widths, wanted)]
+    if handle.relay is not None and _relays(comm) is not None:     # one round, by relays
+        first_page = relay.dispatch(
+            comm, epoch, handle, x_bytes=x_bytes, scales=scales, topk_idx=topk_idx,
+            topk_weights=topk_weights, num_local=num_local, final=slab, refuse=refuse,
+            calls=calls, call_row=call_row)
+        epochs = []
     for r, ep in enumerate(epochs):
         if r:
             comm.refresh_deadline()
         sources = plan.sources(me, r)
         has_region = r == 0 or plan.span(me, r)[1] > plan.span(me, r)[0]
-        page, own_error = (_grant(comm, ep, mine.nbytes, "dispatch", sources,
+        page, own_error = (grant(comm, ep, mine.nbytes, "dispatch", sources,
                                   refuse if r == 0 else None) if has_region else (None, None))
         if r == 0:
             first_page = page
@@ -423,6 +335,10 @@ def combine(comm, *, x, handle, topk_weights, bias):
                 comm.commit(owner, "heap", at, c * topk * 4)
         return write
 
+    if handle.relay is not None and _relays(comm) is not None and relay.combine_fits(
+            handle.relay, R, row_bytes, topk, comm.heap_bytes):
+        return relay.combine(comm, epoch, handle, x=x, topk_weights=topk_weights, bias=bias,
+                             calls=calls, call_row=call_row)
     streamed, n_rows = plan.streams(me), plan.rows_at[me]
     if streamed:                      # the rows pass through the heap into tensors of their own
         rows_all = torch.empty(n_rows, row_bytes, dtype=torch.uint8)
@@ -433,7 +349,7 @@ def combine(comm, *, x, handle, topk_weights, bias):
             comm.refresh_deadline()
         experts = [d for d in plan.sources(me, r) if comm.active[d]]
         lo, hi = plan.span(me, r)
-        page, own_error = (_grant(comm, ep, mine.nbytes, "combine", experts,
+        page, own_error = (grant(comm, ep, mine.nbytes, "combine", experts,
                                   refuse if r == 0 else None)
                            if r == 0 or hi > lo else (None, None))
         _exchange(comm, ep, "combine", page=page, own_error=own_error, write=write_round(r),
@@ -478,6 +394,15 @@ def _reduce(comm, rows, weights, counts, send_ids, num_tokens, bias):
         for d in live:
             combined_w.index_add_(0, send_ids[d], weights[bounds[d]:bounds[d + 1]])
     return out, combined_w
+
+
+def _relays(comm):
+    """The host's relays (relay.py) when this call may go hierarchical: a group on several
+    hosts, not elastic (a relay that died mid-call would lose healthy ranks' rows) and with
+    every rank active; else None (the flat protocol)."""
+    if comm.relays is None or comm.elastic or not comm.active.all():
+        return None
+    return comm.relays
 
 
 def _rotation(me: int, R: int):
