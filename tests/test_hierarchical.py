@@ -3,11 +3,14 @@ backend. Normal mode goes hierarchical there (moe_comm/host/relay.py: a token cr
 other host once, to one relay that forwards it over shared memory); normal and low-latency
 calls are checked against the reference, and the bytes that cross the host links, read from
 the interfaces' own counters, are compared with the ideal (each token's payload once per other
-host it visits, out and back).
+host it visits, out and back). An elastic group loses a whole host and its survivors agree
+and stay exact.
 """
 from __future__ import annotations
 
 import io
+import os
+import signal
 
 import pytest
 import torch
@@ -17,6 +20,8 @@ import moe_comm
 from moe_comm.quant import quantize_fp8
 from moe_comm.testing import netns
 from checks import check_ll, check_normal
+from test_elastic import (HIDDEN, MAX_TOKENS, _inputs, _ll_step, _normal_step, _route,
+                          _served_sum, _slots)
 from test_low_latency import _cases as ll_cases
 from test_low_latency import _run as ll_run
 from test_normal_mode import _cases as normal_cases
@@ -114,3 +119,46 @@ def test_without_relays_tokens_cross_once_per_rank():
     ratio = _ratio(wires)
     print(f"wire ratio without relays: {ratio:.3f}")
     assert ratio > 1.5 * WIRE_RATIO_MAX, ratio
+
+
+ELASTIC_TIMEOUT = 6.0       # 16 ranks and their proxy threads on 2 shared cores: no false alarms
+DEAD_HOST = HOSTS - 1
+
+
+def _elastic_host_dies(rank, n, mode):
+    """An elastic 16-rank group whose last host dies (every rank SIGKILLed) before the
+    first call: the survivors' step, then one over the experts re-placed on them."""
+    buf = moe_comm.Buffer(None, 8 << 20, moe_comm.Buffer.get_low_latency_rdma_size_hint(
+        MAX_TOKENS, HIDDEN, n, _slots(n)), low_latency_mode=True, timeout_s=ELASTIC_TIMEOUT,
+        elastic=True)
+    x, idx, w = _inputs(rank)
+    phy, pw = _route(idx, w, n)
+    dist.barrier()                      # every rank is up before the host goes
+    if rank // PER_HOST == DEAD_HOST:
+        os.kill(os.getpid(), signal.SIGKILL)
+    step = _ll_step if mode == "ll" else _normal_step
+    out = step(buf, x, phy, pw)[1]
+    mask = buf.active_ranks
+    second = step(buf, x, *_route(idx, w, n, active=mask))[1]
+    buf.destroy()
+    return {"mask": mask, "out": out, "phy": phy, "second_out": second}
+
+
+@pytest.mark.parametrize("mode", ["normal", "ll"])
+def test_elastic_group_survives_a_whole_host(mode):
+    """Survivors agree on the mask (the dead host's four ranks out) and are exact: the first
+    step sums what the surviving experts served, the second (re-placed) serves everything."""
+    with netns.Hosts(HOSTS) as hosts:
+        results = hosts.run(_elastic_host_dies, PER_HOST, mode, expect_exit={DEAD_HOST},
+                            timeout=240, env=TCP)
+    mask = torch.tensor([int(r // PER_HOST != DEAD_HOST) for r in range(N)], dtype=torch.int32)
+    for r in range(N):
+        if r // PER_HOST == DEAD_HOST:
+            continue
+        got = results[r]
+        assert torch.equal(got["mask"], mask), (mode, r, got["mask"])
+        x, idx, w = _inputs(r)
+        want = _served_sum(x, got["phy"], _route(idx, w, N)[1], N, mask)
+        torch.testing.assert_close(got["out"].float(), want, rtol=2e-2, atol=2e-2)
+        full = x.float() * torch.where(idx >= 0, w, 0).sum(1, keepdim=True)
+        torch.testing.assert_close(got["second_out"].float(), full, rtol=2e-2, atol=2e-2)
