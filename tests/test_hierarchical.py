@@ -40,16 +40,6 @@ WIRE_TOKENS, WIRE_HIDDEN, WIRE_TOPK, WIRE_CALLS = 128, 2048, 8, 3
 WIRE_RATIO_MAX = 1.10          # issue #16: bytes on the links over the ideal, normal mode
 
 
-def _tx_bytes() -> int:
-    """Bytes this host (network namespace) sent on its link, from /proc/net/dev."""
-    with open("/proc/net/dev") as f:
-        for line in f:
-            name, _, rest = line.partition(":")
-            if name.strip() == netns.IFNAME:
-                return int(rest.split()[8])
-    raise RuntimeError(f"no {netns.IFNAME} in /proc/net/dev")
-
-
 def _wire(rank, n):
     """WIRE_CALLS dispatch + combine pairs between two barriers; local rank 0 of each host
     reads its link's counter around them. Returns (bytes sent by this host or None, the
@@ -73,11 +63,11 @@ def _wire(rank, n):
     relayed = step().relay is not None           # and the transport's connections are up
     first = rank % PER_HOST == 0
     dist.barrier()
-    before = _tx_bytes() if first else None
+    before = netns.link_tx_bytes() if first else None
     for _ in range(WIRE_CALLS):
         step()
     dist.barrier()
-    sent = _tx_bytes() - before if first else None
+    sent = netns.link_tx_bytes() - before if first else None
     my_host = rank // PER_HOST
     row = WIRE_HIDDEN * 2
     ideal = 2 * WIRE_CALLS * row * sum(int(c) for h, c in enumerate(per_host) if h != my_host)
