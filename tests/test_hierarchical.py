@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import moe_comm
+from moe_comm.host.exchange import ReceiverFailed
 from moe_comm.quant import quantize_fp8
 from moe_comm.testing import netns
 from checks import check_ll, check_normal
@@ -152,3 +153,46 @@ def test_elastic_group_survives_a_whole_host(mode):
         torch.testing.assert_close(got["out"].float(), want, rtol=2e-2, atol=2e-2)
         full = x.float() * torch.where(idx >= 0, w, 0).sum(1, keepdim=True)
         torch.testing.assert_close(got["second_out"].float(), full, rtol=2e-2, atol=2e-2)
+
+
+def _refuse_then_go_on(rank, n):
+    """Rank 1 keeps every result alive until its heap cannot take the next call's rows (its
+    output region, or the staging region of the rank it relays for): it raises, the ranks of
+    its host that write to it raise too, and the very next call (a combine on an earlier
+    handle) works on every rank. Ranks decide together (over the group) when to stop."""
+    buf = moe_comm.Buffer(None, 1 << 20, timeout_s=20)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(64, 256, generator=g)
+    idx = torch.stack([torch.randperm(4 * n, generator=g)[:2] for _ in range(64)])
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, 4 * n)
+    args = dict(topk_idx=idx, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                num_tokens_per_expert=per_expert)
+    rx, _, _, _, handle, _ = buf.dispatch(x, **args)
+    assert handle.relay is not None
+    kept, outcome = [], "no error"
+    for _ in range(64):
+        try:
+            out = buf.dispatch(x, **args)
+            if rank == 1:
+                kept.append(out)
+        except (moe_comm.BufferTooSmallError, ReceiverFailed) as e:
+            outcome = f"{type(e).__name__}: {e}"
+        seen = [None] * n
+        dist.all_gather_object(seen, outcome)
+        if any(s != "no error" for s in seen):
+            break
+    kept.clear()                              # rank 1 lets its results go
+    out, _, _ = buf.combine(rx, handle)
+    buf.destroy()
+    return outcome, out, x, idx
+
+
+def test_a_refusing_relay_host_leaves_the_buffer_usable():
+    results = netns.run_on_hosts(_refuse_then_go_on, 2, 2, timeout=120, env=TCP)
+    assert results[1][0].startswith("BufferTooSmallError"), results[1][0]
+    assert results[0][0].startswith("ReceiverFailed"), results[0][0]   # it writes to rank 1
+    for outcome, out, x, idx in results:
+        # identity experts: each token comes back once per destination rank it went to
+        ranks = (idx // 4).sort(1).values
+        copies = 1 + (ranks[:, 1] != ranks[:, 0]).float()
+        torch.testing.assert_close(out, x * copies.unsqueeze(1))
