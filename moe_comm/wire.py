@@ -256,6 +256,14 @@ class SlabLayout:
         return max(1, self.nbytes // PAGE)
 
 
+def eager_slot_bytes(num_ranks: int) -> int:
+    """Bytes of one eager slot of a host-backend segment (moe_comm/host/eager.py): one per
+    (parity, source rank), so a sender's small rows need no grant. 256 KiB (a 64-token call
+    of 2 KiB rows per pair) up to 4 ranks, shrinking to 16 KiB at 64 ranks: the two parities
+    of all sources stay within 2 MiB a rank."""
+    return round_up(max(16 << 10, min(256 << 10, (1 << 20) // max(1, num_ranks))), PAGE)
+
+
 def stream_chunk_rows(rows: int, row_bytes: int, scale_cols: int, topk: int,
                       heap_bytes: int) -> int:
     """Rows per round of a normal-mode receive region of ``rows`` rows in a heap of

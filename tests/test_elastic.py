@@ -427,13 +427,15 @@ def _freeze_self_on_first_call(obj, name):
 
 
 def _late_writer_worker(rank, n, point, flag, timeout_s):
+    # mid_write: into a granted region (eager slots off); mid_eager_write: into its eager slot
+    os.environ["MOE_COMM_EAGER"] = "0" if point == "mid_write" else "1"
     pids = [None] * n
     dist.all_gather_object(pids, os.getpid())
     buf = moe_comm.Buffer(None, 16 << 20, timeout_s=timeout_s, elastic=True)
     x, idx, w = _inputs(rank)
     phy, pw = _route(idx, w, n)
     if rank == VICTIM:
-        if point == "mid_write":      # between its fence check and its write of the payload
+        if point.startswith("mid_"):  # between its fence check and its write of the payload
             _freeze_self_on_first_call(buf._comm, "peer_heap")
         try:
             per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(phy, _slots(n))
@@ -477,15 +479,16 @@ def _late_writer_worker(rank, n, point, flag, timeout_s):
             "quarantined": quarantined.bytes_quarantined if quarantined else None}
 
 
-@pytest.mark.parametrize("point", ["between", "mid_write"])
+@pytest.mark.parametrize("point", ["between", "mid_write", "mid_eager_write"])
 def test_a_frozen_rank_that_resumes_is_fenced(backend, point, tmp_path):
     """The victim stops (SIGSTOP) past the deadline: between dispatch and combine, or in its
     dispatch between the fence check and its write into a peer's granted region. The
     survivors mask and fence it, run the next step and hold its received rows; then the
     victim resumes. It raises RankMaskedError (between: before it writes anything; mid_write:
-    its pending write lands in the region granted to it, which the survivors quarantined),
-    and nothing the survivors hold changes."""
-    if point == "mid_write" and backend != "host":
+    its pending write lands in the region granted to it, which the survivors quarantined;
+    mid_eager_write: in its eager slot, which nobody reads once it is masked), and nothing
+    the survivors hold changes."""
+    if point.startswith("mid_") and backend != "host":
         pytest.skip("the emulated kernels have no point between the fence check and a write "
                     "that a Python hook can stop at")
     flag = str(tmp_path / "victim_done")

@@ -110,10 +110,13 @@ def done_words(comm, sources) -> dict:
     return {s: comm.slot(comm.rank, comm.layout.done(s)) for s in sources}
 
 
-def settle(comm, epoch, op, *, pages, own_error, dones, failed, short, calls=None):
+def settle(comm, epoch, op, *, pages, own_error, dones, failed, short, calls=None,
+           sizes=None):
     """The end of a payload phase, once every DONE came or timed out: agree on the mask
     (elastic), quarantine what a late writer may still write, check the signatures (when
-    ``calls``), then raise what went wrong, the same way on every rank that saw it."""
+    ``calls``), then raise what went wrong, the same way on every rank that saw it.
+    ``sizes``: {source: bytes this rank expects} of the sources whose DONE carries the bytes
+    they wrote (eager slots); a source that wrote another size counts as refused."""
     if comm.elastic:
         comm.agree(op)
     for page in pages:
@@ -123,7 +126,8 @@ def settle(comm, epoch, op, *, pages, own_error, dones, failed, short, calls=Non
     if own_error is not None:
         raise own_error
     said = {s: int(tag_value(w[0])) for s, w in dones.items() if comm.active[s]}
-    refused = sorted(s for s, v in said.items() if v == DONE_REFUSED)
+    refused = sorted(s for s, v in said.items() if v == DONE_REFUSED or (
+        sizes and s in sizes and int(tag_value(dones[s][1])) != sizes[s]))
     if short or refused:
         raise RuntimeError(f"{op}: rows larger than the granted region (sender and "
                            f"receiver computed other sizes): nothing written to rank(s) "
