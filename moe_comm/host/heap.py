@@ -91,3 +91,10 @@ class PageHeap:
                             offset=self.offset + page * PAGE)
         weakref.finalize(arr, self._released.append, page)
         return torch.from_numpy(arr)
+
+    @property
+    def free_bytes(self) -> int:
+        """The longest run of free pages, in bytes: regions that sum to this much can all be
+        allocated now (first fit)."""
+        self._drain()
+        return max((n for _, n in self._free), default=0) * PAGE

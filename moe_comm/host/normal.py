@@ -174,10 +174,11 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
         is_token_in_rank = layout.in_rank
         row[~comm.active] = 0
         send_eagerly(row, lambda d: is_token_in_rank[:, d].nonzero().flatten())
-        if _relays(comm) is not None:     # hierarchical: tokens per host too (relay.py)
-            row = np.concatenate([row, tokens_per_host(is_token_in_rank, comm.host_of).numpy()])
+        if _relays(comm) is not None:     # hierarchical: tokens per host, free heap too
+            row = np.concatenate([row, tokens_per_host(is_token_in_rank, comm.host_of).numpy(),
+                                  [comm.heap.free_bytes // PAGE]])
         counts = exchange_counts(comm, epoch, row, call_row)
-        matrix, host_counts = counts[:, :R], counts[:, R:]
+        matrix, host_counts, free_pages = counts[:, :R], counts[:, R:-1], counts[:, -1]
         if comm.elastic:
             comm.agree("dispatch/notify")
         if not comm.active.all():                  # nothing goes to masked ranks
@@ -211,7 +212,7 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
                             f"{num_recv} tokens rank {me} receives")
     if layout is not None and _relays(comm) is not None:
         routes = relay.Routes(_relays(comm), matrix, host_counts)
-        if relay.dispatch_fits(routes, R, rows_at, row_bytes, scale_cols, topk, comm.heap_bytes):
+        if relay.fits(routes, R, rows_at, row_bytes, scale_cols, topk, free_pages * PAGE):
             handle.relay = routes          # else flat: it streams what does not fit
 
     def write_round(r):
@@ -385,8 +386,7 @@ def combine(comm, *, x, handle, topk_weights, bias):
     eager.send(comm, epoch, parity, [o for o in _rotation(me, R)
                                      if eagerly[me, o] and comm.active[o]], write_eagerly)
     calls = comm.post_call(epoch, call_row)     # checked along the payload phase
-    if handle.relay is not None and _relays(comm) is not None and relay.combine_fits(
-            handle.relay, R, row_bytes, topk, comm.heap_bytes):
+    if handle.relay is not None and handle.relay.combine_fits and _relays(comm) is not None:
         return relay.combine(comm, epoch, handle, x=x, topk_weights=topk_weights, bias=bias,
                              calls=calls, call_row=call_row)
     streamed, n_rows = plan.streams(me), plan.rows_at[me]

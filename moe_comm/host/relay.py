@@ -27,7 +27,8 @@ combine mirrors it
                 payload dtype: DeepEP's scheme), and writes one row per token across. DONE.
   4. reduce   - the owner sums its host's rows and one partial row per other host.
 Results, ordering and handles equal the flat protocol's (normal.py). It serves groups spread
-over hosts while no rank is masked and the regions fit the heap at once; other calls go flat
+over hosts while no rank is masked and the regions fit the heap each rank has free; other
+calls go flat
 (elastic Buffers always do: a relay that dies mid-call would lose healthy ranks' rows).
 """
 from __future__ import annotations
@@ -77,6 +78,7 @@ class Routes:
     def __init__(self, relays: Relays, matrix: np.ndarray, host_counts: np.ndarray):
         self.relays, self.matrix, self.host_counts = relays, matrix, host_counts
         self.masks = {}
+        self.combine_fits = False        # set by fits()
         self._rows_to_host = relays.rows_per_host(matrix)
 
     # -- dispatch ------------------------------------------------------------------------
@@ -121,20 +123,21 @@ class Routes:
         return int(sum(self.host_counts[o, h] for h in range(host) if h != mine))
 
 
-def dispatch_fits(routes: Routes, R: int, final_rows: list, row_bytes, scale_cols, topk,
-                  heap_bytes: int) -> bool:
-    """Whether every rank's output region and staging region fit its heap at once (the same
-    answer on every rank: computed from the counts all of them hold)."""
+def fits(routes: Routes, R: int, final_rows: list, row_bytes, scale_cols, topk,
+         free_bytes) -> bool:
+    """Whether a dispatch goes by relays: every rank's output and staging regions fit the
+    heap it had free at the call's start (``free_bytes[f]``, told in the count rows, so every
+    rank answers the same). Also records on ``routes`` whether combine will: its two regions
+    fit what stays free once the dispatch's output is held (the caller holds it at combine;
+    whatever else it holds by then makes that combine fail as a flat one could)."""
     mc = routes.relays.mask_cols
-    return all(SlabLayout(final_rows[f], row_bytes, scale_cols, topk).nbytes +
-               SlabLayout(routes.stage_rows(f), row_bytes, scale_cols, topk, mc).nbytes
-               <= heap_bytes for f in range(R))
-
-
-def combine_fits(routes: Routes, R: int, row_bytes, topk, heap_bytes: int) -> bool:
-    return all(SlabLayout(routes.back_rows(f), row_bytes, 0, topk).nbytes +
-               SlabLayout(routes.partial_rows(f), row_bytes, 0, topk).nbytes
-               <= heap_bytes for f in range(R))
+    final = [SlabLayout(final_rows[f], row_bytes, scale_cols, topk).nbytes for f in range(R)]
+    stage = [SlabLayout(routes.stage_rows(f), row_bytes, scale_cols, topk, mc).nbytes
+             for f in range(R)]
+    back = [SlabLayout(routes.back_rows(f), row_bytes, 0, topk).nbytes +
+            SlabLayout(routes.partial_rows(f), row_bytes, 0, topk).nbytes for f in range(R)]
+    routes.combine_fits = all(final[f] + back[f] <= free_bytes[f] for f in range(R))
+    return all(final[f] + stage[f] <= free_bytes[f] for f in range(R))
 
 
 def _view(heap, base, lay: SlabLayout, sub: int, row: int, count: int, width: int,
