@@ -176,8 +176,10 @@ class NixlEngine:
         self.out_key = {d: pair_key(secret, rank, d) for d in self.remote}
         self.inbox = {s: Inbox(pair_key(secret, s, rank)) for s in self.remote}
         self.seq = {d: 1 for d in self.remote}           # 0 was the hello
-        self.inflight = {d: collections.deque() for d in self.remote}  # [handle, tickets, end]
-        self.waiting = {d: collections.deque() for d in self.remote}   # (XFER, run)|(NOTICE, sigs)
+        # per rank: posted transfers [handle, staging tickets, deadline, carries a notice],
+        # and what waits to be handed to NIXL in order: (XFER, _Run) or (NOTICE, signals)
+        self.inflight = {d: collections.deque() for d in self.remote}
+        self.waiting = {d: collections.deque() for d in self.remote}
         self.rank_of, self.peer_addr = {}, {}
         self.failed: dict = {}
         self.cut = set()          # senders whose notices are no longer applied
@@ -273,6 +275,8 @@ class NixlEngine:
         until everything before it is DONE; nothing passes a waiting notice."""
         waiting, inflight = self.waiting[dst], self.inflight[dst]
         while waiting and dst not in self.failed:
+            if inflight and inflight[-1][3]:
+                return                # a notice rides on that transfer: nothing passes it
             what, item = waiting[0]
             if what == NOTICE:
                 if inflight:
@@ -309,7 +313,8 @@ class NixlEngine:
             self._fail(dst, f"NIXL refused a write ({type(e).__name__}: {e})")
             return
         # even a transfer that completed at once is polled: that poll sends its notification
-        self.inflight[dst].append([handle, run.tickets, time.monotonic() + self.timeout_s])
+        self.inflight[dst].append([handle, run.tickets, time.monotonic() + self.timeout_s,
+                                   bool(notif)])
 
     # -- progress --------------------------------------------------------------------------
     def progress(self) -> bool:
@@ -324,7 +329,7 @@ class NixlEngine:
         now = time.monotonic()
         for dst, inflight in self.inflight.items():
             for entry in list(inflight):
-                handle, tickets, end = entry
+                handle, tickets, end, _ = entry
                 try:
                     state = self.agent.check_xfer_state(handle)
                 except Exception as e:  # noqa: BLE001
@@ -341,7 +346,7 @@ class NixlEngine:
                 elif now > end:
                     self._fail(dst, f"transfer not done within {self.timeout_s} s")
                     break
-            if self.waiting[dst] and not inflight:
+            if self.waiting[dst]:
                 self._issue(dst)
         return busy
 
@@ -386,7 +391,7 @@ class NixlEngine:
         if dst not in self.failed:
             self.failed[dst] = why
             log.warning("rank %d: NIXL link to rank %d failed: %s", self.rank, dst, why)
-        for handle, tickets, _ in self.inflight[dst]:
+        for handle, tickets, *_ in self.inflight[dst]:
             self._release(handle)
             for t in tickets:
                 self.staging.done(t)
