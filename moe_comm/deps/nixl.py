@@ -1,4 +1,9 @@
-"""NIXL (the ``nixl`` package with its ``nixl-cu13``/``nixl-cu12`` build), imported on first use.
+"""NIXL, imported on first use: the build wheel's module (``nixl_cu13``, else ``nixl_cu12``),
+else the ``nixl`` meta package's.
+
+The build wheel is imported directly because the meta package picks the build by the CUDA
+major version torch was built with and raises when that build is not the installed one (a
+CUDA 12 torch next to nixl-cu13); the engine uses host memory only, so any build serves.
 
 Importing it is cheap, but the first UCX backend loads UCX's transport modules; next to
 Debian's rdma-core, UCX's ``efa`` module brings a second copy of libnl and every process
@@ -11,17 +16,27 @@ from __future__ import annotations
 
 import functools
 import glob
+import importlib
 import importlib.util
 import os
 
+MODULES = ("nixl_cu13", "nixl_cu12", "nixl")
+
 
 def installed() -> bool:
-    """Whether ``nixl`` can be imported, without importing it (``auto`` asks this on
-    machines that never use NIXL)."""
-    try:
-        return importlib.util.find_spec("nixl") is not None
-    except (ImportError, ValueError):
-        return False
+    """Whether a NIXL module is installed, without importing it."""
+    return _module() is not None
+
+
+def _module():
+    """The first of :data:`MODULES` that is installed, or None."""
+    for name in MODULES:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return name
+        except (ImportError, ValueError):
+            continue
+    return None
 
 
 def efa_present() -> bool:
@@ -30,12 +45,15 @@ def efa_present() -> bool:
 
 @functools.cache
 def api():
-    """``nixl._api`` (``nixl_agent``, ``nixl_agent_config``); raises what its import raises."""
+    """NIXL's ``_api`` module (``nixl_agent``, ``nixl_agent_config``); raises ImportError
+    when none is installed, else what its import raises."""
     if "UCX_MODULES" not in os.environ and not efa_present():
         os.environ["UCX_MODULES"] = "^efa"
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    from nixl import _api
-    return _api
+    name = _module()
+    if name is None:
+        raise ImportError(f"none of {MODULES} is installed")
+    return importlib.import_module(f"{name}._api")
 
 
 def import_error() -> str | None:
