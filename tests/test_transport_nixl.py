@@ -435,5 +435,7 @@ def test_create_destroy_cycles_leave_nothing_behind(hosts):
         assert all(ok and registered == [] and agent is None
                    for ok, registered, agent, _ in seen), seen
         assert all(gone), "a NIXL agent outlived its transport"
-        # the first cycle may start UCX's process-wide threads; after it nothing grows
-        assert len({census for *_, census in seen[1:]}) == 1, seen
+        # the first cycle may start UCX's process-wide threads; after it nothing grows (a
+        # socket of an earlier cycle may close late: counts may drop)
+        first, last = seen[0][-1], seen[-1][-1]
+        assert all(b <= a for a, b in zip(first, last)), seen
