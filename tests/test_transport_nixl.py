@@ -9,9 +9,7 @@ namespaces ("hosts") over UCX's TCP transport on the veth links.
 - create/destroy cycles leave no thread, fd, agent or registration behind.
 
 Unit tests of the pieces (notices, staging, the choice of engine) need neither NIXL nor
-namespaces. UCX settings for the hosts (../shared/TOOLING.md section 8): ``UCX_TLS=tcp`` and
-``UCX_NET_DEVICES=eth0``, else UCX sees the other namespace as this machine and writes through
-shared memory, around the veth link.
+namespaces. UCX settings for the hosts: ``netns.UCX_ENV`` (TCP on the veth link).
 """
 from __future__ import annotations
 
@@ -46,7 +44,7 @@ from test_multihost import HOSTS, N, PER_HOST, _both_modes, _killed_host
 from test_normal_mode import _cases as normal_cases
 from test_transport_tcp import _capture_logs, _exchange, _survivor, _wait_file
 
-NIXL = {"MOE_COMM_TRANSPORT": "nixl", "UCX_TLS": "tcp", "UCX_NET_DEVICES": netns.IFNAME}
+NIXL = {"MOE_COMM_TRANSPORT": "nixl", **netns.UCX_ENV}
 SECRET = b"moe_comm-test-secret-0123456789"
 
 needs_hosts = pytest.mark.skipif(
