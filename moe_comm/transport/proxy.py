@@ -158,16 +158,18 @@ class ProxyTransport:
     def _proxy_loop(self, ring: CommandRing) -> None:
         # An engine that completes work only when polled (NIXL: its transfers, and over TCP
         # the peers' writes into this process) says how long an idle thread may wait between
-        # polls (``poll_s``); the wait starts short after activity and doubles up to that.
-        # Engines with threads of their own (TCP, verbs) are polled every 50 ms.
-        longest = getattr(self.engine, "poll_s", IDLE_S)
+        # polls (``poll_s``, read each time: it may lengthen when the engine has been idle);
+        # the wait starts short after activity and doubles up to that. Engines with threads
+        # of their own (TCP, verbs) are polled every 50 ms.
+        engine = self.engine
         wait = POLL_MIN_S
         while True:
             batch = ring.take(BATCH, wait)
             if not batch:
                 if ring.closed:
                     return
-                wait = POLL_MIN_S if self.engine.progress() else min(2 * wait, longest)
+                wait = POLL_MIN_S if engine.progress() else \
+                    min(2 * wait, getattr(engine, "poll_s", IDLE_S))
                 continue
             wait = POLL_MIN_S
             start = 0
