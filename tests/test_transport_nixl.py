@@ -353,8 +353,10 @@ def _attacks(rank, world):
         t.put(1, 4096, good)                               # the real link works
         t.signal(1, 0, tag(1, 1))
         t.flush()
-        # a recorded notice played again (the genuine pair key, an old sequence number)
-        eng.agent.send_notif(eng.peer[1], notices.encode(eng.out_key[1], 1, [(0, 777)]))
+        # a recorded notice played again (the genuine pair key, an old sequence number);
+        # the engine's lock: the agent is not thread-safe and the proxy threads poll it
+        with eng.lock:
+            eng.agent.send_notif(eng.peer[1], notices.encode(eng.out_key[1], 1, [(0, 777)]))
         try:
             t.put(1, ATTACK_REGION - 10, np.zeros(100, dtype=np.uint8))
             out["api oob"] = "accepted"
