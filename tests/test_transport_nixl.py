@@ -14,8 +14,10 @@ namespaces. UCX settings for the hosts: ``netns.UCX_ENV`` (TCP on the veth link)
 from __future__ import annotations
 
 import gc
+import importlib.util
 import io
 import os
+import pathlib
 import threading
 import time
 import weakref
@@ -439,3 +441,15 @@ def test_create_destroy_cycles_leave_nothing_behind(hosts):
         # socket of an earlier cycle may close late: counts may drop)
         first, last = seen[0][-1], seen[-1][-1]
         assert all(b <= a for a, b in zip(first, last)), seen
+
+
+# -- the benchmark's link measurement ---------------------------------------------------------------
+@needs_hosts
+def test_hosts_bench_measures_raw_tcp_and_both_engines_in_one_run():
+    path = pathlib.Path(__file__).resolve().parent.parent / "bench" / "hosts.py"
+    spec = importlib.util.spec_from_file_location("bench_hosts", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    r = bench.measure(total_mb=8, put_kb=256, repeat=1, engines=("tcp", "nixl"))
+    assert min(r["raw_tcp_GBps"], r["proxy_tcp_GBps"], r["proxy_nixl_GBps"]) > 0, r
+    assert abs(r["nixl_ratio"] - r["proxy_nixl_GBps"] / r["raw_tcp_GBps"]) < 0.01, r
