@@ -19,9 +19,12 @@ Signals: NIXL does not order separate transfers, so a signal is a notice (``noti
 numbered, MAC'd with the job secret) that is handed to NIXL only once every earlier transfer
 to that rank reported DONE -- "DONE" means the data landed at the target -- or that rides as
 the notification of the transfer right before it when nothing earlier is in flight (NIXL
-sends it after that transfer's data). Nothing after a pending notice is posted before it,
-so each rank's commands take effect in push order, as on TCP. The receiver applies notices
-in sequence order, bounds-checks each word and stores it with a release fence.
+sends it after that transfer's data). Nothing after a pending notice is posted before it, so
+a signal takes effect after every earlier command to its rank and before every later one, as
+on TCP; puts between two signals may land in any order among themselves (NIXL runs a
+transfer's descriptors in parallel, as RDMA places writes); the backends put each range
+once per call, so none relies on it. The receiver applies notices in sequence order, bounds-checks each word and
+stores it with a release fence.
 
 Progress: whichever thread calls into the engine -- the proxy threads, between batches and
 when idle (``poll_s``), or a flush -- drives the agent under one lock: polls transfer states
@@ -54,9 +57,10 @@ from .tcp import PeerLost
 
 log = logging.getLogger("moe_comm.transport")
 
-STAGING = int(os.environ.get("MOE_COMM_NIXL_STAGING_BYTES", 64 << 20))
 CHUNK = 4 << 20             # staging reservation per piece of a large put
 POST_BYTES = 8 << 20        # a run of puts is posted once it holds this much
+# registered staging memory; room for a run being staged beside runs in flight
+STAGING = max(int(os.environ.get("MOE_COMM_NIXL_STAGING_BYTES", 64 << 20)), 4 * POST_BYTES)
 # Longest wait of an idle proxy thread between two polls: over TCP a peer's write or notice
 # waits for this process to poll, so this bounds the latency it adds. While the engine was
 # busy in the last ACTIVE_S: POLL_S; after that IDLE_POLL_S, so a job between calls costs
