@@ -48,6 +48,7 @@ import numpy as np
 
 from ..deps import nixl as nixl_dep
 from ..errors import CommTimeoutError
+from ..logs import info_once
 from ..shm.atomics import Backoff
 from .commands import OP_PUT
 from .notices import Inbox, Refused, encode, pair_key
@@ -71,7 +72,6 @@ IDLE_POLL_S = 2e-3
 ACTIVE_S = 0.1
 XFER, NOTICE = 0, 1
 BACKENDS = ("UCX", "LIBFABRIC")
-_said = set()
 
 
 def rdma_devices() -> list:
@@ -124,12 +124,6 @@ def probe(need_rdma: bool):
     return True, f"NIXL {backend}" + (f" on {', '.join(devices)}" if devices else "")
 
 
-def say_once(key: str, msg: str, *args) -> None:
-    if key not in _said:
-        _said.add(key)
-        log.info(msg, *args)
-
-
 def _descs(rows: list) -> np.ndarray:
     """NIXL descriptor rows ``(address, length, device id)`` as its Nx3 array."""
     return np.array(rows, dtype=np.uint64).reshape(-1, 3)
@@ -177,7 +171,7 @@ class NixlEngine:
         if device is not None and getattr(device, "type", "cpu") in ("cuda", "cpu"):
             # The CUDA backend's proxy path keeps buffers and mirrors in (pinned) host
             # memory, so there is no device memory to register as VRAM here.
-            say_once("staged", "moe_comm nixl engine: the CUDA group's buffers and mirrors are "
+            info_once(log, "nixl staged", "moe_comm nixl engine: the CUDA group's buffers and mirrors are "
                      "in host memory (%s); transfers go from registered host memory (DRAM), "
                      "not VRAM", "kernel emulator, no GPU" if device.type == "cpu" else
                      "proxy path")

@@ -29,6 +29,7 @@ import time
 
 import torch.distributed as dist
 
+from ..logs import info_once
 from . import nixl as nixl_mod
 from .addr import local_address
 from .nixl import NixlEngine
@@ -42,7 +43,6 @@ log = logging.getLogger("moe_comm.transport")
 PROXY_KINDS = ("auto", "tcp", "verbs", "nixl")     # what the host proxy runs
 KINDS = PROXY_KINDS + ("ibgda",)             # what a Buffer takes (ibgda: CUDA groups)
 ENV = "MOE_COMM_TRANSPORT"
-_logged = set()
 
 
 def requested_kind(kind: str = "auto", cuda: bool = False) -> str:
@@ -60,12 +60,6 @@ def requested_kind(kind: str = "auto", cuda: bool = False) -> str:
     if env not in KINDS:
         raise ValueError(f"{ENV} must be one of {KINDS}, got {env!r}")
     return "auto" if env == "ibgda" and not cuda else env
-
-
-def _log_once(kind: str, why: str) -> None:
-    if kind not in _logged:
-        _logged.add(kind)
-        log.info("moe_comm host proxy transport: %s (%s)", kind, why)
 
 
 def choose(want: str, infos: list) -> tuple:
@@ -173,7 +167,8 @@ def open_transport(group, region, remote_ranks, *, kind: str = "auto",
     finally:
         if listener is not None:
             listener.close()
-    _log_once(chosen, why)
+    info_once(log, ("transport", chosen), "moe_comm host proxy transport: %s (%s)", chosen,
+              why)
     if channels is None:
         channels = min(4, max(1, len(remote)))
     t = ProxyTransport(engine, rank, remote, sizes, timeout_s, channels=channels, depth=depth,
