@@ -16,6 +16,7 @@ from __future__ import annotations
 import gc
 import importlib.util
 import io
+import logging
 import os
 import pathlib
 import threading
@@ -66,9 +67,9 @@ def test_notices_need_the_pair_key_and_apply_in_order():
     key = notices.pair_key(SECRET, 0, 1)
     inbox = notices.Inbox(key)
     msgs = [notices.encode(key, s, [(8 * s, -s)]) for s in range(4)]
-    assert inbox.accept(msgs[0]) == [[(0, 0)]]
+    assert inbox.accept(msgs[0]) == [(0, [(0, 0)])]
     assert inbox.accept(msgs[2]) == []                      # held for the gap
-    assert inbox.accept(msgs[1]) == [[(8, -1)], [(16, -2)]]
+    assert inbox.accept(msgs[1]) == [(0, [(8, -1)]), (0, [(16, -2)])]
     for bad, why in [(msgs[1], "replayed"), (msgs[2], "replayed"),
                      (notices.encode(notices.pair_key(SECRET, 1, 0), 3, []), "bad MAC"),
                      (notices.encode(notices.pair_key(b"another job's key", 0, 1), 3, []),
@@ -78,7 +79,10 @@ def test_notices_need_the_pair_key_and_apply_in_order():
                      (notices.encode(key, 3 + notices.WINDOW, []), "ahead")]:
         with pytest.raises(notices.Refused, match=why):
             inbox.accept(bad)
-    assert inbox.accept(msgs[3]) == [[(24, -3)]]
+    assert inbox.accept(msgs[3]) == [(0, [(24, -3)])]
+    assert inbox.accept(notices.encode(key, 4, [], notices.BYE)) == [(notices.BYE, [])]
+    with pytest.raises(notices.Refused, match="malformed"):
+        inbox.accept(notices.encode(key, 5, [], 2))          # an unknown flag
 
 
 def test_staging_returns_space_in_order_and_never_wraps_a_reservation():
@@ -165,7 +169,11 @@ class _FakeAgent:
         pass
 
     def send_notif(self, name, msg):
-        self.events.append(("notice", notices.decode(notices.pair_key(SECRET, 0, 1), msg)))
+        notice = notices.decode(notices.pair_key(SECRET, 0, 1), msg)
+        self.events.append(("notice", notice))
+        if notice[1] & notices.BYE:                     # rank 1 closes too
+            self.inbound = {"r1": [notices.encode(notices.pair_key(SECRET, 1, 0), 1, [],
+                                                  notices.BYE)]}
 
     def get_xfer_descs(self, rows, mem):
         return rows
@@ -219,17 +227,46 @@ def test_engine_posts_nothing_past_a_notice_and_sends_it_after_earlier_writes_ar
     eng.send(1, [put(24)])
     assert len(agent.events) == 1
     done(0)
-    assert agent.events[1:] == [("notice", (1, [(64, 1)])), ("write", [16])]
+    assert agent.events[1:] == [("notice", (1, 0, [(64, 1)])), ("write", [16])]
     done(1)
-    assert agent.events[3:] == [("notice", (2, [(72, 2)])), ("write", [24])]
+    assert agent.events[3:] == [("notice", (2, 0, [(72, 2)])), ("write", [24])]
     eng.send(1, [put(32), sig(80, 3)])        # a write is in flight: the notice waits
     assert agent.events[5:] == [("write", [32])]
     done(2)
     assert agent.events[6:] == []            # 32 is still in flight
     assert not eng.quiet(1, time.monotonic() + 0.05)
     done(3)
-    assert agent.events[6:] == [("notice", (3, [(80, 3)]))]
+    assert agent.events[6:] == [("notice", (3, 0, [(80, 3)]))]
     assert eng.quiet(1, time.monotonic() + 1) and not eng.staging.busy()
+    eng.close()                              # a goodbye: failing to reach us is no fault
+    assert agent.events[7:] == [("notice", (4, notices.BYE, []))]
+
+
+def test_a_peer_that_said_goodbye_is_lost_quietly(monkeypatch, caplog):
+    """Buffers are destroyed without a barrier: a rank whose last notice meets a peer that
+    already closed logs it at INFO (that peer said goodbye), not as a failed link."""
+    class _Api:
+        nixl_agent = _FakeAgent
+
+        @staticmethod
+        def nixl_agent_config(**kw):
+            return kw
+
+    monkeypatch.setattr(nixl_dep, "api", lambda: _Api)
+    eng = nixl_mod.NixlEngine(0, Region(np.zeros(4096, dtype=np.uint8)), [1], SECRET, 5.0,
+                              "r0")
+    eng.connect({1: dict(name="r1", md=b"r1", addr=1_000_000, size=4096)}, time.monotonic())
+    eng.agent.inbound = {"r1": [notices.encode(notices.pair_key(SECRET, 1, 0), 1, [],
+                                               notices.BYE)]}
+
+    def disconnected(name, msg):
+        raise RuntimeError("NIXL_ERR_REMOTE_DISCONNECT")
+    eng.agent.send_notif = disconnected
+    with caplog.at_level(logging.INFO, logger="moe_comm.transport"):
+        with pytest.raises(PeerLost) as lost:
+            eng.send(1, [(2, 1, 0, 8, 5, 0, None)])
+    assert lost.value.closed and "closed its transport" in str(lost.value)
+    assert [r.levelno for r in caplog.records] == [logging.INFO], caplog.records
     eng.close()
 
 

@@ -34,6 +34,9 @@ polling is what completes its peers' writes.
 
 Faults: a transfer that fails, or is not DONE ``timeout_s`` after it was posted, loses its
 rank (:class:`PeerLost` at the next send, ``quiet`` False); its queued commands are dropped.
+Teardown: :meth:`close` sends each peer a goodbye notice and waits (at most ``LINGER_S``) for
+theirs, so the last messages of ranks destroying their Buffers a little apart still arrive,
+and a send that meets a peer which said goodbye is logged as its close, not as a fault.
 """
 from __future__ import annotations
 
@@ -51,7 +54,7 @@ from ..errors import CommTimeoutError
 from ..logs import info_once
 from ..shm.atomics import Backoff
 from .commands import OP_PUT
-from .notices import Inbox, Refused, encode, pair_key
+from .notices import BYE, Inbox, Refused, encode, pair_key
 from .receiver import Region
 from .staging import Staging
 from .tcp import PeerLost
@@ -70,6 +73,7 @@ STAGING = max(int(os.environ.get("MOE_COMM_NIXL_STAGING_BYTES", 64 << 20)), 4 * 
 POLL_S = float(os.environ.get("MOE_COMM_NIXL_POLL_US", 250)) * 1e-6
 IDLE_POLL_S = 2e-3
 ACTIVE_S = 0.1
+LINGER_S = 1.0              # close waits at most this long for the peers' goodbyes
 XFER, NOTICE = 0, 1
 BACKENDS = ("UCX", "LIBFABRIC")
 
@@ -185,6 +189,7 @@ class NixlEngine:
         self.rank_of, self.peer_addr = {}, {}
         self.failed: dict = {}
         self.cut = set()          # senders whose notices are no longer applied
+        self.gone = set()         # peers that said they were closing
         self.refused = 0
         self.busy_at = time.monotonic()
 
@@ -223,7 +228,7 @@ class NixlEngine:
     def send(self, dst: int, cmds: list) -> None:
         with self.lock:
             if dst in self.failed:
-                raise PeerLost(dst, self.failed[dst])
+                raise PeerLost(dst, self.failed[dst], dst in self.gone)
             self.busy_at = time.monotonic()
             deadline = self.busy_at + self.timeout_s
             run, signals = _Run(), []
@@ -253,7 +258,7 @@ class NixlEngine:
                 self.waiting[dst].append((NOTICE, signals))
             self._issue(dst)
             if dst in self.failed:
-                raise PeerLost(dst, self.failed[dst])
+                raise PeerLost(dst, self.failed[dst], dst in self.gone)
 
     def _stage(self, dst: int, run: _Run, n: int, deadline: float):
         """Reserve ``n`` staging bytes, posting what is staged and progressing while the
@@ -269,7 +274,7 @@ class NixlEngine:
                 self._issue(dst)
             self._progress()
             if dst in self.failed:
-                raise PeerLost(dst, self.failed[dst])
+                raise PeerLost(dst, self.failed[dst], dst in self.gone)
             if time.monotonic() > deadline:
                 raise PeerLost(dst, "staging memory still full at the deadline")
             backoff.pause()
@@ -385,7 +390,9 @@ class NixlEngine:
         except Refused as e:                  # forged or replayed: that message only
             self._refuse(src, str(e))
             return
-        for signals in due:
+        for flags, signals in due:
+            if flags & BYE:
+                self.gone.add(src)
             for off, value in signals:
                 err = self.region.check_signal(off)
                 if err:                       # a genuine peer out of bounds: cut it off
@@ -402,8 +409,13 @@ class NixlEngine:
     # -- faults and teardown -----------------------------------------------------------------
     def _fail(self, dst: int, why: str) -> None:
         if dst not in self.failed:
+            if dst not in self.gone:
+                self._receive()               # its goodbye may be waiting to be read
+            if dst in self.gone:
+                why = f"closed its transport ({why})"
             self.failed[dst] = why
-            log.warning("rank %d: NIXL link to rank %d failed: %s", self.rank, dst, why)
+            (log.info if dst in self.gone else log.warning)(
+                "rank %d: NIXL link to rank %d failed: %s", self.rank, dst, why)
         for handle, tickets, *_ in self.inflight[dst]:
             self._release(handle)
             for t in tickets:
@@ -445,11 +457,27 @@ class NixlEngine:
         pass                                  # nothing waits past its deadline
 
     def close(self) -> None:
-        """Called once the proxy threads stopped: cancel what is left, disconnect, deregister,
-        destroy the agent (and its UCX worker)."""
+        """Called once the proxy threads stopped: say goodbye, wait (at most LINGER_S) for
+        the peers' goodbyes, cancel what is left, disconnect, deregister, destroy the agent
+        (and its UCX worker). The goodbyes let a peer that fails to reach this rank from now
+        on take it as the end of the job's use of it, and the wait lets the peers' last
+        messages (and goodbyes) arrive before this endpoint goes: Buffers are destroyed
+        without a barrier, a few milliseconds apart."""
         with self.lock:
             if self.closed:
                 return
+            for dst in self.peer:
+                if dst not in self.failed:
+                    try:
+                        self.agent.send_notif(self.peer[dst],
+                                              encode(self.out_key[dst], self.seq[dst], [], BYE))
+                    except Exception as e:  # noqa: BLE001 - it went first
+                        log.debug("rank %d: goodbye to rank %d: %s", self.rank, dst, e)
+            end = time.monotonic() + min(LINGER_S, self.timeout_s)
+            while self.peer and time.monotonic() < end and \
+                    any(d not in self.gone and d not in self.failed for d in self.peer):
+                self._receive()               # progress: goodbyes leave and arrive
+                time.sleep(1e-3)
             self.closed = True
             for dst in list(self.inflight):
                 self.failed.setdefault(dst, "closed")      # no "link failed" warning

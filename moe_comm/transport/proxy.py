@@ -187,8 +187,9 @@ class ProxyTransport:
             self.engine.send(dst, cmds)
         except Exception as e:  # noqa: BLE001 - any failure loses the peer, never the thread
             self.lost[dst] = str(e)
-            log.warning("rank %d: lost rank %d (%s); its commands are dropped",
-                        self.rank, dst, e)
+            # a peer that closed first (Buffers are destroyed without a barrier) is no fault
+            (log.info if getattr(e, "closed", False) else log.warning)(
+                "rank %d: lost rank %d (%s); its commands are dropped", self.rank, dst, e)
             self.engine.drop(dst)
 
     # -- teardown ----------------------------------------------------------------------------
