@@ -6,6 +6,7 @@ wheel are installed), and against the machine's copy bandwidth, all in one run.
     python bench/bench_all_to_all.py                     # 4 local CPU ranks, both modes
     python bench/bench_all_to_all.py --mode normal --ranks 2,4 --tokens 256,1024 --json out.json
     python bench/bench_all_to_all.py --tokens 64,256,1024 --dtype bfloat16,fp8 --plot out.png
+    python bench/bench_all_to_all.py --hosts 2 --transport nixl   # 2 namespace hosts, NIXL
 
 Every shape option takes a comma list; the run sweeps the cross product (per mode; a
 combination a mode cannot run, such as low-latency float32, is skipped with a note). Rows go
@@ -684,8 +685,12 @@ def build_parser():
     p.add_argument("--hosts", type=int, default=1,
                    help="spread the ranks over this many hosts: network namespaces on this "
                         "machine joined by veth links (needs root); ranks on different hosts "
-                        "talk through the host proxy over TCP, the baseline's gloo over the "
-                        "same links (default: 1)")
+                        "talk through the host proxy (--transport), the baseline's gloo "
+                        "over the same links (default: 1)")
+    p.add_argument("--transport", default="tcp", choices=["tcp", "nixl"],
+                   help="with --hosts: the host proxy's engine between the hosts: tcp, or "
+                        "nixl (NIXL's UCX backend over TCP on the veth links; needs "
+                        "moe_comm[nixl]) (default: tcp)")
     p.add_argument("--no-mpi", action="store_true",
                    help="leave out the MPI baseline even when mpi4py is installed: the ranks "
                         "are then forked, as without MPI")
@@ -707,9 +712,10 @@ def _prepare_output(path):
     os.makedirs(d, exist_ok=True)
 
 
-def _hosts_launcher(p, hosts, backend, cases):
+def _hosts_launcher(p, hosts, backend, cases, transport="tcp"):
     """A run_cases launcher placing ranks on ``hosts`` network namespaces (moe_comm.testing.netns),
-    ranks / hosts on each; ranks on different hosts go through the host proxy over TCP."""
+    ranks / hosts on each; ranks on different hosts go through the host proxy's ``transport``
+    engine."""
     from moe_comm.testing import netns
     why = netns.available()
     if why is not None:
@@ -720,9 +726,10 @@ def _hosts_launcher(p, hosts, backend, cases):
     if bad:
         p.error(f"--ranks {bad} cannot be spread evenly over {hosts} hosts")
 
+    env = {"MOE_COMM_TRANSPORT": transport, **(netns.UCX_ENV if transport == "nixl" else {})}
+
     def launch(fn, n, *args, timeout):
-        return netns.run_on_hosts(fn, hosts, n // hosts, *args, timeout=timeout,
-                                  env={"MOE_COMM_TRANSPORT": "tcp"})
+        return netns.run_on_hosts(fn, hosts, n // hosts, *args, timeout=timeout, env=env)
     return launch
 
 
@@ -771,7 +778,7 @@ def main(argv=None):
     launcher = run_ranks
     no_mpi = "--no-mpi" if args.no_mpi else mpi_ranks.unavailable()
     if args.hosts > 1:
-        launcher = _hosts_launcher(p, args.hosts, backend, runnable)
+        launcher = _hosts_launcher(p, args.hosts, backend, runnable, args.transport)
         no_mpi = no_mpi or "--hosts runs its ranks in network namespaces, not under mpiexec"
     elif no_mpi is None:
         launcher = mpi_ranks.Launcher()
@@ -792,12 +799,16 @@ def main(argv=None):
     print(copy_line(rows))
     if args.hosts > 1:
         # the link itself, same run: a plain socket stream vs the proxy's puts
-        link = measure_link(total_mb=128, repeat=3)
-        print(f"summary link between 2 hosts: raw TCP {link['raw_tcp_GBps']:.2f} GB/s, "
-              f"proxy put {link['proxy_tcp_GBps']:.2f} GB/s ({link['ratio']:.0%} of raw)")
+        engines = tuple(dict.fromkeys(("tcp", args.transport)))
+        link = measure_link(total_mb=128, repeat=3, engines=engines)
+        print(f"summary link between 2 hosts: raw TCP {link['raw_tcp_GBps']:.2f} GB/s, " +
+              ", ".join(f"{e} engine put {link[f'proxy_{e}_GBps']:.2f} GB/s "
+                        f"({link['ratio' if e == 'tcp' else f'{e}_ratio']:.0%} of raw)"
+                        for e in engines))
         for row in rows:
-            row.update(hosts=args.hosts, raw_tcp_gbps=link["raw_tcp_GBps"],
-                       proxy_tcp_gbps=link["proxy_tcp_GBps"])
+            row.update(hosts=args.hosts, transport=args.transport,
+                       raw_tcp_gbps=link["raw_tcp_GBps"],
+                       **{f"proxy_{e}_gbps": link[f"proxy_{e}_GBps"] for e in engines})
     if args.json:
         with open(args.json, "w") as f:
             run = _run_record(argv, args, backend, rows, launcher, no_mpi)

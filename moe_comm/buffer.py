@@ -110,9 +110,10 @@ class Buffer:
         transport: how ranks on other hosts (machines or network namespaces) are reached:
             "auto" (the ``MOE_COMM_TRANSPORT`` environment variable, else, for CUDA tensors,
             IBGDA where every rank has NVSHMEM and a ConnectX NIC, else the host proxy of
-            moe_comm/transport over verbs where every rank has an RDMA device, else TCP),
+            moe_comm/transport over NIXL where every rank has it and an RDMA device, else
+            over verbs where every rank has an RDMA device, else TCP),
             "ibgda" (CUDA tensors: GPU-initiated RDMA through NVSHMEM,
-            moe_comm/ibgda/path.py), "verbs" or "tcp" (the host proxy). Ranks on this host
+            moe_comm/ibgda/path.py), "nixl", "verbs" or "tcp" (the host proxy). Ranks on this host
             share memory directly (CUDA IPC; NVSHMEM's P2P mappings under "ibgda").
         device: where the tensors live: a CUDA device drives the CUDA backend (kernels,
             CUDA IPC between the ranks of one node), the CPU the host backend. Default: the

@@ -60,3 +60,14 @@ def apply_env_level(environ=None) -> int | None:
     if not any(isinstance(h, FallbackHandler) for h in log.handlers):
         log.addHandler(FallbackHandler())
     return level
+
+
+_said = set()
+
+
+def info_once(logger: logging.Logger, key, msg: str, *args) -> None:
+    """Log ``msg`` at INFO the first time ``key`` is seen in this process (a choice made per
+    Buffer, such as the transport, is news once, not on every Buffer)."""
+    if key not in _said:
+        _said.add(key)
+        logger.info(msg, *args)

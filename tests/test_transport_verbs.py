@@ -301,8 +301,9 @@ def test_verbs_engine_logic_over_a_fake_device(monkeypatch, caplog):
         [tag(6, i) for i in range(42, 48)]
     atomics.wait_words({1: regions[0][:8].view(np.int64)}, 1, time.monotonic() + 5, "f", 5)
     assert np.array_equal(regions[0][64:1064], data[:1000])
-    assert engines[0].stage_head == engines[0].stage_tail      # every staging byte returned
-    assert engines[0].stage_head > verbs.STAGING                # ... after wrapping
+    staging = engines[0].staging
+    assert staging.head == staging.tail and not staging.busy()  # every staging byte returned
+    assert staging.head > verbs.STAGING                         # ... after wrapping
     assert fake.rnr[0] > 0, "signals never outran the receiver's posted receives"
 
     # A put outside the peer's region: the "NIC" refuses it, the peer is lost, flush says so.

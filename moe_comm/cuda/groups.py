@@ -61,7 +61,7 @@ def from_group(group, heap_bytes: int, ll_bytes: int, timeout_s: float, device=N
                elastic: bool = False, transport: str = "auto") -> CudaComm:
     """Collective over ``group`` (one process per rank): this rank's CudaComm, on ``device``
     (default: torch's current device). All ranks must pass the same sizes. ``transport``
-    (``auto``/``tcp``/``verbs``/``ibgda``) overrides how other hosts are reached:
+    (``auto``/``tcp``/``verbs``/``nixl``/``ibgda``) overrides how other hosts are reached:
     moe_comm/ibgda/path.py."""
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else \
         torch.device(device)
@@ -75,7 +75,7 @@ def from_group(group, heap_bytes: int, ll_bytes: int, timeout_s: float, device=N
                  elastic=elastic, device=device)
     total = buffer_bytes(num_ranks, heap_bytes, ll_bytes)
     kind = requested_kind(transport, cuda=True)
-    engine = kind if kind in ("tcp", "verbs") else "auto"     # the proxy's, if it runs
+    engine = kind if kind in ("tcp", "verbs", "nixl") else "auto"   # the proxy's, if it runs
     if device.type == "cpu":
         if kind == "ibgda":
             raise ValueError("transport='ibgda' needs CUDA devices (the emulator runs the "
@@ -175,7 +175,8 @@ def _in_host_memory(group, rank, num_ranks, total, transport, *, device, timeout
                         for p in pointers]
         if remote:
             link = open_transport(group, own.bytes, remote, kind=transport, timeout_s=timeout_s,
-                                  channel_groups=ranks_by_host([i[0] for i in infos], remote))
+                                  channel_groups=ranks_by_host([i[0] for i in infos], remote),
+                                  device=device)
             mirrors = {r: torch.zeros(total, dtype=torch.uint8,
                                       pin_memory=device.type == "cuda") for r in remote}
             proxy = KernelProxy(link, mirrors, device, timeout_s)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from ..jit import emulator
 from ..jit.nvcc import kernel_program
 from ..jit.toolchain import NvshmemNotFoundError, nvcc_path, nvshmem_install
+from ..logs import info_once
 from .bases import encode_bases
 from .runtime import (active_context, cuda_device_count, init_nvshmem, nvshmem4py_available,
                       rdma_devices)
@@ -39,7 +40,6 @@ from .runtime import (active_context, cuda_device_count, init_nvshmem, nvshmem4p
 log = logging.getLogger("moe_comm")
 
 IPC, IBGDA, PROXY = "ipc", "ibgda", "proxy"
-_logged = set()
 
 
 def probe() -> dict:
@@ -91,9 +91,8 @@ def choose(kind: str, spans_hosts: bool, probes: list) -> tuple:
 
 
 def log_once(path: str, why: str) -> None:
-    if path not in _logged:
-        _logged.add(path)
-        log.info("moe_comm CUDA group transport: %s (%s)", path, why)
+    info_once(log, ("cuda group path", path), "moe_comm CUDA group transport: %s (%s)", path,
+              why)
 
 
 class NvshmemBuffers:

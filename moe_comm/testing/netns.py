@@ -61,6 +61,10 @@ SUBNET = "10.77.0"
 CLONE_NEWNET = 0x40000000
 CLONE_NEWUTS = 0x04000000
 STORE_PORT = 29400
+# For NIXL's UCX backend across the hosts: TCP on the veth link only. Left to itself UCX sees
+# the other namespaces as this machine (same host id) and writes through shared memory,
+# around the network under test, and its TCP would spread over every interface.
+UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": IFNAME}
 
 
 class RankFailure(AssertionError):

@@ -18,13 +18,14 @@ Arguments of :func:`open_transport`:
   starting 8-byte aligned (the host backend passes its segment). Peers can write only here.
 - ``remote_ranks``: group ranks this rank exchanges with; must be symmetric (a lists b iff
   b lists a), checked on every rank.
-- ``kind``: ``"tcp"``, ``"verbs"`` or ``"auto"`` (then ``MOE_COMM_TRANSPORT``, then verbs if
-  every rank has an RDMA device, else TCP); see ``select.py``.
+- ``kind``: ``"tcp"``, ``"verbs"``, ``"nixl"`` or ``"auto"`` (then ``MOE_COMM_TRANSPORT``,
+  then NIXL if every rank has it and an RDMA device, then verbs if every rank has an RDMA
+  device, else TCP); see ``select.py``.
 - ``timeout_s``: bounds every blocking step: connecting, a send making no progress, waiting
   for a ring credit, ``flush``. A lapse raises :class:`moe_comm.errors.CommTimeoutError`
   naming the ranks concerned.
-- ``secret``: the job secret authenticating TCP connections (>= 16 bytes, same on every
-  rank); ``None`` = rank 0 draws one and shares it over ``group``.
+- ``secret``: the job secret authenticating TCP connections and NIXL notices (>= 16 bytes,
+  same on every rank); ``None`` = rank 0 draws one and shares it over ``group``.
 - ``bind_addr``: TCP listen address; default: ``MOE_COMM_BIND_ADDR``, the address of
   ``GLOO_SOCKET_IFNAME``, or the route to the store's host (``addr.py``). Never 0.0.0.0
   unless passed.
@@ -44,7 +45,7 @@ Semantics:
   maps the region polls the word and reads the payload after an acquire fence
   (``moe_comm.shm.atomics.wait_words``): the signal is never seen before the data.
 - ``flush``: waits until the commands queued before it were handed to the wire (TCP: in the
-  kernel; verbs: completed), so their sources may be reused. Ranks that did not get there
+  kernel; verbs, NIXL: completed), so their sources may be reused. Ranks that did not get there
   (lost, or still pending at the deadline) raise ``CommTimeoutError``, or are returned when
   ``raise_on_timeout=False``.
 - A peer that dies is not an exception at put/signal time: its commands are dropped and
@@ -57,12 +58,17 @@ challenge with the job secret before anything else is read (``auth.py``); every 
 signal is bounds-checked against the region before it is applied, and a bad frame drops the
 connection (``receiver.py``). Refusals are logged on ``moe_comm.transport``. Verbs: queue
 pairs connect only to the QP numbers exchanged over the group; the NIC enforces the memory
-region's bounds; signal words are bounds-checked by the receiver.
+region's bounds; signal words are bounds-checked by the receiver. NIXL: agents learn each
+other only from the group's exchange; NIXL refuses a write outside the target's registered
+memory before sending it; signals travel as notices MAC'd with the job secret per ordered
+pair and numbered, so a foreign, forged or replayed notice is refused (``notices.py``), and
+the receiver bounds-checks every word.
 
 Modules: ``commands`` (command and frame format), ``ring`` (command ring with credits),
 ``proxy`` (producer API and proxy threads), ``tcp`` / ``receiver`` / ``auth`` / ``addr``
-(TCP engine), ``verbs`` / ``qp`` (RDMA engine, queue-pair state machine), ``select``
-(engine choice, exchange, connection).
+(TCP engine), ``verbs`` / ``qp`` (RDMA engine, queue-pair state machine), ``nixl`` /
+``notices`` (NIXL engine, authenticated signal notices), ``staging`` (registered staging
+memory of the verbs and NIXL engines), ``select`` (engine choice, exchange, connection).
 """
 from .proxy import ProxyTransport
 from .select import ENV, KINDS, open_transport, requested_kind

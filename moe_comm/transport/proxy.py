@@ -4,7 +4,7 @@
 queued), then push one fixed-size command into the ring of the destination's channel and
 return: the caller never waits on the network. Each channel has one daemon proxy thread that
 takes commands in batches, groups consecutive ones by destination and hands them to the
-engine (TCP or verbs). Destinations map to channels by position in ``remote_ranks``, or by
+engine (TCP, verbs or NIXL). Destinations map to channels by position in ``remote_ranks``, or by
 ``channel_groups`` (one channel per group, e.g. the ranks of one remote host, so a slow host
 holds up only its own channel), so all commands to one rank go through one ring, one thread
 and one connection, in push order -- which is what orders a put before a later signal to the
@@ -31,6 +31,8 @@ from .ring import CommandRing, RingTimeout
 log = logging.getLogger("moe_comm.transport")
 
 BATCH = 256
+IDLE_S = 0.05           # idle poll of engines that need none
+POLL_MIN_S = 50e-6      # first idle poll after activity, for engines that need polling
 
 
 def as_bytes(src):
@@ -154,13 +156,22 @@ class ProxyTransport:
 
     # -- proxy thread ------------------------------------------------------------------------
     def _proxy_loop(self, ring: CommandRing) -> None:
+        # An engine that completes work only when polled (NIXL: its transfers, and over TCP
+        # the peers' writes into this process) says how long an idle thread may wait between
+        # polls (``poll_s``, read each time: it may lengthen when the engine has been idle);
+        # the wait starts short after activity and doubles up to that. Engines with threads
+        # of their own (TCP, verbs) are polled every 50 ms.
+        engine = self.engine
+        wait = POLL_MIN_S
         while True:
-            batch = ring.take(BATCH, 0.05)
+            batch = ring.take(BATCH, wait)
             if not batch:
                 if ring.closed:
                     return
-                self.engine.progress()
+                wait = POLL_MIN_S if engine.progress() else \
+                    min(2 * wait, getattr(engine, "poll_s", IDLE_S))
                 continue
+            wait = POLL_MIN_S
             start = 0
             for i in range(1, len(batch) + 1):   # runs of one destination, in order
                 if i == len(batch) or batch[i][1] != batch[start][1]:
@@ -176,8 +187,9 @@ class ProxyTransport:
             self.engine.send(dst, cmds)
         except Exception as e:  # noqa: BLE001 - any failure loses the peer, never the thread
             self.lost[dst] = str(e)
-            log.warning("rank %d: lost rank %d (%s); its commands are dropped",
-                        self.rank, dst, e)
+            # a peer that closed first (Buffers are destroyed without a barrier) is no fault
+            (log.info if getattr(e, "closed", False) else log.warning)(
+                "rank %d: lost rank %d (%s); its commands are dropped", self.rank, dst, e)
             self.engine.drop(dst)
 
     # -- teardown ----------------------------------------------------------------------------

@@ -2,12 +2,14 @@
 
 Choice of engine (the same on every rank, decided from what all ranks report):
 
-- ``kind`` argument ``"tcp"`` or ``"verbs"`` wins; ``"auto"`` (default) defers to the
-  ``MOE_COMM_TRANSPORT`` environment variable (``auto``/``tcp``/``verbs``; ``ibgda`` there is
-  for CUDA groups, moe_comm/ibgda/path.py, and means ``auto`` here);
-- ``auto``: verbs when every rank of the group has an RDMA device with an active port and
-  pyverbs imports, else TCP. A rank that asked for ``verbs`` makes every rank raise if
-  some rank cannot do it (rather than silently running slower than asked).
+- ``kind`` argument ``"tcp"``, ``"verbs"`` or ``"nixl"`` wins; ``"auto"`` (default) defers to
+  the ``MOE_COMM_TRANSPORT`` environment variable (``auto``/``tcp``/``verbs``/``nixl``;
+  ``ibgda`` there is for CUDA groups, moe_comm/ibgda/path.py, and means ``auto`` here);
+- ``auto`` (:func:`choose`): NIXL when every rank has it installed and an RDMA device for
+  one of its backends (UCX verbs, LIBFABRIC EFA); else verbs when every rank has an RDMA
+  device with an active port and pyverbs imports; else TCP. A rank that asked for ``verbs``
+  or ``nixl`` makes every rank raise if some rank cannot do it (rather than silently running
+  slower than asked). (IBGDA comes before all of these, for CUDA groups: ibgda/path.py.)
 
 The chosen engine and why is logged once per process (logger ``moe_comm.transport``).
 
@@ -15,7 +17,8 @@ Exchange: one ``all_gather_object`` over ``group`` carries each rank's listener 
 region size, remote list and device capability, plus a secret candidate; rank 0's candidate
 becomes the job secret unless ``secret`` is given. The group's own channel is the trust root:
 whoever is in the process group is in the job. Verbs needs a second gather (queue-pair
-numbers, rkeys), then a barrier so no rank posts before every peer's QP is ready.
+numbers, rkeys), then a barrier so no rank posts before every peer's QP is ready; NIXL a
+second gather of the agents' metadata, then a hello notice each way.
 """
 from __future__ import annotations
 
@@ -26,7 +29,10 @@ import time
 
 import torch.distributed as dist
 
+from ..logs import info_once
+from . import nixl as nixl_mod
 from .addr import local_address
+from .nixl import NixlEngine
 from .proxy import ProxyTransport
 from .receiver import Region
 from .tcp import TcpEngine, listen
@@ -34,10 +40,9 @@ from .verbs import VerbsEngine, probe
 
 log = logging.getLogger("moe_comm.transport")
 
-PROXY_KINDS = ("auto", "tcp", "verbs")       # what the host proxy runs
+PROXY_KINDS = ("auto", "tcp", "verbs", "nixl")     # what the host proxy runs
 KINDS = PROXY_KINDS + ("ibgda",)             # what a Buffer takes (ibgda: CUDA groups)
 ENV = "MOE_COMM_TRANSPORT"
-_logged = set()
 
 
 def requested_kind(kind: str = "auto", cuda: bool = False) -> str:
@@ -57,10 +62,26 @@ def requested_kind(kind: str = "auto", cuda: bool = False) -> str:
     return "auto" if env == "ibgda" and not cuda else env
 
 
-def _log_once(kind: str, why: str) -> None:
-    if kind not in _logged:
-        _logged.add(kind)
-        log.info("moe_comm host proxy transport: %s (%s)", kind, why)
+def choose(want: str, infos: list) -> tuple:
+    """``(engine, why)`` from the requested kind and every rank's probes (``infos[r]`` has
+    ``want``, ``nixl``/``nixl_why``, ``verbs``/``why``). Pure: every rank computes the same
+    answer; raises where a rank asked for an engine some rank lacks."""
+    for name, ok, why in (("nixl", "nixl", "nixl_why"), ("verbs", "verbs", "why")):
+        lacking = [r for r, i in enumerate(infos) if not i[ok]]
+        if any(i["want"] == name for i in infos):
+            if lacking:
+                raise RuntimeError(f"transport '{name}' was requested but ranks {lacking} "
+                                   f"cannot use it: {infos[lacking[0]][why]}")
+            return name, "requested"
+    if any(i["want"] == "tcp" for i in infos):
+        return "tcp", "requested"
+    reasons = []
+    for name, ok, why in (("nixl", "nixl", "nixl_why"), ("verbs", "verbs", "why")):
+        lacking = [r for r, i in enumerate(infos) if not i[ok]]
+        if not lacking:
+            return name, f"{infos[0][why]} on every rank"
+        reasons.append(f"no {name}: rank {lacking[0]}: {infos[lacking[0]][why]}")
+    return "tcp", "; ".join(reasons)
 
 
 def _check_remote(remote_ranks, rank: int, world: int) -> list:
@@ -78,9 +99,11 @@ def _check_remote(remote_ranks, rank: int, world: int) -> list:
 def open_transport(group, region, remote_ranks, *, kind: str = "auto",
                    timeout_s: float = 120.0, secret: bytes | None = None,
                    bind_addr: str | None = None, channels: int | None = None,
-                   channel_groups=None,
-                   depth: int = 1024) -> ProxyTransport:
-    """Collective over ``group``: every rank calls it. See the package docstring."""
+                   channel_groups=None, depth: int = 1024,
+                   device=None) -> ProxyTransport:
+    """Collective over ``group``: every rank calls it. See the package docstring.
+    ``device``: where the caller's kernels run (the CUDA backend passes it; the NIXL engine
+    says once which memory it registers for them)."""
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     reg = Region(region)
@@ -91,10 +114,14 @@ def open_transport(group, region, remote_ranks, *, kind: str = "auto",
     verbs_ok, verbs_why = False, "not requested"
     if want in ("auto", "verbs"):
         verbs_ok, verbs_why = probe()
-    listener = None if want == "verbs" else listen(local_address(bind_addr))
+    nixl_ok, nixl_why = False, "not requested"
+    if want in ("auto", "nixl"):
+        nixl_ok, nixl_why = nixl_mod.probe(need_rdma=want == "auto")
+    listener = None if want in ("verbs", "nixl") else listen(local_address(bind_addr))
     try:
-        info = dict(want=want, verbs=verbs_ok, why=verbs_why, remote=sorted(remote),
-                    tcp=listener.getsockname() if listener else None, size=reg.size,
+        info = dict(want=want, verbs=verbs_ok, why=verbs_why, nixl=nixl_ok, nixl_why=nixl_why,
+                    remote=sorted(remote), tcp=listener.getsockname() if listener else None,
+                    size=reg.size, nonce=_secrets.token_hex(6),
                     secret=None if secret is not None else _secrets.token_bytes(32))
         infos = [None] * world
         dist.all_gather_object(infos, info, group=group)
@@ -103,11 +130,7 @@ def open_transport(group, region, remote_ranks, *, kind: str = "auto",
                 if a not in infos[b]["remote"]:
                     raise ValueError(f"remote_ranks must be symmetric: rank {a} lists rank "
                                      f"{b} but rank {b} does not list rank {a}")
-        lacking = [r for r, i in enumerate(infos) if not i["verbs"]]
-        if any(i["want"] == "verbs" for i in infos) and lacking:
-            raise RuntimeError(f"transport 'verbs' was requested but ranks {lacking} cannot "
-                               f"use it: {infos[lacking[0]]['why']}")
-        chosen = "tcp" if lacking else "verbs"
+        chosen, why = choose(want, infos)
         job_secret = bytes(secret) if secret is not None else infos[0]["secret"]
         sizes = {r: infos[r]["size"] for r in remote}
         deadline = time.monotonic() + timeout_s
@@ -119,8 +142,17 @@ def open_transport(group, region, remote_ranks, *, kind: str = "auto",
             except BaseException:
                 engine.close()
                 raise
-            why = (f"rank {lacking[0]}: {infos[lacking[0]]['why']}"
-                   if want == "auto" else "requested")
+        elif chosen == "nixl":
+            engine = NixlEngine(rank, reg, remote, job_secret, timeout_s,
+                                f"moe_comm-{infos[0]['nonce']}-r{rank}",
+                                nixl_mod.backend_for(nixl_mod.rdma_devices()), device)
+            try:
+                all_info = [None] * world
+                dist.all_gather_object(all_info, engine.local_info(), group=group)
+                engine.connect({r: all_info[r] for r in remote}, deadline)
+            except BaseException:
+                engine.close()
+                raise
         else:
             engine = VerbsEngine(rank, reg, remote, timeout_s)
             try:
@@ -132,11 +164,11 @@ def open_transport(group, region, remote_ranks, *, kind: str = "auto",
             except BaseException:
                 engine.close()
                 raise
-            why = "RDMA device on every rank"
     finally:
         if listener is not None:
             listener.close()
-    _log_once(chosen, why)
+    info_once(log, ("transport", chosen), "moe_comm host proxy transport: %s (%s)", chosen,
+              why)
     if channels is None:
         channels = min(4, max(1, len(remote)))
     t = ProxyTransport(engine, rank, remote, sizes, timeout_s, channels=channels, depth=depth,

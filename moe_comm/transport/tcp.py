@@ -37,8 +37,12 @@ CALL_BYTES = int(os.environ.get("MOE_COMM_TCP_CALL_BYTES", 256 << 10))
 
 
 class PeerLost(Exception):
-    def __init__(self, rank: int, why: str):
+    """A send to ``rank`` failed; ``closed``: the peer said it was closing its transport
+    (an orderly teardown, not a fault)."""
+
+    def __init__(self, rank: int, why: str, closed: bool = False):
         self.rank = rank
+        self.closed = closed
         super().__init__(f"rank {rank}: {why}")
 
 

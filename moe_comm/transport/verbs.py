@@ -21,9 +21,10 @@ receive is refused by the responder (RNR NAK) before any data is placed and retr
 (``rnr_retry=7``: forever), and the receiver reposts a receive only after consuming its slot,
 so a slot is never overwritten before it was read.
 
-Sources are copied into a registered staging ring (puts are arbitrary host buffers; a
-registration per put would cost more than the copy), so a command's credit returns as soon as
-it is posted; staging space returns on its send completion. Every send is signaled.
+Sources are copied into registered staging memory (``staging.py``, shared with the NIXL
+engine: puts are arbitrary host buffers, and a registration per put would cost more than the
+copy), so a command's credit returns as soon as it is posted; staging space returns on its
+send completion, in order. Every send is signaled.
 
 Only exercised where an RDMA device exists (none on CI); the queue-pair setup it relies on is
 unit-tested as plain data (``qp.py``).
@@ -45,6 +46,7 @@ from .commands import OP_PUT
 from .qp import (ACCESS_LOCAL_WRITE, ACCESS_REMOTE_WRITE, ERR, Endpoint, check_transitions,
                  import_pyverbs, rc_transitions, to_qp_attr)
 from .receiver import Region
+from .staging import Staging, aligned
 from .tcp import PeerLost
 
 log = logging.getLogger("moe_comm.transport")
@@ -77,12 +79,6 @@ def probe():
     return False, "no RDMA device with an active port"
 
 
-def _aligned(nbytes: int, align: int = 4096) -> np.ndarray:
-    raw = np.zeros(nbytes + align, dtype=np.uint8)
-    at = -raw.ctypes.data % align
-    return raw[at:at + nbytes]
-
-
 class VerbsEngine:
     kind = "verbs"
 
@@ -109,12 +105,12 @@ class VerbsEngine:
         remote_access = ACCESS_LOCAL_WRITE | ACCESS_REMOTE_WRITE
         self.region_mr = pv.mr.MR(self.pd, region.size, remote_access,
                                   address=region.bytes.ctypes.data)
-        self.mailbox = _aligned(8 * SLOTS * max(1, len(self.remote))).view(np.int64)
+        self.mailbox = aligned(8 * SLOTS * max(1, len(self.remote))).view(np.int64)
         self.mailbox_mr = pv.mr.MR(self.pd, self.mailbox.nbytes, remote_access,
                                    address=self.mailbox.ctypes.data)
-        self.staging = _aligned(STAGING)
+        self.staging = Staging(STAGING)
         self.staging_mr = pv.mr.MR(self.pd, STAGING, ACCESS_LOCAL_WRITE,
-                                   address=self.staging.ctypes.data)
+                                   address=self.staging.address)
         n = max(1, len(self.remote))
         self.scq = pv.cq.CQ(self.ctx, SEND_DEPTH * n, None, None, 0)
         self.rcq = pv.cq.CQ(self.ctx, SLOTS * n, None, None, 0)
@@ -130,9 +126,8 @@ class VerbsEngine:
         self.lock = threading.Lock()         # send CQ + staging bookkeeping
         self.send_lock = threading.Lock()
         self.outstanding = collections.Counter()
-        self.inflight = collections.OrderedDict()   # wr_id -> [dst, staging_end, done]
+        self.inflight = {}                   # wr_id -> (dst, staging ticket)
         self.next_wr = 0
-        self.stage_head = self.stage_tail = 0
         self.sig_seq = collections.Counter()
         self.recv_seq = collections.Counter()
         self.failed = {}
@@ -181,8 +176,8 @@ class VerbsEngine:
 
     # -- sending (proxy thread) --------------------------------------------------------------
     def send(self, dst: int, cmds: list) -> None:
-        # One sender at a time (channels share the engine): staging is allocated and
-        # entered into ``inflight`` in one order, which is the order it is freed in.
+        # One sender at a time (channels share the engine): staging is taken in one order,
+        # which is the order it is returned in.
         with self.send_lock:
             self._send(dst, cmds)
 
@@ -196,37 +191,34 @@ class VerbsEngine:
                 src = np.frombuffer(ref, dtype=np.uint8)
                 for pos in range(0, nbytes, CHUNK):
                     n = min(CHUNK, nbytes - pos)
-                    at, end = self._stage(n, deadline, dst)
-                    self.staging[at:at + n] = src[pos:pos + n]
-                    self._post(dst, self.pv.enums.IBV_WR_RDMA_WRITE, at, end, n,
+                    at, ticket = self._stage(n, deadline, dst)
+                    self.staging.bytes[at:at + n] = src[pos:pos + n]
+                    self._post(dst, self.pv.enums.IBV_WR_RDMA_WRITE, at, ticket, n,
                                peer["addr"] + offset + pos, peer["rkey"], None, deadline)
             else:
-                at, end = self._stage(8, deadline, dst)
-                self.staging[at:at + 8].view(np.int64)[0] = value
+                at, ticket = self._stage(8, deadline, dst)
+                self.staging.bytes[at:at + 8].view(np.int64)[0] = value
                 slot = self.sig_seq[dst] % SLOTS
                 self.sig_seq[dst] += 1
-                self._post(dst, self.pv.enums.IBV_WR_RDMA_WRITE_WITH_IMM, at, end, 8,
+                self._post(dst, self.pv.enums.IBV_WR_RDMA_WRITE_WITH_IMM, at, ticket, 8,
                            peer["mailbox"] + 8 * slot, peer["mailbox_rkey"],
                            socket.htonl(offset // 8), deadline)
 
     def _stage(self, n: int, deadline: float, dst: int):
-        """Reserve ``n`` bytes of staging (64-byte aligned), waiting for completions.
-        Returns (offset, end): ``end`` is the ring position freed when this send completes."""
-        n = (n + 63) // 64 * 64
+        """Reserve ``n`` bytes of staging, waiting for completions. Returns (offset, ticket):
+        the ticket is done when this send completes."""
         backoff = Backoff()
         while True:
             with self.lock:
-                pos = self.stage_head % STAGING
-                skip = STAGING - pos if pos + n > STAGING else 0      # never wrap a buffer
-                if self.stage_head + skip + n - self.stage_tail <= STAGING:
-                    self.stage_head += skip + n
-                    return (0 if skip else pos), self.stage_head
+                got = self.staging.take(n)
+            if got is not None:
+                return got
             self.progress()
             if time.monotonic() > deadline:
                 raise PeerLost(dst, "no send completions within the deadline")
             backoff.pause()
 
-    def _post(self, dst, opcode, at, end, n, raddr, rkey, imm, deadline) -> None:
+    def _post(self, dst, opcode, at, ticket, n, raddr, rkey, imm, deadline) -> None:
         pv = self.pv
         backoff = Backoff()
         while self.outstanding[dst] >= SEND_DEPTH:
@@ -236,11 +228,11 @@ class VerbsEngine:
             if time.monotonic() > deadline:
                 raise PeerLost(dst, "send queue full past the deadline")
             backoff.pause()
-        sge = pv.wr.SGE(self.staging.ctypes.data + at, n, self.staging_mr.lkey)
+        sge = pv.wr.SGE(self.staging.address + at, n, self.staging_mr.lkey)
         with self.lock:
             wr_id = self.next_wr
             self.next_wr += 1
-            self.inflight[wr_id] = [dst, end, False]
+            self.inflight[wr_id] = (dst, ticket)
             self.outstanding[dst] += 1
         kw = {} if imm is None else {"imm_data": imm}
         wr = pv.wr.SendWR(wr_id=wr_id, opcode=opcode, num_sge=1, sg=[sge],
@@ -250,7 +242,8 @@ class VerbsEngine:
             self.qps[dst].post_send(wr, None)
         except Exception as e:  # noqa: BLE001 - a QP in error refuses posts
             with self.lock:
-                self.inflight[wr_id][2] = True          # its staging is free again
+                del self.inflight[wr_id]
+                self.staging.done(ticket)               # its staging is free again
                 self.outstanding[dst] -= 1
             raise PeerLost(dst, f"post_send failed: {e}") from None
 
@@ -259,21 +252,16 @@ class VerbsEngine:
         with self.lock:
             n, wcs = self.scq.poll(64)
             for wc in wcs[:n]:
-                entry = self.inflight.get(wc.wr_id)
+                entry = self.inflight.pop(wc.wr_id, None)
                 if entry is None:
                     continue
-                entry[2] = True
-                self.outstanding[entry[0]] -= 1
-                if wc.status != self.pv.enums.IBV_WC_SUCCESS and entry[0] not in self.failed:
-                    self.failed[entry[0]] = f"send completion status {wc.status}"
+                dst, ticket = entry
+                self.staging.done(ticket)
+                self.outstanding[dst] -= 1
+                if wc.status != self.pv.enums.IBV_WC_SUCCESS and dst not in self.failed:
+                    self.failed[dst] = f"send completion status {wc.status}"
                     log.warning("rank %d: RDMA to rank %d failed (status %d, vendor %d)",
-                                self.rank, entry[0], wc.status, wc.vendor_err)
-            while self.inflight:                     # staging frees in allocation order
-                wr_id, entry = next(iter(self.inflight.items()))
-                if not entry[2]:
-                    break
-                self.stage_tail = max(self.stage_tail, entry[1])
-                del self.inflight[wr_id]
+                                self.rank, dst, wc.status, wc.vendor_err)
 
     def quiet(self, dst: int, deadline: float) -> bool:
         backoff = Backoff()
