@@ -86,3 +86,49 @@ def test_a_row_larger_than_half_the_buffer_is_refused_on_every_rank():
     for got, rows in results:
         assert "num_nvl_bytes too small" in got, got
     assert [rows for _, rows in results] == [8, 0]
+
+
+def _held_heap_in_round_zero(rank, n):
+    """Rank 1 holds a result that leaves less than half its heap free, then a batch streams:
+    its grant of round 0 fails. Every rank still goes through every round (granting nothing
+    after its failure) and raises at the end, well before the deadline, and the next call
+    works."""
+    import time
+    from moe_comm.host.normal import ReceiverFailed
+    buf = moe_comm.Buffer(None, SMALL_HEAP, timeout_s=DEADLINE_S)
+    g = torch.Generator().manual_seed(rank)
+    E = 4 * n
+
+    def call(tokens):
+        x = torch.randn(tokens, 1024, generator=g).bfloat16()
+        idx = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(tokens)])
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        return buf.dispatch(x, topk_idx=idx, num_tokens_per_rank=per_rank,
+                            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+
+    held = call(40)                  # ~40 * 2 KiB from each rank: past half the heap
+    if rank != 1:
+        del held
+    t0 = time.monotonic()
+    try:
+        call(400)
+        outcome = "finished"
+    except (moe_comm.BufferTooSmallError, ReceiverFailed) as e:
+        outcome = type(e).__name__
+    elapsed = time.monotonic() - t0
+    held = None
+    after = call(400)[0].shape[0]     # the next call streams and works on every rank
+    buf.destroy()
+    return outcome, elapsed, after
+
+
+DEADLINE_S = 20.0
+
+
+def test_a_round_failing_on_one_rank_keeps_every_rank_in_step():
+    results = run_ranks(_held_heap_in_round_zero, 3, timeout=120)
+    assert results[1][0] == "BufferTooSmallError", results
+    assert all(o in ("finished", "ReceiverFailed", "BufferTooSmallError") for o, _, _ in results)
+    for outcome, elapsed, after in results:
+        assert elapsed < DEADLINE_S / 2, results        # nobody waited for the deadline
+        assert after > 0

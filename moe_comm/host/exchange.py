@@ -142,6 +142,14 @@ def settle(comm, epoch, op, *, pages, own_error, dones, failed, short, calls=Non
                              "other hosts to this rank (their staging region was refused)")
 
 
+def keeps_in_step(error: BaseException) -> bool:
+    """Whether a rank whose round raised ``error`` still goes through the call's remaining
+    rounds (granting nothing) and raises at the end: a capacity or consistency outcome of
+    that round. Peers not involved with it in that round meet it in the next one and would
+    otherwise wait for it until their deadline. Deadlines and masks end the call at once."""
+    return isinstance(error, (ValueError, ReceiverFailed)) or type(error) is RuntimeError
+
+
 def release_on_error(comm, epoch, pages, dones) -> None:
     """A call that raises: quarantine what a late writer may still write, free the rest."""
     for page in pages:

@@ -37,8 +37,8 @@ from ..handle import DispatchHandle
 from ..layout import local_topk, tokens_per_host
 from ..wire import PAGE, SlabLayout, stream_chunk_rows
 from . import eager, relay
-from .exchange import (ReceiverFailed, done_words, exchange_counts, grant, release_on_error,
-                       send_when_granted, settle, signature_check)
+from .exchange import (ReceiverFailed, done_words, exchange_counts, grant, keeps_in_step,
+                       release_on_error, send_when_granted, settle, signature_check)
 from .reduce import sum_rows_per_token
 
 log = logging.getLogger("moe_comm")
@@ -238,22 +238,35 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
             calls=calls, call_row=call_row)
         epochs = []
     in_slots = [s for s in range(R) if eagerly[s, me]]   # their rows wait in eager slots
+    failure = None                    # a round's error: the rest of the rounds still run
     for r, ep in enumerate(epochs):
         if r:
             comm.refresh_deadline()
         sources = [s for s in plan.sources(me, r) if not eagerly[s, me]]
         has_region = r == 0 or plan.span(me, r)[1] > plan.span(me, r)[0]
         page, own_error = (grant(comm, ep, mine.nbytes, "dispatch", sources,
-                                  refuse if r == 0 else None) if has_region else (None, None))
+                                 refuse if r == 0 else failure)
+                           if has_region else (None, None))
         if r == 0:
             first_page = page
-        _exchange(comm, ep, "dispatch", page=page, own_error=own_error,
-                  write=write_round(r), need=lambda d: slab(d).nbytes,
-                  calls=calls if r == 0 else None, call_row=call_row,
-                  dests=[d for d in plan.dests(me, r) if not eagerly[me, d]], sources=sources,
-                  flags=eager.flags(comm, parity, in_slots) if r == 0 else None,
-                  sizes={s: SlabLayout(int(matrix[s, me]), row_bytes, scale_cols, topk).nbytes
-                         for s in in_slots})
+        try:
+            _exchange(comm, ep, "dispatch", page=page, own_error=own_error,
+                      write=write_round(r), need=lambda d: slab(d).nbytes,
+                      calls=calls if r == 0 else None, call_row=call_row,
+                      dests=[d for d in plan.dests(me, r) if not eagerly[me, d]],
+                      sources=sources,
+                      flags=eager.flags(comm, parity, in_slots) if r == 0 else None,
+                      sizes={s: SlabLayout(int(matrix[s, me]), row_bytes, scale_cols,
+                                           topk).nbytes for s in in_slots})
+        except Exception as e:
+            if not keeps_in_step(e):
+                raise
+            failure = failure or e
+            continue
+        if failure is not None:
+            if page is not None:
+                comm.heap.free(page)
+            continue
         if streamed and page is not None:
             lo, hi = plan.span(me, r)
             region = torch.from_numpy(comm.heap.view(page, mine.nbytes))
@@ -262,6 +275,8 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
                     at = mine.offsets[sub]
                     out[lo:hi] = region[at:at + (hi - lo) * w * elem].view(dt).view(hi - lo, w)
             comm.heap.free(page)
+    if failure is not None:
+        raise failure
 
     if not streamed:                  # single copy: the region itself is the output
         region = comm.heap.tensor_owning(first_page, mine.nbytes)
@@ -405,22 +420,33 @@ def combine(comm, *, x, handle, topk_weights, bias):
                                                            topk),
                                [rows, None, None, weights], int(plan.row0[d, me]), widths)
 
+    failure = None                    # a round's error: the rest of the rounds still run
     for r, ep in enumerate(epochs):   # every round, also those that bring this rank nothing
         if r:
             comm.refresh_deadline()
         experts = [d for d in plan.sources(me, r) if comm.active[d] and not eagerly[d, me]]
         lo, hi = plan.span(me, r)
         page, own_error = (grant(comm, ep, mine.nbytes, "combine", experts,
-                                  refuse if r == 0 else None)
+                                 refuse if r == 0 else failure)
                            if r == 0 or hi > lo else (None, None))
-        _exchange(comm, ep, "combine", page=page, own_error=own_error, write=write_round(r),
-                  need=lambda owner: slab(owner).nbytes, calls=calls if r == 0 else None,
-                  call_row=call_row, sources=experts,
-                  dests=[o for o in plan.dests(me, r) if comm.active[o] and not eagerly[me, o]],
-                  flags=eager.flags(comm, parity, in_slots) if r == 0 else None,
-                  sizes={d: SlabLayout(int(matrix[me, d]), row_bytes, 0, topk).nbytes
-                         for d in in_slots})
+        try:
+            _exchange(comm, ep, "combine", page=page, own_error=own_error,
+                      write=write_round(r), need=lambda owner: slab(owner).nbytes,
+                      calls=calls if r == 0 else None, call_row=call_row, sources=experts,
+                      dests=[o for o in plan.dests(me, r)
+                             if comm.active[o] and not eagerly[me, o]],
+                      flags=eager.flags(comm, parity, in_slots) if r == 0 else None,
+                      sizes={d: SlabLayout(int(matrix[me, d]), row_bytes, 0, topk).nbytes
+                             for d in in_slots})
+        except Exception as e:
+            if not keeps_in_step(e):
+                raise
+            failure = failure or e
+            continue
         if page is None:
+            continue
+        if failure is not None:
+            comm.heap.free(page)
             continue
         staging = torch.from_numpy(comm.heap.view(page, mine.nbytes))
         o = mine.offsets
@@ -438,6 +464,8 @@ def combine(comm, *, x, handle, topk_weights, bias):
                     weights_all[lo:hi] = weights
         finally:
             comm.heap.free(page)
+    if failure is not None:
+        raise failure
     if streamed:
         take_eager(rows_all, weights_all)
         result = _reduce(comm, rows_all.view(dtype).view(n_rows, hidden), weights_all,
