@@ -503,3 +503,106 @@ def test_a_frozen_rank_that_resumes_is_fenced(backend, point, tmp_path):
         torch.testing.assert_close(got["out2"].float(), full, rtol=2e-2, atol=2e-2)
     if point == "mid_write":       # the receivers it had a grant from kept that region aside
         assert any(results[r]["quarantined"] for r in (0, 1, 3))
+
+
+def _freeze_on_first_peer_write(comm, armed):
+    """Stop this process (SIGSTOP) the first time, once ``armed["on"]``, that it takes a view
+    of a peer's low-latency region: right after its fence check, before its copy."""
+    real = comm.peer_ll
+
+    def peer_ll(rank):
+        if armed["on"] and rank != comm.rank:
+            armed["on"] = False
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return real(rank)
+    comm.peer_ll = peer_ll
+
+
+def _ll_victim(buf, x, phy, pw, point, flag):
+    """The victim's LL step: it stops between its fence check and its first write into a
+    peer (in the dispatch send, or the combine send); resumed, it must raise."""
+    armed = {"on": point == "dispatch"}
+    _freeze_on_first_peer_write(buf._comm, armed)
+    try:
+        rx, _, handle, _, hook = buf.low_latency_dispatch(
+            x, phy, MAX_TOKENS, _slots(buf), use_fp8=False, return_recv_hook=True)
+        hook()
+        armed["on"] = point == "combine"
+        buf.low_latency_combine(rx, phy, pw, handle)
+        _ll_step(buf, x, phy, pw)
+        outcome = "finished"
+    except moe_comm.RankMaskedError:
+        outcome = "RankMaskedError"
+    with open(flag, "w") as f:            # the survivors go on reading after this
+        f.write(outcome)
+    return outcome
+
+
+def _ll_late_writer_worker(rank, n, point, flag, timeout_s):
+    pids = [None] * n
+    dist.all_gather_object(pids, os.getpid())
+    buf = moe_comm.Buffer(None, 16 << 20, moe_comm.Buffer.get_low_latency_rdma_size_hint(
+        MAX_TOKENS, HIDDEN, n, _slots(n)), low_latency_mode=True, timeout_s=timeout_s,
+        elastic=True)
+    x, idx, w = _inputs(rank)
+    phy, pw = _route(idx, w, n)
+    if rank == VICTIM:
+        return _ll_victim(buf, x, phy, pw, point, flag)
+    _, out1, _ = _ll_step(buf, x, phy, pw)
+    mask = buf.active_ranks
+    phy2, w2 = _route(idx, w, n, active=mask)
+    _, out2, _ = _ll_step(buf, x, phy2, w2)
+    # step 3 uses the buffers of step 1 again (calls alternate between two), where the
+    # victim was writing: it resumes between the survivors' send and receive halves
+    held_back = len(getattr(buf._comm, "late_rows", None).held) \
+        if hasattr(buf._comm, "late_rows") else None
+
+    def resume_and_wait():
+        if rank == 0:
+            os.kill(pids[VICTIM], signal.SIGCONT)
+        deadline = time.monotonic() + 60.0
+        while not os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    rx, count, handle, _, hook = buf.low_latency_dispatch(
+        x, phy2, MAX_TOKENS, _slots(buf), use_fp8=False, return_recv_hook=True)
+    if point == "dispatch":
+        resume_and_wait()
+    hook()
+    held = [rx.view(torch.int16).clone(), count.clone()]    # (bits: unused rows may be NaN)
+    out3, _, combine_hook = buf.low_latency_combine(rx, phy2, w2, handle, return_recv_hook=True)
+    if point == "combine":
+        resume_and_wait()
+    combine_hook()
+    unchanged = torch.equal(rx.view(torch.int16), held[0]) and torch.equal(count, held[1])
+    return {"mask": mask, "outs": (out1, out2, out3), "phy": phy, "unchanged": unchanged,
+            "flag": os.path.exists(flag), "held_back": held_back}
+
+
+@pytest.mark.parametrize("point", ["dispatch", "combine"])
+def test_a_frozen_rank_that_resumes_mid_low_latency_write_is_fenced(backend, point, tmp_path):
+    """The victim stops (SIGSTOP) past the deadline between its fence check and its first
+    write into a peer's low-latency region: in its dispatch send, or its combine send. The
+    survivors mask it, run the next step, and in the step after (the same LL buffers again)
+    let it resume between their send and receive halves. It raises RankMaskedError, and
+    every survivor's results are exact: its late messages land in its own per-source
+    blocks, which nobody reads again; its late combine rows land in rows the owner held back
+    (host/late_rows.py) and placed its later calls' rows around."""
+    if backend != "host":
+        pytest.skip("the CUDA backend's LL combine rows are not held back yet")
+    flag = str(tmp_path / "victim_done")
+    results = run_ranks(_ll_late_writer_worker, R, point, flag, TIMEOUT, timeout=120)
+    assert results[VICTIM] == "RankMaskedError"
+    mask = torch.tensor([1, 1, 0, 1], dtype=torch.int32)
+    for r in (0, 1, 3):
+        got = results[r]
+        assert got["flag"] and got["unchanged"], (r, got)
+        assert torch.equal(got["mask"], mask), (r, got["mask"])
+        x, idx, w = _inputs(r)
+        want = _served_sum(x, got["phy"], _route(idx, w, R)[1], R, mask)
+        torch.testing.assert_close(got["outs"][0].float(), want, rtol=2e-2, atol=2e-2)
+        full = x.float() * torch.where(idx >= 0, w, 0).sum(1, keepdim=True)
+        for out in got["outs"][1:]:
+            torch.testing.assert_close(out.float(), full, rtol=2e-2, atol=2e-2)
+    if point == "combine":        # the owner it was writing to held those rows back
+        assert any(results[r]["held_back"] for r in (0, 1, 3))
