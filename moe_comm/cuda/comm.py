@@ -114,8 +114,14 @@ class CudaComm:
         self.told = None                 # elastic: the ranks the last agreement kept
         self.masked_out = False          # this rank was masked by a mask the host knows
         self.agree_seq = 0
+        # elastic: int64 [2R + 1], where each rank's normal-mode slabs start in its data
+        # region (moved past the slabs a rank dropped mid-operation may still write: a late
+        # writer), where the operation in flight ends there, and whether the next operation
+        # moves them (csrc/kernels/normal.cuh Group)
+        self.floors = None
         if self.elastic:
             self._enable_masking()
+            self.floors = torch.zeros(2 * num_ranks + 1, dtype=torch.int64, device=self.device)
         self.epoch = 0
         self.notify_seq = 0
         self.last_call = ("normal", 0)    # whose signatures a mismatch error reads (check)

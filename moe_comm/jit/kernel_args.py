@@ -87,7 +87,8 @@ def _params(text: str) -> tuple:
 
 # Shared leading groups (the C++ builds its structs from these names: MOE_GROUP, MOE_ERRORS,
 # MOE_CALL_ROW in csrc/kernels).
-GROUP = "const u64* bases, i64 rank, i64 data_off, i64 capacity, i64 timeout_ns, i32* active"
+GROUP = ("const u64* bases, i64 rank, i64 data_off, i64 capacity, i64 timeout_ns, i32* active, "
+         "i64* floors")
 LL_GROUP = "const u64* bases, i64 rank, i64 num_ranks, i64 timeout_ns"
 ERRORS = "i32* err_host, i32* err_dev, i64 op"
 CALL = ", ".join(f"i64 call{i}" for i in range(CALL_WORDS))
@@ -119,7 +120,7 @@ _DECLARED = {
     "moe_combine_reduce_f32": _REDUCE.format(out="float"),
     "moe_agree": f"{LL_GROUP}, {ERRORS}, i32* active, i32* told, i64 mask_off, "
                  "i64 decided_off, i64 fence_off, i64 row_stride, i64 mask_words, i64 seq, "
-                 "i64 tag0, i64 max_rounds, i32* matrix",
+                 "i64 tag0, i64 max_rounds, i32* matrix, i64* floors",
     # ---- ll.cu: low-latency mode (ll.py)
     "moe_ll_wait": f"{LL_GROUP}, {ERRORS}, i64 offset, i64 src_stride, i64 words, i64 epoch, "
                    "i32* active",
