@@ -549,9 +549,13 @@ def _freeze_on_first_peer_write(comm, armed):
 
 def _ll_victim(buf, x, phy, pw, point, flag):
     """The victim's LL step: it stops between its fence check and its first write into a
-    peer (in the dispatch send, or the combine send); resumed, it must raise."""
+    peer (in the dispatch send, or the combine send; CUDA: block 0 of that kernel, stopped
+    by the emulator); resumed, it must raise."""
     armed = {"on": point == "dispatch"}
-    _freeze_on_first_peer_write(buf._comm, armed)
+    if isinstance(buf._comm, HostComm):
+        _freeze_on_first_peer_write(buf._comm, armed)
+    else:
+        os.environ["MOE_EMU_STOP_AT_OP"] = str(cuda_comm.OP[f"low_latency_{point}/send"])
     try:
         rx, _, handle, _, hook = buf.low_latency_dispatch(
             x, phy, MAX_TOKENS, _slots(buf), use_fp8=False, return_recv_hook=True)
@@ -565,6 +569,15 @@ def _ll_victim(buf, x, phy, pw, point, flag):
     with open(flag, "w") as f:            # the survivors go on reading after this
         f.write(outcome)
     return outcome
+
+
+def _rows_held_back(comm) -> bool:
+    """Whether this rank holds LL combine rows back from a masked rank (host: host/late_rows.py;
+    CUDA: low_latency.cuh ReturnRows, [lo, hi) per rank)."""
+    if isinstance(comm, HostComm):
+        return bool(comm.late_rows.held)
+    R = comm.num_ranks
+    return bool((comm.ll_holds[R:2 * R] > comm.ll_holds[:R]).any())
 
 
 def _ll_late_writer_worker(rank, n, point, flag, timeout_s):
@@ -583,8 +596,7 @@ def _ll_late_writer_worker(rank, n, point, flag, timeout_s):
     _, out2, _ = _ll_step(buf, x, phy2, w2)
     # step 3 uses the buffers of step 1 again (calls alternate between two), where the
     # victim was writing: it resumes between the survivors' send and receive halves
-    held_back = len(getattr(buf._comm, "late_rows", None).held) \
-        if hasattr(buf._comm, "late_rows") else None
+    held_back = _rows_held_back(buf._comm)
 
     def resume_and_wait():
         if rank == 0:
@@ -616,9 +628,8 @@ def test_a_frozen_rank_that_resumes_mid_low_latency_write_is_fenced(backend, poi
     let it resume between their send and receive halves. It raises RankMaskedError, and
     every survivor's results are exact: its late messages land in its own per-source
     blocks, which nobody reads again; its late combine rows land in rows the owner held back
-    (host/late_rows.py) and placed its later calls' rows around."""
-    if backend != "host":
-        pytest.skip("the CUDA backend's LL combine rows are not held back yet")
+    (host/late_rows.py; CUDA: low_latency.cuh ReturnRows) and placed its later calls' rows
+    around."""
     flag = str(tmp_path / "victim_done")
     results = run_ranks(_ll_late_writer_worker, R, point, flag, TIMEOUT, timeout=120)
     assert results[VICTIM] == "RankMaskedError"

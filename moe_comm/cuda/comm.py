@@ -118,10 +118,13 @@ class CudaComm:
         # region (moved past the slabs a rank dropped mid-operation may still write: a late
         # writer), where the operation in flight ends there, and whether the next operation
         # moves them (csrc/kernels/normal.cuh Group)
-        self.floors = None
+        # elastic: int64 [4R], the LL combine rows held back from masked ranks that may still
+        # write them (csrc/kernels/low_latency.cuh ReturnRows)
+        self.floors = self.ll_holds = None
         if self.elastic:
             self._enable_masking()
             self.floors = torch.zeros(2 * num_ranks + 1, dtype=torch.int64, device=self.device)
+            self.ll_holds = torch.zeros(4 * num_ranks, dtype=torch.int64, device=self.device)
         self.epoch = 0
         self.notify_seq = 0
         self.last_call = ("normal", 0)    # whose signatures a mismatch error reads (check)
@@ -305,6 +308,8 @@ class CudaComm:
         first = self.layout.ll_first * 8
         memory.memset(self.device, base + first, 0, self.layout.num_words * 8 - first)
         memory.memset(self.device, base + self.ll_offset, 0, self.ll_bytes)
+        if self.ll_holds is not None:   # the DONE words held rows wait on now read 0
+            self.ll_holds[3 * self.num_ranks:] = 0
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self.ll_seq = {"dispatch": 0, "combine": 0}
