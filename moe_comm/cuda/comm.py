@@ -271,7 +271,9 @@ class CudaComm:
                                 "it")
         if code == ERR_OVERFLOW:
             raise CudaCommError(f"{op}: more rows than the receive region holds at rank(s) "
-                                f"{ranks} (num_worst_tokens or the buffer too small; "
+                                f"{ranks} (num_worst_tokens or the buffer too small, or, "
+                                "elastic, too little of it left beside what is held back from "
+                                "a rank masked mid-call that may still write there; "
                                 f"rows={int(self._err[3])})")
         raise CudaCommError(f"{op}: rank(s) {ranks} are not reachable by pointer and no "
                             "network transport is configured")
