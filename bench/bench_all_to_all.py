@@ -63,13 +63,14 @@ import moe_comm  # noqa: E402
 from a2a_baseline import PaddedExchange, byte_rows, normal_exchange  # noqa: E402
 from call_timing import copy_gbps, timed_across_ranks, timed_spread  # noqa: E402
 from hosts import measure as measure_link  # noqa: E402
+from moe_comm.testing import netns  # noqa: E402
 from moe_comm.testing.processes import run_ranks  # noqa: E402
 from moe_comm.wire import LL_MAX_TOPK  # noqa: E402
 from mpi_exchange import mpi_all_to_all_single  # noqa: E402
 import mpi_ranks  # noqa: E402
 # COLUMNS also as this script's own name: tests/test_bench_cli.py reads bench.COLUMNS
-from result_table import (CASE_COLUMNS, COLUMNS, MPI_COLUMNS, case_columns,  # noqa: E402
-                          header_line, row_line)
+from result_table import (CASE_COLUMNS, COLUMNS, MPI_COLUMNS, WIRE_COLUMNS,  # noqa: E402
+                          case_columns, header_line, row_line)
 from routed_inputs import per_block_fp8, random_routed_inputs, token_bytes  # noqa: E402
 from run_info import run_info  # noqa: E402
 
@@ -218,7 +219,27 @@ def _baseline_transports(env):
         yield "mpi_", env.mpi_a2a
 
 
-def _row(n, case, iters, env, baselines, y, recv_bytes, combine_bytes):
+def _wire_ratio(n, per_host, step, row_bytes, iters):
+    """Bytes that crossed the host links during ``iters`` calls of ``step`` (a dispatch and
+    its combine), read from the links' own counters, over the ideal: each token's payload
+    (``row_bytes`` out and back) once per other host it visits (``per_host``: DeepEP's
+    num_tokens_per_rdma_rank). Ranks are placed by host in blocks (netns.run_on_hosts); the
+    first rank of each host reads its link."""
+    rank, per = dist.get_rank(), n // len(per_host)
+    first = rank % per == 0
+    dist.barrier()
+    before = netns.link_tx_bytes() if first else 0
+    for _ in range(iters):
+        step()
+    dist.barrier()
+    sent = netns.link_tx_bytes() - before if first else 0
+    ideal = iters * row_bytes * sum(int(c) for h, c in enumerate(per_host) if h != rank // per)
+    totals = [None] * n
+    dist.all_gather_object(totals, (sent, ideal))
+    return sum(t[0] for t in totals) / max(1, sum(t[1] for t in totals))
+
+
+def _row(n, case, iters, env, baselines, y, recv_bytes, combine_bytes, wire_ratio=None):
     """Time the baselines (one copy bandwidth sample after each) in the same run, then build
     the table row (bytes averaged over ranks, times of the slowest rank, copy samples averaged
     over ranks). ``baselines``: {column prefix: (dispatch, combine)}."""
@@ -236,7 +257,7 @@ def _row(n, case, iters, env, baselines, y, recv_bytes, combine_bytes):
                 combine_gbps=mean(1) / us["combine_us"] / 1e3,
                 baseline_dispatch_us=us["baseline_dispatch_us"],
                 baseline_combine_us=us["baseline_combine_us"],
-                copy_gbps=statistics.median(copies),
+                copy_gbps=statistics.median(copies), wire_ratio=wire_ratio,
                 mpi_dispatch_us=us.get("mpi_dispatch_us"), mpi_combine_us=us.get("mpi_combine_us"),
                 copy_gbps_samples=copies, copy_gbps_min=min(copies), copy_gbps_max=max(copies),
                 spread_us={c: dict(min=lo * 1e6, median=med * 1e6, max=hi * 1e6)
@@ -247,7 +268,7 @@ def _run_normal(rank, n, case, iters, env):
     e = case["experts"]
     buf = moe_comm.Buffer(None, case["nvl_bytes"], timeout_s=120)
     x, idx, w = _inputs(case, rank, env.device)
-    ntr, _, nte, itr, _ = buf.get_dispatch_layout(idx, e)
+    ntr, per_host, nte, itr, _ = buf.get_dispatch_layout(idx, e)
     state = {}
 
     def dispatch():
@@ -262,11 +283,17 @@ def _run_normal(rank, n, case, iters, env):
     y = (recv_x[0].float() if isinstance(recv_x, tuple) else recv_x.float()).bfloat16()
     env.timed("combine_us", lambda: buf.combine(y, handle), iters)
     combine_bytes = y.numel() * y.element_size()
+    wire = None
+    if per_host is not None:            # ranks on several hosts
+        payload = x[0] if isinstance(x, tuple) else x
+        wire = _wire_ratio(n, per_host, lambda: (dispatch(), buf.combine(y, state["out"][4])),
+                           payload[0].numel() * payload.element_size() + y[0].numel() * 2,
+                           iters)
     del state["out"], recv_x, recv_w
     buf.destroy()
     baselines = {prefix: _baseline(x, idx, w, itr, ntr, a2a)
                  for prefix, a2a in _baseline_transports(env)}
-    return _row(n, case, iters, env, baselines, y, recv_bytes, combine_bytes)
+    return _row(n, case, iters, env, baselines, y, recv_bytes, combine_bytes, wire)
 
 
 def run_rank(rank, n, case, iters, backend="host"):
@@ -344,17 +371,18 @@ def run_cases(cases, iters, backend="host", *, launcher=run_ranks, on_row=None,
 TABLE_WIDTH = 10
 
 
-def table_columns(with_mpi):
-    """The table's columns: the MPI baseline's last, and only when it ran."""
-    return COLUMNS + MPI_COLUMNS if with_mpi else COLUMNS
+def table_columns(with_mpi, with_wire=False):
+    """The table's columns: the MPI baseline's and the host links' last, and only when they
+    were measured."""
+    return COLUMNS + (MPI_COLUMNS if with_mpi else ()) + (WIRE_COLUMNS if with_wire else ())
 
 
-def format_header(with_mpi=False):
-    return header_line(TABLE_WIDTH, table_columns(with_mpi))
+def format_header(with_mpi=False, with_wire=False):
+    return header_line(TABLE_WIDTH, table_columns(with_mpi, with_wire))
 
 
-def format_row(row, with_mpi=False):
-    return row_line(row, TABLE_WIDTH, table_columns(with_mpi))
+def format_row(row, with_mpi=False, with_wire=False):
+    return row_line(row, TABLE_WIDTH, table_columns(with_mpi, with_wire))
 
 
 def _geomean(values):
@@ -395,6 +423,9 @@ def summarize(rows):
                         f"{MPI_BASELINE[mode]}")
         head = (f"dispatch {g['dispatch']:.1f}x / combine {g['combine']:.1f}x speed-up over "
                 f"{BASELINE[mode]}{over_mpi}; dispatch at {_pct(g['copy'])} of copy bandwidth")
+        wires = [r["wire_ratio"] for r in rs if r.get("wire_ratio") is not None]
+        if wires:
+            head += f"; host links carried {max(wires):.2f}x the ideal bytes (worst case)"
         if len(rs) == 1:
             lines.append(f"summary {mode} {case_label(rs[0], ('ranks', 'tokens'))}: {head}")
             continue
@@ -434,7 +465,8 @@ def _check_matplotlib():
 
 def plot(rows, path):
     """PNG at ``path``: for each mode and op (dispatch, combine) a column of two panels, time
-    per call and GB/s against tokens per rank, moe_comm solid, baseline dashed, MPI
+    per call and GB/s against tokens per rank (against the rank count for a --ranks sweep at
+    one token count), moe_comm solid, baseline dashed, MPI
     dash-dotted (when it ran), copy bandwidth dotted; one colour per combination of the other
     swept options."""
     _check_matplotlib()
@@ -442,19 +474,24 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    # a --ranks sweep at one token count is drawn against the rank count
+    along = "ranks" if len({r["tokens"] for r in rows}) == 1 and \
+        len({r["ranks"] for r in rows}) > 1 else "tokens"
+    others = tuple(k for k in ("ranks", "tokens", "hidden", "topk", "experts", "dtype")
+                   if k != along)
     panels = [(m, op) for m in dict.fromkeys(r["mode"] for r in rows)
               for op in ("dispatch", "combine")]
     fig, axes = plt.subplots(2, len(panels), figsize=(4.6 * len(panels), 8), squeeze=False)
     for j, (mode, op) in enumerate(panels):
         rs = [r for r in rows if r["mode"] == mode]
-        keys = _varying(rs, ("ranks", "hidden", "topk", "experts", "dtype"))
+        keys = _varying(rs, others)
         groups = {}
         for r in rs:
             groups.setdefault(tuple(r[k] for k in keys), []).append(r)
         t_ax, bw_ax = axes[0][j], axes[1][j]
         for gi, (key, grs) in enumerate(groups.items()):
-            grs.sort(key=lambda r: r["tokens"])
-            x = [r["tokens"] for r in grs]
+            grs.sort(key=lambda r: r[along])
+            x = [r[along] for r in grs]
             tag = " ".join(f"{k}={v}" for k, v in zip(keys, key))
             tag = f" ({tag})" if tag else ""
             c = f"C{gi % 10}"
@@ -472,14 +509,14 @@ def plot(rows, path):
                 bw_ax.plot(x, [g * t / m for g, t, m in zip(gbps, ours, mpi)], "^-.", color=c,
                            label=f"MPI{tag}")
             bw_ax.plot(x, [r["copy_gbps"] for r in grs], ":", color=c, label=f"copy{tag}")
-        tokens = sorted({r["tokens"] for r in rs})
+        ticks = sorted({r[along] for r in rs})
         for ax in (t_ax, bw_ax):
-            if len(tokens) > 1 and tokens[-1] >= 4 * tokens[0]:
+            if len(ticks) > 1 and ticks[-1] >= 4 * ticks[0]:
                 ax.set_xscale("log", base=2)
-            ax.set_xticks(tokens, [str(t) for t in tokens])
+            ax.set_xticks(ticks, [str(t) for t in ticks])
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=7)
-            ax.set_xlabel("tokens per rank")
+            ax.set_xlabel("tokens per rank" if along == "tokens" else "ranks")
         t_ax.set_yscale("log")
         bw_ax.set_yscale("log")
         t_ax.set_ylabel("time per call (µs)")
@@ -742,10 +779,12 @@ def main(argv=None):
         print(f"note: no MPI baseline (mpi_dispatch_us, mpi_combine_us are None): {no_mpi}",
               file=sys.stderr)
     progress = Progress(len(runnable), enabled=not args.quiet)
-    progress.print(format_header(no_mpi is None))
+    wire = args.hosts > 1
+    progress.print(format_header(no_mpi is None, wire))
     try:
         rows = run_cases(runnable, args.iters, backend, progress=progress, launcher=launcher,
-                         on_row=lambda row: progress.print(format_row(row, no_mpi is None)))
+                         on_row=lambda row: progress.print(format_row(row, no_mpi is None,
+                                                                      wire)))
     finally:
         progress.close()
     for line in summarize(rows):

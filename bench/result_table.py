@@ -10,6 +10,8 @@ CASE_COLUMNS = COLUMNS[:7]      # what was run; the columns after them are what 
 # bench_all_to_all.py's second baseline, MPICH's exchange: in its table only when MPI ran (the
 # JSON rows always have the keys, None without MPI)
 MPI_COLUMNS = ("mpi_dispatch_us", "mpi_combine_us")
+# with --hosts: bytes that crossed the host links over the ideal (normal mode)
+WIRE_COLUMNS = ("wire_ratio",)
 
 
 def case_columns(case) -> dict:

@@ -312,7 +312,9 @@ class Buffer:
         """This rank's normal-mode or low-latency region as uint8."""
         comm = self._live()
         if hasattr(comm, "peer_heap"):           # host backend: mapped segments
-            return comm.peer_ll(comm.rank) if low_latency else comm.peer_heap(comm.rank)
+            # (its heap view runs on over the eager slots, which are not the user's)
+            return comm.peer_ll(comm.rank) if low_latency else \
+                comm.peer_heap(comm.rank)[:comm.heap_bytes]
         start = comm.pointers[comm.rank] + (comm.ll_offset if low_latency else comm.heap_offset)
         return _raw_bytes(start, comm.ll_bytes if low_latency else comm.heap_bytes,
                           comm.device)

@@ -31,6 +31,7 @@ class DispatchHandle:
     num_recv_tokens: int
     num_worst_tokens: int = 0
     call_id: int = 0
+    relay: object = None       # host backend across hosts: relay.Routes of a hierarchical call
 
     # DeepEP's normal-mode handle is a 6-tuple; these are its entries, in its order
     DEEPEP_FIELDS = ("rank_prefix_matrix", "channel_prefix_matrix",

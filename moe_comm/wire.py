@@ -148,8 +148,10 @@ class HeaderLayout:
     num_ranks: int
 
     @property
-    def row_words(self) -> int:            # one NOTIFY row, line aligned
-        return round_up(self.num_ranks, LINE_WORDS)
+    def row_words(self) -> int:
+        # one NOTIFY row, line aligned: R per-rank counts, then (a hierarchical call of the
+        # host backend, moe_comm/host/relay.py) up to R per-host counts
+        return round_up(2 * self.num_ranks, LINE_WORDS)
 
     @property
     def mask_words(self) -> int:           # words of one MASK row (32 rank bits per word)
@@ -217,7 +219,9 @@ class SlabLayout:
     Sub-arrays, each row-major, :data:`SLAB_ALIGN`-byte aligned, in this order: payload
     ``[rows, row_bytes]``,
     fp8 scales ``[rows, scale_cols]`` float32 (0 columns if not fp8), top-k ids
-    ``[rows, topk]`` int64, top-k weights ``[rows, topk]`` float32. Rows are ordered by source
+    ``[rows, topk]`` int64, top-k weights ``[rows, topk]`` float32, and (a relay's staging
+    region, moe_comm/host/relay.py) a destination mask ``[rows, mask_cols]`` uint8: which
+    ranks of the relay's host get the row. Rows are ordered by source
     rank, then by the token's index on the source: source ``s`` owns rows
     ``[prefix[s], prefix[s] + count[s])``, so every sender computes its rows from the count
     matrix alone.
@@ -227,10 +231,12 @@ class SlabLayout:
     row_bytes: int
     scale_cols: int = 0
     topk: int = 0
+    mask_cols: int = 0
 
     def _sizes(self):
         return (self.rows * self.row_bytes, self.rows * self.scale_cols * 4,
-                self.rows * self.topk * 8, self.rows * self.topk * 4)
+                self.rows * self.topk * 8, self.rows * self.topk * 4,
+                self.rows * self.mask_cols)
 
     @property
     def offsets(self):
@@ -248,6 +254,14 @@ class SlabLayout:
     @property
     def num_pages(self) -> int:
         return max(1, self.nbytes // PAGE)
+
+
+def eager_slot_bytes(num_ranks: int) -> int:
+    """Bytes of one eager slot of a host-backend segment (moe_comm/host/eager.py): one per
+    (parity, source rank), so a sender's small rows need no grant. 256 KiB (a 64-token call
+    of 2 KiB rows per pair) up to 4 ranks, shrinking to 16 KiB at 64 ranks: the two parities
+    of all sources stay within 2 MiB a rank."""
+    return round_up(max(16 << 10, min(256 << 10, (1 << 20) // max(1, num_ranks))), PAGE)
 
 
 def stream_chunk_rows(rows: int, row_bytes: int, scale_cols: int, topk: int,

@@ -185,3 +185,25 @@ def test_plot_without_matplotlib_says_how_to_install(tmp_path, capsys, monkeypat
     _, err, out = _error(capsys, "--ranks", "2", "--plot", str(tmp_path / "p.png"))
     assert "--plot needs matplotlib" in err and "pip install matplotlib" in err
     assert out == ""                                           # refused before the sweep
+
+
+def test_summary_and_table_carry_the_wire_ratio():
+    rows = [dict(_row("normal", 64, 4.0, 2.0, 0.5), wire_ratio=1.03),
+            dict(_row("normal", 128, 4.0, 2.0, 0.5), wire_ratio=1.07)]
+    assert "host links carried 1.07x the ideal bytes (worst case)" in bench.summarize(rows)[0]
+    assert bench.format_header(False, True).split()[-1] == "wire_ratio"
+    assert bench.format_row(rows[0], False, True).split()[-1] == "1.0"
+
+
+@pytest.mark.skipif(not HAVE_MPL, reason="matplotlib is not installed")
+def test_a_ranks_sweep_is_plotted_against_the_rank_count(tmp_path, monkeypatch):
+    """--ranks 2,4,8 at one token count: the panels' x axis is the rank count."""
+    import matplotlib.axes
+    labels = []
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_xlabel",
+                        lambda self, text, *a, **k: labels.append(text))
+    rows = [dict(_row(m, 64, 2.0, 2.0, 0.5), ranks=n) for m in ("normal", "ll")
+            for n in (2, 4, 8)]
+    bench.plot(rows, str(tmp_path / "ranks.png"))
+    assert (tmp_path / "ranks.png").stat().st_size > 0
+    assert set(labels) == {"ranks"}

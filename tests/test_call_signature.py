@@ -210,12 +210,15 @@ def test_a_call_that_disagrees_cannot_touch_a_call_in_flight():
         torch.testing.assert_close(out.float(), 2 * x.float(), rtol=1e-2, atol=1e-2)
 
 
-def _unchecked_worker(rank, n):
+def _unchecked_worker(rank, n, eager):
     """With the signature check switched off (as if it had a bug), rank ODD dispatches rows
     twice as wide as its peers expect: its peers' grants are too small for them, so it writes
-    nothing into them, every rank raises, a tensor a receiver holds is unchanged, and the next
-    call works."""
+    nothing into them (MOE_COMM_EAGER=0), or its rows go into its eager slots at them, whose
+    flags say a size the receivers do not expect; every rank involved raises, a tensor a
+    receiver holds is unchanged, and the next call works."""
+    import os
     from moe_comm import signature
+    os.environ["MOE_COMM_EAGER"] = eager
     signature.check = lambda *a, **k: None
     buf = moe_comm.Buffer(None, 16 << 20, timeout_s=20)
     x, idx = _inputs(rank)
@@ -236,14 +239,17 @@ def _unchecked_worker(rank, n):
     return error, same, out, x, idx
 
 
-def test_rows_never_leave_the_granted_region():
-    """Host backend: the grant carries its size, the bound the sender obeys."""
+@pytest.mark.parametrize("eager", ["0", "1"])
+def test_rows_never_leave_the_granted_region(eager):
+    """Host backend: the grant carries its size, the bound the sender obeys; an eager slot's
+    flag carries the size the sender wrote, which the receiver checks."""
     odd_sends_to = {int(e) // (E // R) for e in _inputs(ODD)[1].flatten()} - {ODD}
-    for rank, (error, same, out, x, idx) in enumerate(run_ranks(_unchecked_worker, R,
+    for rank, (error, same, out, x, idx) in enumerate(run_ranks(_unchecked_worker, R, eager,
                                                                  timeout=120)):
         assert same, rank
         if rank == ODD:
-            assert error and "nothing written to rank(s)" in error, error
+            assert error and ("nothing written to rank(s)" if eager == "0" else
+                              "nothing received from rank(s)") in error, error
         elif rank in odd_sends_to:
             assert error and f"nothing received from rank(s) [{ODD}]" in error, (rank, error)
         copies = torch.tensor([len({int(e) // (E // R) for e in row}) for row in idx])

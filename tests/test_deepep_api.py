@@ -180,7 +180,7 @@ def _local_buffer_worker(rank, n):
     comm = buf._comm
     out = dict(stream=buf.get_comm_stream(),
                nvl_bytes=buf.get_local_buffer_tensor(torch.uint8).numel(),
-               heap_bytes=comm.peer_heap(rank).numel(),
+               heap_bytes=comm.heap_bytes,
                rdma_floats=buf.get_local_buffer_tensor(torch.float32,
                                                        use_rdma_buffer=True).numel(),
                ll_bytes=comm.peer_ll(rank).numel())

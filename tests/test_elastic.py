@@ -452,6 +452,8 @@ def _resume_before_second_copy_out(rank, pids, flag):
 
 
 def _late_writer_worker(rank, n, point, flag, timeout_s):
+    # mid_write: into a granted region (eager slots off); mid_eager_write: into its eager slot
+    os.environ["MOE_COMM_EAGER"] = "0" if point == "mid_write" else "1"
     pids = [None] * n
     dist.all_gather_object(pids, os.getpid())
     buf = moe_comm.Buffer(None, 16 << 20, timeout_s=timeout_s, elastic=True)
@@ -459,7 +461,7 @@ def _late_writer_worker(rank, n, point, flag, timeout_s):
     phy, pw = _route(idx, w, n)
     host = isinstance(buf._comm, HostComm)
     if rank == VICTIM:
-        if point == "mid_write" and host:   # between its fence check and its payload write
+        if point.startswith("mid_") and host:   # between its fence check and its write
             _freeze_self_on_first_call(buf._comm, "peer_heap")
         elif point == "mid_write":          # the emulator stops its dispatch send there
             os.environ["MOE_EMU_STOP_AT_OP"] = str(cuda_comm.OP["dispatch/send"])
@@ -505,7 +507,7 @@ def _late_writer_worker(rank, n, point, flag, timeout_s):
             "flag": os.path.exists(flag), "quarantined": quarantined}
 
 
-@pytest.mark.parametrize("point", ["between", "mid_write"])
+@pytest.mark.parametrize("point", ["between", "mid_write", "mid_eager_write"])
 def test_a_frozen_rank_that_resumes_is_fenced(backend, point, tmp_path):
     """The victim stops (SIGSTOP) past the deadline: between dispatch and combine, or in its
     dispatch between the fence check and its write into a peer's granted region (CUDA
@@ -515,8 +517,11 @@ def test_a_frozen_rank_that_resumes_is_fenced(backend, point, tmp_path):
     before the copy-out reads them). It raises RankMaskedError (between: before it writes
     anything; mid_write: its pending write lands in the region granted to it, which the
     survivors quarantined, or on the CUDA backend in the slabs of the operation it was in,
-    which the survivors' later operations no longer use), and nothing the survivors hold or
-    compute changes."""
+    which the survivors' later operations no longer use; mid_eager_write: in its eager slot,
+    which nobody reads once it is masked), and nothing the survivors hold or compute
+    changes."""
+    if point == "mid_eager_write" and backend != "host":
+        pytest.skip("eager slots are the host backend's")
     flag = str(tmp_path / "victim_done")
     results = run_ranks(_late_writer_worker, R, point, flag, TIMEOUT, timeout=120)
     assert results[VICTIM] == "RankMaskedError"

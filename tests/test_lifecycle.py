@@ -113,13 +113,18 @@ def test_reclaim_spares_live_segments():
     assert seg.name not in _our_segments()
 
 
-def _refuse_then_go_on(rank, n):
+def _refuse_then_go_on(rank, n, eager):
     """Rank 1 keeps every result alive until its heap cannot take the next call's rows: it
-    raises BufferTooSmallError, its senders ReceiverFailed, and the very next call (a combine
-    on an earlier handle) works, even with rank 1 racing ahead while a slow sender is still
-    busy."""
+    raises BufferTooSmallError, and the very next call (a combine on an earlier handle) works,
+    even with rank 1 racing ahead while a slow sender is still busy. Its senders raise
+    ReceiverFailed when they had to wait for its grant (MOE_COMM_EAGER=0); with eager slots
+    their rows needed none and their call went through. Ranks decide together (over the
+    group) when to stop."""
+    import os
     import time
     import torch
+    import torch.distributed as dist
+    os.environ["MOE_COMM_EAGER"] = eager
     import moe_comm
     from moe_comm.host.normal import ReceiverFailed
     buf = moe_comm.Buffer(None, 1 << 20, timeout_s=20)
@@ -136,20 +141,25 @@ def _refuse_then_go_on(rank, n):
             time.sleep(0.05)                  # a slow sender
         try:
             out = buf.dispatch(x, **args)
+            if rank == 1:
+                kept.append(out)
         except (moe_comm.BufferTooSmallError, ReceiverFailed) as e:
             first = type(e).__name__
+        seen = [None] * n
+        dist.all_gather_object(seen, first)
+        if any(s != "no error" for s in seen):
             break
-        if rank == 1:
-            kept.append(out)
     kept.clear()                              # rank 1 lets its results go
     out, _, _ = buf.combine(rx, handle)
     return first, out, x, idx
 
 
-def test_a_refusing_receiver_leaves_the_buffer_usable():
-    results = run_ranks(_refuse_then_go_on, 3, timeout=60)
+@pytest.mark.parametrize("eager", ["1", "0"])
+def test_a_refusing_receiver_leaves_the_buffer_usable(eager):
+    results = run_ranks(_refuse_then_go_on, 3, eager, timeout=60)
     assert results[1][0] == "BufferTooSmallError"
-    assert results[0][0] == results[2][0] == "ReceiverFailed"
+    senders = "no error" if eager == "1" else "ReceiverFailed"
+    assert results[0][0] == results[2][0] == senders
     for first, out, x, idx in results:
         # identity experts: each token comes back once per destination rank it went to
         ranks = (idx // 4).sort(1).values

@@ -79,7 +79,7 @@ def _cases(n):
         (7168, False, False, False, False, True, "holes"),
     ]
     for s, (h, fp8, rs, ue, hook, zc, rt) in enumerate(specs):
-        tokens = [M if r == 0 else (0 if r == 1 else 3 + 5 * r % M) for r in range(n)]
+        tokens = [M if r == 0 else (0 if r == 1 else (3 + 5 * r) % M) for r in range(n)]
         cases.append(dict(seed=s, hidden=h, fp8=fp8, round_scale=rs, ue8m0=ue, hook=hook,
                           zero_copy=zc, routing=rt, max_tokens=M, tokens=tokens,
                           experts=4 * n if h < 7168 else 8 * n, topk=min(4, 4 * n)))

@@ -38,9 +38,11 @@ from ..shm.identity import host_identity, ranks_by_host
 from ..shm.segment import Segment, pid_alive, reclaim_stale_segments, segment_name, segment_pid
 from ..transport import open_transport
 from ..wire import (CALL_WORDS, MAGIC, MAX_EPOCH, PAGE, VERSION, HeaderLayout, agree_round_tag,
-                    agree_rounds, ll_stride, mask_bits, mask_words, round_up, tag_value)
+                    agree_rounds, eager_slot_bytes, ll_stride, mask_bits, mask_words, round_up,
+                    tag_value)
 from .heap import PageHeap
 from .late_rows import LateRows
+from .relay import Relays
 
 log = logging.getLogger("moe_comm")
 
@@ -61,11 +63,16 @@ class HostComm:
         self.layout = HeaderLayout(self.num_ranks)
         self.heap_offset = self.layout.nbytes
         self.heap_bytes = round_up(int(heap_bytes), PAGE)
-        self.ll_offset = self.heap_offset + self.heap_bytes
+        # eager slots right after the heap (host/eager.py): peer_heap views cover both, a
+        # slot's pages counted on from the heap's
+        self.eager_slot = eager_slot_bytes(self.num_ranks) if \
+            os.environ.get("MOE_COMM_EAGER", "1") != "0" else 0
+        self.ll_offset = self.heap_offset + self.heap_bytes + 2 * self.num_ranks * self.eager_slot
         self.ll_bytes = round_up(int(ll_bytes), PAGE)
         self.ll_stride = ll_stride(self.ll_bytes)      # bytes between the two LL buffers
         size = self.ll_offset + self.ll_bytes
         self.epoch = 0
+        self.normal_seq = 0              # normal-mode calls: the eager slots' parity
         self.notify_seq = 0
         self.call_seq = 0                # signature rounds (CALL parity)
         self.segments = []
@@ -74,7 +81,8 @@ class HostComm:
 
         reclaim_stale_segments()
         # Agree on a job id, find which ranks share this host, check segments are sized alike.
-        info = (host_identity(), size, secrets.token_hex(8))
+        hierarchical = os.environ.get("MOE_COMM_RELAY", "1") != "0"
+        info = (host_identity(), size, secrets.token_hex(8), hierarchical)
         infos = [None] * self.num_ranks
         dist.all_gather_object(infos, info, group=group)
         self.remote_ranks = [r for r in range(self.num_ranks) if infos[r][0] != info[0]]
@@ -85,8 +93,15 @@ class HostComm:
         self.host_of = torch.tensor([hosts.index(i[0]) for i in infos]) if len(hosts) > 1 \
             else None
         if len({i[1] for i in infos}) != 1:
-            raise ValueError("num_nvl_bytes/num_rdma_bytes/num_experts must be equal on every "
-                             f"rank; segment sizes differ: {[i[1] for i in infos]}")
+            raise ValueError("num_nvl_bytes/num_rdma_bytes/num_experts (and MOE_COMM_EAGER) "
+                             "must be equal on every rank; segment sizes differ: "
+                             f"{[i[1] for i in infos]}")
+        if len({i[3] for i in infos}) != 1:
+            raise ValueError("MOE_COMM_RELAY must be the same on every rank: "
+                             f"{[int(i[3]) for i in infos]}")
+        # a token crosses to each other host once, through a relay there (relay.py)
+        self.relays = Relays(self.host_of.tolist(), self.rank) if \
+            self.host_of is not None and hierarchical else None
         job = infos[0][2]
         log.debug("moe_comm rank %d: job %s, %d rank(s) share this host's memory, ranks on "
                   "other hosts: %s", self.rank, job, self.num_ranks - len(self.remote_ranks),
@@ -146,6 +161,16 @@ class HostComm:
             lost = self.transport.flush(raise_on_timeout=not self.elastic)
             if lost:
                 self.mask(lost, "transport flush")
+
+    def next_normal_parity(self) -> int:
+        """The eager slots' parity of the normal-mode call starting now (host/eager.py)."""
+        self.normal_seq += 1
+        return self.normal_seq % 2
+
+    def eager_page(self, parity: int, src: int) -> int:
+        """Where eager slot ``(parity, src)`` starts, in pages from the heap's start (so
+        ``peer_heap`` and ``commit(..., "heap", ...)`` reach it like a granted region)."""
+        return (self.heap_bytes + (parity * self.num_ranks + src) * self.eager_slot) // PAGE
 
     def slot(self, rank: int, word: int, n: int = 1) -> np.ndarray:
         """``n`` header words of ``rank``'s segment starting at ``word`` (a live view)."""
@@ -329,6 +354,20 @@ class HostComm:
 
     def peer_heap(self, rank: int) -> torch.Tensor:
         return self._heaps[rank]
+
+    def heap_slot(self, rank: int, byte_offset: int, n: int) -> np.ndarray:
+        """``n`` int64 words at ``byte_offset`` of ``rank``'s heap view (the eager slots'
+        flags lie past the heap proper)."""
+        at = self.heap_offset + byte_offset
+        return self._mem[rank][at:at + 8 * n].view(np.int64)
+
+    def heap_signal(self, rank: int, byte_offset: int, epoch: int, values) -> None:
+        """:meth:`signal` into a word of ``rank``'s heap view."""
+        tagged = (epoch << 32) | np.asarray(values, dtype=np.int64)
+        if self.words[rank] is None:
+            self._remote_signal(rank, self.heap_offset + byte_offset, tagged)
+            return
+        atomics.store_words(self.heap_slot(rank, byte_offset, tagged.size), tagged)
 
     def peer_ll(self, rank: int) -> torch.Tensor:
         """Byte tensor over ``rank``'s low-latency region."""

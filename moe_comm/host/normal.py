@@ -34,15 +34,15 @@ import torch
 from .. import signature
 from ..errors import BufferTooSmallError
 from ..handle import DispatchHandle
-from ..layout import local_topk
-from ..wire import GRANT_FAILED, PAGE, SlabLayout, stream_chunk_rows, tag_epoch, tag_value
+from ..layout import local_topk, tokens_per_host
+from ..wire import PAGE, SlabLayout, stream_chunk_rows
+from . import eager, relay
+from .exchange import (ReceiverFailed, done_words, exchange_counts, grant, release_on_error,
+                       send_when_granted, settle, signature_check)
 from .reduce import sum_rows_per_token
 
 log = logging.getLogger("moe_comm")
-
-
-class ReceiverFailed(RuntimeError):
-    pass
+__all__ = ["ReceiverFailed", "dispatch", "combine"]
 
 
 class RoundPlan:
@@ -110,126 +110,27 @@ def _row_error(comm, what: str, plan: RoundPlan, layout_of):
     return None
 
 
-def exchange_counts(comm, epoch: int, row: np.ndarray, call_row: np.ndarray) -> np.ndarray:
-    """Notify phase: the call's signature and this rank's counts to every rank, the
-    signatures checked (CallMismatchError), then the R x R matrix, ``m[s, d]`` = tokens s sends
-    to d (zero rows for inactive ranks)."""
-    lay, me, R = comm.layout, comm.rank, comm.num_ranks
-    parity = comm.notify_seq % 2
-    comm.notify_seq += 1
-    calls = comm.post_call(epoch, call_row)
-    comm.signal_each(np.flatnonzero(comm.active), lay.notify(parity, me), epoch, row)
-    comm.verify_call(calls, epoch, "dispatch")
-    waits = {s: comm.slot(me, lay.notify(parity, s), R) for s in range(R)}
-    comm.wait(waits, epoch, "dispatch/notify")
-    return np.stack([tag_value(waits[s]) if comm.active[s] else np.zeros(R, np.int64)
-                     for s in range(R)]).astype(np.int64)
-
-
-# DONE values: what a sender did with this rank's grant
-DONE_NOTHING, DONE_WRITTEN, DONE_REFUSED = 0, 1, 2
-
-
-def _grant(comm, epoch: int, nbytes: int, what: str, senders, refuse=None):
-    """Allocate this rank's receive region and push its first page and its page count to
-    every sender. Returns (page, error); ``refuse`` (an error) grants nothing and answers
-    GRANT_FAILED."""
-    page, error = None, refuse
-    pages = max(1, -(-nbytes // PAGE))
-    if refuse is None:
-        page = comm.heap.alloc(pages)
-        if page is None:
-            error = BufferTooSmallError(
-                what + f" (while {comm.heap.bytes_in_use} bytes are held by received tensors "
-                "still alive)", nbytes + comm.heap.bytes_in_use, comm.heap.capacity)
-    comm.signal_each(senders, comm.layout.grant(comm.rank), epoch,
-                     [GRANT_FAILED, 0] if page is None else [page, pages])
-    return page, error
-
-
-def _send_when_granted(comm, epoch, dests, write, need, op, agrees=None):
-    """Wait for each destination's grant and call ``write(dst, page)``; returns the ranks
-    whose grant said they could not allocate, and those whose granted pages were fewer than
-    ``need(dst)`` bytes (nothing is written there: no write leaves the region granted for
-    the call, whatever the sender computed). ``agrees(dst)``: whether dst signed this call
-    as this rank did (its signature came before its grant); nothing is written to a rank
-    that did not (the caller then raises CallMismatchError)."""
-    failed, short = [], []
-    me = comm.rank
-
-    def on_ready(dst, words):
-        page, pages = int(tag_value(words[0])), int(tag_value(words[1]))
-        if page == GRANT_FAILED:
-            failed.append(dst)         # DONE (nothing sent) all the same: the receiver
-            done = DONE_NOTHING        # waits for it before granting again
-        elif agrees is not None and not agrees(dst):
-            done = DONE_REFUSED
-        elif need(dst) > pages * PAGE:
-            short.append(dst)
-            done = DONE_REFUSED
-        else:
-            comm.check_fence()         # a rank the survivors masked writes nothing
-            write(dst, page)
-            done = DONE_WRITTEN
-        comm.signal(dst, comm.layout.done(me), epoch, done)
-
-    comm.wait({d: comm.slot(me, comm.layout.grant(d), 2) for d in dests}, epoch, op, on_ready)
-    return failed, short
-
-
 def _exchange(comm, epoch, op, *, page, own_error, dests, sources, write, need, calls=None,
-              call_row=None):
+              call_row=None, flags=None, sizes=None):
     """The payload phase after this rank's grant: write to each destination once it grants,
     wait for every source's DONE (even without a region of our own: their DONE ends their use
     of this op's GRANT slot), agree on the mask (elastic), then raise what went wrong. The
     granted ``page`` goes back to the heap if anything raises. ``calls`` (from post_call,
     when no count exchange checked the signatures already): each destination's signature is
     checked before writing to it, and all of them at the end (CallMismatchError on every
-    rank), so the call costs no extra round."""
-    agrees = None
-    dones = {s: comm.slot(comm.rank, comm.layout.done(s)) for s in sources}
-    if calls is not None:
-        def agrees(dst):
-            comm.wait({dst: calls[dst]}, epoch, op + "/notify")   # sent before its grant
-            return np.array_equal(tag_value(calls[dst]), call_row)
+    rank), so the call costs no extra round. ``flags``: the eager slots' flags of the sources
+    that wrote without a grant (eager.py), waited for like DONE words, and ``sizes`` the bytes
+    this rank expects in each."""
+    dones = {**done_words(comm, sources), **(flags or {})}
     try:
-        failed, short = _send_when_granted(comm, epoch, dests, write, need, op + "/grant",
-                                           agrees)
+        failed, short = send_when_granted(comm, epoch, dests, write, need, op + "/grant",
+                                          signature_check(comm, epoch, op, calls, call_row))
         comm.wait(dones, epoch, op + "/payload")
-        if comm.elastic:
-            comm.agree(op)
-        _quarantine_if_late(comm, epoch, page, dones)
-        if calls is not None:
-            comm.verify_call(calls, epoch, op)
-        if own_error is not None:
-            raise own_error
-        refused = sorted(s for s in sources if comm.active[s] and
-                         int(tag_value(dones[s][0])) == DONE_REFUSED)
-        if short or refused:
-            raise RuntimeError(f"{op}: rows larger than the granted region (sender and "
-                               f"receiver computed other sizes): nothing written to rank(s) "
-                               f"{short}, nothing received from rank(s) {refused}")
-        if failed:
-            raise ReceiverFailed(f"{op}: rank(s) {sorted(failed)} could not allocate their "
-                                 "receive region (buffer too small there); nothing was sent "
-                                 "to them")
+        settle(comm, epoch, op, pages=[page], own_error=own_error, dones=dones, failed=failed,
+               short=short, calls=calls, sizes=sizes)
     except BaseException:
-        _quarantine_if_late(comm, epoch, page, dones)
-        if page is not None:
-            comm.heap.free(page)
+        release_on_error(comm, epoch, [page], dones)
         raise
-
-
-def _quarantine_if_late(comm, epoch, page, dones) -> None:
-    """A source whose DONE never came (masked, or the call failed waiting for it) may still be
-    writing into the region granted to it - frozen, not dead: the region is never handed out
-    again (PageHeap.quarantine)."""
-    late = [s for s, w in dones.items() if tag_epoch(w[0]) != epoch]
-    if late and page is not None and page not in comm.heap.quarantined:
-        comm.heap.quarantine(page)
-        log.warning("moe_comm rank %d: %d bytes of the heap quarantined: granted to rank(s) "
-                    "%s, whose DONE never came", comm.rank,
-                    comm.heap.quarantined[page] * PAGE, late)
 
 
 def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, layout,
@@ -240,19 +141,43 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
     Returns ``(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, handle)``."""
     me, R = comm.rank, comm.num_ranks
     comm.start_call()
-    epoch = comm.next_epoch()
+    parity, epoch = comm.next_normal_parity(), comm.next_epoch()
     call_row = signature.of_dispatch(
         hidden=hidden, dtype=dtype, scales=scales, topk_idx=topk_idx, num_experts=num_experts,
         num_worst_tokens=num_worst_tokens, handle=handle)
     num_tokens, row_bytes = x_bytes.shape
+    scale_cols = 0 if scales is None else scales.shape[1]
+    topk = 0 if topk_idx is None else topk_idx.shape[1]
+    num_local = num_experts // R if topk else 0
+    eager_on = comm.eager_slot > 0 and _relays(comm) is None
+
+    def put(dst, base, lay, row, ids):
+        _put_rows(comm, dst, base, lay, row, ids, x_bytes, scales, topk_idx, topk_weights,
+                  num_local)
+
+    def send_eagerly(counts, ids_to):     # rows that fit a slot, before anything else
+        fit = eager.pairs(comm, counts[None, :], row_bytes, scale_cols, topk, eager_on)[0]
+        dests = [d for d in _rotation(me, R) if fit[d] and comm.active[d]]
+        def write(d, base):
+            lay = SlabLayout(int(counts[d]), row_bytes, scale_cols, topk)
+            put(d, base, lay, 0, ids_to(d))
+            return lay.nbytes
+        eager.send(comm, epoch, parity, dests, write)
+
     calls = None
     if handle is not None:           # no count exchange: checked along the payload phase
+        cached = handle.without_inactive(comm.active, me)
+        send_eagerly(cached.count_matrix[me], lambda d: cached.send_token_ids[d])
         calls = comm.post_call(epoch, call_row)
     else:
         row = layout.per_rank.numpy().astype(np.int64)
         is_token_in_rank = layout.in_rank
         row[~comm.active] = 0
-        matrix = exchange_counts(comm, epoch, row, call_row)
+        send_eagerly(row, lambda d: is_token_in_rank[:, d].nonzero().flatten())
+        if _relays(comm) is not None:     # hierarchical: tokens per host too (relay.py)
+            row = np.concatenate([row, tokens_per_host(is_token_in_rank, comm.host_of).numpy()])
+        counts = exchange_counts(comm, epoch, row, call_row)
+        matrix, host_counts = counts[:, :R], counts[:, R:]
         if comm.elastic:
             comm.agree("dispatch/notify")
         if not comm.active.all():                  # nothing goes to masked ranks
@@ -264,8 +189,7 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
                                 call_id=epoch)
     handle = handle.without_inactive(comm.active, me)
     matrix, send_ids = handle.count_matrix, handle.send_token_ids
-    scale_cols = 0 if scales is None else scales.shape[1]
-    topk = 0 if topk_idx is None else topk_idx.shape[1]
+    eagerly = eager.pairs(comm, matrix, row_bytes, scale_cols, topk, eager_on)   # [s, d]
     recv_rows = matrix.sum(0)
     rows_at = [max(int(recv_rows[d]), num_worst_tokens) for d in range(R)]
     plan = RoundPlan(matrix, rows_at, [stream_chunk_rows(
@@ -285,32 +209,16 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
     if refuse is None and num_worst_tokens and num_recv > num_worst_tokens:
         refuse = ValueError(f"num_worst_tokens={num_worst_tokens} is smaller than the "
                             f"{num_recv} tokens rank {me} receives")
-    num_local = num_experts // R if topk else 0
+    if layout is not None and _relays(comm) is not None:
+        routes = relay.Routes(_relays(comm), matrix, host_counts)
+        if relay.dispatch_fits(routes, R, rows_at, row_bytes, scale_cols, topk, comm.heap_bytes):
+            handle.relay = routes          # else flat: it streams what does not fit
 
     def write_round(r):
         def write(dst, dst_page):
             first, last, local = plan.part(me, dst, r)
             at = first - int(plan.row0[me, dst])
-            ids, c = send_ids[dst][at:at + last - first], last - first
-            base, heap, offs = dst_page * PAGE, comm.peer_heap(dst), slab(dst).offsets
-            spans = []
-
-            def rows(sub, width, elem, dt):
-                start = base + offs[sub] + local * width * elem
-                spans.append((start, c * width * elem))
-                return heap[start:start + c * width * elem].view(dt).view(c, width)
-
-            torch.index_select(x_bytes, 0, ids, out=rows(0, row_bytes, 1, torch.uint8))
-            if scales is not None:
-                torch.index_select(scales, 0, ids, out=rows(1, scale_cols, 4, scales.dtype))
-            if topk:
-                li, lw = local_topk(topk_idx[ids], None if topk_weights is None
-                                    else topk_weights[ids], dst, num_local)
-                rows(2, topk, 8, torch.int64).copy_(li)
-                w = rows(3, topk, 4, torch.float32)
-                w.copy_(lw) if lw is not None else w.zero_()
-            for start, nbytes in spans:
-                comm.commit(dst, "heap", start, nbytes)
+            put(dst, dst_page * PAGE, slab(dst), local, send_ids[dst][at:at + last - first])
         return write
 
     # scales are 4-byte columns of the caller's dtype (float32, or int32 UE8M0 packed)
@@ -322,19 +230,29 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
     if streamed:                      # the rows pass through the heap: outputs of their own
         recv = [torch.empty(rows_at[me], w, dtype=dt) if want else None
                 for (w, _, dt), want in zip(widths, wanted)]
+    if handle.relay is not None and _relays(comm) is not None:     # one round, by relays
+        first_page = relay.dispatch(
+            comm, epoch, handle, x_bytes=x_bytes, scales=scales, topk_idx=topk_idx,
+            topk_weights=topk_weights, num_local=num_local, final=slab, refuse=refuse,
+            calls=calls, call_row=call_row)
+        epochs = []
+    in_slots = [s for s in range(R) if eagerly[s, me]]   # their rows wait in eager slots
     for r, ep in enumerate(epochs):
         if r:
             comm.refresh_deadline()
-        sources = plan.sources(me, r)
+        sources = [s for s in plan.sources(me, r) if not eagerly[s, me]]
         has_region = r == 0 or plan.span(me, r)[1] > plan.span(me, r)[0]
-        page, own_error = (_grant(comm, ep, mine.nbytes, "dispatch", sources,
+        page, own_error = (grant(comm, ep, mine.nbytes, "dispatch", sources,
                                   refuse if r == 0 else None) if has_region else (None, None))
         if r == 0:
             first_page = page
         _exchange(comm, ep, "dispatch", page=page, own_error=own_error,
                   write=write_round(r), need=lambda d: slab(d).nbytes,
                   calls=calls if r == 0 else None, call_row=call_row,
-                  dests=plan.dests(me, r), sources=sources)
+                  dests=[d for d in plan.dests(me, r) if not eagerly[me, d]], sources=sources,
+                  flags=eager.flags(comm, parity, in_slots) if r == 0 else None,
+                  sizes={s: SlabLayout(int(matrix[s, me]), row_bytes, scale_cols, topk).nbytes
+                         for s in in_slots})
         if streamed and page is not None:
             lo, hi = plan.span(me, r)
             region = torch.from_numpy(comm.heap.view(page, mine.nbytes))
@@ -354,6 +272,11 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
 
         recv = [out(sub, w, elem, dt) if want else None
                 for sub, ((w, elem, dt), want) in enumerate(zip(widths, wanted))]
+    for s in in_slots:                # the eager rows, into their place by source
+        if comm.active[s]:
+            eager.copy_out(comm, parity, s, SlabLayout(int(matrix[s, me]), row_bytes,
+                                                       scale_cols, topk),
+                           recv, int(plan.row0[s, me]), widths)
     survivors = handle.without_inactive(comm.active, me)
     if survivors is not handle:       # ranks masked during the payload: drop what they sent
         keep = _rows_of(matrix[:, me], comm.active)
@@ -372,6 +295,32 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
     return recv_x, recv_scales, recv_idx, recv_w, handle
 
 
+def _put_rows(comm, dst, base, lay, row, ids, x_bytes, scales, topk_idx, topk_weights,
+              num_local):
+    """This rank's tokens ``ids`` as rows ``row..`` of the slab ``lay`` at byte ``base`` of
+    ``dst``'s heap view (a granted region or an eager slot), top-k ids made local to dst;
+    committed (ranks on other hosts)."""
+    c, heap, offs, spans = len(ids), comm.peer_heap(dst), lay.offsets, []
+
+    def rows(sub, width, elem, dt):
+        start = base + offs[sub] + row * width * elem
+        spans.append((start, c * width * elem))
+        return heap[start:start + c * width * elem].view(dt).view(c, width)
+
+    torch.index_select(x_bytes, 0, ids, out=rows(0, x_bytes.shape[1], 1, torch.uint8))
+    if scales is not None:
+        torch.index_select(scales, 0, ids, out=rows(1, scales.shape[1], 4, scales.dtype))
+    if topk_idx is not None:
+        topk = topk_idx.shape[1]
+        li, lw = local_topk(topk_idx[ids], None if topk_weights is None
+                            else topk_weights[ids], dst, num_local)
+        rows(2, topk, 8, torch.int64).copy_(li)
+        w = rows(3, topk, 4, torch.float32)
+        w.copy_(lw) if lw is not None else w.zero_()
+    for start, nbytes in spans:
+        comm.commit(dst, "heap", start, nbytes)
+
+
 def _rows_of(counts: np.ndarray, active: np.ndarray) -> torch.Tensor:
     """Indices of the rows (grouped by source, ``counts[s]`` each) of active sources."""
     bounds = np.concatenate([[0], np.cumsum(counts)])
@@ -385,9 +334,8 @@ def combine(comm, *, x, handle, topk_weights, bias):
     are (or become) inactive are left out of the sums."""
     me, R = comm.rank, comm.num_ranks
     comm.start_call()
-    epoch = comm.next_epoch()
+    parity, epoch = comm.next_normal_parity(), comm.next_epoch()
     call_row = signature.of_combine(x=x, topk_weights=topk_weights, handle=handle)
-    calls = comm.post_call(epoch, call_row)     # checked along the payload phase
     matrix, send_ids = handle.count_matrix, handle.send_token_ids
     hidden, dtype = x.shape[1], x.dtype
     x_bytes = x.view(torch.uint8)
@@ -406,40 +354,72 @@ def combine(comm, *, x, handle, topk_weights, bias):
     epochs = plan.epochs(comm, epoch, refuse is not None)
     mine = slab(me)
 
+    def put_back(owner, base, lay, local, src0, c):
+        """My rows ``[src0, src0 + c)`` (received order) as rows ``local..`` of ``lay``."""
+        heap, o = comm.peer_heap(owner), lay.offsets
+        at = base + o[0] + local * row_bytes
+        heap[at:at + c * row_bytes].view(c, row_bytes).copy_(x_bytes[src0:src0 + c])
+        comm.commit(owner, "heap", at, c * row_bytes)
+        if topk:
+            at = base + o[3] + local * topk * 4
+            heap[at:at + c * topk * 4].view(torch.float32).view(c, topk).copy_(
+                topk_weights[src0:src0 + c])
+            comm.commit(owner, "heap", at, c * topk * 4)
+
     def write_round(r):
         def write(owner, owner_page):
             first, last, local = plan.part(me, owner, r)
-            c = last - first
             # my received rows from `owner` start at src0; these are `first - row0` further
             src0 = int(matrix[:owner, me].sum()) + first - int(plan.row0[me, owner])
-            base, heap, o = owner_page * PAGE, comm.peer_heap(owner), slab(owner).offsets
-            at = base + o[0] + local * row_bytes
-            heap[at:at + c * row_bytes].view(c, row_bytes).copy_(x_bytes[src0:src0 + c])
-            comm.commit(owner, "heap", at, c * row_bytes)
-            if topk:
-                at = base + o[3] + local * topk * 4
-                heap[at:at + c * topk * 4].view(torch.float32).view(c, topk).copy_(
-                    topk_weights[src0:src0 + c])
-                comm.commit(owner, "heap", at, c * topk * 4)
+            put_back(owner, owner_page * PAGE, slab(owner), local, src0, last - first)
         return write
 
+    # rows that fit an eager slot go first, without a grant (eager.py); then the signature
+    eagerly = eager.pairs(comm, matrix.T, row_bytes, 0, topk,
+                          comm.eager_slot > 0 and _relays(comm) is None)    # [expert, owner]
+    def write_eagerly(o, base):
+        lay = SlabLayout(int(matrix[o, me]), row_bytes, 0, topk)
+        put_back(o, base, lay, 0, int(matrix[:o, me].sum()), int(matrix[o, me]))
+        return lay.nbytes
+
+    eager.send(comm, epoch, parity, [o for o in _rotation(me, R)
+                                     if eagerly[me, o] and comm.active[o]], write_eagerly)
+    calls = comm.post_call(epoch, call_row)     # checked along the payload phase
+    if handle.relay is not None and _relays(comm) is not None and relay.combine_fits(
+            handle.relay, R, row_bytes, topk, comm.heap_bytes):
+        return relay.combine(comm, epoch, handle, x=x, topk_weights=topk_weights, bias=bias,
+                             calls=calls, call_row=call_row)
     streamed, n_rows = plan.streams(me), plan.rows_at[me]
     if streamed:                      # the rows pass through the heap into tensors of their own
         rows_all = torch.empty(n_rows, row_bytes, dtype=torch.uint8)
         weights_all = torch.empty(n_rows, topk, dtype=torch.float32) if topk else None
     result = None
+    in_slots = [d for d in range(R) if eagerly[d, me] and comm.active[d]]
+    widths = [(row_bytes, 1, torch.uint8), (0, 4, torch.float32), (topk, 8, torch.int64),
+              (topk, 4, torch.float32)]
+
+    def take_eager(rows, weights):    # the eager rows, into their place by expert rank
+        for d in in_slots:
+            if comm.active[d]:
+                eager.copy_out(comm, parity, d, SlabLayout(int(matrix[me, d]), row_bytes, 0,
+                                                           topk),
+                               [rows, None, None, weights], int(plan.row0[d, me]), widths)
+
     for r, ep in enumerate(epochs):   # every round, also those that bring this rank nothing
         if r:
             comm.refresh_deadline()
-        experts = [d for d in plan.sources(me, r) if comm.active[d]]
+        experts = [d for d in plan.sources(me, r) if comm.active[d] and not eagerly[d, me]]
         lo, hi = plan.span(me, r)
-        page, own_error = (_grant(comm, ep, mine.nbytes, "combine", experts,
+        page, own_error = (grant(comm, ep, mine.nbytes, "combine", experts,
                                   refuse if r == 0 else None)
                            if r == 0 or hi > lo else (None, None))
         _exchange(comm, ep, "combine", page=page, own_error=own_error, write=write_round(r),
                   need=lambda owner: slab(owner).nbytes, calls=calls if r == 0 else None,
                   call_row=call_row, sources=experts,
-                  dests=[o for o in plan.dests(me, r) if comm.active[o]])
+                  dests=[o for o in plan.dests(me, r) if comm.active[o] and not eagerly[me, o]],
+                  flags=eager.flags(comm, parity, in_slots) if r == 0 else None,
+                  sizes={d: SlabLayout(int(matrix[me, d]), row_bytes, 0, topk).nbytes
+                         for d in in_slots})
         if page is None:
             continue
         staging = torch.from_numpy(comm.heap.view(page, mine.nbytes))
@@ -449,6 +429,7 @@ def combine(comm, *, x, handle, topk_weights, bias):
             hi - lo, topk) if topk else None
         try:
             if not streamed:          # one round: reduce straight from the staging region
+                take_eager(rows, weights)
                 result = _reduce(comm, rows.view(dtype).view(hi - lo, hidden), weights,
                                  matrix[me], send_ids, handle.num_tokens, bias)
             else:
@@ -458,6 +439,7 @@ def combine(comm, *, x, handle, topk_weights, bias):
         finally:
             comm.heap.free(page)
     if streamed:
+        take_eager(rows_all, weights_all)
         result = _reduce(comm, rows_all.view(dtype).view(n_rows, hidden), weights_all,
                          matrix[me], send_ids, handle.num_tokens, bias)
     return result
@@ -478,6 +460,15 @@ def _reduce(comm, rows, weights, counts, send_ids, num_tokens, bias):
         for d in live:
             combined_w.index_add_(0, send_ids[d], weights[bounds[d]:bounds[d + 1]])
     return out, combined_w
+
+
+def _relays(comm):
+    """The host's relays (relay.py) when this call may go hierarchical: a group on several
+    hosts, not elastic (a relay that died mid-call would lose healthy ranks' rows) and with
+    every rank active; else None (the flat protocol)."""
+    if comm.relays is None or comm.elastic or not comm.active.all():
+        return None
+    return comm.relays
 
 
 def _rotation(me: int, R: int):

@@ -427,6 +427,17 @@ class _ExecRank:
             return ""
 
 
+def link_tx_bytes() -> int:
+    """Bytes the calling process's host (its network namespace) has sent on its link, from
+    the interface's own counter (/proc/net/dev shows the reader's namespace)."""
+    with open("/proc/net/dev") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name.strip() == IFNAME:
+                return int(rest.split()[8])          # transmit bytes: the 9th number
+    raise RuntimeError(f"no {IFNAME} in /proc/net/dev: not in a namespace of Hosts")
+
+
 def run_on_hosts(fn, num_hosts: int, ranks_per_host: int, *args, mode: str = "fork",
                  timeout: float = 120.0, env: dict | None = None) -> list:
     """Run ``fn(rank, world, *args)`` on ``num_hosts`` namespaces x ``ranks_per_host`` ranks;

@@ -1,0 +1,92 @@
+"""Eager sends of the host backend's normal mode: small rows need no grant.
+
+Each segment holds, after its heap, one slot per (parity, source rank)
+(``wire.eager_slot_bytes``): a page whose first word is the slot's flag, then the rows. Where
+a sender's rows for a receiver fit a slot (every rank decides the same from the count
+matrix), the sender writes them into its slot at the receiver at the very start of the call,
+then the flag (tagged with the call's epoch, after the rows: the DONE of this pair); the
+receiver grants nothing to it and, once the call's signatures agree, copies those rows into
+its output. A small call so costs one exchange of words instead of three (notify, grant,
+done).
+
+Why the slot is free without asking: the parity flips with each normal call, so call ``j``
+writes where call ``j - 2`` wrote. Its sender has finished call ``j - 1``, which waited for
+the receiver's signature of ``j - 1`` (every normal call checks every rank's), so the
+receiver had finished call ``j - 2`` - including copying that call's rows out. The flag has
+the parity too: the receiver may still be waiting for call ``j - 1``'s flag when call ``j``'s
+is written, so one word per pair would be overwritten before it was read. A rank masked in
+elastic mode is never read from again, so its late writes land in a slot nobody reads.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from ..wire import PAGE, SlabLayout
+from .exchange import DONE_WRITTEN
+
+
+@functools.lru_cache(maxsize=256)
+def max_rows(slot_bytes: int, row_bytes: int, scale_cols: int, topk: int) -> int:
+    """The most rows whose SlabLayout fits a slot of ``slot_bytes`` (0 when off)."""
+    def fits(n):
+        return SlabLayout(n, row_bytes, scale_cols, topk).nbytes <= slot_bytes
+    if slot_bytes <= 0 or not fits(1):
+        return 0
+    lo, hi = 1, slot_bytes // max(1, row_bytes + scale_cols * 4 + topk * 12) + 1
+    while hi - lo > 1:                      # fits(lo), and nothing from hi on fits
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def pairs(comm, counts: np.ndarray, row_bytes: int, scale_cols: int, topk: int,
+          on: bool) -> np.ndarray:
+    """bool [R, R]: ``[s, d]`` when s's ``counts[s, d]`` rows (of that shape) go to d
+    eagerly."""
+    if not on:
+        return np.zeros(counts.shape, dtype=bool)
+    # the slot's first page holds its flag
+    n = max_rows(comm.eager_slot - PAGE, row_bytes, scale_cols, topk)
+    return (counts > 0) & (counts <= n)
+
+
+def flag_at(comm, parity: int, src: int) -> int:
+    """Byte offset, in a ``peer_heap`` view, of slot ``(parity, src)``'s flag word."""
+    return comm.eager_page(parity, src) * PAGE
+
+
+def rows_at(comm, parity: int, src: int) -> int:
+    """Byte offset, in a ``peer_heap`` view, of slot ``(parity, src)``'s rows."""
+    return flag_at(comm, parity, src) + PAGE
+
+
+def flags(comm, parity: int, sources) -> dict:
+    """The flags of ``sources``' slots at this rank (views for ``HostComm.wait``): DONE, and
+    the bytes the sender wrote (the receiver checks them against its own sizes, so a sender
+    that sized the call otherwise is caught even where no grant bounds it)."""
+    return {s: comm.heap_slot(comm.rank, flag_at(comm, parity, s), 2) for s in sources}
+
+
+def copy_out(comm, parity: int, src: int, lay: SlabLayout, outs, row: int, widths) -> None:
+    """Copy the ``lay.rows`` rows in this rank's slot ``(parity, src)`` into ``outs`` (one
+    [n, width] tensor or None per sub-array, ``widths`` ``(width, elem, dtype)`` each) from
+    row ``row`` on."""
+    region = comm.peer_heap(comm.rank)
+    base, n = rows_at(comm, parity, src), lay.rows
+    for sub, (out, (w, elem, dt)) in enumerate(zip(outs, widths)):
+        if out is not None and n:
+            at = base + lay.offsets[sub]
+            out[row:row + n] = region[at:at + n * w * elem].view(dt).view(n, w)
+
+
+def send(comm, epoch: int, parity: int, dests, write) -> None:
+    """``write(dst, base)`` for each destination (its rows at byte ``base`` of its
+    ``peer_heap``: this rank's slot there; returns the bytes its layout spans), then the
+    slot's flag."""
+    me = comm.rank
+    for dst in dests:
+        comm.check_fence()            # a rank the survivors masked writes nothing
+        nbytes = write(dst, rows_at(comm, parity, me))
+        comm.heap_signal(dst, flag_at(comm, parity, me), epoch, [DONE_WRITTEN, nbytes])

@@ -1,0 +1,162 @@
+"""The steps every normal-mode exchange of the host backend is built from (normal.py's flat
+protocol and relay.py's hierarchical one): the count exchange, grants of receive regions,
+writes once a region is granted, DONE words, and what a call raises when something went wrong.
+
+A pair of ranks (writer, receiver) uses one GRANT slot and one DONE slot per call: the
+receiver pushes its region's first page and page count into the writer's GRANT slot, the
+writer answers with one DONE word saying what it did with the region.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from ..errors import BufferTooSmallError
+from ..wire import GRANT_FAILED, PAGE, tag_epoch, tag_value
+
+log = logging.getLogger("moe_comm")
+
+
+class ReceiverFailed(RuntimeError):
+    pass
+
+
+# DONE values: what a writer did with the receiver's grant. DONE_LOST: it wrote, but rows it
+# relays for ranks of other hosts never reached it (relay.py), so the receiver's rows of those
+# ranks are missing.
+DONE_NOTHING, DONE_WRITTEN, DONE_REFUSED, DONE_LOST = 0, 1, 2, 3
+
+
+def exchange_counts(comm, epoch: int, row: np.ndarray, call_row: np.ndarray) -> np.ndarray:
+    """Notify phase: the call's signature and this rank's ``row`` of counts (R per-rank counts,
+    then in a hierarchical call one count per host) to every rank, the signatures checked
+    (CallMismatchError), then every rank's row: ``m[s, :R][d]`` = tokens s sends to d (zero
+    rows for inactive ranks)."""
+    lay, me, R = comm.layout, comm.rank, comm.num_ranks
+    n = len(row)
+    parity = comm.notify_seq % 2
+    comm.notify_seq += 1
+    calls = comm.post_call(epoch, call_row)
+    comm.signal_each(np.flatnonzero(comm.active), lay.notify(parity, me), epoch, row)
+    comm.verify_call(calls, epoch, "dispatch")
+    waits = {s: comm.slot(me, lay.notify(parity, s), n) for s in range(R)}
+    comm.wait(waits, epoch, "dispatch/notify")
+    return np.stack([tag_value(waits[s]) if comm.active[s] else np.zeros(n, np.int64)
+                     for s in range(R)]).astype(np.int64)
+
+
+def grant(comm, epoch: int, nbytes: int, what: str, senders, refuse=None):
+    """Allocate a receive region of ``nbytes`` and push its first page and its page count to
+    every sender. Returns (page, error); ``refuse`` (an error) grants nothing and answers
+    GRANT_FAILED."""
+    page, error = None, refuse
+    pages = max(1, -(-nbytes // PAGE))
+    if refuse is None:
+        page = comm.heap.alloc(pages)
+        if page is None:
+            error = BufferTooSmallError(
+                what + f" (while {comm.heap.bytes_in_use} bytes are held by received tensors "
+                "still alive)", nbytes + comm.heap.bytes_in_use, comm.heap.capacity)
+    comm.signal_each(senders, comm.layout.grant(comm.rank), epoch,
+                     [GRANT_FAILED, 0] if page is None else [page, pages])
+    return page, error
+
+
+def send_when_granted(comm, epoch, dests, write, need, op, agrees=None, written=DONE_WRITTEN):
+    """Wait for each destination's grant and call ``write(dst, page)``, then DONE
+    (``written``); returns the ranks whose grant said they could not allocate, and those whose
+    granted pages were fewer than ``need(dst)`` bytes (nothing is written there: no write
+    leaves the region granted for the call, whatever the sender computed). ``agrees(dst)``:
+    whether dst signed this call as this rank did (its signature came before its grant);
+    nothing is written to a rank that did not (the caller then raises CallMismatchError)."""
+    failed, short = [], []
+    me = comm.rank
+
+    def on_ready(dst, words):
+        page, pages = int(tag_value(words[0])), int(tag_value(words[1]))
+        if page == GRANT_FAILED:
+            failed.append(dst)         # DONE (nothing sent) all the same: the receiver
+            done = DONE_NOTHING        # waits for it before granting again
+        elif agrees is not None and not agrees(dst):
+            done = DONE_REFUSED
+        elif need(dst) > pages * PAGE:
+            short.append(dst)
+            done = DONE_REFUSED
+        else:
+            comm.check_fence()         # a rank the survivors masked writes nothing
+            write(dst, page)
+            done = written
+        comm.signal(dst, comm.layout.done(me), epoch, done)
+
+    comm.wait({d: comm.slot(me, comm.layout.grant(d), 2) for d in dests}, epoch, op, on_ready)
+    return failed, short
+
+
+def signature_check(comm, epoch, op, calls, call_row):
+    """``agrees(dst)`` for :func:`send_when_granted` when the call's signatures were posted
+    (``calls`` from post_call) but not yet checked: None when they were checked already."""
+    if calls is None:
+        return None
+
+    def agrees(dst):
+        comm.wait({dst: calls[dst]}, epoch, op + "/notify")   # sent before its grant
+        return np.array_equal(tag_value(calls[dst]), call_row)
+    return agrees
+
+
+def done_words(comm, sources) -> dict:
+    """The DONE slots of ``sources`` in this rank's header."""
+    return {s: comm.slot(comm.rank, comm.layout.done(s)) for s in sources}
+
+
+def settle(comm, epoch, op, *, pages, own_error, dones, failed, short, calls=None,
+           sizes=None):
+    """The end of a payload phase, once every DONE came or timed out: agree on the mask
+    (elastic), quarantine what a late writer may still write, check the signatures (when
+    ``calls``), then raise what went wrong, the same way on every rank that saw it.
+    ``sizes``: {source: bytes this rank expects} of the sources whose DONE carries the bytes
+    they wrote (eager slots); a source that wrote another size counts as refused."""
+    if comm.elastic:
+        comm.agree(op)
+    for page in pages:
+        quarantine_if_late(comm, epoch, page, dones)
+    if calls is not None:
+        comm.verify_call(calls, epoch, op)
+    if own_error is not None:
+        raise own_error
+    said = {s: int(tag_value(w[0])) for s, w in dones.items() if comm.active[s]}
+    refused = sorted(s for s, v in said.items() if v == DONE_REFUSED or (
+        sizes and s in sizes and int(tag_value(dones[s][1])) != sizes[s]))
+    if short or refused:
+        raise RuntimeError(f"{op}: rows larger than the granted region (sender and "
+                           f"receiver computed other sizes): nothing written to rank(s) "
+                           f"{short}, nothing received from rank(s) {refused}")
+    if failed:
+        raise ReceiverFailed(f"{op}: rank(s) {sorted(failed)} could not allocate their "
+                             "receive region (buffer too small there); nothing was sent "
+                             "to them")
+    lost = sorted(s for s, v in said.items() if v == DONE_LOST)
+    if lost:
+        raise ReceiverFailed(f"{op}: rank(s) {lost} could not relay the rows of ranks on "
+                             "other hosts to this rank (their staging region was refused)")
+
+
+def release_on_error(comm, epoch, pages, dones) -> None:
+    """A call that raises: quarantine what a late writer may still write, free the rest."""
+    for page in pages:
+        quarantine_if_late(comm, epoch, page, dones)
+        if page is not None:
+            comm.heap.free(page)
+
+
+def quarantine_if_late(comm, epoch, page, dones) -> None:
+    """A source whose DONE never came (masked, or the call failed waiting for it) may still be
+    writing into the region granted to it - frozen, not dead: the region is never handed out
+    again (PageHeap.quarantine)."""
+    late = [s for s, w in dones.items() if tag_epoch(w[0]) != epoch]
+    if late and page is not None and page not in comm.heap.quarantined:
+        comm.heap.quarantine(page)
+        log.warning("moe_comm rank %d: %d bytes of the heap quarantined: granted to rank(s) "
+                    "%s, whose DONE never came", comm.rank,
+                    comm.heap.quarantined[page] * PAGE, late)
