@@ -18,11 +18,11 @@
 //
 // The data region of every rank starts at `data_off` of its buffer; an operation's slab starts
 // `floors[d]` bytes into it (0 until an elastic group drops a rank that may still be writing:
-// see `Group`) and holds one wire.SlabLayout (moe_comm/wire.py describes its sub-arrays; `Slab` below computes their
-// offsets with kSlabAlign and kPage from moe_generated.cuh). Dispatch: rows ordered by source
-// rank then source token index; source s owns rows [sum_{s'<s} m[s'][d], ...). Combine staging
-// at the token owner: rows ordered by expert rank d then token, d's rows start at
-// sum_{d'<d} m[me][d'].
+// see `Group`) and holds one wire.SlabLayout (moe_comm/wire.py describes its sub-arrays;
+// `Slab` below computes their offsets with kSlabAlign and kPage from moe_generated.cuh).
+// Dispatch: rows ordered by source rank then source token index; source s owns rows
+// [sum_{s'<s} m[s'][d], ...). Combine staging at the token owner: rows ordered by expert rank
+// d then token, d's rows start at sum_{d'<d} m[me][d'].
 //
 // Why two parities for NOTIFY and one slot for DONE: see docs/ARCHITECTURE.md ("Why the slots
 // are safe without resets"); the per-operation notify barrier gives the same guarantees here.
@@ -341,7 +341,8 @@ __device__ void combine_send_body(const Group g, const ErrorSink err, const u8* 
         const u64 row = row0[s] + (u64)(i - src_start[s]);
         const Slab& sl = slab[s];
         t.put_warp(s, g.slab_at(s) + sl.x + row * row_bytes, x + i * row_bytes, row_bytes);
-        if (topk_w) t.put_warp(s, g.slab_at(s) + sl.w + row * topk * 4, topk_w + i * topk, topk * 4);
+        if (topk_w)
+            t.put_warp(s, g.slab_at(s) + sl.w + row * topk * 4, topk_w + i * topk, topk * 4);
     }
     if (last_block_arrives(counter, &last)) signal_done_all<R>(t, g, done_off, done_stride, epoch);
 }
