@@ -102,6 +102,10 @@ class LowLatencyHandle:
     send_slot: torch.Tensor = None
     received: bool = False
     call_row: np.ndarray = None         # this call's signature (moe_comm/signature.py)
+    # host backend: the row of this rank's combine region its messages' results come back
+    # from (past rows a masked rank may still write), and the ranks its messages went to
+    return_shift: int = 0
+    sent_to: np.ndarray = None
 
     # DeepEP's low-latency handle is a 5-tuple; these are its entries, in its order
     DEEPEP_FIELDS = ("src_info", "layout_range", "num_max_dispatch_tokens_per_rank", "hidden",

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import moe_comm
 from moe_comm import eplb
 from moe_comm.jit import emulator
+from moe_comm.cuda import comm as cuda_comm
 from moe_comm.cuda import normal as cuda_normal
 from moe_comm.host.comm import AGREE_GRACE_S, HostComm
 from moe_comm.testing.processes import run_ranks
@@ -358,7 +359,7 @@ def _split_worker(rank, n, timeout_s):
         if isinstance(comm, HostComm):
             comm.agree = lambda op: die()
         else:
-            cuda_normal.agree = lambda comm, op, matrix=None: die()
+            cuda_normal.agree = lambda comm, op, matrix=None, floors=None: die()
     t0 = time.monotonic()
     rx, out, _ = _normal_step(buf, x, phy, pw)
     elapsed = time.monotonic() - t0
@@ -426,6 +427,30 @@ def _freeze_self_on_first_call(obj, name):
     setattr(obj, name, frozen)
 
 
+def _resume_victim_and_wait(rank, pids, flag):
+    """Rank 0 resumes the victim (SIGCONT); every survivor waits until it is done."""
+    if rank == 0:
+        os.kill(pids[VICTIM], signal.SIGCONT)
+    deadline = time.monotonic() + 60.0
+    while not os.path.exists(flag) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _resume_before_second_copy_out(rank, pids, flag):
+    """CUDA backend: the survivors' received rows are copies, made by the copy-out kernel
+    from the data region after the payload agreement; resume the victim right there in the
+    next dispatch, after this step's rows arrived and before they are read (where its late
+    stores would land in rows a survivor reads, but for the floors moved past them)."""
+    real, seen = cuda_normal.agree, []
+
+    def agree(comm, op, matrix=None, floors=None):
+        real(comm, op, matrix, floors)
+        if op == "dispatch/payload" and not seen:
+            seen.append(op)
+            _resume_victim_and_wait(rank, pids, flag)
+    cuda_normal.agree = agree
+
+
 def _late_writer_worker(rank, n, point, flag, timeout_s):
     # mid_write: into a granted region (eager slots off); mid_eager_write: into its eager slot
     os.environ["MOE_COMM_EAGER"] = "0" if point == "mid_write" else "1"
@@ -434,9 +459,12 @@ def _late_writer_worker(rank, n, point, flag, timeout_s):
     buf = moe_comm.Buffer(None, 16 << 20, timeout_s=timeout_s, elastic=True)
     x, idx, w = _inputs(rank)
     phy, pw = _route(idx, w, n)
+    host = isinstance(buf._comm, HostComm)
     if rank == VICTIM:
-        if point.startswith("mid_"):  # between its fence check and its write of the payload
+        if point.startswith("mid_") and host:   # between its fence check and its write
             _freeze_self_on_first_call(buf._comm, "peer_heap")
+        elif point == "mid_write":          # the emulator stops its dispatch send there
+            os.environ["MOE_EMU_STOP_AT_OP"] = str(cuda_comm.OP["dispatch/send"])
         try:
             per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(phy, _slots(n))
             rx, ri, rw, _, handle, _ = buf.dispatch(
@@ -458,6 +486,8 @@ def _late_writer_worker(rank, n, point, flag, timeout_s):
     mask = buf.active_ranks
     # step 2 over the survivors; its received rows are held (heap views on the host backend)
     # while the victim resumes and does whatever it still does
+    if point == "mid_write" and not host:
+        _resume_before_second_copy_out(rank, pids, flag)
     phy2, w2 = _route(idx, w, n, active=mask)
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(phy2, _slots(n))
     rx2, ri2, rw2, _, handle2, _ = buf.dispatch(x, topk_idx=phy2, topk_weights=w2,
@@ -465,32 +495,33 @@ def _late_writer_worker(rank, n, point, flag, timeout_s):
                                                 is_token_in_rank=in_rank,
                                                 num_tokens_per_expert=per_expert)
     held = [t.clone() for t in (rx2, ri2, rw2)]
-    if rank == 0:
-        os.kill(pids[VICTIM], signal.SIGCONT)
-    deadline = time.monotonic() + 60.0
-    while not os.path.exists(flag) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    _resume_victim_and_wait(rank, pids, flag)
     unchanged = all(torch.equal(a, b) for a, b in zip((rx2, ri2, rw2), held))
     y = (rx2.float() * torch.where(ri2 >= 0, rw2, 0).sum(1, keepdim=True)).bfloat16()
     out2, _, _ = buf.combine(y, handle2)
-    quarantined = getattr(buf._comm, "heap", None)
+    # what was set aside for the late writer: quarantined heap bytes (host), or how far the
+    # slabs moved in this rank's data region (CUDA)
+    quarantined = buf._comm.heap.bytes_quarantined if host else \
+        int(buf._comm.floors[buf._comm.rank])
     return {"mask": mask, "out1": out1, "out2": out2, "phy": phy, "unchanged": unchanged,
-            "flag": os.path.exists(flag),
-            "quarantined": quarantined.bytes_quarantined if quarantined else None}
+            "flag": os.path.exists(flag), "quarantined": quarantined}
 
 
 @pytest.mark.parametrize("point", ["between", "mid_write", "mid_eager_write"])
 def test_a_frozen_rank_that_resumes_is_fenced(backend, point, tmp_path):
     """The victim stops (SIGSTOP) past the deadline: between dispatch and combine, or in its
-    dispatch between the fence check and its write into a peer's granted region. The
+    dispatch between the fence check and its write into a peer's granted region (CUDA
+    backend: a block of its dispatch send kernel, stopped by the emulator's test hook). The
     survivors mask and fence it, run the next step and hold its received rows; then the
-    victim resumes. It raises RankMaskedError (between: before it writes anything; mid_write:
-    its pending write lands in the region granted to it, which the survivors quarantined;
-    mid_eager_write: in its eager slot, which nobody reads once it is masked), and nothing
-    the survivors hold changes."""
-    if point.startswith("mid_") and backend != "host":
-        pytest.skip("the emulated kernels have no point between the fence check and a write "
-                    "that a Python hook can stop at")
+    victim resumes (CUDA: inside the survivors' next dispatch, after its rows arrived and
+    before the copy-out reads them). It raises RankMaskedError (between: before it writes
+    anything; mid_write: its pending write lands in the region granted to it, which the
+    survivors quarantined, or on the CUDA backend in the slabs of the operation it was in,
+    which the survivors' later operations no longer use; mid_eager_write: in its eager slot,
+    which nobody reads once it is masked), and nothing the survivors hold or compute
+    changes."""
+    if point == "mid_eager_write" and backend != "host":
+        pytest.skip("eager slots are the host backend's")
     flag = str(tmp_path / "victim_done")
     results = run_ranks(_late_writer_worker, R, point, flag, TIMEOUT, timeout=120)
     assert results[VICTIM] == "RankMaskedError"
@@ -504,5 +535,119 @@ def test_a_frozen_rank_that_resumes_is_fenced(backend, point, tmp_path):
         torch.testing.assert_close(got["out1"].float(), want, rtol=2e-2, atol=2e-2)
         full = x.float() * torch.where(idx >= 0, w, 0).sum(1, keepdim=True)
         torch.testing.assert_close(got["out2"].float(), full, rtol=2e-2, atol=2e-2)
-    if point == "mid_write":       # the receivers it had a grant from kept that region aside
+    if point == "mid_write":       # the receivers kept the region it may write aside
         assert any(results[r]["quarantined"] for r in (0, 1, 3))
+
+
+def _freeze_on_first_peer_write(comm, armed):
+    """Stop this process (SIGSTOP) the first time, once ``armed["on"]``, that it takes a view
+    of a peer's low-latency region: right after its fence check, before its copy."""
+    real = comm.peer_ll
+
+    def peer_ll(rank):
+        if armed["on"] and rank != comm.rank:
+            armed["on"] = False
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return real(rank)
+    comm.peer_ll = peer_ll
+
+
+def _ll_victim(buf, x, phy, pw, point, flag):
+    """The victim's LL step: it stops between its fence check and its first write into a
+    peer (in the dispatch send, or the combine send; CUDA: block 0 of that kernel, stopped
+    by the emulator); resumed, it must raise."""
+    armed = {"on": point == "dispatch"}
+    if isinstance(buf._comm, HostComm):
+        _freeze_on_first_peer_write(buf._comm, armed)
+    else:
+        os.environ["MOE_EMU_STOP_AT_OP"] = str(cuda_comm.OP[f"low_latency_{point}/send"])
+    try:
+        rx, _, handle, _, hook = buf.low_latency_dispatch(
+            x, phy, MAX_TOKENS, _slots(buf), use_fp8=False, return_recv_hook=True)
+        hook()
+        armed["on"] = point == "combine"
+        buf.low_latency_combine(rx, phy, pw, handle)
+        _ll_step(buf, x, phy, pw)
+        outcome = "finished"
+    except moe_comm.RankMaskedError:
+        outcome = "RankMaskedError"
+    with open(flag, "w") as f:            # the survivors go on reading after this
+        f.write(outcome)
+    return outcome
+
+
+def _rows_held_back(comm) -> bool:
+    """Whether this rank holds LL combine rows back from a masked rank (host: host/late_rows.py;
+    CUDA: low_latency.cuh ReturnRows, [lo, hi) per rank)."""
+    if isinstance(comm, HostComm):
+        return bool(comm.late_rows.held)
+    R = comm.num_ranks
+    return bool((comm.ll_holds[R:2 * R] > comm.ll_holds[:R]).any())
+
+
+def _ll_late_writer_worker(rank, n, point, flag, timeout_s):
+    pids = [None] * n
+    dist.all_gather_object(pids, os.getpid())
+    buf = moe_comm.Buffer(None, 16 << 20, moe_comm.Buffer.get_low_latency_rdma_size_hint(
+        MAX_TOKENS, HIDDEN, n, _slots(n)), low_latency_mode=True, timeout_s=timeout_s,
+        elastic=True)
+    x, idx, w = _inputs(rank)
+    phy, pw = _route(idx, w, n)
+    if rank == VICTIM:
+        return _ll_victim(buf, x, phy, pw, point, flag)
+    _, out1, _ = _ll_step(buf, x, phy, pw)
+    mask = buf.active_ranks
+    phy2, w2 = _route(idx, w, n, active=mask)
+    _, out2, _ = _ll_step(buf, x, phy2, w2)
+    # step 3 uses the buffers of step 1 again (calls alternate between two), where the
+    # victim was writing: it resumes between the survivors' send and receive halves
+    held_back = _rows_held_back(buf._comm)
+
+    def resume_and_wait():
+        if rank == 0:
+            os.kill(pids[VICTIM], signal.SIGCONT)
+        deadline = time.monotonic() + 60.0
+        while not os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    rx, count, handle, _, hook = buf.low_latency_dispatch(
+        x, phy2, MAX_TOKENS, _slots(buf), use_fp8=False, return_recv_hook=True)
+    if point == "dispatch":
+        resume_and_wait()
+    hook()
+    held = [rx.view(torch.int16).clone(), count.clone()]    # (bits: unused rows may be NaN)
+    out3, _, combine_hook = buf.low_latency_combine(rx, phy2, w2, handle, return_recv_hook=True)
+    if point == "combine":
+        resume_and_wait()
+    combine_hook()
+    unchanged = torch.equal(rx.view(torch.int16), held[0]) and torch.equal(count, held[1])
+    return {"mask": mask, "outs": (out1, out2, out3), "phy": phy, "unchanged": unchanged,
+            "flag": os.path.exists(flag), "held_back": held_back}
+
+
+@pytest.mark.parametrize("point", ["dispatch", "combine"])
+def test_a_frozen_rank_that_resumes_mid_low_latency_write_is_fenced(backend, point, tmp_path):
+    """The victim stops (SIGSTOP) past the deadline between its fence check and its first
+    write into a peer's low-latency region: in its dispatch send, or its combine send. The
+    survivors mask it, run the next step, and in the step after (the same LL buffers again)
+    let it resume between their send and receive halves. It raises RankMaskedError, and
+    every survivor's results are exact: its late messages land in its own per-source
+    blocks, which nobody reads again; its late combine rows land in rows the owner held back
+    (host/late_rows.py; CUDA: low_latency.cuh ReturnRows) and placed its later calls' rows
+    around."""
+    flag = str(tmp_path / "victim_done")
+    results = run_ranks(_ll_late_writer_worker, R, point, flag, TIMEOUT, timeout=120)
+    assert results[VICTIM] == "RankMaskedError"
+    mask = torch.tensor([1, 1, 0, 1], dtype=torch.int32)
+    for r in (0, 1, 3):
+        got = results[r]
+        assert got["flag"] and got["unchanged"], (r, got)
+        assert torch.equal(got["mask"], mask), (r, got["mask"])
+        x, idx, w = _inputs(r)
+        want = _served_sum(x, got["phy"], _route(idx, w, R)[1], R, mask)
+        torch.testing.assert_close(got["outs"][0].float(), want, rtol=2e-2, atol=2e-2)
+        full = x.float() * torch.where(idx >= 0, w, 0).sum(1, keepdim=True)
+        for out in got["outs"][1:]:
+            torch.testing.assert_close(out.float(), full, rtol=2e-2, atol=2e-2)
+    if point == "combine":        # the owner it was writing to held those rows back
+        assert any(results[r]["held_back"] for r in (0, 1, 3))

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import resource
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
 import moe_comm
+from moe_comm.host.late_rows import LateRows
 from moe_comm.quant import quantize_fp8
+from moe_comm.wire import tag
 from checks import check_ll, expert_ll, ll_inputs
 from ranks import run_ranks
 
@@ -238,3 +241,26 @@ def test_low_latency_bad_input_is_named_and_buffer_survives():
         wsum = torch.where(idx >= 0, w, 0.0).sum(1)
         torch.testing.assert_close(out.float(), x.float() * wsum[:, None], rtol=2e-2,
                                    atol=2e-2)
+
+
+def test_late_rows_are_placed_around_and_released():
+    """host/late_rows.py: return rows avoid what a masked rank may still write, in both
+    buffers; a hold ends when that rank's DONE of the call arrives or its process is gone;
+    no room is None."""
+    gone = set()
+    held = LateRows(gone.__contains__)
+    done = np.zeros(1, dtype=np.int64)                  # rank 2's DONE word, nothing yet
+    offsets, row = [1000, 5000], 10                      # two buffers' combine rows, bytes
+    assert held.place(30, row, offsets, 100) == 0        # nothing held
+    held.hold(1000 + 5 * row, 1000 + 25 * row, 2, done, seq=7)      # rows [5, 25) of buffer 0
+    assert held.place(30, row, offsets, 100) == 25       # past it, in both buffers
+    assert held.place(5, row, offsets, 100) == 0         # a run that ends before it
+    assert held.place(80, row, offsets, 100) is None     # nothing fits beside it
+    done[0] = tag(6, 3)                                   # an older call's DONE: still held
+    assert held.held == [(1050, 1250, 2)]
+    done[0] = tag(7, 3)                                   # its late rows came
+    assert held.held == [] and held.place(80, row, offsets, 100) == 0
+    held.hold(5000, 5100, 3, np.zeros(1, dtype=np.int64), seq=9)     # never signals ...
+    assert held.place(95, row, offsets, 100) is None
+    gone.add(3)                                           # ... but its process is gone
+    assert held.place(95, row, offsets, 100) == 0

@@ -59,6 +59,10 @@ int sync_block_count(int predicate);
 void warp_exchange(unsigned mask, uint64_t value, uint64_t* out);
 void spin_point();  // a thread is polling memory: let the other fibers of its block run
 void fail(const char* msg);  // the launch returns this error (first one of a block wins)
+// Tests: MOE_EMU_STOP_AT_OP=<phase id> stops this process (SIGSTOP) the first time block 0 of
+// a kernel of that phase (moe_comm/cuda/comm.py OPS) has passed its fence check, before its
+// stores: a late writer, which a peer resumes (SIGCONT) once the survivors have masked it.
+void stop_point(int op);
 uint64_t now_ns();
 }  // namespace emu
 

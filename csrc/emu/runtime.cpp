@@ -10,12 +10,15 @@
 // complete, a thread that could not be started).
 #include <pthread.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/mman.h>
 #include <time.h>
 #include <ucontext.h>
+#include <unistd.h>
 
+#include <atomic>
 #include <string>
 #include <utility>
 #include <thread>
@@ -25,18 +28,22 @@
 
 namespace {
 
-constexpr int kMaxArgs = 32;
+constexpr int kMaxArgs = 40;
 constexpr size_t kStackBytes = 128 << 10;
 // Passes over a block in which every live fiber only waited at a barrier and no barrier or
 // collective completed: no progress can come from inside the block, and barriers do not wait
 // for other blocks, so it is stuck.
 constexpr int kStuckPasses = 3;
 
-typedef void (*Kernel32)(uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t,
-                         uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t,
-                         uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t,
-                         uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t,
-                         uint64_t, uint64_t, uint64_t, uint64_t);
+// Every kernel parameter is 8 bytes wide (csrc/kernels/common.cuh): a kernel is called
+// through a pointer of kMaxArgs of them, the unused ones zero (the SysV ABI leaves extra
+// arguments unread).
+typedef void (*KernelArgs)(uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t,
+                           uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t,
+                           uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t,
+                           uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t,
+                           uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t,
+                           uint64_t, uint64_t, uint64_t, uint64_t, uint64_t);
 
 enum class Yield { Spin, Wait, Exit };
 
@@ -83,10 +90,10 @@ void finish_barrier(Block* b) {
 void fiber_main() {
     Block* b = tl_block;
     const uint64_t* a = b->args;
-    ((Kernel32)b->kernel)(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10],
-                          a[11], a[12], a[13], a[14], a[15], a[16], a[17], a[18], a[19], a[20],
-                          a[21], a[22], a[23], a[24], a[25], a[26], a[27], a[28], a[29], a[30],
-                          a[31]);
+    ((KernelArgs)b->kernel)(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10],
+                            a[11], a[12], a[13], a[14], a[15], a[16], a[17], a[18], a[19], a[20],
+                            a[21], a[22], a[23], a[24], a[25], a[26], a[27], a[28], a[29], a[30],
+                            a[31], a[32], a[33], a[34], a[35], a[36], a[37], a[38], a[39]);
     b = tl_block;
     b->done[b->current] = 1;
     --b->live;
@@ -215,6 +222,14 @@ uint64_t now_ns() {
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
+void stop_point(int op) {
+    static std::atomic<bool> stopped{false};
+    const char* at = getenv("MOE_EMU_STOP_AT_OP");
+    const dim3 b = block_idx();  // block 0: a block with rows to write whenever there are any
+    if (!at || atoi(at) != op || b.x || b.y || b.z || stopped.exchange(true)) return;
+    kill(getpid(), SIGSTOP);  // delivered before kill returns: this block stops here
+}
+
 }  // namespace emu
 
 extern "C" int moe_emu_launch(void* kernel, unsigned gx, unsigned gy, unsigned gz, unsigned bx,

@@ -21,7 +21,12 @@
 // bounds it. If this rank's own bit is cleared it reports kErrMasked (the host raises
 // RankMaskedError) and later kernels stop at entry. With `matrix` (a dispatch's R x R count
 // matrix after notify) the rows and columns of masked ranks are zeroed, so every survivor
-// computes the same row offsets.
+// computes the same row offsets. With `floors` (normal.cuh Group; the agreement at the end of
+// a normal operation) a decision that drops a rank the previous agreement kept has every
+// rank's floor moved past the slab this operation used there (by the next notify): the
+// dropped rank may be stopped between its fence check and its stores into those slabs, and
+// no later operation reads them. Every survivor takes the same decision and knows every
+// slab, so all move alike.
 //
 // Rows alternate by parity (rounds for MASK, agreements for DECIDED) and carry the round's own
 // tag (wire.agree_round_tag): a rank writes round r + 2 only after it heard round r + 1 from
@@ -40,7 +45,8 @@ constexpr int kMaxMaskWords = kMaxErrorRanks / kMaskBits;  // kMaskBits: moe_gen
 MOE_DEVICE void agree_body(const u64* bases, int rank, int num_ranks, i64 timeout_ns,
                            const ErrorSink err, i32* active, i32* told,
                            u64 mask_off, u64 decided_off, u64 fence_off, u64 row_stride,
-                           int mask_words, u32 seq, u32 tag0, int max_rounds, i32* matrix) {
+                           int mask_words, u32 seq, u32 tag0, int max_rounds, i32* matrix,
+                           i64* floors) {
     __shared__ u32 estimate[kMaxMaskWords];
     __shared__ u32 decision[kMaxMaskWords];
     __shared__ u32 row_of[kMaxErrorRanks][kMaxMaskWords];  // what each rank wrote this round
@@ -50,6 +56,7 @@ MOE_DEVICE void agree_body(const u64* bases, int rank, int num_ranks, i64 timeou
     __shared__ volatile int decided_by;  // a rank whose decision was read, or -1
     __shared__ volatile int pending;     // ranks listened to whose row this round has not come
     __shared__ bool aborted, finished;
+    __shared__ bool late;  // a rank the previous agreement kept is dropped: it may still write
     const Transport t{bases, err};
     const Active live{active};
     const int p = threadIdx.x;
@@ -164,6 +171,12 @@ MOE_DEVICE void agree_body(const u64* bases, int rank, int num_ranks, i64 timeou
     __syncthreads();
     if (p < num_ranks) keep[p] = (decision[p / kMaskBits] >> (p % kMaskBits)) & 1u;
     __syncthreads();
+    if (p == 0) {
+        late = false;
+        for (int q = 0; q < num_ranks; ++q) late = late || (told[q] && !keep[q]);
+    }
+    __syncthreads();
+    if (floors && late && p == 0) floors[2 * num_ranks] = 1;
     if (tell) {
         for (int w = 0; w < mask_words; ++w)
             t.signal(p, decided_off + (u64)rank * row_stride + 8 * (u64)w, tag(seq, decision[w]));

@@ -14,7 +14,8 @@ static_assert(R >= 1 && R <= 8, "intranode groups have 1..8 ranks");
 
 // The structs the bodies take, built from the parameters every kernel of a group shares
 // (kernel_args.GROUP and ERRORS).
-#define MOE_GROUP Group{bases, rank, (u64)data_off, (u64)capacity, timeout_ns, Active{active}}
+#define MOE_GROUP \
+    Group { bases, rank, (u64)data_off, (u64)capacity, timeout_ns, Active{active}, floors }
 #define MOE_ERRORS ErrorSink{err_host, err_dev, (i32)op}
 
 // grid: R + (per_expert ? ceil(E / kExpertsPerBlock) : 0) blocks
@@ -74,5 +75,5 @@ MOE_KERNEL void __launch_bounds__(MOE_THREADS_AGREE, 1)
 moe_agree(MOE_ARGS_moe_agree) {
     agree_body(bases, (int)rank, (int)num_ranks, timeout_ns, MOE_ERRORS, active, told,
                (u64)mask_off, (u64)decided_off, (u64)fence_off, (u64)row_stride, (int)mask_words,
-               (u32)seq, (u32)tag0, (int)max_rounds, matrix);
+               (u32)seq, (u32)tag0, (int)max_rounds, matrix, floors);
 }

@@ -52,7 +52,8 @@ moe_ll_dispatch_send(MOE_ARGS_moe_ll_dispatch_send) {
                       stride, max_tokens};
     ll_dispatch_send_body<MOE_FP8 != 0, MOE_ROUND_SCALE != 0>(
         MOE_LL_GROUP, MOE_ERRORS, lb, x, num_tokens, hidden, topk_idx, topk, num_experts,
-        send_index, (u32)seq, (u64)call_off, MOE_CALL_ROW);
+        send_index, (u32)seq, (u64)call_off, MOE_CALL_ROW, ReturnRows{holds, shift_used, runs},
+        rows_cap);
 }
 #endif
 
@@ -107,6 +108,6 @@ moe_ll_combine_recv(MOE_ARGS_moe_ll_combine_recv) {
     const LLBuffer lb{0, 0, 0, (u64)combine_off, 0, 0, 0};
     ll_combine_recv_body(MOE_LL_GROUP, MOE_ERRORS, lb, hidden, num_tokens, topk, rows_cap,
                          topk_idx, topk_w, send_index, (u64)free_off, (u32)seq, out, counter,
-                         num_local);
+                         num_local, ReturnRows{holds, nullptr, (i32*)runs}, (u64)done_off);
 }
 #endif

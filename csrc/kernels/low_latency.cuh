@@ -75,6 +75,74 @@ struct LLBuffer {
     i64 max_tokens;                      // M
 };
 
+// ---- return rows a late writer may still hit ------------------------------------------------
+// The combine rows come back in the owner's message order, from the row its dispatch sent each
+// expert rank in the base word of the count row, and every second call reuses them. A rank
+// masked while stopped between its fence check and its combine stores (a late writer) still
+// writes its rows of that call when it resumes. Elastic groups (moe_comm/cuda/comm.py
+// ``ll_holds``; null otherwise) hold those rows back, in the owner's combine receive:
+// holds[q], holds[R + q] = rows [lo, hi) of rank q's run, holds[2R + q] = byte offset of q's
+// LL_COMBINE_DONE slot of that call here, holds[3R + q] = the word it held then. The hold ends
+// when that word changes (q signalled that call, or a later one, after its stores: release).
+// Each dispatch places its return rows at the first `shift` that avoids every hold.
+struct ReturnRows {
+    i64* holds;   // [4R] or null: nothing is held, rows start at 0
+    i32* shift;   // this dispatch's shift (the handle's; -1 until a block has chosen it)
+    i32* runs;    // [R, 2]: rows [lo, hi) of this dispatch's messages to each rank (handle's)
+
+    MOE_DEVICE bool held(const LLGroup& g, int q) const {
+        const i64 R = g.num_ranks;
+        return holds[R + q] > holds[q] &&
+               ld_acquire_sys((const u64*)g.own((u64)holds[2 * R + q])) == (u64)holds[3 * R + q];
+    }
+    MOE_DEVICE bool clear(const LLGroup& g, i64 at, i64 rows) const {
+        for (int q = 0; q < g.num_ranks; ++q)
+            if (held(g, q) && holds[q] < at + rows && at < holds[g.num_ranks + q]) return false;
+        return true;
+    }
+    // One thread of every block: the first row of `rows` return rows that avoids every hold and
+    // ends by `cap`; the first block to choose decides for all (the holds may end meanwhile).
+    // None fits: reported (kErrOverflow), rows at 0.
+    MOE_DEVICE i64 place(const LLGroup& g, const ErrorSink& err, i64 rows, i64 cap, u32 seq) const {
+        if (!holds) return 0;
+        i64 best = -1;
+        for (int c = -1; c < g.num_ranks; ++c) {
+            const i64 at = c < 0 ? 0 : holds[g.num_ranks + c];
+            if ((c >= 0 && !held(g, c)) || at + rows > cap || (best >= 0 && at >= best)) continue;
+            if (clear(g, at, rows)) best = at;
+        }
+        if (best < 0) {
+            err.report(kErrOverflow, seq, (int)g.rank, (i32)rows);
+            best = 0;
+        }
+        const i32 first = atomicCAS(shift, -1, (i32)best);
+        return first < 0 ? best : first;
+    }
+    // Dispatch send, thread 0 of expert e's block: where this rank's messages to `dst` begin
+    // (its first expert) or end (its last).
+    MOE_DEVICE void note_run(int dst, i64 le, i64 num_local, i64 first, i64 end) const {
+        if (!holds) return;
+        if (le == 0) runs[2 * dst] = (i32)first;
+        if (le == num_local - 1) runs[2 * dst + 1] = (i32)end;
+    }
+    // Combine receive, block 0, thread q: hold q's run back if q is masked and its rows of call
+    // `seq` have not all come (its DONE did not), once per rank (a masked rank stays masked).
+    MOE_DEVICE void hold_late(const LLGroup& g, u64 done_off, u32 seq) const {
+        const int q = threadIdx.x;
+        const i64 R = g.num_ranks;
+        if (!holds || blockIdx.x != 0 || q >= R || g.live.on(q) || holds[R + q] > holds[q] ||
+            runs[2 * q + 1] <= runs[2 * q])
+            return;
+        const u64 slot = done_off + (u64)q * kSignalStride;
+        const u64 word = ld_acquire_sys((const u64*)g.own(slot));
+        if (tag_epoch(word) == seq) return;  // its rows are all here
+        holds[q] = runs[2 * q];
+        holds[R + q] = runs[2 * q + 1];
+        holds[2 * R + q] = (i64)slot;
+        holds[3 * R + q] = (i64)word;
+    }
+};
+
 // Push "this rank finished reading buffer b of call seq" into every rank's FREE[b][me] slot
 // (`free_off` = FREE[b][0]); release: ordered after this rank's earlier reads. kFailedValue
 // once this rank has failed (sync.cuh): the peer's next send fails at once.
@@ -118,9 +186,10 @@ __device__ void ll_dispatch_send_body(const LLGroup g, const ErrorSink err, cons
                                       const u16* x, i64 num_tokens, i64 hidden_rt,
                                       const i64* topk_idx, i64 topk, i64 num_experts,
                                       i32* send_index, u32 seq, u64 call_off,
-                                      const CallRow call) {
+                                      const CallRow call, const ReturnRows rr, i64 rows_cap) {
     __shared__ int warp_counts[32];
     __shared__ int selected[1024];
+    __shared__ i64 shift;  // where this rank's return rows start (ReturnRows)
     const Transport t{g.bases, err};
     // A failed rank (an error of an earlier kernel) writes no messages but still signals its
     // count words, carrying kFailedValue: the receivers fail at once.
@@ -129,6 +198,8 @@ __device__ void ll_dispatch_send_body(const LLGroup g, const ErrorSink err, cons
     const i64 R = g.num_ranks, M = lb.max_tokens;
     const i64 num_local = num_experts / R;
     const i64 pairs = failed ? 0 : num_tokens * topk;
+    if (threadIdx.x == 0) shift = rr.place(g, err, pairs, rows_cap, seq);
+    __syncthreads();
     for (i64 e = blockIdx.x; e < num_experts; e += gridDim.x) {
         const int dst = (int)(e / num_local);
         const i64 le = e % num_local;
@@ -180,7 +251,7 @@ __device__ void ll_dispatch_send_body(const LLGroup g, const ErrorSink err, cons
                 i64* meta = (i64*)t.row_for_write(dst, meta_off);
                 if (lane_id() == 0) {
                     if (meta) *meta = (tok << 8) | slot;
-                    send_index[pair] = (i32)(lower + row);
+                    send_index[pair] = (i32)(shift + lower + row);
                 }
                 __syncwarp();
                 if (meta) t.commit_row_warp(dst, meta_off, (const u8*)meta, 8);
@@ -192,13 +263,17 @@ __device__ void ll_dispatch_send_body(const LLGroup g, const ErrorSink err, cons
         // release-stores them (sync.cuh). Each word carries the tag, so order among them is
         // free. kFailedValue instead once this rank has failed (this block's overflow too).
         __syncthreads();
+        if (threadIdx.x == 0)
+            rr.note_run(dst, le, num_local, live ? shift + lower : 0,
+                        live ? shift + lower + running : 0);
         if (threadIdx.x == 0 && live) {
             __threadfence_system();
             const u64 row_off = lb.counts + (u64)(g.rank * lb.count_row_words) * 8;
             const u32 rows = t.err.signal_value((u32)min_of<i64>(running, M));
             t.signal(dst, row_off + (u64)le * 8, tag(seq, rows));
             if (le == 0)
-                t.signal(dst, row_off + (u64)num_local * 8, tag(seq, err.signal_value(lower)));
+                t.signal(dst, row_off + (u64)num_local * 8,
+                         tag(seq, err.signal_value((u32)(shift + lower))));
         }
     }
 }
@@ -356,7 +431,8 @@ __device__ void ll_combine_recv_body(const LLGroup g, const ErrorSink err, const
                                      i64 hidden_rt, i64 num_tokens, i64 topk, i64 rows_cap,
                                      const i64* topk_idx, const float* topk_w,
                                      const i32* send_index, u64 free_off, u32 seq, u16* out,
-                                     i32* counter, i64 num_local) {
+                                     i32* counter, i64 num_local, const ReturnRows rr,
+                                     u64 done_off) {
     __shared__ float weight[32];
     __shared__ i64 row_of[32];  // returned row of slot k, -1 = slot unused
     __shared__ int last;
@@ -410,6 +486,7 @@ __device__ void ll_combine_recv_body(const LLGroup g, const ErrorSink err, const
         }
         __syncthreads();  // `weight` / `row_of` are rewritten for the next token
     }
+    rr.hold_late(g, done_off, seq);
     if (last_block_arrives(counter, &last) && threadIdx.x == 0)
         ll_publish_free(t, g, free_off, seq);
 }

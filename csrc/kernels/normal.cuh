@@ -16,12 +16,13 @@
 //   copy_out /  grid: dispatch copies the received region into the output tensors (rows past
 //   reduce      the real count padded for num_worst_tokens); combine sums rows per token in fp32.
 //
-// The data region of every rank starts at `data_off` of its buffer and holds one
-// wire.SlabLayout (moe_comm/wire.py describes its sub-arrays; `Slab` below computes their
-// offsets with kSlabAlign and kPage from moe_generated.cuh). Dispatch: rows ordered by source
-// rank then source token index; source s owns rows [sum_{s'<s} m[s'][d], ...). Combine staging
-// at the token owner: rows ordered by expert rank d then token, d's rows start at
-// sum_{d'<d} m[me][d'].
+// The data region of every rank starts at `data_off` of its buffer; an operation's slab starts
+// `floors[d]` bytes into it (0 until an elastic group drops a rank that may still be writing:
+// see `Group`) and holds one wire.SlabLayout (moe_comm/wire.py describes its sub-arrays;
+// `Slab` below computes their offsets with kSlabAlign and kPage from moe_generated.cuh).
+// Dispatch: rows ordered by source rank then source token index; source s owns rows
+// [sum_{s'<s} m[s'][d], ...). Combine staging at the token owner: rows ordered by expert rank
+// d then token, d's rows start at sum_{d'<d} m[me][d'].
 //
 // Why two parities for NOTIFY and one slot for DONE: see docs/ARCHITECTURE.md ("Why the slots
 // are safe without resets"); the per-operation notify barrier gives the same guarantees here.
@@ -51,9 +52,39 @@ struct Group {
     u64 capacity;      // bytes of the data region
     i64 timeout_ns;
     Active live;       // elastic mode's active ranks (transport.cuh)
+    // Elastic groups: i64 [2R + 1] (moe_comm/cuda/comm.py ``floors``), else null (all 0).
+    // floors[d]: where rank d's slabs start in its data region. A rank dropped mid-operation
+    // may be stopped between its fence check and its stores (a late writer): the agreement
+    // that drops it asks (floors[2R] = 1) for every floors[d] to move past the slab the
+    // operation used at d, which the next operation's notify does (`settle_floors`), so no
+    // later operation reads there (elastic.cuh). floors[R + d]: where the slab of the
+    // operation in flight ends at d (written by the send kernels). The same on every
+    // survivor: computed from the agreed decision and the count matrix.
+    i64* floors;
 
     MOE_DEVICE u8* own(u64 offset) const { return (u8*)bases[rank] + offset; }
     MOE_DEVICE const u64* fence() const { return (const u64*)own(kFenceOffset); }
+    MOE_DEVICE u64 floor(int d) const { return floors ? (u64)floors[d] : 0; }
+    // Byte offset of rank d's slab in its buffer, and whether `nbytes` of slab fit there.
+    MOE_DEVICE u64 slab_at(int d) const { return data_off + floor(d); }
+    MOE_DEVICE bool fits(int d, u64 nbytes) const { return floor(d) + nbytes <= capacity; }
+    // The send kernels (one block, thread d) note where this operation's slab at d ends.
+    MOE_DEVICE void note_end(int d, u64 nbytes, int num_ranks) const {
+        if (floors && blockIdx.x == 0) floors[num_ranks + d] = (i64)(floor(d) + nbytes);
+    }
+    // Notify, first thing of every operation (all threads of its one block, >= R): a move the
+    // last agreement asked for takes effect. Not earlier: the operation that agreed still
+    // reads its own slab (copy-out, reduce) where its floors put it.
+    MOE_DEVICE void settle_floors(int num_ranks) const {
+        __shared__ bool move;
+        const int d = threadIdx.x;
+        if (!floors) return;
+        if (d == 0) move = floors[2 * num_ranks] != 0;
+        __syncthreads();
+        if (move && d < num_ranks) floors[d] = (i64)round_up((u64)floors[num_ranks + d], kPage);
+        __syncthreads();
+        if (move && d == 0) floors[2 * num_ranks] = 0;
+    }
 };
 
 // ---- notify ------------------------------------------------------------------------------
@@ -74,6 +105,7 @@ __device__ void notify_body(const Group g, const ErrorSink err, u64 notify_off, 
                             const CallRow call) {
     const Transport t{g.bases, err};
     const int p = threadIdx.x;
+    g.settle_floors(R);
     const bool failed = block_failed(err, g.fence());
     if (p >= R) return;
     // Each word carries its own tag, so a reader never needs an extra "row complete" flag.
@@ -156,8 +188,9 @@ __device__ void dispatch_send_body(const Group g, const ErrorSink err, const u8*
         const u64 slab_rows = worst > 0 ? (u64)worst : rows;
         row0[d] = before;
         slab[d] = Slab::make(slab_rows, row_bytes, scale_cols, topk);
-        limit[d] = live && slab[d].nbytes <= g.capacity ? slab_rows : 0;
-        if (live && (slab[d].nbytes > g.capacity || rows > slab_rows))
+        g.note_end(d, slab[d].nbytes, R);
+        limit[d] = live && g.fits(d, slab[d].nbytes) ? slab_rows : 0;
+        if (live && (!g.fits(d, slab[d].nbytes) || rows > slab_rows))
             err.report(kErrOverflow, epoch, d, (i32)rows);
     }
     __syncthreads();
@@ -174,7 +207,7 @@ __device__ void dispatch_send_body(const Group g, const ErrorSink err, const u8*
             const u64 row = row0[d] + (u64)pos;
             if (row >= limit[d]) continue;  // overflow, reported above
             const Slab& s = slab[d];
-            const u64 base = g.data_off;
+            const u64 base = g.slab_at(d);
             t.put_warp(d, base + s.x + row * row_bytes, x + tok * row_bytes, row_bytes);
             if (scales)
                 t.put_warp(d, base + s.scales + row * scale_cols * 4, scales + tok * scale_cols,
@@ -227,10 +260,10 @@ __device__ void dispatch_copy_out_body(const Group g, i64 row_bytes, i64 scale_c
         const u64 slab_rows = worst > 0 ? (u64)worst : (u64)n;
         slab = Slab::make(slab_rows, row_bytes, scale_cols, topk);
         // a slab past the region was refused by every sender (overflow): nothing arrived
-        received = slab.nbytes <= g.capacity ? min_of<i64>(n, rows_out) : 0;
+        received = g.fits(g.rank, slab.nbytes) ? min_of<i64>(n, rows_out) : 0;
     }
     __syncthreads();
-    const u8* region = g.own(g.data_off);
+    const u8* region = g.own(g.slab_at(g.rank));
     const int lane = lane_id();
     const i64 warp0 = (i64)blockIdx.x * warps_per_block() + warp_id();
     const i64 nwarps = (i64)gridDim.x * warps_per_block();
@@ -292,7 +325,8 @@ __device__ void combine_send_body(const Group g, const ErrorSink err, const u8* 
         }
         row0[s] = before;
         slab[s] = Slab::make(rows, row_bytes, 0, topk);
-        fits[s] = slab[s].nbytes <= g.capacity;
+        g.note_end(s, slab[s].nbytes, R);
+        fits[s] = g.fits(s, slab[s].nbytes);
         if (!fits[s]) err.report(kErrOverflow, epoch, s, (i32)rows);
         fits[s] = fits[s] && g.live.on(s);  // a masked token owner gets nothing back
     }
@@ -306,8 +340,9 @@ __device__ void combine_send_body(const Group g, const ErrorSink err, const u8* 
         if (!fits[s]) continue;
         const u64 row = row0[s] + (u64)(i - src_start[s]);
         const Slab& sl = slab[s];
-        t.put_warp(s, g.data_off + sl.x + row * row_bytes, x + i * row_bytes, row_bytes);
-        if (topk_w) t.put_warp(s, g.data_off + sl.w + row * topk * 4, topk_w + i * topk, topk * 4);
+        t.put_warp(s, g.slab_at(s) + sl.x + row * row_bytes, x + i * row_bytes, row_bytes);
+        if (topk_w)
+            t.put_warp(s, g.slab_at(s) + sl.w + row * topk * 4, topk_w + i * topk, topk * 4);
     }
     if (last_block_arrives(counter, &last)) signal_done_all<R>(t, g, done_off, done_stride, epoch);
 }
@@ -339,10 +374,10 @@ __device__ void combine_reduce_body(const Group g, i64 hidden, i64 topk, const i
             at += (u64)max_of<i64>(seg_rows[d], 0);
         }
         slab = Slab::make(at, row_bytes, 0, topk);
-        if (slab.nbytes > g.capacity)  // refused by every sender (overflow): nothing came
+        if (!g.fits(g.rank, slab.nbytes))  // refused by every sender (overflow): nothing came
             for (int d = 0; d < R; ++d) seg_rows[d] = 0;
     }
-    const u8* region = g.own(g.data_off);
+    const u8* region = g.own(g.slab_at(g.rank));
     const bool vec = (row_bytes % 16) == 0 && aligned(out, 16);
     for (i64 tok = blockIdx.x; tok < num_tokens; tok += gridDim.x) {
         __syncthreads();  // slab ready / previous token's pos no longer read

@@ -131,6 +131,9 @@ MOE_DEVICE bool block_failed(const ErrorSink& err, const u64* fence = nullptr) {
             err.report(kErrMasked, 0, -1, 0);
             failed = true;
         }
+#ifdef MOE_EMU  // tests: a late writer, stopped between this check and its stores
+        if (!failed && fence) emu::stop_point(err.op);
+#endif
     }
     __syncthreads();
     return failed;

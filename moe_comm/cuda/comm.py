@@ -114,8 +114,17 @@ class CudaComm:
         self.told = None                 # elastic: the ranks the last agreement kept
         self.masked_out = False          # this rank was masked by a mask the host knows
         self.agree_seq = 0
+        # elastic: int64 [2R + 1], where each rank's normal-mode slabs start in its data
+        # region (moved past the slabs a rank dropped mid-operation may still write: a late
+        # writer), where the operation in flight ends there, and whether the next operation
+        # moves them (csrc/kernels/normal.cuh Group)
+        # elastic: int64 [4R], the LL combine rows held back from masked ranks that may still
+        # write them (csrc/kernels/low_latency.cuh ReturnRows)
+        self.floors = self.ll_holds = None
         if self.elastic:
             self._enable_masking()
+            self.floors = torch.zeros(2 * num_ranks + 1, dtype=torch.int64, device=self.device)
+            self.ll_holds = torch.zeros(4 * num_ranks, dtype=torch.int64, device=self.device)
         self.epoch = 0
         self.notify_seq = 0
         self.last_call = ("normal", 0)    # whose signatures a mismatch error reads (check)
@@ -262,7 +271,9 @@ class CudaComm:
                                 "it")
         if code == ERR_OVERFLOW:
             raise CudaCommError(f"{op}: more rows than the receive region holds at rank(s) "
-                                f"{ranks} (num_worst_tokens or the buffer too small; "
+                                f"{ranks} (num_worst_tokens or the buffer too small, or, "
+                                "elastic, too little of it left beside what is held back from "
+                                "a rank masked mid-call that may still write there; "
                                 f"rows={int(self._err[3])})")
         raise CudaCommError(f"{op}: rank(s) {ranks} are not reachable by pointer and no "
                             "network transport is configured")
@@ -299,6 +310,8 @@ class CudaComm:
         first = self.layout.ll_first * 8
         memory.memset(self.device, base + first, 0, self.layout.num_words * 8 - first)
         memory.memset(self.device, base + self.ll_offset, 0, self.ll_bytes)
+        if self.ll_holds is not None:   # the DONE words held rows wait on now read 0
+            self.ll_holds[3 * self.num_ranks:] = 0
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self.ll_seq = {"dispatch": 0, "combine": 0}

@@ -26,10 +26,12 @@ from .kernel_inputs import errors, ll_group
 AGREE_GRACE_NS = 10**9    # HostComm's AGREE_GRACE_S: the round waits a deadline plus this
 
 
-def agree(comm: CudaComm, op: str, matrix=None) -> None:
+def agree(comm: CudaComm, op: str, matrix=None, floors=None) -> None:
     """Queue the mask agreement of an elastic group on the current stream (a no-op for a
     group that is not elastic). ``matrix``: int32 [R, R] count matrix to zero the masked
-    ranks' rows and columns of."""
+    ranks' rows and columns of. ``floors`` (``comm.floors``, at the end of a normal
+    operation): moved past this operation's slabs if a rank that may still write there is
+    dropped (csrc/kernels/elastic.cuh)."""
     if not comm.elastic:
         return
     comm.agree_seq = comm.agree_seq % MAX_EPOCH + 1
@@ -45,5 +47,6 @@ def agree(comm: CudaComm, op: str, matrix=None) -> None:
                 active=comm.active, told=comm.told, mask_off=lay.mask(0, 0) * 8,
                 decided_off=lay.decided(seq % 2, 0) * 8, fence_off=lay.fence * 8,
                 row_stride=row_stride, mask_words=lay.mask_words, seq=seq,
-                tag0=agree_round_tag(seq, 1, R), max_rounds=agree_rounds(R), matrix=matrix),
+                tag0=agree_round_tag(seq, 1, R), max_rounds=agree_rounds(R), matrix=matrix,
+                floors=floors),
            device=comm.device)

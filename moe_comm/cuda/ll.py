@@ -37,9 +37,12 @@ class CudaLowLatencyHandle(LowLatencyHandle):
     """LowLatencyHandle with device tables: ``send_index`` int32 [T, K] (message index of
     each routed (token, slot) in this rank's message order: where combine finds its returned
     row), ``return_base`` int64 [R], ``recv_meta`` int64 [E/R, R*M], ``recv_ranges`` int64
-    [E/R, R, 2]. ``send_tok``/``send_slot`` (the host backend's form) stay None."""
+    [E/R, R, 2]. ``send_tok``/``send_slot`` (the host backend's form) stay None. Elastic:
+    ``return_runs`` int32 [R, 2], the combine rows this rank's messages to each rank come back
+    to (low_latency.cuh ReturnRows)."""
 
     send_index: torch.Tensor = None
+    return_runs: torch.Tensor = None
 
 
 def _offsets(comm: CudaComm, lay: LLLayout, buf: int):
@@ -99,6 +102,7 @@ def dispatch_send(comm: CudaComm, *, x, topk_idx, lay: LLLayout, use_fp8: bool,
     buf = seq % LL_NUM_BUFFERS
     off = _offsets(comm, lay, buf)
     send_index = torch.empty(num_tokens, topk, dtype=torch.int32, device=comm.device)
+    shift, runs = _return_rows(comm)
     call_row = signature.low_latency(hidden=hidden, use_fp8=use_fp8, round_scale=round_scale,
                                      topk=topk, num_experts=lay.num_experts,
                                      max_tokens=lay.max_tokens)
@@ -115,9 +119,20 @@ def dispatch_send(comm: CudaComm, *, x, topk_idx, lay: LLLayout, use_fp8: bool,
                 hidden=hidden, topk_idx=topk_idx.contiguous(), topk=topk,
                 num_experts=lay.num_experts, send_index=send_index, seq=seq,
                 active=comm.active, call_off=comm.layout.ll_call(buf, 0) * 8,
-                **call_args(call_row)), device=comm.device)
+                **call_args(call_row), holds=comm.ll_holds, shift_used=shift, runs=runs,
+                rows_cap=lay.max_tokens * LL_MAX_TOPK), device=comm.device)
     return CudaLowLatencyHandle(buffer_key, seq, buf, lay.max_tokens, hidden, lay.num_experts,
-                                num_tokens, topk, send_index=send_index, call_row=call_row)
+                                num_tokens, topk, send_index=send_index, call_row=call_row,
+                                return_runs=runs)
+
+
+def _return_rows(comm: CudaComm):
+    """Elastic: (int32 [1] = -1, the shift the dispatch's blocks agree on; int32 [R, 2], its
+    rows per expert rank) for low_latency.cuh ReturnRows; else (None, None)."""
+    if comm.ll_holds is None:
+        return None, None
+    return (torch.full((1,), -1, dtype=torch.int32, device=comm.device),
+            torch.zeros(comm.num_ranks, 2, dtype=torch.int32, device=comm.device))
 
 
 def dispatch_recv(comm: CudaComm, handle: LowLatencyHandle, lay: LLLayout, *, recv_x,
@@ -222,5 +237,7 @@ def combine_recv(comm: CudaComm, seq: int, buf: int, lay: LLLayout, *, handle, t
                 topk_idx=topk_idx.contiguous(), topk_w=topk_weights.contiguous(),
                 send_index=handle.send_index, free_off=comm.layout.ll_combine_free(buf, 0) * 8,
                 seq=seq, out=out, counter=comm.counter("ll_combine_recv"),
-                num_local=lay.num_local, active=comm.active), device=comm.device)
+                num_local=lay.num_local, active=comm.active, holds=comm.ll_holds,
+                runs=handle.return_runs, done_off=comm.layout.ll_combine_done(buf, 0) * 8),
+           device=comm.device)
     return out

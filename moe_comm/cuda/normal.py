@@ -197,7 +197,7 @@ def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_w
                 worst=num_worst_tokens, done_off=comm.done_offset(), done_stride=SIGNAL_STRIDE,
                 epoch=epoch, counter=comm.counter("dispatch_send")), device=dev)
     _wait_done(comm, k, epoch, "dispatch/payload")
-    agree(comm, "dispatch/payload")
+    agree(comm, "dispatch/payload", floors=comm.floors)
 
     recv_x = torch.empty(rows_out, row_bytes, dtype=torch.uint8, device=dev)
     # the kernels copy scale_cols 4-byte words per row (declared float*): int32 scales
@@ -258,7 +258,7 @@ def combine(comm: CudaComm, *, x, handle: CudaDispatchHandle, topk_weights, bias
                 matrix=handle.matrix, done_off=comm.done_offset(), done_stride=SIGNAL_STRIDE,
                 epoch=epoch, counter=comm.counter("combine_send")), device=dev)
     _wait_done(comm, k, epoch, "combine/payload")
-    agree(comm, "combine/payload")
+    agree(comm, "combine/payload", floors=comm.floors)
 
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=dev)
     w_out = torch.empty(num_tokens, topk, dtype=torch.float32, device=dev) if topk else None

@@ -35,12 +35,13 @@ from .. import signature
 from ..errors import RankMaskedError
 from ..shm import atomics
 from ..shm.identity import host_identity, ranks_by_host
-from ..shm.segment import Segment, reclaim_stale_segments, segment_name
+from ..shm.segment import Segment, pid_alive, reclaim_stale_segments, segment_name, segment_pid
 from ..transport import open_transport
 from ..wire import (CALL_WORDS, MAGIC, MAX_EPOCH, PAGE, VERSION, HeaderLayout, agree_round_tag,
                     agree_rounds, eager_slot_bytes, ll_stride, mask_bits, mask_words, round_up,
                     tag_value)
 from .heap import PageHeap
+from .late_rows import LateRows
 from .relay import Relays
 
 log = logging.getLogger("moe_comm")
@@ -112,6 +113,8 @@ class HostComm:
         names = [None] * self.num_ranks
         dist.all_gather_object(names, self._own.name, group=group)
         remote = set(self.remote_ranks)
+        # processes of the ranks on this host: a masked one that is gone writes nothing more
+        self._pids = [None if r in remote else segment_pid(n) for r, n in enumerate(names)]
         try:
             for r, name in enumerate(names):
                 self.segments.append(self._own if r == self.rank else None if r in remote
@@ -139,6 +142,7 @@ class HostComm:
         self.ll_base = {"dispatch": 0, "combine": 0}
         self._told = self.active.copy()     # whom agreements tell: the last decision
         self.heap = PageHeap(self._own.bytes, self.heap_offset, self.heap_bytes)
+        self.late_rows = LateRows(self.gone)     # LL combine rows a masked rank may write
 
     # -- primitives -----------------------------------------------------------------------
     def next_epoch(self) -> int:
@@ -342,6 +346,11 @@ class HostComm:
             raise RankMaskedError(f"rank {self.rank} was masked out by rank "
                                   f"{int(tag_value(w)) - 1} (it missed the survivors' deadline);"
                                   " a new Buffer is needed to rejoin")
+
+    def gone(self, rank: int) -> bool:
+        """Whether ``rank``'s process is known to be gone (a rank on this host only)."""
+        pid = self._pids[rank]
+        return pid is not None and not pid_alive(pid)
 
     def peer_heap(self, rank: int) -> torch.Tensor:
         return self._heaps[rank]

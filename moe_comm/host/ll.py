@@ -32,7 +32,8 @@ from .. import signature
 from ..errors import CallMismatchError
 from ..handle import LowLatencyHandle
 from ..quant import pack_ue8m0, quantize_fp8
-from ..wire import CALL_WORDS, LL_CALL_FIELDS, LL_NUM_BUFFERS, LLLayout, ll_msg_stride, tag_value
+from ..wire import (CALL_WORDS, LL_CALL_FIELDS, LL_MAX_TOPK, LL_NUM_BUFFERS, LLLayout,
+                    ll_msg_stride, tag_epoch, tag_value)
 
 COMBINE_CHUNK_ROWS = 64           # float32 copy of 64 returned rows stays in cache
 
@@ -81,9 +82,6 @@ def _publish_free(comm, slot, seq):
 def dispatch_send(comm, *, x, topk_idx, lay: LLLayout, use_fp8, round_scale, buffer_key):
     """Post this rank's messages. Returns the handle (completed by :func:`dispatch_recv`)."""
     comm.start_call()
-    comm.ll_seq["dispatch"] += 1
-    seq = comm.ll_seq["dispatch"]
-    buf = seq % LL_NUM_BUFFERS
     me, R, num_local = comm.rank, comm.num_ranks, lay.num_local
     num_tokens, hidden = x.shape
     stride = ll_msg_stride(hidden, use_fp8)
@@ -101,6 +99,10 @@ def dispatch_send(comm, *, x, topk_idx, lay: LLLayout, use_fp8, round_scale, buf
     tok, slot, expert = tok[order], slot[order], expert[order]
     meta = (tok << 8) | slot
     counts = torch.bincount(expert, minlength=lay.num_experts)
+    shift = _place_return_rows(comm, lay, tok.numel(), hidden)    # before anything moves
+    comm.ll_seq["dispatch"] += 1
+    seq = comm.ll_seq["dispatch"]
+    buf = seq % LL_NUM_BUFFERS
     starts = (torch.cumsum(counts, 0) - counts).tolist() + [tok.numel()]
     counts_l = counts.tolist()
     half = comm.ll_stride
@@ -116,8 +118,11 @@ def dispatch_send(comm, *, x, topk_idx, lay: LLLayout, use_fp8, round_scale, buf
                                      topk=topk_idx.shape[1], num_experts=lay.num_experts,
                                      max_tokens=M)
 
+    sent_to = np.zeros(R, dtype=bool)
+
     def send(dst, _grant):
         comm.check_fence()             # a rank the survivors masked writes nothing
+        sent_to[dst] = True
         # the signature first: a receiver with another layout still finds it (moe_comm/
         # signature.py), and checks it before it trusts the count row
         comm.signal(dst, comm.layout.ll_call(buf, me), seq, call_row)
@@ -134,13 +139,34 @@ def dispatch_send(comm, *, x, topk_idx, lay: LLLayout, use_fp8, round_scale, buf
                 comm.commit(dst, "ll", payload + at * stride, c * stride)
                 comm.commit(dst, "ll", meta_off + at * 8, c * 8)
         comm.ll_signal(dst, count_off, seq,
-                       counts_l[dst * num_local:(dst + 1) * num_local] + [bounds[dst]])
+                       counts_l[dst * num_local:(dst + 1) * num_local] + [bounds[dst] + shift])
 
     _wait_free(comm, "dispatch", lambda r: comm.layout.ll_dispatch_free(buf, r), seq,
                "low_latency_dispatch/free", send)
     return LowLatencyHandle(buffer_key, seq, buf, lay.max_tokens, hidden, lay.num_experts,
                             num_tokens, topk_idx.shape[1], send_tok=tok, send_slot=slot,
-                            call_row=call_row)
+                            call_row=call_row, return_shift=shift, sent_to=sent_to)
+
+
+def _combine_offsets(comm, lay: LLLayout) -> list:
+    """Where each buffer's combine rows start in this rank's low-latency region."""
+    return [lay.offset(b, "combine", comm.ll_stride) for b in range(LL_NUM_BUFFERS)]
+
+
+def _place_return_rows(comm, lay: LLLayout, rows: int, hidden: int) -> int:
+    """The row of this rank's combine region where the results of its ``rows`` messages
+    will come back: past the rows a masked rank may still write into (host/late_rows.py)."""
+    shift = comm.late_rows.place(rows, hidden * 2, _combine_offsets(comm, lay),
+                                 lay.max_tokens * LL_MAX_TOPK)
+    if shift is None:
+        held = comm.late_rows.held
+        raise RuntimeError(
+            f"low-latency dispatch: no room for {rows} combine rows: "
+            f"{sum(end - start for start, end, _ in held)} bytes of the combine region are held "
+            f"back from masked rank(s) {sorted({r for *_, r in held})}, which may still write "
+            "there (until their late rows come or their processes are gone); a new Buffer "
+            "starts clean")
+    return shift
 
 
 def _check_signatures(comm, handle) -> None:
@@ -261,10 +287,12 @@ def combine_recv(comm, seq, buf, lay: LLLayout, *, handle, topk_idx, topk_weight
     comb_off = lay.offset(buf, "combine", comm.ll_stride)
     tok, slot = handle.send_tok, handle.send_slot          # my messages, in return order
     n = tok.numel()
-    rows = comm.peer_ll(me)[comb_off:comb_off + n * hidden * 2].view(torch.bfloat16).view(
-        n, hidden)
+    at = comb_off + handle.return_shift * hidden * 2
+    rows = comm.peer_ll(me)[at:at + n * hidden * 2].view(torch.bfloat16).view(n, hidden)
     if not comm.active.all():       # rows of inactive expert ranks never came (or are void)
-        keep = torch.from_numpy(comm.active)[topk_idx[tok, slot] // lay.num_local]
+        owner = topk_idx[tok, slot] // lay.num_local
+        _hold_late_rows(comm, handle, seq, owner, at, hidden, waits)
+        keep = torch.from_numpy(comm.active)[owner]
         tok, slot, rows = tok[keep], slot[keep], rows[keep]
         n = tok.numel()
     w = topk_weights[tok, slot].unsqueeze(1)
@@ -275,3 +303,16 @@ def combine_recv(comm, seq, buf, lay: LLLayout, *, handle, topk_idx, topk_weight
     out.copy_(acc)
     _publish_free(comm, comm.layout.ll_combine_free(buf, me), seq)
     return out
+
+
+def _hold_late_rows(comm, handle, seq, owner, at, hidden, waits) -> None:
+    """Hold back the rows of combine call ``seq`` (``at``: its first row's byte, ``owner``:
+    the expert rank of each row, a run per rank) that a masked rank was sent messages for
+    and whose DONE never came: it may be stopped right before its copy (host/late_rows.py)."""
+    per_rank = torch.bincount(owner, minlength=comm.num_ranks).tolist()
+    first = np.cumsum([0] + per_rank[:-1]).tolist()
+    row_bytes = hidden * 2
+    for r in np.flatnonzero(~comm.active & handle.sent_to).tolist():
+        if per_rank[r] and tag_epoch(int(waits[r][0])) != seq:
+            start = at + first[r] * row_bytes
+            comm.late_rows.hold(start, start + per_rank[r] * row_bytes, r, waits[r], seq)

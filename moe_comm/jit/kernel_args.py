@@ -87,7 +87,8 @@ def _params(text: str) -> tuple:
 
 # Shared leading groups (the C++ builds its structs from these names: MOE_GROUP, MOE_ERRORS,
 # MOE_CALL_ROW in csrc/kernels).
-GROUP = "const u64* bases, i64 rank, i64 data_off, i64 capacity, i64 timeout_ns, i32* active"
+GROUP = ("const u64* bases, i64 rank, i64 data_off, i64 capacity, i64 timeout_ns, i32* active, "
+         "i64* floors")
 LL_GROUP = "const u64* bases, i64 rank, i64 num_ranks, i64 timeout_ns"
 ERRORS = "i32* err_host, i32* err_dev, i64 op"
 CALL = ", ".join(f"i64 call{i}" for i in range(CALL_WORDS))
@@ -119,7 +120,7 @@ _DECLARED = {
     "moe_combine_reduce_f32": _REDUCE.format(out="float"),
     "moe_agree": f"{LL_GROUP}, {ERRORS}, i32* active, i32* told, i64 mask_off, "
                  "i64 decided_off, i64 fence_off, i64 row_stride, i64 mask_words, i64 seq, "
-                 "i64 tag0, i64 max_rounds, i32* matrix",
+                 "i64 tag0, i64 max_rounds, i32* matrix, i64* floors",
     # ---- ll.cu: low-latency mode (ll.py)
     "moe_ll_wait": f"{LL_GROUP}, {ERRORS}, i64 offset, i64 src_stride, i64 words, i64 epoch, "
                    "i32* active",
@@ -128,7 +129,8 @@ _DECLARED = {
                             "i64 counts_off, i64 count_row_words, i64 stride, i64 max_tokens, "
                             "const u16* x, i64 num_tokens, i64 hidden, const i64* topk_idx, "
                             "i64 topk, i64 num_experts, i32* send_index, i64 seq, i32* active, "
-                            f"i64 call_off, {CALL}",
+                            f"i64 call_off, {CALL}, i64* holds, i32* shift_used, i32* runs, "
+                            "i64 rows_cap",
     "moe_ll_dispatch_recv": f"{LL_GROUP}, {ERRORS}, i64 payload_off, i64 meta_off, "
                             "i64 counts_off, i64 count_row_words, i64 stride, i64 max_tokens, "
                             "i64 hidden, i64 num_local, i64 free_off, i64 seq, u8* recv_x, "
@@ -141,7 +143,8 @@ _DECLARED = {
     "moe_ll_combine_recv": f"{LL_GROUP}, {ERRORS}, i64 combine_off, i64 hidden, "
                            "i64 num_tokens, i64 topk, i64 rows_cap, const i64* topk_idx, "
                            "const float* topk_w, const i32* send_index, i64 free_off, i64 seq, "
-                           "u16* out, i32* counter, i64 num_local, i32* active",
+                           "u16* out, i32* counter, i64 num_local, i32* active, i64* holds, "
+                           "const i32* runs, i64 done_off",
     # ---- csrc/ibgda/selftest.cu (moe_comm/testing/ibgda_selftest.py)
     "moe_ibgda_test_send": f"const u64* bases, {ERRORS}, i64 peer, i64 dst_off, const u8* src, "
                            "i64 bytes, i64 sig_off, i64 word",

@@ -23,6 +23,14 @@ def segment_name(job: str, rank: int) -> str:
     return f"{PREFIX}{job}.{rank}.{os.getpid()}"
 
 
+def segment_pid(name: str):
+    """The creator's pid in a segment's name, or None for a name of another form."""
+    try:
+        return int(name.rsplit(".", 1)[1])
+    except (IndexError, ValueError):
+        return None
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -43,11 +51,8 @@ def reclaim_stale_segments(shm_dir: str = SHM_DIR) -> list:
     for name in names:
         if not name.startswith(PREFIX):
             continue
-        try:
-            pid = int(name.rsplit(".", 1)[1])
-        except (IndexError, ValueError):
-            continue
-        if not pid_alive(pid):
+        pid = segment_pid(name)
+        if pid is not None and not pid_alive(pid):
             try:
                 os.unlink(os.path.join(shm_dir, name))
                 removed.append(name)
