@@ -11,8 +11,10 @@ from __future__ import annotations
 import logging
 
 import numpy as np
+import torch
 
 from ..errors import BufferTooSmallError
+from ..layout import local_topk
 from ..wire import GRANT_FAILED, PAGE, tag_epoch, tag_value
 
 log = logging.getLogger("moe_comm")
@@ -91,6 +93,32 @@ def send_when_granted(comm, epoch, dests, write, need, op, agrees=None, written=
 
     comm.wait({d: comm.slot(me, comm.layout.grant(d), 2) for d in dests}, epoch, op, on_ready)
     return failed, short
+
+
+def put_rows(comm, dst, base, lay, row, ids, x_bytes, scales, topk_idx, topk_weights,
+              num_local):
+    """This rank's tokens ``ids`` as rows ``row..`` of the slab ``lay`` at byte ``base`` of
+    ``dst``'s heap view (a granted region or an eager slot), top-k ids made local to dst;
+    committed (ranks on other hosts)."""
+    c, heap, offs, spans = len(ids), comm.peer_heap(dst), lay.offsets, []
+
+    def rows(sub, width, elem, dt):
+        start = base + offs[sub] + row * width * elem
+        spans.append((start, c * width * elem))
+        return heap[start:start + c * width * elem].view(dt).view(c, width)
+
+    torch.index_select(x_bytes, 0, ids, out=rows(0, x_bytes.shape[1], 1, torch.uint8))
+    if scales is not None:
+        torch.index_select(scales, 0, ids, out=rows(1, scales.shape[1], 4, scales.dtype))
+    if topk_idx is not None:
+        topk = topk_idx.shape[1]
+        li, lw = local_topk(topk_idx[ids], None if topk_weights is None
+                            else topk_weights[ids], dst, num_local)
+        rows(2, topk, 8, torch.int64).copy_(li)
+        w = rows(3, topk, 4, torch.float32)
+        w.copy_(lw) if lw is not None else w.zero_()
+    for start, nbytes in spans:
+        comm.commit(dst, "heap", start, nbytes)
 
 
 def signature_check(comm, epoch, op, calls, call_row):

@@ -34,15 +34,16 @@ import torch
 from .. import signature
 from ..errors import BufferTooSmallError
 from ..handle import DispatchHandle
-from ..layout import local_topk, tokens_per_host
+from ..layout import tokens_per_host
 from ..wire import PAGE, SlabLayout, stream_chunk_rows
 from . import eager, relay
 from .exchange import (ReceiverFailed, done_words, exchange_counts, grant, keeps_in_step,
-                       release_on_error, send_when_granted, settle, signature_check)
+                       put_rows, release_on_error, send_when_granted, settle,
+                       signature_check)
 from .reduce import sum_rows_per_token
 
 log = logging.getLogger("moe_comm")
-__all__ = ["ReceiverFailed", "dispatch", "combine"]
+__all__ = ["ReceiverFailed", "combine", "dispatch"]
 
 
 class RoundPlan:
@@ -152,7 +153,7 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
     eager_on = comm.eager_slot > 0 and _relays(comm) is None
 
     def put(dst, base, lay, row, ids):
-        _put_rows(comm, dst, base, lay, row, ids, x_bytes, scales, topk_idx, topk_weights,
+        put_rows(comm, dst, base, lay, row, ids, x_bytes, scales, topk_idx, topk_weights,
                   num_local)
 
     def send_eagerly(counts, ids_to):     # rows that fit a slot, before anything else
@@ -309,32 +310,6 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
             recv_idx[num_recv:] = -1
             recv_w[num_recv:] = 0
     return recv_x, recv_scales, recv_idx, recv_w, handle
-
-
-def _put_rows(comm, dst, base, lay, row, ids, x_bytes, scales, topk_idx, topk_weights,
-              num_local):
-    """This rank's tokens ``ids`` as rows ``row..`` of the slab ``lay`` at byte ``base`` of
-    ``dst``'s heap view (a granted region or an eager slot), top-k ids made local to dst;
-    committed (ranks on other hosts)."""
-    c, heap, offs, spans = len(ids), comm.peer_heap(dst), lay.offsets, []
-
-    def rows(sub, width, elem, dt):
-        start = base + offs[sub] + row * width * elem
-        spans.append((start, c * width * elem))
-        return heap[start:start + c * width * elem].view(dt).view(c, width)
-
-    torch.index_select(x_bytes, 0, ids, out=rows(0, x_bytes.shape[1], 1, torch.uint8))
-    if scales is not None:
-        torch.index_select(scales, 0, ids, out=rows(1, scales.shape[1], 4, scales.dtype))
-    if topk_idx is not None:
-        topk = topk_idx.shape[1]
-        li, lw = local_topk(topk_idx[ids], None if topk_weights is None
-                            else topk_weights[ids], dst, num_local)
-        rows(2, topk, 8, torch.int64).copy_(li)
-        w = rows(3, topk, 4, torch.float32)
-        w.copy_(lw) if lw is not None else w.zero_()
-    for start, nbytes in spans:
-        comm.commit(dst, "heap", start, nbytes)
 
 
 def _rows_of(counts: np.ndarray, active: np.ndarray) -> torch.Tensor:

@@ -36,10 +36,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..layout import local_topk
 from ..wire import PAGE, SlabLayout, tag_value
-from .exchange import (DONE_LOST, DONE_WRITTEN, done_words, grant, release_on_error,
-                       send_when_granted, settle, signature_check)
+from .exchange import (DONE_LOST, DONE_WRITTEN, done_words, grant, put_rows,
+                       release_on_error, send_when_granted, settle, signature_check)
 from .reduce import sum_rows_per_token
 
 
@@ -140,6 +139,15 @@ def fits(routes: Routes, R: int, final_rows: list, row_bytes, scale_cols, topk,
     return all(final[f] + stage[f] <= free_bytes[f] for f in range(R))
 
 
+def _grant_two(comm, epoch, own, extra, refuse=None):
+    """A relay call's two grants, each ``(nbytes, what, senders)``: the region this rank's
+    own host writes, and the one ranks of other hosts write (none when no sender). Returns
+    (page, extra page, the first error)."""
+    page, error = grant(comm, epoch, *own, refuse)
+    extra_page, extra_error = grant(comm, epoch, *extra) if extra[2] else (None, None)
+    return page, extra_page, error or extra_error
+
+
 def _view(heap, base, lay: SlabLayout, sub: int, row: int, count: int, width: int,
           elem: int, dtype, spans: list):
     """Rows ``[row, row + count)`` of sub-array ``sub`` of the region ``lay`` at byte
@@ -170,10 +178,9 @@ def dispatch(comm, epoch, handle, *, x_bytes, scales, topk_idx, topk_weights, nu
 
     writers = [w for w in relays.local if routes.forwards(w, me)]
     senders = [s for s in relays.relayed[me] if routes.host_counts[s, here]]
-    page, own_error = grant(comm, epoch, final(me).nbytes, "dispatch", writers, refuse)
-    stage_page, stage_error = grant(comm, epoch, staging(me).nbytes, "dispatch (relay staging)",
-                                    senders) if senders else (None, None)
-    own_error = own_error or stage_error
+    page, stage_page, own_error = _grant_two(
+        comm, epoch, (final(me).nbytes, "dispatch", writers),
+        (staging(me).nbytes, "dispatch (relay staging)", senders), refuse)
     agrees = signature_check(comm, epoch, "dispatch", calls, call_row)
     stage_dones, dones = done_words(comm, senders), done_words(comm, writers)
     try:
@@ -204,32 +211,20 @@ def dispatch(comm, epoch, handle, *, x_bytes, scales, topk_idx, topk_weights, nu
         failed, short = send_when_granted(comm, epoch, list(relay_of), stage,
                                           lambda f: staging(f).nbytes, "dispatch/grant", agrees)
         comm.wait(stage_dones, epoch, "dispatch/relay")
-        lost = stage_error is not None or any(
+        lost = (senders and stage_page is None) or any(
             int(tag_value(w[0])) != DONE_WRITTEN for w in stage_dones.values())
         staged = _staged(comm, routes, stage_page, staging(me), senders, here, relays,
                          scales, topk) if not lost else {}
 
         # 4. forward: own rows and relayed rows to each rank of this host
         def forward(d, d_page):
-            lay, heap, base, spans = final(d), comm.peer_heap(d), d_page * PAGE, []
-            parts = [(me, x_bytes, scales, topk_idx, topk_weights, handle.send_token_ids[d])]
-            li = relays.local_index[d]
-            parts += [(s, *rows, routes.masks[s][:, li].nonzero().flatten())
-                      for s, rows in staged.items() if m[s, d]]
-            for s, payload, sc, idx, wts, ids in parts:
-                at, c = int(row0[s, d]), len(ids)
-                torch.index_select(payload, 0, ids, out=_view(heap, base, lay, 0, at, c,
-                                                              row_bytes, 1, torch.uint8, spans))
-                if sc is not None:
-                    torch.index_select(sc, 0, ids, out=_view(heap, base, lay, 1, at, c,
-                                                             scale_cols, 4, sc.dtype, spans))
-                if topk:
-                    li_, lw = local_topk(idx[ids], None if wts is None else wts[ids], d,
-                                         num_local)
-                    _view(heap, base, lay, 2, at, c, topk, 8, torch.int64, spans).copy_(li_)
-                    w = _view(heap, base, lay, 3, at, c, topk, 4, torch.float32, spans)
-                    w.copy_(lw) if lw is not None else w.zero_()
-            _commit(comm, d, spans)
+            base, lay, li = d_page * PAGE, final(d), relays.local_index[d]
+            put_rows(comm, d, base, lay, int(row0[me, d]), handle.send_token_ids[d], x_bytes,
+                     scales, topk_idx, topk_weights, num_local)
+            for s, rows in staged.items():
+                if m[s, d]:
+                    put_rows(comm, d, base, lay, int(row0[s, d]),
+                             routes.masks[s][:, li].nonzero().flatten(), *rows, num_local)
 
         dests = [d for d in relays.local if routes.forwards(me, d)]
         f2, s2 = send_when_granted(comm, epoch, dests, forward, lambda d: final(d).nbytes,
@@ -289,10 +284,9 @@ def combine(comm, epoch, handle, *, x, topk_weights, bias, calls, call_row):
     writers = [d for d in relays.local if sum(routes.back_part(d, me))]
     remote_hosts = [h for h in range(relays.num_hosts) if h != here and routes.host_counts[me, h]]
     across = [relays.relay(me, h) for h in remote_hosts]
-    page, own_error = grant(comm, epoch, back(me).nbytes, "combine", writers)
-    part_page, part_error = grant(comm, epoch, partials(me).nbytes, "combine (relay partials)",
-                                  across) if across else (None, None)
-    own_error = own_error or part_error
+    page, part_page, own_error = _grant_two(
+        comm, epoch, (back(me).nbytes, "combine", writers),
+        (partials(me).nbytes, "combine (relay partials)", across))
     agrees = signature_check(comm, epoch, "combine", calls, call_row)
     dones, part_dones = done_words(comm, writers), done_words(comm, across)
     try:
