@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import logfmt as logfmt_codec
 from .errors import BufferTooSmallError
 from .handle import DispatchHandle, LowLatencyHandle
 from .signature import MAX_SCALE_COLS
@@ -480,22 +481,20 @@ def ll_dispatch_args(facts: BufferFacts, ll_bytes, x, topk_idx, max_tokens, num_
     return lay
 
 
-def logfmt(use_logfmt) -> None:
-    """``low_latency_combine(use_logfmt=True)``: DeepEP's log-domain encoding of the combine
-    rows is not built; refused rather than ignored, so a caller counting on its bandwidth (or
-    its rounding) learns it at once."""
+def logfmt(use_logfmt, hidden: int) -> None:
+    """``low_latency_combine(use_logfmt=...)``: a flag, and the encoding's blocks of 128
+    channels must tile the hidden size (moe_comm/logfmt.py)."""
+    flag("use_logfmt", use_logfmt)
     if use_logfmt:
-        raise NotImplementedError("low_latency_combine(use_logfmt=True): moe_comm does not "
-                                  "implement DeepEP's LogFMT encoding; combine rows travel as "
-                                  "bf16 (pass use_logfmt=False)")
+        logfmt_codec.row_bytes(hidden)
 
 
 def ll_combine_args(facts: BufferFacts, ll_bytes, x, topk_idx, topk_weights, handle,
                     use_logfmt, zero_copy, out, active_ranks) -> LLLayout:
     """``low_latency_combine``; returns the low-latency layout. With ``zero_copy`` x is
     ignored (the Buffer's own combine buffer is sent), so it is not checked."""
-    logfmt(use_logfmt)
     ll_handle(handle, facts.key)
+    logfmt(use_logfmt, handle.hidden)
     if not handle.received:
         raise RuntimeError("the dispatch of this handle has not received yet: call its "
                            "receive hook before low_latency_combine")

@@ -16,6 +16,7 @@ from moe_comm.host.late_rows import LateRows
 from moe_comm.quant import quantize_fp8
 from moe_comm.wire import tag
 from checks import check_ll, expert_ll, ll_inputs
+from moe_comm.reference import reference_ll_combine, reference_ll_dispatch
 from ranks import run_ranks
 
 
@@ -264,3 +265,56 @@ def test_late_rows_are_placed_around_and_released():
     assert held.place(95, row, offsets, 100) is None
     gone.add(3)                                           # ... but its process is gone
     assert held.place(95, row, offsets, 100) == 0
+
+
+def _logfmt_worker(rank, n, cases, odd_rank):
+    """Each case's combine with use_logfmt=True (rows LogFMT-encoded, moe_comm/logfmt.py);
+    then one combine where ``odd_rank`` passes use_logfmt=False: every rank raises
+    CallMismatchError, and the next combine works."""
+    out, mismatch = [], None
+    for case in cases:
+        buf = _buffer(case, n)
+        x, idx, w = ll_inputs(case, rank)
+        rx, cnt, handle, _, _ = buf.low_latency_dispatch(x, idx, case["max_tokens"],
+                                                         case["experts"], use_fp8=False)
+        y = expert_ll(rx, rank)
+        combined, _, _ = buf.low_latency_combine(y, idx, w, handle, use_logfmt=True)
+        out.append(dict(rx=rx.clone(), cnt=cnt, y=y, combined=combined.clone()))
+        if mismatch is None:
+            try:
+                buf.low_latency_combine(y, idx, w, handle, use_logfmt=rank != odd_rank)
+                mismatch = "no error"
+            except moe_comm.CallMismatchError as e:
+                mismatch = str(e)
+            again, _, _ = buf.low_latency_combine(y, idx, w, handle)
+            out[-1]["again"] = again.clone()
+        buf.destroy()
+    return out, mismatch
+
+
+def _reference_combine(ys, ins, case):
+    """Per rank the reference LL combine of expert outputs ``ys`` (one per rank) for inputs
+    ``ins`` ((x, idx, w) per rank)."""
+    sent = reference_ll_dispatch([i[0] for i in ins], [i[1] for i in ins], case["experts"],
+                                 case["max_tokens"])
+    return reference_ll_combine(ys, sent, [i[1] for i in ins], [i[2] for i in ins])
+
+
+def test_logfmt_combine_matches_reference_and_disagreement_raises_everywhere():
+    n = 4
+    cases = [dict(c, fp8=False, round_scale=False, ue8m0=False, hook=False, zero_copy=False)
+             for c in _cases(n) if c["hidden"] % 128 == 0][:3]
+    results = run_ranks(_logfmt_worker, n, cases, 1, timeout=180)
+    for ci, case in enumerate(cases):
+        ins = [ll_inputs(case, r) for r in range(n)]
+        ys = [results[d][0][ci]["y"] for d in range(n)]
+        comb = _reference_combine(ys, ins, case)
+        for r in range(n):
+            # LogFMT: about 1% per value, summed over at most top-k rows
+            torch.testing.assert_close(results[r][0][ci]["combined"].float(), comb[r].float(),
+                                       rtol=3e-2, atol=3e-2)
+            if ci == 0:               # the mismatch, then a plain combine that works
+                mismatch = results[r][1]
+                assert "use_logfmt" in mismatch and "rank 1 has False" in mismatch, (r, mismatch)
+                torch.testing.assert_close(results[r][0][0]["again"].float(), comb[r].float(),
+                                           rtol=2e-2, atol=2e-2)

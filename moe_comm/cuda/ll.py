@@ -185,10 +185,15 @@ def dispatch_recv(comm: CudaComm, handle: LowLatencyHandle, lay: LLLayout, *, re
     handle.received = True
 
 
-def combine_send(comm: CudaComm, *, x, handle: CudaLowLatencyHandle, lay: LLLayout):
+def combine_send(comm: CudaComm, *, x, handle: CudaLowLatencyHandle, lay: LLLayout,
+                 use_logfmt: bool = False):
     """Send every received row of ``x`` bf16 [E/R, R*M, H] back to its owner's combine rows,
     in the owner's message order (one contiguous run per owner). Returns ``(seq, buf)`` for
     :func:`combine_recv`."""
+    if use_logfmt:              # before anything moves
+        raise NotImplementedError("low_latency_combine(use_logfmt=True) runs on the host "
+                                  "backend only; the CUDA kernels send bf16 rows (pass "
+                                  "use_logfmt=False)")
     comm.begin_call()
     if x.dtype != torch.bfloat16:
         raise TypeError(f"low-latency combine takes bf16 x, got {x.dtype}")
@@ -215,7 +220,7 @@ def combine_send(comm: CudaComm, *, x, handle: CudaLowLatencyHandle, lay: LLLayo
 
 
 def combine_recv(comm: CudaComm, seq: int, buf: int, lay: LLLayout, *, handle, topk_idx,
-                 topk_weights, out, wait_stats=None):
+                 topk_weights, out, use_logfmt: bool = False, wait_stats=None):
     """Wait for every rank's rows; ``out`` bf16 [T, H] = sum_k w[t, k] * row(t, k) in float32
     (slots with id -1 skipped). ``handle``: this call's dispatch handle (its send_index);
     ``topk_idx`` int64 / ``topk_weights`` float32 [T, K], as dispatched. ``wait_stats``: left

@@ -30,6 +30,7 @@ import torch
 
 from .. import signature
 from ..errors import CallMismatchError
+from .. import logfmt
 from ..handle import LowLatencyHandle
 from ..quant import pack_ue8m0, quantize_fp8
 from ..wire import (CALL_WORDS, LL_CALL_FIELDS, LL_MAX_TOPK, LL_NUM_BUFFERS, LLLayout,
@@ -239,8 +240,14 @@ def dispatch_recv(comm, handle: LowLatencyHandle, lay: LLLayout, *, recv_x, recv
     _publish_free(comm, comm.layout.ll_dispatch_free(buf, me), handle.seq)
 
 
-def combine_send(comm, *, x, handle: LowLatencyHandle, lay: LLLayout):
-    """Send every packed row back to its (token, slot) in the owner's combine region."""
+# the bit of a LL_COMBINE_DONE value that says its rows are LogFMT-encoded (moe_comm/logfmt.py)
+DONE_LOGFMT = 1 << 30
+
+
+def combine_send(comm, *, x, handle: LowLatencyHandle, lay: LLLayout, use_logfmt=False):
+    """Send every packed row back to its (token, slot) in the owner's combine region: bf16,
+    or LogFMT-encoded (``use_logfmt``: the same slots, each run's rows packed from its first
+    slot on)."""
     comm.start_call()
     comm.ll_seq["combine"] += 1
     seq = comm.ll_seq["combine"]
@@ -261,10 +268,17 @@ def combine_send(comm, *, x, handle: LowLatencyHandle, lay: LLLayout):
         comm.check_fence()             # a rank the survivors masked writes nothing
         if n:
             at = comb_off + bases[owner] * hidden * 2
-            dst = comm.peer_ll(owner)[at:at + n * hidden * 2].view(torch.bfloat16).view(n, hidden)
-            torch.cat(blocks, out=dst)
-            comm.commit(owner, "ll", at, n * hidden * 2)
-        comm.signal(owner, comm.layout.ll_combine_done(buf, me), seq, n)
+            if use_logfmt:
+                rows = logfmt.encode(torch.cat(blocks))
+                comm.peer_ll(owner)[at:at + rows.numel()].view(rows.shape).copy_(rows)
+                comm.commit(owner, "ll", at, rows.numel())
+            else:
+                dst = comm.peer_ll(owner)[at:at + n * hidden * 2].view(torch.bfloat16).view(
+                    n, hidden)
+                torch.cat(blocks, out=dst)
+                comm.commit(owner, "ll", at, n * hidden * 2)
+        comm.signal(owner, comm.layout.ll_combine_done(buf, me), seq,
+                    n | (DONE_LOGFMT if use_logfmt else 0))
 
     _wait_free(comm, "combine", lambda r: comm.layout.ll_combine_free(buf, r), seq,
                "low_latency_combine/free", send)
@@ -272,7 +286,7 @@ def combine_send(comm, *, x, handle: LowLatencyHandle, lay: LLLayout):
 
 
 def combine_recv(comm, seq, buf, lay: LLLayout, *, handle, topk_idx, topk_weights, out,
-                 wait_stats=None):
+                 use_logfmt=False, wait_stats=None):
     """Wait for every rank's rows; ``out`` [T, H] = sum_k w[t, k] * row(t, k) (float32).
     ``wait_stats``: int64 [R] or None, adds the ns waited for each rank's rows."""
     me, R = comm.rank, comm.num_ranks
@@ -288,9 +302,17 @@ def combine_recv(comm, seq, buf, lay: LLLayout, *, handle, topk_idx, topk_weight
     tok, slot = handle.send_tok, handle.send_slot          # my messages, in return order
     n = tok.numel()
     at = comb_off + handle.return_shift * hidden * 2
-    rows = comm.peer_ll(me)[at:at + n * hidden * 2].view(torch.bfloat16).view(n, hidden)
+    region = comm.peer_ll(me)[at:at + n * hidden * 2]
+    encoded = {s: bool(tag_value(waits[s][0]) & DONE_LOGFMT) for s in range(R)
+               if comm.active[s]}
+    if any(e != bool(use_logfmt) for e in encoded.values()):
+        _publish_free(comm, comm.layout.ll_combine_free(buf, me), seq)
+        raise CallMismatchError("low_latency_combine", {"use_logfmt": {
+            **encoded, me: bool(use_logfmt)}})
+    owner = topk_idx[tok, slot] // lay.num_local
+    rows = _decoded(region, owner, hidden, R) if use_logfmt else \
+        region.view(torch.bfloat16).view(n, hidden)
     if not comm.active.all():       # rows of inactive expert ranks never came (or are void)
-        owner = topk_idx[tok, slot] // lay.num_local
         _hold_late_rows(comm, handle, seq, owner, at, hidden, waits)
         keep = torch.from_numpy(comm.active)[owner]
         tok, slot, rows = tok[keep], slot[keep], rows[keep]
@@ -302,6 +324,22 @@ def combine_recv(comm, seq, buf, lay: LLLayout, *, handle, topk_idx, topk_weight
         acc.index_add_(0, tok[m0:m1], rows[m0:m1].float().mul_(w[m0:m1]))
     out.copy_(acc)
     _publish_free(comm, comm.layout.ll_combine_free(buf, me), seq)
+    return out
+
+
+def _decoded(region, owner, hidden: int, num_ranks: int) -> torch.Tensor:
+    """float32 [n, hidden]: the LogFMT-encoded rows in ``region`` (the call's return slots,
+    a run per expert rank in rank order, ``owner`` the rank of each; each run's rows packed
+    from its first slot on) decoded."""
+    counts = torch.bincount(owner, minlength=num_ranks).tolist()
+    out = torch.empty(owner.numel(), hidden)
+    encoded_row, first = logfmt.row_bytes(hidden), 0
+    for c in counts:
+        if c:
+            at = first * hidden * 2
+            out[first:first + c] = logfmt.decode(
+                region[at:at + c * encoded_row].view(c, encoded_row), hidden)
+        first += c
     return out
 
 
