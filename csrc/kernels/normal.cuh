@@ -1,4 +1,4 @@
-// normal.cuh: normal (high-throughput) mode between ranks of one node, the CUDA twin of
+// normal.cuh: normal (high-throughput) mode between the ranks of a group, the CUDA twin of
 // moe_comm/host/normal.py. Same semantics and output order. R = number of ranks is a run-time
 // argument (Group::num_ranks: one program for every group size); per-rank tables live in
 // shared memory, sized by the compile-time bound kMaxRanks (moe_generated.cuh), and the loops

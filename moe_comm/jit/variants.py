@@ -40,7 +40,7 @@ from dataclasses import dataclass
 EXPERTS_PER_LAYOUT_BLOCK = 1024      # experts per block of the layout kernel's histograms
 # Ranks of one CUDA group at most (on one host or across hosts). A compile-time bound, not a
 # variant: per-rank shared tables are sized by it (256 of them fit the 48 KiB of static shared
-# memory a block may have: the largest, dispatch send's, takes about 14 KiB).
+# memory a block may have: the largest, dispatch send's, takes about 15 KiB).
 MAX_RANKS = 256
 SPECIALISED_HIDDEN = (1024, 2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
 GENERIC_HIDDEN = 0
