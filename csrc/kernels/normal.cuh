@@ -159,6 +159,18 @@ MOE_DEVICE void signal_done_all(const Transport& t, const Group& g, u64 done_off
 }
 
 // ---- dispatch send -----------------------------------------------------------------------
+// The first rank d >= from that a token goes to (pos: its row of send_pos), or R. The warp
+// reads 32 positions at once, so a token's few destinations among hundreds of ranks cost a
+// few reads, not one per rank. All lanes of the warp call it and get the same d.
+MOE_DEVICE int next_destination(const i32* pos, int from, int R) {
+    for (int d0 = from; d0 < R; d0 += kWarpSize) {
+        const int d = d0 + lane_id();
+        const u32 found = __ballot_sync(kFullMask, d < R && pos[d] >= 0);
+        if (found) return d0 + lowest_bit(found);
+    }
+    return R;
+}
+
 // x: [T, row_bytes] bytes; scales f32 [T, S] or null; topk_idx i64 [T, K] / topk_w f32 [T, K]
 // or null (cached dispatch sends neither); send_pos i32 [T, R] from the layout; matrix i32
 // [R, R] from notify. worst > 0 (num_worst_tokens): every destination's slab has exactly
@@ -199,47 +211,38 @@ __device__ void dispatch_send_body(const Group g, const ErrorSink err, const u8*
     const i64 warp0 = (i64)blockIdx.x * warps_per_block() + warp_id();
     const i64 nwarps = (i64)gridDim.x * warps_per_block();
     for (i64 tok = warp0; !failed && tok < num_tokens; tok += nwarps) {
-        // The token's destinations, 32 ranks at a time: each lane reads one send position and
-        // the warp visits only the ranks the token goes to (a few of up to kMaxRanks).
-        // Not unrolled: each pass copies a whole row, and copies of this body would not fit
-        // the 128 registers a 512-thread block allows (spills).
+        // Only the ranks the token goes to (next_destination). Not unrolled, and nothing but d
+        // carried from one pass to the next: each pass copies a whole row, and more of this
+        // body's state would not fit the 128 registers a 512-thread block allows (spills).
+        const i32* token_pos = send_pos + tok * R;
 #pragma unroll 1
-        for (int d0 = 0; d0 < R; d0 += kWarpSize) {
-            const int lane_rank = d0 + lane;
-            u32 todo =
-                __ballot_sync(kFullMask, lane_rank < R && send_pos[tok * R + lane_rank] >= 0);
-            while (todo) {
-                const int d = d0 + lowest_bit(todo);
-                todo &= todo - 1;
-                const i32 pos = send_pos[tok * R + d];
-                const u64 row = row0[d] + (u64)pos;
-                if (row >= limit[d]) continue;  // overflow, reported above
-                const Slab& s = slab[d];
-                const u64 base = g.slab_at(d);
-                t.put_warp(d, base + s.x + row * row_bytes, x + tok * row_bytes, row_bytes);
-                if (scales)
-                    t.put_warp(d, base + s.scales + row * scale_cols * 4,
-                               scales + tok * scale_cols, scale_cols * 4);
-                if (topk > 0) {
-                    // Top-k ids as seen by d: local ids, -1 where the expert lives elsewhere;
-                    // the weights are zeroed there so summing them back in combine restores
-                    // the input.
-                    i64* ids = (i64*)t.row_for_write(d, base + s.idx + row * topk * 8);
-                    float* ws = (float*)t.row_for_write(d, base + s.w + row * topk * 4);
-                    if (!ids || !ws) continue;  // unreachable rank (reported): nowhere to build
-                    for (i64 k = lane; k < topk; k += kWarpSize) {
-                        const i64 e = topk_idx[tok * topk + k];
-                        const i64 local = e - d * num_local;
-                        const bool mine = e >= 0 && local >= 0 && local < num_local;
-                        ids[k] = mine ? local : -1;
-                        ws[k] = mine && topk_w ? topk_w[tok * topk + k] : 0.0f;
-                    }
-                    __syncwarp();
-                    t.commit_row_warp(d, base + s.idx + row * topk * 8, (const u8*)ids,
-                                      topk * 8);
-                    t.commit_row_warp(d, base + s.w + row * topk * 4, (const u8*)ws,
-                                      topk * 4);
+        for (int d = next_destination(token_pos, 0, R); d < R;
+             d = next_destination(token_pos, d + 1, R)) {
+            const i32 pos = token_pos[d];
+            const u64 row = row0[d] + (u64)pos;
+            if (row >= limit[d]) continue;  // overflow, reported above
+            const Slab& s = slab[d];
+            const u64 base = g.slab_at(d);
+            t.put_warp(d, base + s.x + row * row_bytes, x + tok * row_bytes, row_bytes);
+            if (scales)
+                t.put_warp(d, base + s.scales + row * scale_cols * 4, scales + tok * scale_cols,
+                           scale_cols * 4);
+            if (topk > 0) {
+                // Top-k ids as seen by d: local ids, -1 where the expert lives elsewhere; the
+                // weights are zeroed there so summing them back in combine restores the input.
+                i64* ids = (i64*)t.row_for_write(d, base + s.idx + row * topk * 8);
+                float* ws = (float*)t.row_for_write(d, base + s.w + row * topk * 4);
+                if (!ids || !ws) continue;  // unreachable rank (reported): nowhere to build
+                for (i64 k = lane; k < topk; k += kWarpSize) {
+                    const i64 e = topk_idx[tok * topk + k];
+                    const i64 local = e - d * num_local;
+                    const bool mine = e >= 0 && local >= 0 && local < num_local;
+                    ids[k] = mine ? local : -1;
+                    ws[k] = mine && topk_w ? topk_w[tok * topk + k] : 0.0f;
                 }
+                __syncwarp();
+                t.commit_row_warp(d, base + s.idx + row * topk * 8, (const u8*)ids, topk * 8);
+                t.commit_row_warp(d, base + s.w + row * topk * 4, (const u8*)ws, topk * 4);
             }
         }
     }
