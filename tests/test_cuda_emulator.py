@@ -3,8 +3,8 @@
 (tests/cuda_cases.py). Runs wherever a C++17 compiler is; the GPU remains the judge of what
 the emulator does not model (csrc/emu/cuda_emu.h: warp-synchronous code, weak ordering).
 
-The 8- and 12-rank groups run a subset of the cases to keep the suite fast; every kind of case
-still runs on 2-4 ranks."""
+The 8-, 12- and 40-rank groups run a subset of the cases to keep the suite fast; every kind of
+case still runs on 2-4 ranks."""
 from __future__ import annotations
 
 import pytest
@@ -50,6 +50,22 @@ def test_normal_group_above_eight_ranks_matches_reference():
 
 def test_low_latency_group_above_eight_ranks_matches_reference():
     C.check_ll_group(ABOVE_EIGHT, CPU, C.ll_cases(ABOVE_EIGHT)[:2])
+
+
+# More ranks than a warp has lanes: the one-thread-per-rank waits span several warps and
+# dispatch send's destination search takes two ballots. 40 rank threads, so a few tokens a
+# rank: fp32 random and fp16 with num_worst_tokens (hidden 128), LL bf16 128; about 50 s.
+BEYOND_A_WARP = 40
+
+
+def test_group_beyond_a_warp_of_ranks_matches_reference():
+    n = BEYOND_A_WARP
+    normal = [c for c in C.normal_cases(n) if c["hidden"] == 128]
+    C.check_normal_group(n, CPU, [dict(normal[0], tokens=[4 + r % 3 for r in range(n)]),
+                                  dict(normal[-1], tokens=[3 + r % 2 for r in range(n)],
+                                       worst=5 * n)])
+    ll = C.ll_cases(n)[0]
+    C.check_ll_group(n, CPU, [dict(ll, tokens=[min(t, 4) for t in ll["tokens"]])])
 
 
 @pytest.mark.parametrize("seed", [1, 2])
