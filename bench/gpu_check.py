@@ -183,7 +183,7 @@ def ll_variants(hidden):
 
 def timing_variants(shape):
     from moe_comm.jit import variants as V
-    return [V.intranode(shape.ranks)] + ll_variants(shape.hidden)
+    return [V.intranode()] + ll_variants(shape.hidden)
 
 
 # ---- step: timing (ranks = streams of this process, or threads on the emulator) ----------------
@@ -538,7 +538,7 @@ def build_jobs(shape, dry_run):
     from moe_comm.jit.nvcc import build_cubin, kernel_program, selftest_program
     # what tests/test_ibgda_gpu.py and test_two_processes_through_nvshmem load (2 ranks,
     # generic hidden size)
-    programs = [selftest_program(), kernel_program(V.intranode(2))] + \
+    programs = [selftest_program(), kernel_program(V.intranode())] + \
         [kernel_program(v) for v in ll_variants(128)]
     return jobs + [(f"{p.label} {arch} (nvcc + NVSHMEM)", functools.partial(build_cubin, p, arch))
                    for p in programs]

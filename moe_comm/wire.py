@@ -73,7 +73,7 @@ FAILED_VALUE = VALUE_MASK
 # The CUDA kernels' error word (int32, pinned host memory, read by moe_comm/cuda/comm.py):
 # [0] code, [1] op id, [2] epoch, [3] detail, [ERROR_HEADER + r] = 1 if rank r is silent.
 ERROR_HEADER = 4
-MAX_ERROR_RANKS = 64
+MAX_ERROR_RANKS = 256    # a flag per rank of the largest CUDA group (jit/variants.py MAX_RANKS)
 ERR_TIMEOUT = 1          # a peer's signal did not arrive before the deadline
 ERR_OVERFLOW = 2         # more rows than the receive region / num_worst_tokens hold
 ERR_NO_TRANSPORT = 3     # a rank is neither mapped nor served by a transport

@@ -82,7 +82,7 @@ def preload(device, n, hiddens=(), ll=False, network=0):
     emulator: build them, two at a time; `network` (hosts, see group): the IBGDA builds)."""
     from moe_comm.jit import variants
     from moe_comm.jit.nvrtc import preload as load
-    vs = [variants.intranode(n)]
+    vs = [variants.intranode()]
     for h in hiddens if ll else ():
         for fp8, flag in ((False, False), (True, False), (True, True)):
             vs.append(variants.ll_dispatch_send(h, fp8, flag))
@@ -383,7 +383,7 @@ def _elastic_rank(comm, case, steps, silent="start"):
             row = signature.of_dispatch(hidden=x.shape[1], dtype=x.dtype, scales=None,
                                         topk_idx=idx, num_experts=case["experts"],
                                         num_worst_tokens=0, handle=None)
-            cn._notify(comm, comm.kernels(variants.intranode(R)), comm.next_epoch(), per_rank,
+            cn._notify(comm, comm.kernels(variants.intranode()), comm.next_epoch(), per_rank,
                        matrix, "dispatch/notify", row)
             if silent == "after_agree":
                 agree(comm, "dispatch/notify", matrix)

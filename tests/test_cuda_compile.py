@@ -67,18 +67,30 @@ def test_every_variant_compiles_and_fits_its_launch_block(arch, fresh_cache):
 
 
 def test_variant_list_covers_every_request():
-    """What a call can request (any group size 1..8, any hidden, every fp8 flag) is listed."""
+    """What a call can request (any group size, any hidden, every fp8 flag) is listed."""
     listed = set(variants.all_variants())
-    for r in range(1, variants.MAX_RANKS + 1):
-        assert variants.intranode(r) in listed
+    assert variants.intranode() in listed
     for hidden in (128, 384, 4096, 7168, 7296, 8192, 16384):
         for fp8 in (False, True):
             for flag in (False, True):
                 assert variants.ll_dispatch_send(hidden, fp8, flag) in listed
                 assert variants.ll_dispatch_recv(hidden, fp8, flag) in listed
         assert variants.ll_combine(hidden) in listed
-    with pytest.raises(ValueError):
-        variants.intranode(variants.MAX_RANKS + 1)
+
+
+def test_variants_do_not_depend_on_the_group_size():
+    """The rank count is a kernel argument: one intranode program, no macro naming ranks, and
+    the list is the same size whatever MAX_RANKS is (1 + 10 hidden keys x 7 LL programs)."""
+    listed = variants.all_variants()
+    assert len(listed) == len(set(listed)) == 1 + 10 * 7
+    assert [v for v in listed if v.source == "intranode.cu"] == [variants.intranode()]
+    assert not [v.label for v in listed if any("RANKS" in name for name, _ in v.defines)]
+    assert variants.MAX_RANKS >= 256
+    for ok in (1, 8, 9, 12, 64, 65, variants.MAX_RANKS):
+        variants.check_num_ranks(ok)
+    for bad in (0, variants.MAX_RANKS + 1):
+        with pytest.raises(ValueError, match=f"1..{variants.MAX_RANKS} ranks"):
+            variants.check_num_ranks(bad)
 
 
 def _with_includes(path, seen=None) -> str:

@@ -3,8 +3,8 @@
 (tests/cuda_cases.py). Runs wherever a C++17 compiler is; the GPU remains the judge of what
 the emulator does not model (csrc/emu/cuda_emu.h: warp-synchronous code, weak ordering).
 
-The 8-rank groups run a subset of the cases to keep the suite fast; every kind of case still
-runs on 2-4 ranks."""
+The 8-, 12- and 40-rank groups run a subset of the cases to keep the suite fast; every kind of
+case still runs on 2-4 ranks."""
 from __future__ import annotations
 
 import pytest
@@ -34,6 +34,38 @@ def test_normal_dispatch_combine_match_reference(n):
 def test_low_latency_matches_reference(n):
     cases = C.ll_cases(n)
     C.check_ll_group(n, CPU, cases if n <= 4 else _subset(cases, 2))
+
+
+# A group above 8 ranks: the same programs as every other size (the rank count is a kernel
+# argument). 12 ranks are 12 rank threads on CI's 2 cores, so small cases only: every other
+# normal case of hidden 128 (fp32 random / holes / one rank, fp16 with num_worst_tokens and
+# bias) and the two smallest LL cases (bf16 128, fp8 256): about 30 s + 10 s.
+ABOVE_EIGHT = 12
+
+
+def test_normal_group_above_eight_ranks_matches_reference():
+    n = ABOVE_EIGHT
+    C.check_normal_group(n, CPU, _subset([c for c in C.normal_cases(n) if c["hidden"] == 128], 2))
+
+
+def test_low_latency_group_above_eight_ranks_matches_reference():
+    C.check_ll_group(ABOVE_EIGHT, CPU, C.ll_cases(ABOVE_EIGHT)[:2])
+
+
+# More ranks than a warp has lanes: the one-thread-per-rank waits span several warps and
+# dispatch send's destination search takes two ballots. 40 rank threads, so a few tokens a
+# rank: fp32 random and fp16 with num_worst_tokens (hidden 128), LL bf16 128; about 50 s.
+BEYOND_A_WARP = 40
+
+
+def test_group_beyond_a_warp_of_ranks_matches_reference():
+    n = BEYOND_A_WARP
+    normal = [c for c in C.normal_cases(n) if c["hidden"] == 128]
+    C.check_normal_group(n, CPU, [dict(normal[0], tokens=[4 + r % 3 for r in range(n)]),
+                                  dict(normal[-1], tokens=[3 + r % 2 for r in range(n)],
+                                       worst=5 * n)])
+    ll = C.ll_cases(n)[0]
+    C.check_ll_group(n, CPU, [dict(ll, tokens=[min(t, 4) for t in ll["tokens"]])])
 
 
 @pytest.mark.parametrize("seed", [1, 2])

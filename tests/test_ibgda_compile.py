@@ -26,7 +26,7 @@ from moe_comm.jit import cache
 from moe_comm.jit import nvcc as build
 
 SM90_PROGRAMS = (build.selftest_program(),
-                 build.kernel_program(variants.intranode(8)),
+                 build.kernel_program(variants.intranode()),
                  build.kernel_program(variants.ll_dispatch_send(7168, True, True)),
                  build.kernel_program(variants.ll_dispatch_recv(7168, True, True)),
                  build.kernel_program(variants.ll_combine(0)))

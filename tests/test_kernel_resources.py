@@ -53,7 +53,7 @@ def _res_usage(tool: str, cubin: Path) -> dict:
     return found
 
 
-@pytest.mark.parametrize("variant,arch", [(variants.intranode(8), "sm_90"),
+@pytest.mark.parametrize("variant,arch", [(variants.intranode(), "sm_90"),
                                           (variants.ll_dispatch_send(7168, True, True), "sm_100"),
                                           (variants.ll_combine(0), "sm_90")],
                          ids=lambda v: getattr(v, "label", v))
@@ -75,13 +75,14 @@ def test_cubin_reader_agrees_with_cuobjdump(variant, arch, fresh_cache, tmp_path
 
 def _kernels_as_before(tmp_path) -> Path:
     """csrc/kernels without launch bounds and with the destination loop of dispatch send
-    unrolled again: the code the first GPU run would have launched."""
+    unrolled again: the code the first GPU run would have launched (its 8-rank program unrolled
+    that loop fully; the rank count is a run-time value now, so by 8)."""
     from moe_comm.jit.cache import kernel_dir
     copy = tmp_path / "kernels"
     shutil.copytree(kernel_dir(), copy)
     for f in copy.iterdir():
         text = re.sub(r"__launch_bounds__\([^)]*\)", "", f.read_text())
-        f.write_text(text.replace("#pragma unroll 1\n", "#pragma unroll\n"))
+        f.write_text(text.replace("#pragma unroll 1\n", "#pragma unroll 8\n"))
     return copy
 
 
@@ -89,7 +90,7 @@ def test_check_fails_the_kernels_without_launch_bounds(fresh_cache, tmp_path, mo
     _nvrtc_or_skip()
     from moe_comm.jit.nvrtc import compile_cubin
     monkeypatch.setenv("MOE_COMM_KERNEL_DIR", str(_kernels_as_before(tmp_path)))
-    v = variants.intranode(8)
+    v = variants.intranode()
     found = resources.problems(compile_cubin(v, "sm_90"), v.label, v.kernels)
     text = "\n".join(found)
     # the launch that would fail: 512 threads x > 128 registers
@@ -118,9 +119,11 @@ def test_emulator_refuses_a_block_above_the_bound():
     if not emulator.available():
         pytest.skip("no C++ compiler for the kernel emulator")
     k = emulator.load_kernels(variants.ll_combine(0))["moe_ll_wait"]
-    assert k.max_threads == variants.THREADS["moe_ll_wait"] == 32
-    with pytest.raises(emulator.EmulatorError, match="moe_ll_wait: launched with 64 threads"):
-        emulator.launch_emu(k, 1, 64, [0] * 12)
+    bound = variants.THREADS["moe_ll_wait"]
+    assert k.max_threads == bound == variants.MAX_RANKS       # one thread per rank
+    with pytest.raises(emulator.EmulatorError,
+                       match=f"moe_ll_wait: launched with {bound + 32} threads"):
+        emulator.launch_emu(k, 1, bound + 32, [0] * 12)
 
 
 def test_loaded_kernel_that_cannot_run_its_block_is_named():

@@ -175,6 +175,25 @@ MOE_DEVICE void warp_fill(void* dst, u8 value, u64 bytes) {
     }
 }
 
+// Index of the lowest set bit of a non-zero mask (what __ffs(mask) - 1 gives).
+MOE_DEVICE int lowest_bit(u32 mask) { return __popc((mask & (0u - mask)) - 1u); }
+
+// ---- segments ------------------------------------------------------------------------------
+// Rows grouped by rank into consecutive segments, segment s ending (exclusive) at ends[s]
+// (non-decreasing): the segment holding row i, the first s with i < ends[s] (n - 1 if none).
+// A binary search: a scan from rank 0 costs O(R) a row in groups of hundreds of ranks.
+MOE_DEVICE int segment_of(const i64* ends, int n, i64 i) {
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (i < ends[mid])
+            hi = mid;
+        else
+            lo = mid + 1;
+    }
+    return lo;
+}
+
 // ---- block-wide exclusive scan of per-thread flags (0/1) ------------------------------------
 // Returns the number of set flags in threads below this one; *total gets the block's count.
 // `warp_counts` is shared scratch of at least 32 ints. All threads of the block must call it.

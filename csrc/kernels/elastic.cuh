@@ -35,9 +35,12 @@
 #pragma once
 #include "transport.cuh"
 
-constexpr int kMaxMaskWords = kMaxErrorRanks / kMaskBits;  // kMaskBits: moe_generated.cuh
+// Words of a MASK row for the largest group (kMaskBits ranks a word: moe_generated.cuh). Rows
+// of a smaller group have mask_words of them; `got` below is kept in registers, unrolled.
+constexpr int kMaxMaskWords = (kMaxRanks + kMaskBits - 1) / kMaskBits;
+static_assert(kMaxErrorRanks >= kMaxRanks, "the error word flags every rank of a group");
 
-// grid 1, blockDim >= num_ranks (<= kMaxErrorRanks). active: the group's words (elastic);
+// grid 1, blockDim >= num_ranks (<= kMaxRanks). active: the group's words (elastic);
 // told: the ranks the previous agreement kept (updated here to this one's decision);
 // mask_off: byte offset of MASK[0][0];
 // decided_off: of DECIDED[seq % 2][0]; fence_off: of FENCE; row_stride: bytes between two
@@ -49,10 +52,10 @@ MOE_DEVICE void agree_body(const u64* bases, int rank, int num_ranks, i64 timeou
                            i64* floors) {
     __shared__ u32 estimate[kMaxMaskWords];
     __shared__ u32 decision[kMaxMaskWords];
-    __shared__ u32 row_of[kMaxErrorRanks][kMaxMaskWords];  // what each rank wrote this round
-    __shared__ bool listen[kMaxErrorRanks];
-    __shared__ bool heard[kMaxErrorRanks];
-    __shared__ bool keep[kMaxErrorRanks];
+    __shared__ u32 row_of[kMaxRanks][kMaxMaskWords];  // what each rank wrote this round
+    __shared__ bool listen[kMaxRanks];
+    __shared__ bool heard[kMaxRanks];
+    __shared__ bool keep[kMaxRanks];
     __shared__ volatile int decided_by;  // a rank whose decision was read, or -1
     __shared__ volatile int pending;     // ranks listened to whose row this round has not come
     __shared__ bool aborted, finished;

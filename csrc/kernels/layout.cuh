@@ -16,13 +16,12 @@
 
 // kExpertsPerBlock: moe_generated.cuh (jit/variants.py EXPERTS_PER_LAYOUT_BLOCK)
 
-template <int R>
 __device__ void layout_body(const i64* topk_idx, i64 num_tokens, i64 topk, i64 num_experts,
-                            i32* per_rank, i32* per_expert, u8* in_rank, i32* send_pos) {
+                            int R, i32* per_rank, i32* per_expert, u8* in_rank, i32* send_pos) {
     __shared__ int warp_counts[32];
     __shared__ int hist[kExpertsPerBlock];
     const i64 num_local = num_experts / R;
-    if (blockIdx.x < R) {
+    if ((int)blockIdx.x < R) {
         const int d = blockIdx.x;
         const i64 lo = d * num_local, hi = lo + num_local;
         int running = 0;

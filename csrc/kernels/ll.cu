@@ -23,12 +23,22 @@ static_assert(kHidden % 128 == 0, "specialised hidden sizes are multiples of 128
 #define MOE_UE8M0 0
 #endif
 
+// The kernels that wait on (or check) every rank side by side keep one thread per rank (each
+// wait has its own deadline); the others loop over ranks.
+#ifdef MOE_THREADS_LL_WAIT
+static_assert(MOE_THREADS_LL_WAIT >= kMaxRanks, "moe_ll_wait: one thread per rank");
+#endif
+#ifdef MOE_THREADS_LL_CHECK_CALL
+static_assert(MOE_THREADS_LL_CHECK_CALL >= kMaxRanks, "moe_ll_check_call: one thread per rank");
+#endif
+
 #define MOE_LL_GROUP LLGroup{bases, rank, num_ranks, timeout_ns, Active{active}}
 #define MOE_ERRORS ErrorSink{err_host, err_dev, (i32)op}
 
 // ---- wait ----------------------------------------------------------------------------------
-// grid 1, one thread per rank s: the `words` words at offset + s * src_stride of this rank's
-// buffer (s's count row, DONE slot or FREE slot) all carry `epoch`. Timeouts name s.
+// grid 1, one thread per rank s (blockDim >= kMaxRanks): the `words` words at offset + s *
+// src_stride of this rank's buffer (s's count row, DONE slot or FREE slot) all carry `epoch`.
+// Timeouts name s.
 MOE_KERNEL void __launch_bounds__(MOE_THREADS_LL_WAIT, 1)
 moe_ll_wait(MOE_ARGS_moe_ll_wait) {
     const LLGroup g = MOE_LL_GROUP;
@@ -76,7 +86,7 @@ moe_ll_check_call(MOE_ARGS_moe_ll_check_call) {
 #ifdef MOE_THREADS_LL_DISPATCH_RECV
 static_assert(MOE_FP8 || !MOE_UE8M0, "UE8M0 scales need fp8");
 
-// grid: (num_local, SPLIT), block: a multiple of 32 threads, >= num_ranks. Runs after
+// grid: (num_local, SPLIT), block: a multiple of 32 threads. Runs after
 // moe_ll_wait has seen every source's count row.
 MOE_KERNEL void __launch_bounds__(MOE_THREADS_LL_DISPATCH_RECV, 1)
 moe_ll_dispatch_recv(MOE_ARGS_moe_ll_dispatch_recv) {
@@ -90,7 +100,7 @@ moe_ll_dispatch_recv(MOE_ARGS_moe_ll_dispatch_recv) {
 
 // ---- combine (bf16 both ways) --------------------------------------------------------------
 #ifdef MOE_THREADS_LL_COMBINE_SEND
-// grid: (num_local, SPLIT), block: a multiple of 32 threads, >= num_ranks
+// grid: (num_local, SPLIT), block: a multiple of 32 threads
 MOE_KERNEL void __launch_bounds__(MOE_THREADS_LL_COMBINE_SEND, 1)
 moe_ll_combine_send(MOE_ARGS_moe_ll_combine_send) {
     const LLBuffer lb{0, 0, 0, (u64)combine_off, 0, 0, max_tokens};

@@ -125,14 +125,16 @@ struct ReturnRows {
         if (le == 0) runs[2 * dst] = (i32)first;
         if (le == num_local - 1) runs[2 * dst + 1] = (i32)end;
     }
-    // Combine receive, block 0, thread q: hold q's run back if q is masked and its rows of call
-    // `seq` have not all come (its DONE did not), once per rank (a masked rank stays masked).
-    MOE_DEVICE void hold_late(const LLGroup& g, u64 done_off, u32 seq) const {
-        const int q = threadIdx.x;
+    // Combine receive, block 0, every thread: hold_late of each rank.
+    MOE_DEVICE void hold_all_late(const LLGroup& g, u64 done_off, u32 seq) const {
+        if (!holds || blockIdx.x != 0) return;
+        for (int q = threadIdx.x; q < g.num_ranks; q += blockDim.x) hold_late(g, q, done_off, seq);
+    }
+    // Hold q's run back if q is masked and its rows of call `seq` have not all come (its DONE
+    // did not), once per rank (a masked rank stays masked).
+    MOE_DEVICE void hold_late(const LLGroup& g, int q, u64 done_off, u32 seq) const {
         const i64 R = g.num_ranks;
-        if (!holds || blockIdx.x != 0 || q >= R || g.live.on(q) || holds[R + q] > holds[q] ||
-            runs[2 * q + 1] <= runs[2 * q])
-            return;
+        if (g.live.on(q) || holds[R + q] > holds[q] || runs[2 * q + 1] <= runs[2 * q]) return;
         const u64 slot = done_off + (u64)q * kSignalStride;
         const u64 word = ld_acquire_sys((const u64*)g.own(slot));
         if (tag_epoch(word) == seq) return;  // its rows are all here
@@ -299,8 +301,8 @@ __device__ void ll_dispatch_recv_body(const LLGroup g, const ErrorSink err, cons
     const i64 hidden = hidden_size(hidden_rt);
     const i64 R = g.num_ranks, M = lb.max_tokens;
     const i64 le = blockIdx.x;
-    if (threadIdx.x < R) {  // the count rows arrived: the wait kernel before this one saw them
-        const int s = threadIdx.x;
+    // the count rows arrived: the wait kernel before this one saw them
+    for (int s = threadIdx.x; s < R; s += blockDim.x) {
         const u64* row = (const u64*)g.own(lb.counts + (u64)(s * lb.count_row_words) * 8);
         const bool live = !failed && g.live.on(s);  // elastic: a masked source sent nothing
         // Checked again, word by word: a source that failed after the wait kernel (its kernels
@@ -329,8 +331,7 @@ __device__ void ll_dispatch_recv_body(const LLGroup g, const ErrorSink err, cons
     const i64 scale_cols = hidden / kFp8Block;
     const i64 part = blockIdx.y, parts = gridDim.y;
     for (i64 i = part * warps_per_block() + warp_id(); i < n; i += parts * warps_per_block()) {
-        int s = 0;
-        while (i >= start[s + 1]) ++s;
+        const int s = segment_of(start + 1, (int)R, i);
         const u64 msg = (u64)(le * R + s) * M + (u64)(i - start[s]);
         const u8* src = g.own(lb.payload + msg * lb.stride);
         const i64 out_row = le * R * M + i;
@@ -358,9 +359,9 @@ __device__ void ll_dispatch_recv_body(const LLGroup g, const ErrorSink err, cons
             recv_count[le] = (i32)n;
             if (stats) stats[le] += (i32)n;
         }
-        if (threadIdx.x < R) {
-            recv_ranges[(le * R + threadIdx.x) * 2] = start[threadIdx.x];
-            recv_ranges[(le * R + threadIdx.x) * 2 + 1] = count[threadIdx.x];
+        for (int s = threadIdx.x; s < R; s += blockDim.x) {
+            recv_ranges[(le * R + s) * 2] = start[s];
+            recv_ranges[(le * R + s) * 2 + 1] = count[s];
         }
     }
     // Release after the reads above: no sender of call s+2 overwrites rows still being read.
@@ -386,8 +387,7 @@ __device__ void ll_combine_send_body(const LLGroup g, const ErrorSink err, const
     const i64 hidden = hidden_size(hidden_rt);
     const i64 R = g.num_ranks, M = lb.max_tokens;
     const i64 le = blockIdx.x;
-    if (threadIdx.x < R) {
-        const int s = threadIdx.x;
+    for (int s = threadIdx.x; s < R; s += blockDim.x) {
         // The owner's messages to this rank are sorted by expert: rows of lower local experts
         // come first in its run.
         i64 before = 0;
@@ -403,8 +403,7 @@ __device__ void ll_combine_send_body(const LLGroup g, const ErrorSink err, const
     const i64 n = failed ? 0 : start[R];
     const i64 part = blockIdx.y, parts = gridDim.y;
     for (i64 i = part * warps_per_block() + warp_id(); i < n; i += parts * warps_per_block()) {
-        int s = 0;
-        while (i >= start[s + 1]) ++s;
+        const int s = segment_of(start + 1, (int)R, i);
         const i64 row = dest[s] + (i - start[s]);
         if (!live[s]) continue;
         if (row < 0 || row >= rows_cap) {
@@ -486,7 +485,7 @@ __device__ void ll_combine_recv_body(const LLGroup g, const ErrorSink err, const
         }
         __syncthreads();  // `weight` / `row_of` are rewritten for the next token
     }
-    rr.hold_late(g, done_off, seq);
+    rr.hold_all_late(g, done_off, seq);
     if (last_block_arrives(counter, &last) && threadIdx.x == 0)
         ll_publish_free(t, g, free_off, seq);
 }

@@ -1,6 +1,9 @@
-// normal.cuh: normal (high-throughput) mode between ranks of one node, the CUDA twin of
-// moe_comm/host/normal.py. Same semantics and output order; R = number of ranks is a template
-// parameter (loops over destinations unroll, per-rank tables live in shared memory).
+// normal.cuh: normal (high-throughput) mode between the ranks of a group, the CUDA twin of
+// moe_comm/host/normal.py. Same semantics and output order. R = number of ranks is a run-time
+// argument (Group::num_ranks: one program for every group size); per-rank tables live in
+// shared memory, sized by the compile-time bound kMaxRanks (moe_generated.cuh), and the loops
+// over destinations visit only a token's destinations (dispatch send, combine reduce), so a
+// group of hundreds of ranks costs a token what its few destinations cost.
 //
 // One operation (dispatch or combine, epoch e) is a sequence of kernels on the caller's stream:
 //
@@ -48,6 +51,7 @@ struct Slab {
 struct Group {
     const u64* bases;  // [R] every rank's buffer base in this process
     i64 rank;
+    i64 num_ranks;     // R, 1..kMaxRanks (moe_comm/jit/variants.py check_num_ranks)
     u64 data_off;      // byte offset of the data region in every buffer
     u64 capacity;      // bytes of the data region
     i64 timeout_ns;
@@ -68,14 +72,14 @@ struct Group {
     // Byte offset of rank d's slab in its buffer, and whether `nbytes` of slab fit there.
     MOE_DEVICE u64 slab_at(int d) const { return data_off + floor(d); }
     MOE_DEVICE bool fits(int d, u64 nbytes) const { return floor(d) + nbytes <= capacity; }
-    // The send kernels (one block, thread d) note where this operation's slab at d ends.
-    MOE_DEVICE void note_end(int d, u64 nbytes, int num_ranks) const {
+    // The send kernels (block 0, the thread of d) note where this operation's slab at d ends.
+    MOE_DEVICE void note_end(int d, u64 nbytes) const {
         if (floors && blockIdx.x == 0) floors[num_ranks + d] = (i64)(floor(d) + nbytes);
     }
     // Notify, first thing of every operation (all threads of its one block, >= R): a move the
     // last agreement asked for takes effect. Not earlier: the operation that agreed still
     // reads its own slab (copy-out, reduce) where its floors put it.
-    MOE_DEVICE void settle_floors(int num_ranks) const {
+    MOE_DEVICE void settle_floors() const {
         __shared__ bool move;
         const int d = threadIdx.x;
         if (!floors) return;
@@ -88,7 +92,8 @@ struct Group {
 };
 
 // ---- notify ------------------------------------------------------------------------------
-// One warp. Thread p writes this rank's call signature and then its row of counts into rank
+// One block, thread p for rank p (blockDim >= kMaxRanks: side by side, each wait has its own
+// deadline). Thread p writes this rank's call signature and then its row of counts into rank
 // p, then checks rank p's signature here against its own (a difference is reported as
 // kErrMismatch: every rank sees every signature, so all fail the call together, before any
 // payload moves) and reads rank p's row of counts.
@@ -99,13 +104,12 @@ struct Group {
 // matrix, and their copy-out/reduce (which take no error word) read only inside the region:
 // their outputs are meaningless, and the call raises. (Its row may land in a NOTIFY slot a
 // peer still waits on for an older epoch: that peer meets its deadline, as before.)
-template <int R>
 __device__ void notify_body(const Group g, const ErrorSink err, u64 notify_off, i64 row_words,
                             u32 epoch, const i32* counts, i32* matrix, u64 call_off,
                             const CallRow call) {
     const Transport t{g.bases, err};
-    const int p = threadIdx.x;
-    g.settle_floors(R);
+    const int p = threadIdx.x, R = (int)g.num_ranks;  // blockDim >= kMaxRanks (intranode.cu)
+    g.settle_floors();
     const bool failed = block_failed(err, g.fence());
     if (p >= R) return;
     // Each word carries its own tag, so a reader never needs an extra "row complete" flag.
@@ -137,47 +141,56 @@ __device__ void notify_body(const Group g, const ErrorSink err, u64 notify_off, 
 }
 
 // ---- wait_done ---------------------------------------------------------------------------
-template <int R>
 __device__ void wait_done_body(const Group g, const ErrorSink err, u64 done_off, u64 done_stride,
                                u32 epoch) {
     const Transport t{g.bases, err};
-    const int s = threadIdx.x;
-    if (err.aborted() || s >= R) return;
+    const int s = threadIdx.x;  // blockDim >= kMaxRanks (intranode.cu)
+    if (err.aborted() || s >= g.num_ranks) return;
     wait_from(t, g.live, (const u64*)g.own(done_off + s * done_stride), epoch, g.timeout_ns, s);
 }
 
 // Signal DONE[me] = epoch in every rank (run by the last block of a send kernel); the value is
 // kFailedValue if this rank has failed (its rows may be missing).
-template <int R>
 MOE_DEVICE void signal_done_all(const Transport& t, const Group& g, u64 done_off,
                                 u64 done_stride, u32 epoch) {
     const u32 value = t.err.signal_value(1);
-    for (int d = threadIdx.x; d < R; d += blockDim.x)
+    for (int d = threadIdx.x; d < g.num_ranks; d += blockDim.x)
         if (g.live.on(d)) t.signal(d, done_off + g.rank * done_stride, tag(epoch, value));
 }
 
 // ---- dispatch send -----------------------------------------------------------------------
+// The first rank d >= from that a token goes to (pos: its row of send_pos), or R. The warp
+// reads 32 positions at once, so a token's few destinations among hundreds of ranks cost a
+// few reads, not one per rank. All lanes of the warp call it and get the same d.
+MOE_DEVICE int next_destination(const i32* pos, int from, int R) {
+    for (int d0 = from; d0 < R; d0 += kWarpSize) {
+        const int d = d0 + lane_id();
+        const u32 found = __ballot_sync(kFullMask, d < R && pos[d] >= 0);
+        if (found) return d0 + lowest_bit(found);
+    }
+    return R;
+}
+
 // x: [T, row_bytes] bytes; scales f32 [T, S] or null; topk_idx i64 [T, K] / topk_w f32 [T, K]
 // or null (cached dispatch sends neither); send_pos i32 [T, R] from the layout; matrix i32
 // [R, R] from notify. worst > 0 (num_worst_tokens): every destination's slab has exactly
 // `worst` rows, so no host ever needs the matrix; rows past it are dropped and reported.
-template <int R>
 __device__ void dispatch_send_body(const Group g, const ErrorSink err, const u8* x,
                                    i64 num_tokens, i64 row_bytes, const float* scales,
                                    i64 scale_cols, const i64* topk_idx, const float* topk_w,
                                    i64 topk, i64 num_local, const i32* send_pos,
                                    const i32* matrix, i64 worst, u64 done_off, u64 done_stride,
                                    u32 epoch, i32* counter) {
-    __shared__ u64 row0[R];     // first row of this rank's block at destination d
-    __shared__ u64 limit[R];    // rows of d's slab (writes at or past it would overflow)
-    __shared__ Slab slab[R];
+    __shared__ u64 row0[kMaxRanks];     // first row of this rank's block at destination d
+    __shared__ u64 limit[kMaxRanks];    // rows of d's slab (writes at or past it would overflow)
+    __shared__ Slab slab[kMaxRanks];
     __shared__ int last;
     const Transport t{g.bases, err};
+    const int R = (int)g.num_ranks;
     // A failed rank (an error of an earlier kernel) writes no rows but still arrives and
     // signals DONE, carrying kFailedValue: its peers fail at once.
     const bool failed = block_failed(err, g.fence());
-    if (!failed && threadIdx.x < R) {
-        const int d = threadIdx.x;
+    for (int d = threadIdx.x; !failed && d < R; d += blockDim.x) {
         const bool live = g.live.on(d);  // a masked destination gets nothing (limit 0)
         u64 before = 0, rows = 0;
         for (int s = 0; s < R; ++s) {
@@ -188,7 +201,7 @@ __device__ void dispatch_send_body(const Group g, const ErrorSink err, const u8*
         const u64 slab_rows = worst > 0 ? (u64)worst : rows;
         row0[d] = before;
         slab[d] = Slab::make(slab_rows, row_bytes, scale_cols, topk);
-        g.note_end(d, slab[d].nbytes, R);
+        g.note_end(d, slab[d].nbytes);
         limit[d] = live && g.fits(d, slab[d].nbytes) ? slab_rows : 0;
         if (live && (!g.fits(d, slab[d].nbytes) || rows > slab_rows))
             err.report(kErrOverflow, epoch, d, (i32)rows);
@@ -198,12 +211,14 @@ __device__ void dispatch_send_body(const Group g, const ErrorSink err, const u8*
     const i64 warp0 = (i64)blockIdx.x * warps_per_block() + warp_id();
     const i64 nwarps = (i64)gridDim.x * warps_per_block();
     for (i64 tok = warp0; !failed && tok < num_tokens; tok += nwarps) {
-        // Not unrolled: each pass copies a whole row, and R copies of this body would not fit
-        // the 128 registers a 512-thread block allows (spills).
+        // Only the ranks the token goes to (next_destination). Not unrolled, and nothing but d
+        // carried from one pass to the next: each pass copies a whole row, and more of this
+        // body's state would not fit the 128 registers a 512-thread block allows (spills).
+        const i32* token_pos = send_pos + tok * R;
 #pragma unroll 1
-        for (int d = 0; d < R; ++d) {
-            const i32 pos = send_pos[tok * R + d];
-            if (pos < 0) continue;
+        for (int d = next_destination(token_pos, 0, R); d < R;
+             d = next_destination(token_pos, d + 1, R)) {
+            const i32 pos = token_pos[d];
             const u64 row = row0[d] + (u64)pos;
             if (row >= limit[d]) continue;  // overflow, reported above
             const Slab& s = slab[d];
@@ -231,7 +246,7 @@ __device__ void dispatch_send_body(const Group g, const ErrorSink err, const u8*
             }
         }
     }
-    if (last_block_arrives(counter, &last)) signal_done_all<R>(t, g, done_off, done_stride, epoch);
+    if (last_block_arrives(counter, &last)) signal_done_all(t, g, done_off, done_stride, epoch);
 }
 
 // ---- dispatch copy-out -------------------------------------------------------------------
@@ -241,16 +256,16 @@ __device__ void dispatch_send_body(const Group g, const ErrorSink err, const u8*
 // Nothing here trusts the received bytes or the matrix to be sane (an elastic group whose
 // survivors disagreed on the mask has senders that used other offsets): reads stay inside the
 // data region and counts inside expert_counts.
-template <int R>
 __device__ void dispatch_copy_out_body(const Group g, i64 row_bytes, i64 scale_cols, i64 topk,
                                        const i32* matrix, i64 worst, i64 rows_out, u8* recv_x,
                                        float* recv_scales, i64* recv_idx, float* recv_w,
                                        i32* expert_counts, i64 num_local) {
     __shared__ i64 received;
     __shared__ Slab slab;
-    __shared__ i64 src_end[R];  // rows of sources 0..s end at src_end[s]
-    __shared__ bool live[R];    // elastic: rows of a source masked after notify are padding
-    if (threadIdx.x < R) live[threadIdx.x] = g.live.on(threadIdx.x);
+    __shared__ i64 src_end[kMaxRanks];  // rows of sources 0..s end at src_end[s]
+    __shared__ bool live[kMaxRanks];    // elastic: rows of a source masked after notify: padding
+    const int R = (int)g.num_ranks;
+    for (int s = threadIdx.x; s < R; s += blockDim.x) live[s] = g.live.on(s);
     if (threadIdx.x == 0) {
         i64 n = 0;
         for (int s = 0; s < R; ++s) {
@@ -268,9 +283,7 @@ __device__ void dispatch_copy_out_body(const Group g, i64 row_bytes, i64 scale_c
     const i64 warp0 = (i64)blockIdx.x * warps_per_block() + warp_id();
     const i64 nwarps = (i64)gridDim.x * warps_per_block();
     for (i64 r = warp0; r < rows_out; r += nwarps) {
-        int src = 0;
-        while (src < R - 1 && r >= src_end[src]) ++src;
-        if (r < received && live[src]) {
+        if (r < received && live[segment_of(src_end, R, r)]) {
             warp_copy(recv_x + r * row_bytes, region + slab.x + r * row_bytes, row_bytes);
             if (recv_scales)
                 warp_copy(recv_scales + r * scale_cols, region + slab.scales + r * scale_cols * 4,
@@ -300,23 +313,22 @@ __device__ void dispatch_copy_out_body(const Group g, i64 row_bytes, i64 scale_c
 // x: [>= N, row_bytes] this rank's expert outputs in received order (N = sum_s m[s][me], the
 // real count even when x has num_worst_tokens rows); topk_w f32 [>= N, K] or null. Each row
 // goes back to its source rank's staging slab.
-template <int R>
 __device__ void combine_send_body(const Group g, const ErrorSink err, const u8* x, i64 row_bytes,
                                   const float* topk_w, i64 topk, const i32* matrix, u64 done_off,
                                   u64 done_stride, u32 epoch, i32* counter) {
-    __shared__ i64 src_start[R + 1];  // my received rows from source s: [src_start[s], ...)
-    __shared__ u64 row0[R];           // where my rows start in s's staging slab
-    __shared__ bool fits[R];
-    __shared__ Slab slab[R];
+    __shared__ i64 src_start[kMaxRanks + 1];  // my rows from source s: [src_start[s], ...)
+    __shared__ u64 row0[kMaxRanks];           // where my rows start in s's staging slab
+    __shared__ bool fits[kMaxRanks];
+    __shared__ Slab slab[kMaxRanks];
     __shared__ int last;
     const Transport t{g.bases, err};
+    const int R = (int)g.num_ranks;
     const bool failed = block_failed(err, g.fence());  // then: no rows, but arrive, signal
     if (threadIdx.x == 0) {
         src_start[0] = 0;
         for (int s = 0; s < R; ++s) src_start[s + 1] = src_start[s] + matrix[s * R + g.rank];
     }
-    if (threadIdx.x < R) {
-        const int s = threadIdx.x;
+    for (int s = threadIdx.x; s < R; s += blockDim.x) {
         u64 before = 0, rows = 0;
         for (int d = 0; d < R; ++d) {
             const u64 c = (u64)matrix[s * R + d];
@@ -325,7 +337,7 @@ __device__ void combine_send_body(const Group g, const ErrorSink err, const u8* 
         }
         row0[s] = before;
         slab[s] = Slab::make(rows, row_bytes, 0, topk);
-        g.note_end(s, slab[s].nbytes, R);
+        g.note_end(s, slab[s].nbytes);
         fits[s] = g.fits(s, slab[s].nbytes);
         if (!fits[s]) err.report(kErrOverflow, epoch, s, (i32)rows);
         fits[s] = fits[s] && g.live.on(s);  // a masked token owner gets nothing back
@@ -335,8 +347,7 @@ __device__ void combine_send_body(const Group g, const ErrorSink err, const u8* 
     const i64 warp0 = (i64)blockIdx.x * warps_per_block() + warp_id();
     const i64 nwarps = (i64)gridDim.x * warps_per_block();
     for (i64 i = warp0; i < total; i += nwarps) {
-        int s = 0;
-        while (i >= src_start[s + 1]) ++s;
+        const int s = segment_of(src_start + 1, R, i);
         if (!fits[s]) continue;
         const u64 row = row0[s] + (u64)(i - src_start[s]);
         const Slab& sl = slab[s];
@@ -344,27 +355,51 @@ __device__ void combine_send_body(const Group g, const ErrorSink err, const u8* 
         if (topk_w)
             t.put_warp(s, g.slab_at(s) + sl.w + row * topk * 4, topk_w + i * topk, topk * 4);
     }
-    if (last_block_arrives(counter, &last)) signal_done_all<R>(t, g, done_off, done_stride, epoch);
+    if (last_block_arrives(counter, &last)) signal_done_all(t, g, done_off, done_stride, epoch);
 }
 
 // ---- combine reduce ----------------------------------------------------------------------
+// The staging rows token `tok` sums, in rank order, into rows[0..n); returns n. Rank d's row
+// counts if the token went to d, d's segment holds it (a failed call's matrix may not match
+// send_pos) and d is live (elastic: rows of a rank masked during the call never came).
+// Compacted once per token so the channel loops run over the token's few rows, not over every
+// rank of the group. All threads of the block call it (block scans, in chunks of blockDim).
+MOE_DEVICE int token_rows(const Group& g, const i32* send_pos, i64 tok, const u64* seg_start,
+                          const i64* seg_rows, u64* rows, int* warp_counts) {
+    const int R = (int)g.num_ranks;
+    int n = 0;
+    for (int d0 = 0; d0 < R; d0 += blockDim.x) {  // the same passes in every thread
+        const int d = d0 + threadIdx.x;
+        const i32 p = d < R ? send_pos[tok * R + d] : -1;
+        const bool use = p >= 0 && p < seg_rows[d] && g.live.on(d);
+        int total;
+        const int at = block_scan_flags(use, warp_counts, &total);
+        if (use) rows[n + at] = seg_start[d] + (u64)p;
+        n += total;
+    }
+    __syncthreads();  // rows complete before any thread reads them
+    return n;
+}
+
 // out[t] = sum over ranks d that t was sent to of staging row (d, send_pos[t][d]), in fp32 and
 // in rank order (like moe_comm/host/reduce.py), plus up to two fp32 biases [T, H]; written in
 // Elem. w_out f32 [T, K] or null: the returned top-k weights summed the same way.
 // One block per token (grid-stride); 16-byte vectors when the row size and `out` allow.
 // Like the copy-out, nothing here trusts the matrix to match send_pos (a failed call's is
 // zeros): a row past d's segment, or a segment past the region, is not read.
-template <int R, typename Elem>
+template <typename Elem>
 __device__ void combine_reduce_body(const Group g, i64 hidden, i64 topk, const i32* matrix,
                                     const i32* send_pos, i64 num_tokens, const float* bias0,
                                     const float* bias1, typename Elem::Storage* out,
                                     float* w_out) {
     typedef typename Elem::Storage S;
     constexpr int V = 16 / sizeof(S);  // elements per 16-byte vector
-    __shared__ u64 seg_start[R];
-    __shared__ i64 seg_rows[R];
+    __shared__ u64 seg_start[kMaxRanks];
+    __shared__ i64 seg_rows[kMaxRanks];
     __shared__ Slab slab;
-    __shared__ i32 pos[R];
+    __shared__ u64 rows[kMaxRanks];  // the current token's staging rows (token_rows)
+    __shared__ int warp_counts[32];
+    const int R = (int)g.num_ranks;
     const u64 row_bytes = hidden * sizeof(S);
     if (threadIdx.x == 0) {
         u64 at = 0;
@@ -377,28 +412,19 @@ __device__ void combine_reduce_body(const Group g, i64 hidden, i64 topk, const i
         if (!g.fits(g.rank, slab.nbytes))  // refused by every sender (overflow): nothing came
             for (int d = 0; d < R; ++d) seg_rows[d] = 0;
     }
+    __syncthreads();  // slab and segments ready
     const u8* region = g.own(g.slab_at(g.rank));
     const bool vec = (row_bytes % 16) == 0 && aligned(out, 16);
     for (i64 tok = blockIdx.x; tok < num_tokens; tok += gridDim.x) {
-        __syncthreads();  // slab ready / previous token's pos no longer read
-        // elastic: rows of a rank masked during the call are not summed (they never came)
-        if (threadIdx.x < R) {
-            const int d = threadIdx.x;
-            const i32 p = send_pos[tok * R + d];
-            pos[d] = g.live.on(d) && p < seg_rows[d] ? p : -1;
-        }
-        __syncthreads();
+        const int n = token_rows(g, send_pos, tok, seg_start, seg_rows, rows, warp_counts);
         S* dst = out + tok * hidden;
         if (vec) {
             for (i64 c = threadIdx.x; c < hidden / V; c += blockDim.x) {
                 float acc[V];
 #pragma unroll
                 for (int j = 0; j < V; ++j) acc[j] = 0.0f;
-#pragma unroll
-                for (int d = 0; d < R; ++d) {
-                    if (pos[d] < 0) continue;
-                    const u64 row = seg_start[d] + (u64)pos[d];
-                    const uint4 raw = ld16(region + slab.x + row * row_bytes + c * 16);
+                for (int i = 0; i < n; ++i) {
+                    const uint4 raw = ld16(region + slab.x + rows[i] * row_bytes + c * 16);
                     const S* v = (const S*)&raw;
 #pragma unroll
                     for (int j = 0; j < V; ++j) acc[j] += Elem::to_f32(v[j]);
@@ -420,12 +446,8 @@ __device__ void combine_reduce_body(const Group g, i64 hidden, i64 topk, const i
         } else {
             for (i64 c = threadIdx.x; c < hidden; c += blockDim.x) {
                 float acc = 0.0f;
-#pragma unroll
-                for (int d = 0; d < R; ++d) {
-                    if (pos[d] < 0) continue;
-                    const u64 row = seg_start[d] + (u64)pos[d];
-                    acc += Elem::to_f32(((const S*)(region + slab.x + row * row_bytes))[c]);
-                }
+                for (int i = 0; i < n; ++i)
+                    acc += Elem::to_f32(((const S*)(region + slab.x + rows[i] * row_bytes))[c]);
                 if (bias0) acc += bias0[tok * hidden + c];
                 if (bias1) acc += bias1[tok * hidden + c];
                 dst[c] = Elem::from_f32(acc);
@@ -434,11 +456,8 @@ __device__ void combine_reduce_body(const Group g, i64 hidden, i64 topk, const i
         if (w_out) {
             for (i64 k = threadIdx.x; k < topk; k += blockDim.x) {
                 float acc = 0.0f;
-                for (int d = 0; d < R; ++d) {
-                    if (pos[d] < 0) continue;
-                    const u64 row = seg_start[d] + (u64)pos[d];
-                    acc += ((const float*)(region + slab.w))[row * topk + k];
-                }
+                for (int i = 0; i < n; ++i)
+                    acc += ((const float*)(region + slab.w))[rows[i] * topk + k];
                 w_out[tok * topk + k] = acc;
             }
         }

@@ -30,7 +30,7 @@ from . import memory
 from .. import signature
 from ..errors import CommTimeoutError, RankMaskedError
 from ..jit.nvrtc import load_kernels
-from ..jit.variants import MAX_RANKS
+from ..jit.variants import check_num_ranks
 from ..wire import (CALL_WORDS, ERR_MASKED, ERR_MISMATCH, ERR_OVERFLOW, ERR_PEER_FAILED,
                     ERR_PROXY, ERR_TIMEOUT, ERROR_HEADER, LINE_WORDS, LL_CALL_FIELDS,
                     MAX_EPOCH, MAX_ERROR_RANKS, NORMAL_CALL_FIELDS, VALUE_MASK, HeaderLayout)
@@ -74,9 +74,7 @@ class CudaComm:
                  heap_bytes: int, ll_bytes: int, timeout_s: float, own_allocation: bool,
                  opened: list, group=None, host_buffers=None, elastic: bool = False,
                  proxy=None, nvshmem=None, registered=None, host_of=None):
-        if not 1 <= num_ranks <= MAX_RANKS:
-            raise ValueError(f"the CUDA backend maps groups of 1..{MAX_RANKS} ranks, got "
-                             f"{num_ranks}")
+        check_num_ranks(num_ranks)
         self.rank, self.num_ranks, self.group = rank, num_ranks, group
         # int64 [R] host index of every rank (ranks that map each other's memory share one);
         # None on one host (layout.tokens_per_host)

@@ -37,7 +37,7 @@ def agree(comm: CudaComm, op: str, matrix=None, floors=None) -> None:
     comm.agree_seq = comm.agree_seq % MAX_EPOCH + 1
     lay = comm.layout
     row_stride = round_up(lay.mask_words, LINE_WORDS) * 8
-    k = comm.kernels(variants.intranode(comm.num_ranks))
+    k = comm.kernels(variants.intranode())
     # A healthy peer may reach a round a full deadline after this rank did (it timed out on
     # a rank whose signals reached this one): each round's wait covers that, and a grace more.
     wait_ns = comm.timeout_ns + min(comm.timeout_ns, AGREE_GRACE_NS)

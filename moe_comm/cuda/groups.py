@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from . import memory
 from ..ibgda import path as ibgda
-from ..jit.variants import MAX_RANKS
+from ..jit.variants import check_num_ranks
 from ..shm.identity import host_identity, ranks_by_host
 from ..shm.segment import Segment, reclaim_stale_segments, segment_name
 from ..transport import open_transport
@@ -67,9 +67,7 @@ def from_group(group, heap_bytes: int, ll_bytes: int, timeout_s: float, device=N
         torch.device(device)
     group = group if group is not None else dist.group.WORLD
     rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
-    if not 1 <= num_ranks <= MAX_RANKS:     # before anything is allocated or connected
-        raise ValueError(f"the CUDA backend runs groups of 1..{MAX_RANKS} ranks, got "
-                         f"{num_ranks}")
+    check_num_ranks(num_ranks)     # before anything is allocated or connected
     heap_bytes, ll_bytes = round_up(heap_bytes, PAGE), round_up(ll_bytes, PAGE)
     sizes = dict(heap_bytes=heap_bytes, ll_bytes=ll_bytes, timeout_s=timeout_s,
                  elastic=elastic, device=device)

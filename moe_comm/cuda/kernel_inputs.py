@@ -7,9 +7,9 @@ from .comm import CudaComm
 
 def group(comm: CudaComm) -> dict:
     """A normal-mode kernel's view of the group (csrc/kernels/normal.cuh ``Group``)."""
-    return {"bases": comm.bases, "rank": comm.rank, "data_off": comm.heap_offset,
-            "capacity": comm.heap_bytes, "timeout_ns": comm.timeout_ns, "active": comm.active,
-            "floors": comm.floors}
+    return {"bases": comm.bases, "rank": comm.rank, "num_ranks": comm.num_ranks,
+            "data_off": comm.heap_offset, "capacity": comm.heap_bytes,
+            "timeout_ns": comm.timeout_ns, "active": comm.active, "floors": comm.floors}
 
 
 def ll_group(comm: CudaComm, timeout_ns: int | None = None) -> dict:

@@ -96,11 +96,11 @@ def _layout(topk_idx, num_experts, num_ranks, *, want_experts, want_pos):
     send_pos = torch.empty(num_tokens, num_ranks, dtype=torch.int32, device=device) if want_pos \
         else None
     grid = num_ranks + (-(-num_experts // EXPERTS_PER_LAYOUT_BLOCK) if want_experts else 0)
-    layout_kernel = load_kernels(variants.intranode(num_ranks), device)["moe_layout"]
+    layout_kernel = load_kernels(variants.intranode(), device)["moe_layout"]
     launch(layout_kernel, grid, THREADS["moe_layout"],
            pack("moe_layout", topk_idx=topk_idx, num_tokens=num_tokens, topk=topk,
-                num_experts=num_experts, per_rank=per_rank, per_expert=per_expert,
-                in_rank=in_rank, send_pos=send_pos), device=device)
+                num_experts=num_experts, num_ranks=num_ranks, per_rank=per_rank,
+                per_expert=per_expert, in_rank=in_rank, send_pos=send_pos), device=device)
     return per_rank, per_expert, in_rank, send_pos
 
 
@@ -142,7 +142,7 @@ def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_w
     [N, K] or None, recv_topk_weights f32 [N, K] or None, handle)``."""
     comm.begin_call()
     me, R, dev = comm.rank, comm.num_ranks, comm.device
-    k = comm.kernels(variants.intranode(R))
+    k = comm.kernels(variants.intranode())
     num_tokens, row_bytes = x_bytes.shape
     x_bytes = x_bytes.contiguous()
     scale_cols = 0 if scales is None else scales.shape[1]
@@ -238,7 +238,7 @@ def combine(comm: CudaComm, *, x, handle: CudaDispatchHandle, topk_weights, bias
     Returns ``(combined_x [T, H] in x's dtype, combined_topk_weights f32 [T, K] or None)``."""
     comm.begin_call()
     R, dev = comm.num_ranks, comm.device
-    k = comm.kernels(variants.intranode(R))
+    k = comm.kernels(variants.intranode())
     if x.dtype not in REDUCE_KERNEL:
         raise TypeError(f"combine x must be bf16, fp16 or fp32, got {x.dtype}")
     x = x.contiguous()

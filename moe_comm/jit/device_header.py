@@ -57,7 +57,8 @@ WIRE_CONSTANTS = (
     ("kProxyOpSignal", "u64", wire.PROXY_OP_SIGNAL, "wire.PROXY_OP_SIGNAL"),
     ("kExpertsPerBlock", "int", EXPERTS_PER_LAYOUT_BLOCK,
      "jit/variants.py EXPERTS_PER_LAYOUT_BLOCK: experts per layout histogram block"),
-    ("kMaxRanks", "int", MAX_RANKS, "jit/variants.py MAX_RANKS: ranks of one CUDA group"),
+    ("kMaxRanks", "int", MAX_RANKS,
+     "jit/variants.py MAX_RANKS: ranks of one CUDA group at most (bounds per-rank tables)"),
 )
 
 

@@ -87,8 +87,8 @@ def _params(text: str) -> tuple:
 
 # Shared leading groups (the C++ builds its structs from these names: MOE_GROUP, MOE_ERRORS,
 # MOE_CALL_ROW in csrc/kernels).
-GROUP = ("const u64* bases, i64 rank, i64 data_off, i64 capacity, i64 timeout_ns, i32* active, "
-         "i64* floors")
+GROUP = ("const u64* bases, i64 rank, i64 num_ranks, i64 data_off, i64 capacity, "
+         "i64 timeout_ns, i32* active, i64* floors")
 LL_GROUP = "const u64* bases, i64 rank, i64 num_ranks, i64 timeout_ns"
 ERRORS = "i32* err_host, i32* err_dev, i64 op"
 CALL = ", ".join(f"i64 call{i}" for i in range(CALL_WORDS))
@@ -99,7 +99,7 @@ _REDUCE = (GROUP + ", i64 hidden, i64 topk, const i32* matrix, const i32* send_p
 _DECLARED = {
     # ---- intranode.cu: layout and normal mode (normal.py), elastic agreement (elastic.py)
     "moe_layout": "const i64* topk_idx, i64 num_tokens, i64 topk, i64 num_experts, "
-                  "i32* per_rank, i32* per_expert, u8* in_rank, i32* send_pos",
+                  "i64 num_ranks, i32* per_rank, i32* per_expert, u8* in_rank, i32* send_pos",
     "moe_notify": f"{GROUP}, {ERRORS}, i64 notify_off, i64 row_words, i64 epoch, "
                   f"const i32* counts, i32* matrix, i64 call_off, {CALL}",
     "moe_wait_done": f"{GROUP}, {ERRORS}, i64 done_off, i64 done_stride, i64 epoch",

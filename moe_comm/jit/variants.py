@@ -9,7 +9,7 @@ parameters:
 =====================  ==========================================  ========================
 source                 macros                                      kernels
 =====================  ==========================================  ========================
-intranode.cu           MOE_NUM_RANKS in 1..8                       layout, notify, wait,
+intranode.cu           (none: one program for every group size)    layout, notify, wait,
                                                                    normal dispatch/combine,
                                                                    elastic mask agreement
 ll.cu                  MOE_HIDDEN, MOE_FP8, MOE_ROUND_SCALE         LL dispatch send, wait
@@ -18,6 +18,12 @@ ll.cu                  MOE_HIDDEN, MOE_FP8, MOE_UE8M0               LL dispatch 
 ll.cu                  MOE_HIDDEN                                  LL combine send/receive,
                                                                    wait
 =====================  ==========================================  ========================
+
+The rank count is a run-time argument of every kernel (``num_ranks``): a group of any size
+up to :data:`MAX_RANKS` runs the same programs. What the device code sizes by rank (shared
+per-rank tables, the elastic mask words, the error word's rank flags) is bounded by
+``kMaxRanks`` = MAX_RANKS (moe_generated.cuh), and the kernels that keep one thread per rank
+(the signal waits, the agreement) are launched with at least MAX_RANKS threads.
 
 ll.cu holds every low-latency entry but compiles only those of the kernels a variant lists
 (each entry is guarded by its ``MOE_THREADS_<KERNEL>`` bound, which :func:`thread_defines`
@@ -32,8 +38,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 EXPERTS_PER_LAYOUT_BLOCK = 1024      # experts per block of the layout kernel's histograms
-MAX_RANKS = 8                       # ranks of one CUDA group (one node's GPUs; also across
-                                    # hosts through the host proxy, until IBGDA lifts it)
+# Ranks of one CUDA group at most (on one host or across hosts). A compile-time bound, not a
+# variant: per-rank shared tables are sized by it (256 of them fit the 48 KiB of static shared
+# memory a block may have: the largest, dispatch send's, takes about 15 KiB).
+MAX_RANKS = 256
 SPECIALISED_HIDDEN = (1024, 2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
 GENERIC_HIDDEN = 0
 
@@ -55,12 +63,13 @@ THREADS = {
     # fp32 reduce: one block per token, 16-byte vectors across the block
     "moe_combine_reduce_bf16": 256, "moe_combine_reduce_f16": 256,
     "moe_combine_reduce_f32": 256,
-    # signal waits: one thread per rank
-    "moe_notify": 32, "moe_wait_done": 32, "moe_ll_wait": 32,
+    # signal waits: one thread per rank (each wait has its own deadline, side by side: a
+    # thread serving several ranks would wait out one deadline per silent rank in turn)
+    "moe_notify": MAX_RANKS, "moe_wait_done": MAX_RANKS, "moe_ll_wait": MAX_RANKS,
     # call signature check of a low-latency dispatch: one thread per source
-    "moe_ll_check_call": 32,
-    # elastic mask agreement: one thread per rank up to kMaxErrorRanks
-    "moe_agree": 64,
+    "moe_ll_check_call": MAX_RANKS,
+    # elastic mask agreement: one thread per rank
+    "moe_agree": MAX_RANKS,
     # low latency: one block per expert, one warp per (token, slot) in send
     "moe_ll_dispatch_send": 512, "moe_ll_dispatch_recv": 256, "moe_ll_combine_send": 256,
     "moe_ll_combine_recv": 256,
@@ -105,11 +114,16 @@ def hidden_key(hidden: int) -> int:
     return hidden if hidden in SPECIALISED_HIDDEN else GENERIC_HIDDEN
 
 
-def intranode(num_ranks: int) -> Variant:
+def check_num_ranks(num_ranks: int) -> None:
+    """Raise ValueError unless a CUDA group of ``num_ranks`` ranks can run (1..MAX_RANKS)."""
     if not 1 <= num_ranks <= MAX_RANKS:
-        raise ValueError(f"the CUDA backend supports groups of 1..{MAX_RANKS} ranks (one "
-                         f"node), got {num_ranks}")
-    return _variant("intranode.cu", INTRANODE_KERNELS, num_ranks=num_ranks)
+        raise ValueError(f"the CUDA backend runs groups of 1..{MAX_RANKS} ranks, got "
+                         f"{num_ranks}")
+
+
+def intranode() -> Variant:
+    """The normal-mode program (every group size: the rank count is a kernel argument)."""
+    return _variant("intranode.cu", INTRANODE_KERNELS)
 
 
 def ll_dispatch_send(hidden: int, use_fp8: bool, round_scale: bool) -> Variant:
@@ -128,8 +142,9 @@ def ll_combine(hidden: int) -> Variant:
 
 
 def all_variants() -> list:
-    """Every variant any call can request: 8 intranode + 10 hidden keys x 7 LL programs."""
-    out = [intranode(r) for r in range(1, MAX_RANKS + 1)]
+    """Every variant any call can request: 1 intranode + 10 hidden keys x 7 LL programs (none
+    depends on the group size)."""
+    out = [intranode()]
     for hidden in (GENERIC_HIDDEN,) + SPECIALISED_HIDDEN:
         for fp8, round_scale in ((False, False), (True, False), (True, True)):
             out.append(ll_dispatch_send(hidden, fp8, round_scale))
