@@ -52,6 +52,7 @@ Ordering rule (every backend): a writer makes its payload visible before the sig
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -238,7 +239,8 @@ class SlabLayout:
                 self.rows * self.topk * 8, self.rows * self.topk * 4,
                 self.rows * self.mask_cols)
 
-    @property
+    # cached: a call asks for them per peer and per sub-array (frozen: computed once)
+    @functools.cached_property
     def offsets(self):
         offs, at = [], 0
         for size in self._sizes():
@@ -246,7 +248,7 @@ class SlabLayout:
             at = round_up(at + size, SLAB_ALIGN)
         return offs
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         sizes, offs = self._sizes(), self.offsets
         return round_up(offs[-1] + sizes[-1], PAGE)
