@@ -146,6 +146,22 @@ def _served_sum(x, phy, w, n, active):
     return (x.float() * torch.where(served, w, 0).sum(1, keepdim=True))
 
 
+def _check_survivors(results, n, mask, why):
+    """Each survivor (``mask[r]`` 1) of a group whose masked ranks died: it agreed on ``mask``,
+    its first step summed what the surviving experts served (``out``), and the step after the
+    experts were re-placed over the survivors served everything (``second_out``)."""
+    for r in range(n):
+        if not mask[r]:
+            continue
+        got = results[r]
+        assert torch.equal(got["mask"], mask), (why, r, got["mask"])
+        x, idx, w = _inputs(r)
+        want = _served_sum(x, got["phy"], _route(idx, w, n)[1], n, mask)
+        torch.testing.assert_close(got["out"].float(), want, rtol=2e-2, atol=2e-2)
+        full = x.float() * torch.where(idx >= 0, w, 0).sum(1, keepdim=True)
+        torch.testing.assert_close(got["second_out"].float(), full, rtol=2e-2, atol=2e-2)
+
+
 def _check_run(results, n, point):
     survivors = [r for r in range(n) if r != VICTIM % n]
     mask = torch.ones(n, dtype=torch.int32)

@@ -21,8 +21,8 @@ from moe_comm.host.exchange import ReceiverFailed
 from moe_comm.quant import quantize_fp8
 from moe_comm.testing import netns
 from checks import check_ll, check_normal
-from test_elastic import (HIDDEN, MAX_TOKENS, _inputs, _ll_step, _normal_step, _route,
-                          _served_sum, _slots)
+from test_elastic import (HIDDEN, MAX_TOKENS, _check_survivors, _inputs, _ll_step,
+                          _normal_step, _route, _slots)
 from test_low_latency import _cases as ll_cases
 from test_low_latency import _run as ll_run
 from test_normal_mode import _cases as normal_cases
@@ -143,16 +143,7 @@ def test_elastic_group_survives_a_whole_host(mode):
         results = hosts.run(_elastic_host_dies, PER_HOST, mode, expect_exit={DEAD_HOST},
                             timeout=240, env=TCP)
     mask = torch.tensor([int(r // PER_HOST != DEAD_HOST) for r in range(N)], dtype=torch.int32)
-    for r in range(N):
-        if r // PER_HOST == DEAD_HOST:
-            continue
-        got = results[r]
-        assert torch.equal(got["mask"], mask), (mode, r, got["mask"])
-        x, idx, w = _inputs(r)
-        want = _served_sum(x, got["phy"], _route(idx, w, N)[1], N, mask)
-        torch.testing.assert_close(got["out"].float(), want, rtol=2e-2, atol=2e-2)
-        full = x.float() * torch.where(idx >= 0, w, 0).sum(1, keepdim=True)
-        torch.testing.assert_close(got["second_out"].float(), full, rtol=2e-2, atol=2e-2)
+    _check_survivors(results, N, mask, mode)
 
 
 def _refuse_then_go_on(rank, n):
