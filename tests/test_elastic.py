@@ -467,6 +467,26 @@ def _resume_before_second_copy_out(rank, pids, flag):
     cuda_normal.agree = agree
 
 
+def _check_fenced(results, first, later):
+    """The late-writer tests' promises: the resumed victim raised RankMaskedError; each
+    survivor saw its flag, held tensors unchanged, agreed on the mask; ``first[i]`` (the i-th
+    survivor's output of the step that masked the victim) is what the surviving experts
+    served, and every output in ``later[i]`` (steps over the re-placed experts) is exact."""
+    assert results[VICTIM] == "RankMaskedError"
+    mask = torch.tensor([int(r != VICTIM) for r in range(R)], dtype=torch.int32)
+    survivors = [r for r in range(R) if r != VICTIM]
+    for r, out, outs in zip(survivors, first, later):
+        got = results[r]
+        assert got["flag"] and got["unchanged"], (r, got)
+        assert torch.equal(got["mask"], mask), (r, got["mask"])
+        x, idx, w = _inputs(r)
+        want = _served_sum(x, got["phy"], _route(idx, w, R)[1], R, mask)
+        torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
+        full = x.float() * torch.where(idx >= 0, w, 0).sum(1, keepdim=True)
+        for o in outs:
+            torch.testing.assert_close(o.float(), full, rtol=2e-2, atol=2e-2)
+
+
 def _late_writer_worker(rank, n, point, flag, timeout_s):
     # mid_write: into a granted region (eager slots off); mid_eager_write: into its eager slot
     os.environ["MOE_COMM_EAGER"] = "0" if point == "mid_write" else "1"
@@ -540,17 +560,8 @@ def test_a_frozen_rank_that_resumes_is_fenced(backend, point, tmp_path):
         pytest.skip("eager slots are the host backend's")
     flag = str(tmp_path / "victim_done")
     results = run_ranks(_late_writer_worker, R, point, flag, TIMEOUT, timeout=120)
-    assert results[VICTIM] == "RankMaskedError"
-    mask = torch.tensor([1, 1, 0, 1], dtype=torch.int32)
-    for r in (0, 1, 3):
-        got = results[r]
-        assert got["flag"] and got["unchanged"], (r, got)
-        assert torch.equal(got["mask"], mask), (r, got["mask"])
-        x, idx, w = _inputs(r)
-        want = _served_sum(x, got["phy"], _route(idx, w, R)[1], R, mask)
-        torch.testing.assert_close(got["out1"].float(), want, rtol=2e-2, atol=2e-2)
-        full = x.float() * torch.where(idx >= 0, w, 0).sum(1, keepdim=True)
-        torch.testing.assert_close(got["out2"].float(), full, rtol=2e-2, atol=2e-2)
+    _check_fenced(results, [r["out1"] for r in results[:VICTIM] + results[VICTIM + 1:]],
+                  [[r["out2"]] for r in results[:VICTIM] + results[VICTIM + 1:]])
     if point == "mid_write":       # the receivers kept the region it may write aside
         assert any(results[r]["quarantined"] for r in (0, 1, 3))
 
@@ -653,17 +664,7 @@ def test_a_frozen_rank_that_resumes_mid_low_latency_write_is_fenced(backend, poi
     around."""
     flag = str(tmp_path / "victim_done")
     results = run_ranks(_ll_late_writer_worker, R, point, flag, TIMEOUT, timeout=120)
-    assert results[VICTIM] == "RankMaskedError"
-    mask = torch.tensor([1, 1, 0, 1], dtype=torch.int32)
-    for r in (0, 1, 3):
-        got = results[r]
-        assert got["flag"] and got["unchanged"], (r, got)
-        assert torch.equal(got["mask"], mask), (r, got["mask"])
-        x, idx, w = _inputs(r)
-        want = _served_sum(x, got["phy"], _route(idx, w, R)[1], R, mask)
-        torch.testing.assert_close(got["outs"][0].float(), want, rtol=2e-2, atol=2e-2)
-        full = x.float() * torch.where(idx >= 0, w, 0).sum(1, keepdim=True)
-        for out in got["outs"][1:]:
-            torch.testing.assert_close(out.float(), full, rtol=2e-2, atol=2e-2)
+    _check_fenced(results, [r["outs"][0] for r in results[:VICTIM] + results[VICTIM + 1:]],
+                  [r["outs"][1:] for r in results[:VICTIM] + results[VICTIM + 1:]])
     if point == "combine":        # the owner it was writing to held those rows back
         assert any(results[r]["held_back"] for r in (0, 1, 3))

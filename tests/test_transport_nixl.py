@@ -45,7 +45,7 @@ from checks import check_ll, check_normal
 from test_low_latency import _cases as ll_cases
 from test_multihost import HOSTS, N, PER_HOST, _both_modes, _killed_host
 from test_normal_mode import _cases as normal_cases
-from test_transport_tcp import _capture_logs, _exchange, _survivor, _wait_file
+from test_transport_tcp import _capture_logs, _exchange, check_host_loss
 
 NIXL = {"MOE_COMM_TRANSPORT": "nixl", **netns.UCX_ENV}
 SECRET = b"moe_comm-test-secret-0123456789"
@@ -340,20 +340,7 @@ def test_a_dead_host_is_reported_within_the_deadline_or_masked(elastic):
 def test_dead_or_unreachable_host_bounds_flush_and_close(hosts, how):
     """kill: host 1's processes die (UCX sees the connection reset); cut: its link goes down
     (silence: transfers stay in progress until their deadline)."""
-    folder, deadline_s = hosts.tmpdir, 2.0
-    job = hosts.start(_survivor, 1, folder, deadline_s, timeout=60, env=NIXL)
-    _wait_file(os.path.join(folder, "ready"))
-    if how == "kill":
-        hosts.kill_host(1)
-    else:
-        hosts.set_link(1, False)
-    open(os.path.join(folder, "go"), "w").close()
-    r0 = job.wait(expect_exit={1})[0]
-    assert r0["wait"] == [1]
-    assert r0["wait_s"] < deadline_s + 1.0
-    assert r0["flush"] == [1]
-    assert r0["flush_s"] < 3 * deadline_s + 1.0
-    assert r0["close_s"] < deadline_s + 4.0
+    check_host_loss(hosts, how, 2.0, env=NIXL)
 
 
 # -- foreign agents, forged notices, out-of-bounds writes -----------------------------------------

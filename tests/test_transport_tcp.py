@@ -312,8 +312,15 @@ def _survivor(rank, world, folder, deadline_s):
 def test_dead_or_unreachable_host_is_reported_within_deadline(hosts, how):
     """kill: every process of host 1 is SIGKILLed (its kernel resets the connections);
     cut: host 1's link goes down (silence: sends stall until their deadline)."""
-    folder, deadline_s = hosts.tmpdir, 1.5
-    job = hosts.start(_survivor, 1, folder, deadline_s, timeout=60)
+    check_host_loss(hosts, how, 1.5, env=None)
+
+
+def check_host_loss(hosts, how, deadline_s, env):
+    """Host 1 dies (``how`` "kill") or loses its link ("cut") while host 0's rank waits on
+    it: the wait names it within its deadline, flush and close stay bounded (``env``: the
+    ranks' environment, e.g. another transport)."""
+    folder = hosts.tmpdir
+    job = hosts.start(_survivor, 1, folder, deadline_s, timeout=60, env=env)
     _wait_file(os.path.join(folder, "ready"))
     if how == "kill":
         hosts.kill_host(1)
