@@ -174,7 +174,8 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
         row = layout.per_rank.numpy().astype(np.int64)
         is_token_in_rank = layout.in_rank
         row[~comm.active] = 0
-        send_eagerly(row, lambda d: is_token_in_rank[:, d].nonzero().flatten())
+        send_ids = [is_token_in_rank[:, d].nonzero().flatten() for d in range(R)]
+        send_eagerly(row, lambda d: send_ids[d])
         if _relays(comm) is not None:     # hierarchical: tokens per host, free heap too
             row = np.concatenate([row, tokens_per_host(is_token_in_rank, comm.host_of).numpy(),
                                   [comm.heap.free_bytes // PAGE]])
@@ -185,7 +186,7 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
         if not comm.active.all():                  # nothing goes to masked ranks
             is_token_in_rank = is_token_in_rank.clone()
             is_token_in_rank[:, torch.from_numpy(~comm.active)] = False
-        send_ids = [is_token_in_rank[:, d].nonzero().flatten() for d in range(R)]
+            send_ids = [t if comm.active[d] else t[:0] for d, t in enumerate(send_ids)]
         handle = DispatchHandle(buffer_key, num_tokens, hidden, matrix, is_token_in_rank,
                                 send_ids, int(matrix[:, me].sum()), num_worst_tokens,
                                 call_id=epoch)

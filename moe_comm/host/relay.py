@@ -389,7 +389,7 @@ def _relay_sums(routes, o, mine, me, dtype, hidden, topk):
     for d in relays.local:
         part = routes.back_part(d, me)
         if part[k]:
-            lo = routes.back_row0(d, me) - routes.back_row0(relays.local[0], me) + sum(part[:k])
+            lo = routes.back_row0(d, me) + sum(part[:k])
             segments.append(rows[lo:lo + part[k]].view(dtype).view(-1, hidden))
             weights.append(None if wts is None else wts[lo:lo + part[k]])
             ids.append(mask[:, relays.local_index[d]].nonzero().flatten())
