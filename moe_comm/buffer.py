@@ -726,8 +726,9 @@ class Buffer:
         """Reset the low-latency buffers (collective: every rank calls it; no LL call may be
         in flight). Normal-mode calls never touch them, so interleaving needs no cleaning;
         this is for starting LL over, e.g. after an aborted call. With ``enable_shrink`` /
-        ``elastic`` on the host backend, a rank that does not arrive within the deadline is
-        masked, as in DeepEP's shrink mode, instead of being waited for."""
+        ``elastic`` (both backends), a rank that does not arrive within the deadline is
+        masked through the mask agreement, as in DeepEP's shrink mode, instead of being
+        waited for."""
         comm = self._live()
         validate.ll_layout(self._facts, comm.ll_bytes, num_max_dispatch_tokens_per_rank,
                            hidden, num_experts)

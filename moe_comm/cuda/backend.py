@@ -8,7 +8,7 @@ import secrets
 import torch
 import torch.distributed as dist
 
-from . import groups, ll, normal
+from . import elastic, groups, ll, normal
 from ..errors import refuse_if_masked
 from ..event import EventOverlap, capture_event
 from ..layout import DispatchLayout
@@ -63,8 +63,16 @@ class CudaBackend:
         return capture_event()            # marks the kernels just queued on this stream
 
     def meet(self, why: str) -> None:
-        """No agreement runs on the host here: a group barrier, refused once a rank is masked
-        (it would wait on a rank that may be dead)."""
+        """Elastic (DeepEP's shrink mode): meet the survivors through the mask agreement
+        kernel, whose waits have a deadline and mask the ranks that stay silent (a
+        dist.barrier would wait for a dead rank as long as the process group's own timeout).
+        Waits for the agreement, so the caller knows every survivor has arrived. Else a group
+        barrier, refused once a rank is masked (it would wait on a rank that may be dead)."""
+        if self.comm.elastic:
+            self.comm.begin_call()
+            elastic.agree(self.comm, why)
+            self.comm.synchronize()
+            return
         refuse_if_masked(self.active_ranks(), why)
         dist.barrier(group=self.comm.group)
 

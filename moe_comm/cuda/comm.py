@@ -41,7 +41,8 @@ log = logging.getLogger("moe_comm")
 # Phase ids passed to kernels (the `op` argument) and the names errors report.
 OPS = ("", "dispatch/notify", "dispatch/send", "dispatch/payload", "combine/notify",
        "combine/send", "combine/payload", "low_latency_dispatch/send",
-       "low_latency_dispatch/recv", "low_latency_combine/send", "low_latency_combine/recv")
+       "low_latency_dispatch/recv", "low_latency_combine/send", "low_latency_combine/recv",
+       "clean_low_latency_buffer")
 OP = {name: i for i, name in enumerate(OPS)}
 
 # Block counters (csrc/kernels/sync.cuh last_block_arrives), one per kernel that uses one, so
