@@ -190,7 +190,7 @@ def _run_ll(rank, n, case, iters, env):
     e, t, h = case["experts"], case["tokens"], case["hidden"]
     fp8 = case["dtype"] == "fp8"
     buf = moe_comm.Buffer(None, 1 << 20, moe_comm.Buffer.get_low_latency_rdma_size_hint(
-        t, h, n, e), low_latency_mode=True, timeout_s=120)
+        t, h, n, e), low_latency_mode=True, timeout_s=120, device=env.device)
     x, idx, w = random_routed_inputs(t, h, e, case["topk"], seed=99 + rank)
     x, idx, w = x.bfloat16().to(env.device), idx.to(env.device), w.to(env.device)
     state = {}
@@ -267,7 +267,7 @@ def _row(n, case, iters, env, baselines, y, recv_bytes, combine_bytes, wire_rati
 
 def _run_normal(rank, n, case, iters, env):
     e = case["experts"]
-    buf = moe_comm.Buffer(None, case["nvl_bytes"], timeout_s=120)
+    buf = moe_comm.Buffer(None, case["nvl_bytes"], timeout_s=120, device=env.device)
     x, idx, w = _inputs(case, rank, env.device)
     ntr, per_host, nte, itr, _ = buf.get_dispatch_layout(idx, e)
     state = {}

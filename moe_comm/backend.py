@@ -16,7 +16,6 @@ import os
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
 
 from .cuda.backend import CudaBackend
 from .event import EventOverlap
@@ -103,14 +102,18 @@ def emulate_cuda() -> bool:
     return os.environ.get("MOE_COMM_CPU_BACKEND", "") == "emulator"
 
 
-def pick_device(group, device) -> torch.device:
-    """``device`` if given; else CUDA (the current device) for an NCCL group, else CPU."""
+def pick_device(device) -> torch.device:
+    """The device a Buffer serves: ``device`` if given, else ``MOE_COMM_DEVICE`` if set, else
+    (DeepEP's rule) the current CUDA device wherever CUDA is available, whatever the group's
+    backend: vLLM builds its Buffer from a gloo CPU group and passes GPU tensors. Without CUDA,
+    the CPU. ``device="cpu"`` keeps the CPU backend on a GPU machine."""
+    device = device if device is not None else os.environ.get("MOE_COMM_DEVICE") or None
     if device is not None:
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:   # tensors say cuda:N, not cuda
             device = torch.device("cuda", torch.cuda.current_device())
         return device
-    if dist.get_backend(group) == "nccl":
+    if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -116,8 +116,11 @@ class Buffer:
             moe_comm/ibgda/path.py), "nixl", "verbs" or "tcp" (the host proxy). Ranks on this host
             share memory directly (CUDA IPC; NVSHMEM's P2P mappings under "ibgda").
         device: where the tensors live: a CUDA device drives the CUDA backend (kernels,
-            CUDA IPC between the ranks of one node), the CPU the host backend. Default: the
-            current CUDA device for an NCCL group, else the CPU.
+            CUDA IPC between the ranks of one node), the CPU the host backend. Default
+            (DeepEP's rule): ``MOE_COMM_DEVICE`` if set, else the current CUDA device
+            wherever CUDA is available, whatever the group's backend (a gloo group serves
+            GPU tensors, as vLLM builds it), else the CPU; ``device="cpu"`` keeps the host
+            backend on a GPU machine.
 
     Every call also takes ``active_ranks=``: an int32 [R] tensor (1 = active) that is read
     (ranks it marks 0 are masked first) and updated in place with the mask after the call,
@@ -153,7 +156,7 @@ class Buffer:
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = enable_shrink
         self.elastic = bool(elastic or enable_shrink)      # shrink mode is elastic masking
-        self.device = pick_device(self.group, device)
+        self.device = pick_device(device)
         if self.device.type != "cuda" and not emulate_cuda():
             validate.host_transport(transport, self.device)
         self._be = open_backend(self.group, self.device, self.num_nvl_bytes, num_rdma_bytes,

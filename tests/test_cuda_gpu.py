@@ -28,6 +28,7 @@ import torch  # noqa: E402
 import cuda_cases as C  # noqa: E402
 import cuda_fault_cases as F  # noqa: E402
 from checks import check_ll, check_normal  # noqa: E402
+from moe_comm.reference import reference_combine, reference_dispatch  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -132,16 +133,68 @@ def test_two_processes_through_nvshmem():
     _two_processes("ibgda")
 
 
-def _two_processes(transport):
+# ---- a Buffer built from a gloo group serves CUDA tensors (vLLM's construction) ---------------
+GLOO_CASE = dict(tokens=(40, 0, 17), hidden=256, experts=12, topk=3)
+
+
+def _gloo_inputs(rank):
+    g = torch.Generator().manual_seed(123 + rank)
+    t, c = GLOO_CASE["tokens"][rank], GLOO_CASE
+    x = torch.randn(t, c["hidden"], generator=g).bfloat16()
+    idx = torch.randint(-1, c["experts"], (t, c["topk"]), generator=g)
+    return x, idx
+
+
+def _gloo_buffer_child(rank, n, port, queue):
+    """No ``device=``, a gloo group, CUDA tensors: the Buffer must pick the GPU (DeepEP's
+    rule), not the CPU because the group is gloo."""
+    try:
+        import torch.distributed as dist
+        import moe_comm
+        os.environ.pop("MOE_COMM_DEVICE", None)   # tests/conftest.py's CPU default
+        torch.cuda.set_device(0)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=n)
+        buf = moe_comm.Buffer(dist.group.WORLD, C.HEAP, timeout_s=C.deadline(60.0))
+        assert buf.device.type == "cuda", buf.device
+        x, idx = (t.cuda() for t in _gloo_inputs(rank))
+        ntr, _, nte, itr, _ = buf.get_dispatch_layout(idx, GLOO_CASE["experts"])
+        rx, ri, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=ntr, is_token_in_rank=itr,
+                                               num_tokens_per_expert=nte, topk_idx=idx)
+        y = rx * (rank + 1)
+        out, _, _ = buf.combine(y, handle)
+        res = dict(rx=rx.cpu(), ri=ri.cpu(), out=out.cpu())
+        buf.destroy()
+        blob = io.BytesIO()
+        torch.save(res, blob)
+        queue.put((rank, True, blob.getvalue()))
+        dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001
+        queue.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def test_gloo_group_buffer_serves_cuda_tensors():
+    n = len(GLOO_CASE["tokens"])
+    results = _spawn_ranks(_gloo_buffer_child, n, "gloo-group Buffer")
+    xs, idxs = zip(*(_gloo_inputs(r) for r in range(n)))
+    ref = reference_dispatch(list(xs), list(idxs), GLOO_CASE["experts"])
+    for r in range(n):
+        assert torch.equal(results[r]["rx"], ref[r]["recv_x"])
+        assert torch.equal(results[r]["ri"], ref[r]["recv_topk_idx"])
+    want = reference_combine([ref[d]["recv_x"] * (d + 1) for d in range(n)], ref,
+                             GLOO_CASE["tokens"])
+    for r in range(n):
+        torch.testing.assert_close(results[r]["out"], want[r], rtol=1e-2, atol=1e-2)
+
+
+def _spawn_ranks(child, n, what, *args):
+    """Run ``child(rank, n, port, queue, *args)`` in ``n`` spawned processes (CUDA cannot
+    start in a forked child of this one); {rank: the object it put}."""
     from moe_comm.testing.processes import free_port
-    n = 2
-    normal_cases = [c for c in C.normal_cases(n) if c["routing"] == "random"][:2]
-    ll_cases = C.ll_cases(n)[:2]
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_ipc_child, args=(r, n, port, queue, normal_cases, ll_cases,
-                                                  transport)) for r in range(n)]
+    procs = [ctx.Process(target=child, args=(r, n, port, queue, *args)) for r in range(n)]
     for p in procs:
         p.start()
     limit = C.outer_timeout(300)          # start, import, build and the cases
@@ -151,12 +204,20 @@ def _two_processes(transport):
     alive = [p for p in procs if p.is_alive()]
     for p in alive:
         p.kill()
-    assert not alive, f"{transport} ranks did not finish within {limit:.0f} s"
+    assert not alive, f"{what} ranks did not finish within {limit:.0f} s"
     results = {}
     while not queue.empty():
         rank, ok, val = queue.get()
         assert ok, f"rank {rank} failed:\n{val}"
         results[rank] = torch.load(io.BytesIO(val), weights_only=False)
-    assert sorted(results) == [0, 1]
+    assert sorted(results) == list(range(n))
+    return results
+
+
+def _two_processes(transport):
+    n = 2
+    normal_cases = [c for c in C.normal_cases(n) if c["routing"] == "random"][:2]
+    ll_cases = C.ll_cases(n)[:2]
+    results = _spawn_ranks(_ipc_child, n, transport, normal_cases, ll_cases, transport)
     check_normal(n, normal_cases, [results[r][0] for r in range(n)])
     check_ll(n, ll_cases, [results[r][1] for r in range(n)], C.kernel_quantize)

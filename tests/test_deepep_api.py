@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import moe_comm
+from moe_comm.backend import pick_device
 from moe_comm.buffer import nvrtc_targets
 from moe_comm.jit import emulator
 from ranks import run_ranks
@@ -71,6 +72,21 @@ def test_constructor_takes_deepeps_keywords():
     for got in run_ranks(_constructor_worker, 2, timeout=60):
         assert got == dict(elastic=True, shrink=True, explicitly_destroy=True,
                            plain_elastic=False)
+
+
+def test_default_device_follows_deepep(monkeypatch):
+    """Without ``device=``: the current CUDA device wherever CUDA is available, whatever the
+    group's backend (vLLM builds its Buffer from a gloo group; tests/test_cuda_gpu.py runs
+    that on a GPU), else the CPU; ``MOE_COMM_DEVICE`` and ``device=`` choose otherwise."""
+    monkeypatch.delenv("MOE_COMM_DEVICE", raising=False)
+    want = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    assert pick_device(None) == want
+    monkeypatch.setenv("MOE_COMM_DEVICE", "cpu")
+    assert pick_device(None) == torch.device("cpu")
+    assert pick_device("cpu") == torch.device("cpu")
+    monkeypatch.setenv("MOE_COMM_DEVICE", "cuda:0")
+    assert pick_device(torch.device("cpu")) == torch.device("cpu")   # the argument wins
 
 
 @pytest.mark.parametrize("kwargs,error,words", [

@@ -149,9 +149,14 @@ class ExpertParallelExperts(LocalExperts):
 
     @property
     def buffer(self) -> Buffer:
+        return self.buffer_for(None)
+
+    def buffer_for(self, device) -> Buffer:
+        """The Buffer this layer's calls use, serving ``device`` (the call's tensors; None:
+        whichever the shared Buffer serves)."""
         if self._own_buffer is not None:
             return self._own_buffer
-        return self.shared_buffers.for_group(self.group)
+        return self.shared_buffers.for_group(self.group, device=device)
 
     def load_from_full(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> None:
         """Take this rank's slots out of full logical weights [E, 2I, H] / [E, H, I]."""
@@ -238,7 +243,7 @@ class ExpertParallelExperts(LocalExperts):
         mode = self.last_mode = self._pick_mode(x, w)
         if mode == "low_latency":
             return self._low_latency(x, idx, w, during)
-        buf = self.buffer
+        buf = self.buffer_for(x.device)
         recv_x, recv_idx, recv_w, handle = ag.dispatch(buf, x.contiguous(), idx, w,
                                                       self.num_physical)
         extra = during() if during is not None else None
@@ -248,7 +253,7 @@ class ExpertParallelExperts(LocalExperts):
 
     @torch.no_grad()
     def _low_latency(self, x, idx, w, during):
-        buf = self.buffer
+        buf = self.buffer_for(x.device)
         recv, counts, handle, _, hook = buf.low_latency_dispatch(
             x.contiguous(), idx, self.ll_max_tokens, self.num_physical,
             use_fp8=self.ll_use_fp8, return_recv_hook=True)

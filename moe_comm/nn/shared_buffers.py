@@ -8,9 +8,18 @@ layers should); pass another instance to keep a set of layers apart.
 """
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from ..buffer import Buffer
+
+
+def _same_device(have: torch.device, want) -> bool:
+    """``want`` (a device or its name; "cuda" = the current CUDA device) is ``have``."""
+    want = torch.device(want)
+    if want.type == "cuda" and want.index is None:
+        want = torch.device("cuda", torch.cuda.current_device())
+    return want == have
 
 
 def world_if_none(group):
@@ -23,27 +32,35 @@ class SharedBuffers:
     def __init__(self):
         self._by_group: dict = {}          # id(group) -> (group, Buffer)
 
-    def for_group(self, group=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0) -> Buffer:
-        """The Buffer of ``group``, created or grown to at least these sizes.
+    def for_group(self, group=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                  device=None) -> Buffer:
+        """The Buffer of ``group``, created or grown to at least these sizes, serving
+        ``device`` (None: the one it has, or Buffer's default for a new one).
 
         Collective when it creates: every rank must make the same calls in the same order
         (layers built identically on every rank do). Growing destroys the old Buffer and makes
-        a larger one (layers look it up at every call, so they follow); tensors received from
-        the old one stay valid until dropped.
+        a larger one (layers look it up at every call, so they follow); so does a call on
+        another device (a model moved to the GPU after it was built: every rank moves alike).
+        Tensors received from the old one stay valid until dropped.
         """
         group = world_if_none(group)
         entry = self._by_group.get(id(group))
         # the group itself is kept and compared: a dead group's id may be reused by a new one
         old = entry[1] if entry is not None and entry[0] is group else None
-        if old is not None and old._comm is not None and old.num_nvl_bytes >= num_nvl_bytes and \
+        live = old is not None and old._comm is not None
+        same_device = device is None or (live and _same_device(old.device, device))
+        if live and same_device and old.num_nvl_bytes >= num_nvl_bytes and \
                 (num_rdma_bytes == 0 or
                  (old.low_latency_mode and old.num_rdma_bytes >= num_rdma_bytes)):
             return old
-        if old is not None and old._comm is not None:
+        if live:
             num_nvl_bytes = max(num_nvl_bytes, old.num_nvl_bytes)
             num_rdma_bytes = max(num_rdma_bytes, old.num_rdma_bytes)
+            if device is None:
+                device = old.device
             old.destroy()
-        buf = Buffer(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode=num_rdma_bytes > 0)
+        buf = Buffer(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode=num_rdma_bytes > 0,
+                     device=device)
         self._by_group[id(group)] = (group, buf)
         return buf
 
