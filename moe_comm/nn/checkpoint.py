@@ -12,12 +12,15 @@ model as it was before :func:`~moe_comm.nn.replace.replace_moe_blocks`:
   ``state_dict()`` names and shapes.
 * :func:`save_pretrained` (collective) writes that with transformers' ``save_pretrained``
   on the group's rank 0; ``from_pretrained`` of the unreplaced class reads it back.
+  :func:`~moe_comm.nn.replace.replace_moe_blocks` routes the model's own
+  ``model.save_pretrained(path)`` there (:func:`route_save_pretrained`).
 * :func:`load_full_state_dict` (not collective) loads such a state dict into a replaced
   model: every rank takes its own slots under its current placement.
 """
 from __future__ import annotations
 
 import os
+import types
 
 import torch
 import torch.distributed as dist
@@ -167,8 +170,27 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwarg
     group = model_group(model)
     full = gather_full_state_dict(model, dst=0, device="cpu")
     try:
-        if full is not None:
-            model.save_pretrained(save_directory, state_dict=full, **kwargs)
+        if full is not None:    # the class's method: the instance's may be ours (route_...)
+            type(model).save_pretrained(model, save_directory, state_dict=full, **kwargs)
     finally:            # a failed write raises on rank 0; the other ranks must not hang
         if group is not None:
             dist.barrier(group=group)
+
+
+def route_save_pretrained(model: nn.Module) -> None:
+    """Make ``model.save_pretrained(path, ...)`` write the full checkpoint, as
+    :func:`save_pretrained` does (collective: every rank calls it), instead of transformers
+    writing rank 0's shard of the experts under the original names' neighbours. A call that
+    passes its own ``state_dict=`` gets transformers' method unchanged. Bound to the
+    instance (a deepcopy rebinds it to the copy); models without ``save_pretrained`` are
+    left alone."""
+    if not callable(getattr(type(model), "save_pretrained", None)):
+        return
+    model.save_pretrained = types.MethodType(_save_full, model)
+
+
+def _save_full(model: nn.Module, save_directory, *args, state_dict=None, **kwargs):
+    if state_dict is not None or args:
+        return type(model).save_pretrained(model, save_directory, *args,
+                                           state_dict=state_dict, **kwargs)
+    return save_pretrained(model, save_directory, **kwargs)

@@ -10,6 +10,7 @@ from torch import nn
 
 from . import hf
 from ..eplb import ExpertLoadRecorder
+from .checkpoint import route_save_pretrained
 from .layer import MoELayer
 
 
@@ -27,7 +28,9 @@ def replace_moe_blocks(model: nn.Module, group=None, **kwargs) -> list:
     is kept). With ``num_redundant_experts > 0`` and no ``load_recorder`` given, one
     :class:`ExpertLoadRecorder` with a row per replaced layer is shared by them. ``config``
     defaults to ``model.config``; other keyword arguments go to :meth:`MoELayer.from_hf`.
-    Returns the qualified names of the replaced modules.
+    ``model.save_pretrained(path)`` then writes the full, unsharded checkpoint (collective:
+    every rank calls it; moe_comm/nn/checkpoint.py). Returns the qualified names of the
+    replaced modules.
     """
     kwargs.setdefault("config", getattr(model, "config", None))
     names = [name for name, m in model.named_modules() if name and replaceable(m)]
@@ -42,4 +45,6 @@ def replace_moe_blocks(model: nn.Module, group=None, **kwargs) -> list:
         parent = model.get_submodule(parent_name) if parent_name else model
         layer = MoELayer.from_hf(getattr(parent, child), group=group, layer_index=i, **kwargs)
         setattr(parent, child, layer)
+    if names:      # transformers alone would write this rank's shard of the experts
+        route_save_pretrained(model)
     return names
