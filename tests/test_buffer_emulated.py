@@ -11,6 +11,7 @@ import pytest
 
 import cuda_cases
 import test_low_latency as LL
+import test_cuda_gpu as GPU
 import test_normal_mode as NM
 from checks import check_ll, check_normal
 from moe_comm.jit import emulator
@@ -55,3 +56,12 @@ def test_low_latency_hooks_through_buffer():
         assert "two low-latency dispatch calls are already in flight" in errors[0]
         assert "has not received yet" in errors[1]
         assert "already ran" in errors[2]
+
+
+def test_gpu_buffer_round_on_the_emulator():
+    """The Buffer-level rank body of the GPU checks (tests/test_cuda_gpu.py: a gloo-group
+    Buffer, two hosts through the kernel proxy) and its reference checks, run here so the
+    first GPU run does not find a mistake in the test itself."""
+    n = len(GPU.BUF_CASE["tokens"])
+    cuda_cases.preload("cpu", n, {GPU.BUF_CASE["hidden"]}, ll=True)
+    GPU._check_buffer_rounds(run_ranks(GPU._buffer_round, n, "cpu", "cpu", timeout=300))

@@ -28,7 +28,9 @@ import torch  # noqa: E402
 import cuda_cases as C  # noqa: E402
 import cuda_fault_cases as F  # noqa: E402
 from checks import check_ll, check_normal  # noqa: E402
-from moe_comm.reference import reference_combine, reference_dispatch  # noqa: E402
+from moe_comm.reference import (reference_combine, reference_dispatch,  # noqa: E402
+                                reference_ll_combine, reference_ll_dispatch)
+from moe_comm.testing import netns  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -133,16 +135,64 @@ def test_two_processes_through_nvshmem():
     _two_processes("ibgda")
 
 
-# ---- a Buffer built from a gloo group serves CUDA tensors (vLLM's construction) ---------------
-GLOO_CASE = dict(tokens=(40, 0, 17), hidden=256, experts=12, topk=3)
+# ---- Buffers on the GPU: from a gloo group (vLLM's construction), and across two hosts ---------
+# one normal and one LL round through the Buffer API, checked against the reference
+BUF_CASE = dict(tokens=(40, 0, 17, 33), hidden=256, experts=12, topk=3, max_tokens=48)
 
 
-def _gloo_inputs(rank):
+def _buffer_inputs(rank):
     g = torch.Generator().manual_seed(123 + rank)
-    t, c = GLOO_CASE["tokens"][rank], GLOO_CASE
+    t, c = BUF_CASE["tokens"][rank], BUF_CASE
     x = torch.randn(t, c["hidden"], generator=g).bfloat16()
     idx = torch.randint(-1, c["experts"], (t, c["topk"]), generator=g)
-    return x, idx
+    w = torch.rand(t, c["topk"], generator=g)
+    return x, idx, w
+
+
+def _buffer_round(rank, n, device=None, want="cuda"):
+    """Rank body: a Buffer (``device=None``: its own choice, which must be ``want``), one
+    normal dispatch/combine and one LL dispatch/combine; CPU copies of what came back.
+    (tests/test_buffer_emulated.py runs it on the CPU kernel emulator, ``want="cpu"``.)"""
+    import moe_comm
+    if want == "cuda":
+        torch.cuda.set_device(0)
+    c = BUF_CASE
+    rdma = moe_comm.Buffer.get_low_latency_rdma_size_hint(c["max_tokens"], c["hidden"], n,
+                                                          c["experts"])
+    buf = moe_comm.Buffer(None, C.HEAP, rdma, low_latency_mode=True,
+                          timeout_s=C.deadline(60.0), device=device)
+    assert buf.device.type == want, buf.device
+    x, idx, w = (t.to(buf.device) for t in _buffer_inputs(rank))
+    ntr, _, nte, itr, _ = buf.get_dispatch_layout(idx, c["experts"])
+    rx, ri, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=ntr, is_token_in_rank=itr,
+                                           num_tokens_per_expert=nte, topk_idx=idx)
+    out, _, _ = buf.combine(rx * (rank + 1), handle)
+    recv, count, ll_handle, _, _ = buf.low_latency_dispatch(x, idx, c["max_tokens"],
+                                                            c["experts"], use_fp8=False)
+    ll_out, _, _ = buf.low_latency_combine(recv * (rank + 1), idx, w, ll_handle)
+    res = dict(rx=rx.cpu(), ri=ri.cpu(), out=out.cpu(), recv=recv.cpu(), count=count.cpu(),
+               ll_out=ll_out.cpu())
+    buf.destroy()
+    return res
+
+
+def _check_buffer_rounds(results):
+    n, c = len(results), BUF_CASE
+    xs, idxs, ws = (list(t) for t in zip(*(_buffer_inputs(r) for r in range(n))))
+    ref = reference_dispatch(xs, idxs, c["experts"])
+    want = reference_combine([ref[d]["recv_x"] * (d + 1) for d in range(n)], ref,
+                             [x.shape[0] for x in xs])
+    ll_ref = reference_ll_dispatch(xs, idxs, c["experts"], c["max_tokens"])
+    ll_want = reference_ll_combine([ll_ref[d]["recv_x"] * (d + 1) for d in range(n)], ll_ref,
+                                   idxs, ws)
+    for r, got in enumerate(results):
+        assert torch.equal(got["rx"], ref[r]["recv_x"]), r
+        assert torch.equal(got["ri"], ref[r]["recv_topk_idx"]), r
+        torch.testing.assert_close(got["out"], want[r], rtol=1e-2, atol=1e-2)
+        assert got["count"].tolist() == ll_ref[r]["recv_count"].tolist(), r
+        for le, k in enumerate(got["count"].tolist()):
+            assert torch.equal(got["recv"][le, :k], ll_ref[r]["recv_x"][le, :k]), (r, le)
+        torch.testing.assert_close(got["ll_out"], ll_want[r], rtol=1e-2, atol=1e-2)
 
 
 def _gloo_buffer_child(rank, n, port, queue):
@@ -150,21 +200,10 @@ def _gloo_buffer_child(rank, n, port, queue):
     rule), not the CPU because the group is gloo."""
     try:
         import torch.distributed as dist
-        import moe_comm
         os.environ.pop("MOE_COMM_DEVICE", None)   # tests/conftest.py's CPU default
-        torch.cuda.set_device(0)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=n)
-        buf = moe_comm.Buffer(dist.group.WORLD, C.HEAP, timeout_s=C.deadline(60.0))
-        assert buf.device.type == "cuda", buf.device
-        x, idx = (t.cuda() for t in _gloo_inputs(rank))
-        ntr, _, nte, itr, _ = buf.get_dispatch_layout(idx, GLOO_CASE["experts"])
-        rx, ri, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=ntr, is_token_in_rank=itr,
-                                               num_tokens_per_expert=nte, topk_idx=idx)
-        y = rx * (rank + 1)
-        out, _, _ = buf.combine(y, handle)
-        res = dict(rx=rx.cpu(), ri=ri.cpu(), out=out.cpu())
-        buf.destroy()
+        res = _buffer_round(rank, n)
         blob = io.BytesIO()
         torch.save(res, blob)
         queue.put((rank, True, blob.getvalue()))
@@ -174,17 +213,22 @@ def _gloo_buffer_child(rank, n, port, queue):
 
 
 def test_gloo_group_buffer_serves_cuda_tensors():
-    n = len(GLOO_CASE["tokens"])
-    results = _spawn_ranks(_gloo_buffer_child, n, "gloo-group Buffer")
-    xs, idxs = zip(*(_gloo_inputs(r) for r in range(n)))
-    ref = reference_dispatch(list(xs), list(idxs), GLOO_CASE["experts"])
-    for r in range(n):
-        assert torch.equal(results[r]["rx"], ref[r]["recv_x"])
-        assert torch.equal(results[r]["ri"], ref[r]["recv_topk_idx"])
-    want = reference_combine([ref[d]["recv_x"] * (d + 1) for d in range(n)], ref,
-                             GLOO_CASE["tokens"])
-    for r in range(n):
-        torch.testing.assert_close(results[r]["out"], want[r], rtol=1e-2, atol=1e-2)
+    results = _spawn_ranks(_gloo_buffer_child, len(BUF_CASE["tokens"]), "gloo-group Buffer")
+    _check_buffer_rounds([results[r] for r in sorted(results)])
+
+
+
+
+def test_two_hosts_through_the_kernel_proxy():
+    """Two network-namespace hosts x two ranks on the one GPU: peers on the other host are
+    reached through the kernels' command ring and the kernel proxy over TCP (the emulated
+    twin is tests/test_multihost.py's cuda_emulated case). Needs root for the namespaces."""
+    why = netns.available()
+    if why:
+        pytest.skip(f"no network namespaces: {why}")
+    _check_buffer_rounds(netns.run_on_hosts(_buffer_round, 2, 2, "cuda", mode="exec",
+                                            timeout=C.outer_timeout(300),
+                                            env={"MOE_COMM_TRANSPORT": "tcp"}))
 
 
 def _spawn_ranks(child, n, what, *args):
