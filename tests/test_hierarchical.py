@@ -16,8 +16,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import cuda_cases
 import moe_comm
 from moe_comm.host.exchange import ReceiverFailed
+from moe_comm.jit import emulator
 from moe_comm.quant import quantize_fp8
 from moe_comm.testing import netns
 from checks import check_ll, check_normal
@@ -110,6 +112,33 @@ def test_without_relays_tokens_cross_once_per_rank():
     ratio = _ratio(wires)
     print(f"wire ratio without relays: {ratio:.3f}")
     assert ratio > 1.5 * WIRE_RATIO_MAX, ratio
+
+
+def _both_modes(rank, n, normal, ll):
+    blob = io.BytesIO()
+    torch.save((normal_run(rank, n, normal), ll_run(rank, n, ll)), blob)
+    return blob.getvalue()
+
+
+def test_twelve_emulated_cuda_ranks_on_four_hosts_match_reference():
+    """The CUDA backend (its kernels in the CPU emulator) on 4 hosts x 3 ranks, small hidden
+    sizes: peers on the same host by pointer, the others through the kernels' command ring
+    and the kernel proxy over TCP. Normal and LL calls against the reference. (The CUDA
+    kernels send normal mode flat, once per destination rank: no relays there yet.)"""
+    if not emulator.available():
+        pytest.skip("the kernel emulator needs a C++ compiler (g++)")
+    hosts, per_host = 4, 3
+    n = hosts * per_host
+    kinds = [("random", "bfloat16"), ("skewed", "fp8"), ("one_rank", "float32")]
+    normal = [next(c for c in normal_cases(n) if (c["routing"], c["dtype"]) == k)
+              for k in kinds]
+    ll = ll_cases(n)[:2]
+    cuda_cases.preload("cpu", n, {c["hidden"] for c in ll}, ll=True)
+    blobs = netns.run_on_hosts(_both_modes, hosts, per_host, normal, ll, timeout=600,
+                               env={**TCP, "MOE_COMM_CPU_BACKEND": "emulator"})
+    results = [torch.load(io.BytesIO(b), weights_only=False) for b in blobs]
+    check_normal(n, normal, [r[0] for r in results])
+    check_ll(n, ll, [r[1] for r in results], cuda_cases.kernel_quantize)
 
 
 ELASTIC_TIMEOUT = 6.0       # 16 ranks and their proxy threads on 2 shared cores: no false alarms
