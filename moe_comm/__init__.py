@@ -3,7 +3,8 @@ import torch
 
 from .buffer import Buffer
 from .config import Config
-from .errors import BufferTooSmallError, CallMismatchError, CommTimeoutError, RankMaskedError
+from .errors import (BufferTooSmallError, CallMismatchError, CommTimeoutError, LayoutLockedError,
+                     RankMaskedError)
 from .event import EventOverlap
 from .handle import DispatchHandle
 from .logs import apply_env_level
@@ -16,6 +17,7 @@ topk_idx_t = torch.int64
 
 __all__ = ["Buffer", "topk_idx_t", "Config", "EventOverlap", "DispatchHandle",
            "CommTimeoutError", "RankMaskedError", "BufferTooSmallError", "CallMismatchError",
+           "LayoutLockedError",
            "reference_dispatch", "reference_combine", "MoELayer", "replace_moe_blocks"]
 __version__ = "0.1.0"
 

@@ -54,6 +54,25 @@ class CallMismatchError(ValueError):
         super().__init__(f"{op}: the ranks disagree about this call; " + "; ".join(parts))
 
 
+class LayoutLockedError(CallMismatchError):
+    """A low-latency call with another layout (``num_max_dispatch_tokens_per_rank``, hidden
+    size or number of experts) than the last one, refused by the ranks in ``ranks``: a rank
+    was masked while it may have been in the middle of writing into their low-latency region
+    (stopped, not known to be dead), and its late rows land where the old layout put them -
+    which the new layout would hand to other rows. Raised on every rank before any result is
+    read; calls with the previous layout go on. A new Buffer (over the survivors) takes any
+    layout."""
+
+    def __init__(self, op: str, ranks):
+        self.ranks = sorted(int(r) for r in ranks)
+        super().__init__(op, {"layout_refused": {r: True for r in self.ranks}})
+        self.args = (f"{op}: rank(s) {self.ranks} keep the previous low-latency layout: a rank "
+                     "masked mid-call may still write where that layout put its rows (its "
+                     "process is not known to be gone); call with the previous "
+                     "num_max_dispatch_tokens_per_rank, hidden size and num_experts, or build "
+                     "a new Buffer",)
+
+
 class RankMaskedError(RuntimeError):
     """This rank was masked out of an elastic Buffer (by ``set_active_ranks``, or by its peers
     when it missed their deadline); it takes no further part: a new Buffer is needed to

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .errors import CallMismatchError
+from .errors import CallMismatchError, LayoutLockedError
 from .wire import CALL_WORDS, NORMAL_CALL_FIELDS
 
 CALLS = {1: "dispatch", 2: "cached dispatch", 3: "combine", 4: "low-latency dispatch"}
@@ -73,10 +73,23 @@ def of_combine(*, x, topk_weights, handle) -> np.ndarray:
 
 
 def low_latency(*, hidden: int, use_fp8: bool, round_scale: bool, topk: int,
-                num_experts: int, max_tokens: int) -> np.ndarray:
-    """The signature of a low-latency dispatch."""
+                num_experts: int, max_tokens: int, refused_by: int | None = None) -> np.ndarray:
+    """The signature of a low-latency dispatch; ``refused_by``: this rank, when it cannot take
+    the call's layout (:class:`~moe_comm.errors.LayoutLockedError`)."""
     return _row((CALL_CODE["low-latency dispatch"], hidden, use_fp8, round_scale, topk,
-                 num_experts, max_tokens))
+                 num_experts, max_tokens, 0 if refused_by is None else refused_by + 1))
+
+
+def low_latency_refusal(comm, layout: tuple) -> int | None:
+    """This rank (to pass as ``refused_by``) when it must refuse a low-latency call whose
+    ``layout`` - (max tokens, hidden, experts) - is not the last one's while a masked rank may
+    still write into the last one's rows (``comm.masked_may_write()``: a stopped rank resumes
+    into the offsets of the call it was in; :class:`~moe_comm.errors.LayoutLockedError`).
+    Else None, and ``layout`` becomes the one in use (``comm.ll_layout``)."""
+    if comm.ll_layout not in (None, layout) and comm.masked_may_write():
+        return comm.rank
+    comm.ll_layout = layout
+    return None
 
 
 def _shown(field: str, value: int):
@@ -107,6 +120,10 @@ def check(op: str, rows: dict, fields=NORMAL_CALL_FIELDS) -> None:
     if not rows:
         return
     stacked = np.stack([np.asarray(r, dtype=np.int64)[:len(fields)] for r in rows.values()])
+    if "layout_refused" in fields:       # a refusal, not a disagreement: its own error
+        refused = stacked[:, fields.index("layout_refused")]
+        if refused.any():
+            raise LayoutLockedError(op, [r for r, v in zip(rows, refused) if v])
     differ = np.flatnonzero((stacked != stacked[0]).any(0))
     if differ.size:
         ranks = list(rows)

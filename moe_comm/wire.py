@@ -91,8 +91,11 @@ PROXY_OP_PUT, PROXY_OP_SIGNAL = 1, 2
 # What every rank must pass alike, one tagged word each (one line): the call's signature.
 NORMAL_CALL_FIELDS = ("call", "hidden", "dtype", "scale_cols", "topk", "num_experts",
                       "num_worst_tokens", "handle")
+# "layout_refused": not a parameter but a refusal (rank + 1, or 0): a rank that cannot take
+# a new LL layout (errors.LayoutLockedError) makes every rank's check fail - values differ
+# whenever any rank refuses, also when all do.
 LL_CALL_FIELDS = ("call", "hidden", "use_fp8", "round_scale", "topk", "num_experts",
-                  "num_max_dispatch_tokens_per_rank")
+                  "num_max_dispatch_tokens_per_rank", "layout_refused")
 CALL_WORDS = LINE_WORDS
 FENCE_WORD = 4                       # header word a masked rank finds set (HeaderLayout.fence)
 SLAB_ALIGN = 64                      # bytes: each sub-array of a SlabLayout starts on a line

@@ -629,6 +629,19 @@ def _ll_late_writer_worker(rank, n, point, flag, timeout_s):
     # step 3 uses the buffers of step 1 again (calls alternate between two), where the
     # victim was writing: it resumes between the survivors' send and receive halves
     held_back = _rows_held_back(buf._comm)
+    # a new LL layout (8 tokens per rank) while the victim may still write into the rows of
+    # the old one: every survivor refuses it (LayoutLockedError) and the old layout goes on;
+    # twice, so step 3 still reuses step 1's buffers (CUDA reports a call's failure at the
+    # next synchronisation: CudaComm.synchronize)
+    locked = []
+    for _ in range(2):
+        try:
+            buf.low_latency_dispatch(x[:8], phy2[:8], 8, _slots(buf), use_fp8=False)
+            if not isinstance(buf._comm, HostComm):
+                buf._comm.synchronize()
+            locked.append("took it")
+        except moe_comm.LayoutLockedError as e:
+            locked.append(e.ranks)
 
     def resume_and_wait():
         if rank == 0:
@@ -649,7 +662,7 @@ def _ll_late_writer_worker(rank, n, point, flag, timeout_s):
     combine_hook()
     unchanged = torch.equal(rx.view(torch.int16), held[0]) and torch.equal(count, held[1])
     return {"mask": mask, "outs": (out1, out2, out3), "phy": phy, "unchanged": unchanged,
-            "flag": os.path.exists(flag), "held_back": held_back}
+            "flag": os.path.exists(flag), "held_back": held_back, "locked": locked}
 
 
 @pytest.mark.parametrize("point", ["dispatch", "combine"])
@@ -661,10 +674,13 @@ def test_a_frozen_rank_that_resumes_mid_low_latency_write_is_fenced(backend, poi
     every survivor's results are exact: its late messages land in its own per-source
     blocks, which nobody reads again; its late combine rows land in rows the owner held back
     (host/late_rows.py; CUDA: low_latency.cuh ReturnRows) and placed its later calls' rows
-    around."""
+    around. Meanwhile a call with another LL layout, which would move those blocks and rows,
+    is refused by every survivor (LayoutLockedError) and leaves the buffer in step."""
     flag = str(tmp_path / "victim_done")
     results = run_ranks(_ll_late_writer_worker, R, point, flag, TIMEOUT, timeout=120)
     _check_fenced(results, [r["outs"][0] for r in results[:VICTIM] + results[VICTIM + 1:]],
                   [r["outs"][1:] for r in results[:VICTIM] + results[VICTIM + 1:]])
     if point == "combine":        # the owner it was writing to held those rows back
         assert any(results[r]["held_back"] for r in (0, 1, 3))
+    for r in (0, 1, 3):
+        assert results[r]["locked"] == [[0, 1, 3]] * 2, (r, results[r]["locked"])

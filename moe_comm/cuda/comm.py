@@ -128,6 +128,7 @@ class CudaComm:
         self.notify_seq = 0
         self.last_call = ("normal", 0)    # whose signatures a mismatch error reads (check)
         self.ll_seq = {"dispatch": 0, "combine": 0}
+        self.ll_layout = None            # the low-latency layout in use (signature.py)
         self._own_allocation = own_allocation
         self._opened = opened                       # peer pointers from cuIpcOpenMemHandle
         self._host_buffers = host_buffers           # emulator: the tensors behind `pointers`
@@ -216,6 +217,11 @@ class CudaComm:
         if self.active is None:
             return torch.ones(self.num_ranks, dtype=torch.int32, device=self.device)
         return self.active.clone()
+
+    def masked_may_write(self) -> bool:
+        """Whether a masked rank may still write late: any masked rank (this backend sees no
+        processes). Reads the mask (a synchronisation; asked only on a layout change)."""
+        return self.active is not None and bool((self.active == 0).any())
 
     def begin_call(self) -> None:
         """Start one call (or one half of a low-latency call): raise a pending error, refuse

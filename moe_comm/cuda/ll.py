@@ -105,7 +105,9 @@ def dispatch_send(comm: CudaComm, *, x, topk_idx, lay: LLLayout, use_fp8: bool,
     shift, runs = _return_rows(comm)
     call_row = signature.low_latency(hidden=hidden, use_fp8=use_fp8, round_scale=round_scale,
                                      topk=topk, num_experts=lay.num_experts,
-                                     max_tokens=lay.max_tokens)
+                                     max_tokens=lay.max_tokens,
+                                     refused_by=signature.low_latency_refusal(
+                                         comm, (lay.max_tokens, hidden, lay.num_experts)))
     k = comm.kernels(variants.ll_dispatch_send(hidden, use_fp8, round_scale))
     if seq > LL_NUM_BUFFERS:     # every rank has read its buffer `buf` of call seq - 2
         _wait(comm, k, "low_latency_dispatch/send", comm.layout.ll_dispatch_free(buf, 0) * 8,

@@ -139,6 +139,7 @@ class HostComm:
                 timeout_s=self.timeout_s,
                 channel_groups=ranks_by_host([i[0] for i in infos], self.remote_ranks))
         self.ll_seq = {"dispatch": 0, "combine": 0}
+        self.ll_layout = None            # the low-latency layout in use (signature.py)
         self.ll_base = {"dispatch": 0, "combine": 0}
         self._told = self.active.copy()     # whom agreements tell: the last decision
         self.heap = PageHeap(self._own.bytes, self.heap_offset, self.heap_bytes)
@@ -346,6 +347,11 @@ class HostComm:
             raise RankMaskedError(f"rank {self.rank} was masked out by rank "
                                   f"{int(tag_value(w)) - 1} (it missed the survivors' deadline);"
                                   " a new Buffer is needed to rejoin")
+
+    def masked_may_write(self) -> bool:
+        """Whether a masked rank's process may still be there to write late (on another host
+        it is never known gone)."""
+        return any(not self.active[r] and not self.gone(r) for r in range(self.num_ranks))
 
     def gone(self, rank: int) -> bool:
         """Whether ``rank``'s process is known to be gone (a rank on this host only)."""

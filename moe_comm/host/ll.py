@@ -117,7 +117,9 @@ def dispatch_send(comm, *, x, topk_idx, lay: LLLayout, use_fp8, round_scale, buf
     M = lay.max_tokens
     call_row = signature.low_latency(hidden=hidden, use_fp8=use_fp8, round_scale=round_scale,
                                      topk=topk_idx.shape[1], num_experts=lay.num_experts,
-                                     max_tokens=M)
+                                     max_tokens=M,
+                                     refused_by=signature.low_latency_refusal(
+                                         comm, (lay.max_tokens, hidden, lay.num_experts)))
 
     sent_to = np.zeros(R, dtype=bool)
 
