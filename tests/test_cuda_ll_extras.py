@@ -29,7 +29,7 @@ from moe_comm.cuda import ll as cll
 from moe_comm.cuda import memory
 from moe_comm.jit import emulator
 from moe_comm.reference import reference_ll_combine, reference_ll_dispatch
-from moe_comm.wire import LL_NUM_BUFFERS, LLLayout, ll_stride
+from moe_comm.wire import LL_MAX_TOPK, LL_NUM_BUFFERS, LLLayout, ll_stride
 
 import cuda_cases as C
 from checks import expert_ll, ll_inputs
@@ -104,9 +104,9 @@ def _combine_rows_at(comm, lay, buf):
 def _poison_combine_rows(comm, lay):
     """0xFF over both buffers' combine rows (between barriers): a row slot the send kernel
     did not write decodes as NaN."""
-    rows = lay.max_tokens * 16 * lay.hidden * 2
+    nbytes = lay.max_tokens * LL_MAX_TOPK * lay.hidden * 2
     for buf in range(LL_NUM_BUFFERS):
-        memory.memset(comm.device, _combine_rows_at(comm, lay, buf), 0xFF, rows,
+        memory.memset(comm.device, _combine_rows_at(comm, lay, buf), 0xFF, nbytes,
                       on_stream=False)
 
 
