@@ -123,6 +123,11 @@ class CudaComm:
             self._enable_masking()
             self.floors = torch.zeros(2 * num_ranks + 1, dtype=torch.int64, device=self.device)
             self.ll_holds = torch.zeros(4 * num_ranks, dtype=torch.int64, device=self.device)
+        # int32 [R]: each rank's use_logfmt as the last LL combine receive read it from its
+        # DONE word (-1: not heard); the kernel rewrites all of it every call, so it is
+        # allocated once (no fill kernel on the combine's path). Read on a mismatch (check).
+        self.ll_logfmt_seen = torch.full((num_ranks,), -1, dtype=torch.int32,
+                                         device=self.device)
         self.epoch = 0
         self.notify_seq = 0
         # whose signatures a mismatch error reads (check): ("normal" / "ll", parity), or

@@ -242,9 +242,8 @@ def combine_recv(comm: CudaComm, seq: int, buf: int, lay: LLLayout, *, handle, t
     _wait(comm, k, "low_latency_combine/recv", comm.layout.ll_combine_done(buf, 0) * 8,
           SIGNAL_STRIDE, 1, seq, wait_stats)
     agree(comm, "low_latency_combine/recv")
-    # each rank's use_logfmt as its DONE said it (-1: not heard), for a mismatch error
-    seen = torch.full((comm.num_ranks,), -1, dtype=torch.int32, device=comm.device)
-    comm.last_call = ("ll_combine", seen)
+    # a mismatch error reads each rank's use_logfmt from here (comm.py check)
+    comm.last_call = ("ll_combine", comm.ll_logfmt_seen)
     launch(k["moe_ll_combine_recv"], max(1, min(num_tokens, 64)),
            THREADS["moe_ll_combine_recv"],
            pack("moe_ll_combine_recv", **ll_group(comm),
@@ -256,6 +255,6 @@ def combine_recv(comm: CudaComm, seq: int, buf: int, lay: LLLayout, *, handle, t
                 seq=seq, out=out, counter=comm.counter("ll_combine_recv"),
                 num_local=lay.num_local, active=comm.active, holds=comm.ll_holds,
                 runs=handle.return_runs, done_off=comm.layout.ll_combine_done(buf, 0) * 8,
-                logfmt=int(bool(use_logfmt)), logfmt_seen=seen),
+                logfmt=int(bool(use_logfmt)), logfmt_seen=comm.ll_logfmt_seen),
            device=comm.device)
     return out
