@@ -589,9 +589,9 @@ class Buffer:
             cumulative_local_expert_recv_stats: int32 [E/R] or None; received counts are
                 added to it (for EPLB).
             dispatch_wait_recv_cost_stats: int64 [R] or None; the receive adds, per source
-                rank, how long it waited for that source's messages, in nanoseconds on the
-                host backend (DeepEP: GPU clock cycles; a rank that is slow to send shows up).
-                Left unchanged on the CUDA backend, whose waits run on the device.
+                rank, how long it waited for that source's messages, in nanoseconds (DeepEP:
+                GPU clock cycles; a rank that is slow to send shows up). The CUDA backend's
+                wait kernels time it on the device (%globaltimer), without a host sync.
             use_fp8: cast to float8_e4m3fn with one float32 scale per 128 channels before
                 sending; round_scale: scales rounded up to powers of two; use_ue8m0: scales
                 packed as UE8M0 bytes, four per int32 (needs round_scale, H % 512 == 0).
@@ -682,15 +682,16 @@ class Buffer:
             use_logfmt: send the rows back in a log-domain 10-bit encoding (moe_comm/logfmt.py,
                 DeepEP's option of that name: 0.66x the bytes, about 1% relative error per
                 value; hidden a multiple of 128). Every rank must pass the same value
-                (CallMismatchError otherwise). Host backend; the CUDA backend raises
-                NotImplementedError before anything is sent. It sits where DeepEP V1 puts it,
-                so positional calls land on the same arguments.
+                (CallMismatchError on every rank otherwise; on the CUDA backend when the
+                rank next checks its kernels' errors, at the latest its next call; the call
+                after works). It sits where DeepEP V1 puts it, so positional calls land on
+                the same arguments.
             zero_copy: x was written into get_next_low_latency_combine_buffer(handle).
             return_recv_hook: only send; ``hook()`` receives and fills the output.
             out: optional bf16 [T, H] to write the result into.
             combine_wait_recv_cost_stats: int64 [R] or None; the receive adds the nanoseconds
-                it waited for each expert rank's rows (host backend; as
-                ``dispatch_wait_recv_cost_stats`` of low_latency_dispatch).
+                it waited for each expert rank's rows (as ``dispatch_wait_recv_cost_stats`` of
+                low_latency_dispatch).
             active_ranks: int32 [R] or None, read and updated in place (see the class).
         Returns:
             combined_x bf16 [T, H], event, hook.

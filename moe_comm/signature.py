@@ -97,7 +97,7 @@ def _shown(field: str, value: int):
         return CALLS.get(value, value)
     if field == "dtype":
         return str(DTYPES.get(value, value)).replace("torch.", "")
-    if field in ("use_fp8", "round_scale"):
+    if field in ("use_fp8", "round_scale", "use_logfmt"):
         return bool(value)
     if field == "scale_cols":
         return _shown_scales(value)

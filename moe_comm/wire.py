@@ -70,6 +70,9 @@ MASK_BITS = 32                       # rank bits per MASK word (the value field 
 # A tagged word's value meaning "the sender's call failed" (CUDA kernels): nothing it would
 # announce arrived; every other value the kernels signal is below 2^31.
 FAILED_VALUE = VALUE_MASK
+# The bit of a LL_COMBINE_DONE value (rows | this) that says the sender's rows are
+# LogFMT-encoded (moe_comm/logfmt.py): the receiver compares it with its own use_logfmt.
+LL_DONE_LOGFMT = 1 << 30
 
 # The CUDA kernels' error word (int32, pinned host memory, read by moe_comm/cuda/comm.py):
 # [0] code, [1] op id, [2] epoch, [3] detail, [ERROR_HEADER + r] = 1 if rank r is silent.

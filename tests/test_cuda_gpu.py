@@ -27,6 +27,7 @@ import torch  # noqa: E402
 
 import cuda_cases as C  # noqa: E402
 import cuda_fault_cases as F  # noqa: E402
+import test_cuda_ll_extras as X  # noqa: E402
 from checks import check_ll, check_normal  # noqa: E402
 from moe_comm.reference import (reference_combine, reference_dispatch,  # noqa: E402
                                 reference_ll_combine, reference_ll_dispatch)
@@ -68,6 +69,16 @@ def test_elastic_normal_mode_masks_a_silent_rank(silent):
 
 def test_elastic_low_latency_masks_a_silent_rank():
     C.check_elastic_ll(_gpu())
+
+
+# ---- LL extras (tests/test_cuda_ll_extras.py): LogFMT combine rows, wait-cost stats ----------
+@pytest.mark.parametrize("n", [2, 3])
+def test_low_latency_logfmt_combine_matches_reference_and_a_mismatch_raises(n):
+    X.check_logfmt_group(n, _gpu())
+
+
+def test_low_latency_wait_stats_name_the_rank_that_sent_late():
+    X.check_wait_stats(_gpu())
 
 
 # ---- error paths and caller tensors (tests/cuda_fault_cases.py) ------------------------------

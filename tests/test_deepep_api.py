@@ -3,7 +3,7 @@ constructor keywords (enable_shrink is elastic masking), the shrink mask calls, 
 buffer view, dispatch without topk_idx, DeepEP's returns of a cached dispatch and of
 num_worst_tokens, handles indexed like DeepEP's tuples, the low-latency wait-cost stats, and
 low_latency_combine's positional order (use_logfmt before zero_copy; use_logfmt=True encodes
-the rows on the host backend, is refused on the CUDA backend).
+the rows, LogFMT, on both backends).
 """
 from __future__ import annotations
 
@@ -442,34 +442,28 @@ def test_low_latency_combine_takes_deepeps_argument_order():
 
 def _positional_combine_worker(rank, n):
     """DeepEP's positional order: (x, idx, w, handle, use_logfmt, zero_copy, async_finish,
-    return_recv_hook); use_logfmt=True encodes the rows (host backend) or is refused before
-    anything moves (CUDA backend)."""
+    return_recv_hook); use_logfmt=True encodes the rows (LogFMT, both backends)."""
     buf = _ll_buffer(n, timeout_s=20)
     x, idx, w = _inputs(rank)
     rx, _, handle, _, _ = buf.low_latency_dispatch(x.bfloat16(), idx, M, E, use_fp8=False)
-    try:
-        refused = buf.low_latency_combine(rx, idx, w, handle, True)[0].float()
-    except NotImplementedError as e:
-        refused = str(e)
+    encoded = buf.low_latency_combine(rx, idx, w, handle, True)[0].float()
     buf.get_next_low_latency_combine_buffer(handle).copy_(rx)
     zero_copy, _, _ = buf.low_latency_combine(torch.empty(0), idx, w, handle, False, True)
     zero_copy = zero_copy.float()
     hooked, _, hook = buf.low_latency_combine(rx, idx, w, handle, False, False, False, True)
     hook()
     buf.destroy()
-    return refused, zero_copy, hooked.float()
+    return encoded, zero_copy, hooked.float()
 
 
 def test_low_latency_combine_positional_calls_land_as_in_deepep(backend):
     n = 3
-    for rank, (refused, zero_copy, hooked) in enumerate(
+    for rank, (encoded, zero_copy, hooked) in enumerate(
             run_ranks(_positional_combine_worker, n, timeout=60)):
         x, idx, w = _inputs(rank)
         # identity experts: each token's rows weighted by its slots' weights (-1: nothing)
         want = x.bfloat16().float() * torch.where(idx >= 0, w, 0.0).sum(1, keepdim=True)
-        if backend == "host":        # LogFMT: about 1% per value
-            torch.testing.assert_close(refused, want, rtol=3e-2, atol=3e-2)
-        else:
-            assert isinstance(refused, str) and "use_logfmt=True" in refused, refused
+        # LogFMT: about 1% per value
+        torch.testing.assert_close(encoded, want, rtol=3e-2, atol=3e-2)
         torch.testing.assert_close(zero_copy, want, rtol=1e-2, atol=1e-2)
         torch.testing.assert_close(hooked, want, rtol=1e-2, atol=1e-2)

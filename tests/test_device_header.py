@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_comm import wire
+from moe_comm import logfmt, wire
 from moe_comm.jit import cache, device_header, emulator, nvcc, nvrtc, variants
 from moe_comm.jit.kernel_args import KERNEL_ARGS
 
@@ -40,6 +40,9 @@ EXPECTED = {
     "kProxyHeaderWords": wire.PROXY_HEADER_WORDS, "kProxySlotWords": wire.PROXY_SLOT_WORDS,
     "kProxyOpPut": wire.PROXY_OP_PUT, "kProxyOpSignal": wire.PROXY_OP_SIGNAL,
     "kExpertsPerBlock": variants.EXPERTS_PER_LAYOUT_BLOCK, "kMaxRanks": variants.MAX_RANKS,
+    "kDoneLogfmt": wire.LL_DONE_LOGFMT, "kLogfmtBlock": logfmt.BLOCK,
+    "kLogfmtLevels": logfmt.LEVELS, "kLogfmtLogRange": logfmt.LOG_RANGE,
+    "kLogfmtHeaderBytes": logfmt.HEADER_BYTES, "kLogfmtCodeBytes": logfmt.CODE_BYTES,
 }
 
 

@@ -127,6 +127,11 @@ MOE_DEVICE float warp_max(float v) {
     for (int o = kWarpSize / 2; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));
     return v;
 }
+MOE_DEVICE float warp_min(float v) {
+#pragma unroll
+    for (int o = kWarpSize / 2; o > 0; o /= 2) v = fminf(v, __shfl_xor_sync(kFullMask, v, o));
+    return v;
+}
 
 // ---- warp copy ---------------------------------------------------------------------------
 // Copies `bytes` from `src` to `dst` with the 32 lanes of one warp: 16-byte accesses when both

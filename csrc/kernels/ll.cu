@@ -36,9 +36,17 @@ static_assert(MOE_THREADS_LL_CHECK_CALL >= kMaxRanks, "moe_ll_check_call: one th
 #define MOE_ERRORS ErrorSink{err_host, err_dev, (i32)op}
 
 // ---- wait ----------------------------------------------------------------------------------
+// wait_cost (int64 [R] or null): the receive halves' *_wait_recv_cost_stats. Thread s adds
+// the nanoseconds (%globaltimer) from its start until s's words arrived (or its wait ended:
+// deadline, failure mark, masked meanwhile); a source masked before it starts is not awaited
+// and adds nothing, as on the host backend (host/ll.py _timed_wait). One writer per element.
+MOE_DEVICE void add_wait_cost(i64* wait_cost, int s, bool awaited, u64 started) {
+    if (wait_cost && awaited) wait_cost[s] += (i64)(globaltimer_ns() - started);
+}
+
 // grid 1, one thread per rank s (blockDim >= kMaxRanks): the `words` words at offset + s *
 // src_stride of this rank's buffer (s's count row, DONE slot or FREE slot) all carry `epoch`.
-// Timeouts name s.
+// Timeouts name s. wait_cost: see add_wait_cost.
 MOE_KERNEL void __launch_bounds__(MOE_THREADS_LL_WAIT, 1)
 moe_ll_wait(MOE_ARGS_moe_ll_wait) {
     const LLGroup g = MOE_LL_GROUP;
@@ -46,9 +54,12 @@ moe_ll_wait(MOE_ARGS_moe_ll_wait) {
     const Transport t{bases, err};
     const int s = threadIdx.x;
     if (err.aborted() || s >= g.num_ranks) return;
+    const u64 started = globaltimer_ns();
+    const bool awaited = g.live.on(s);
     const u64* row = (const u64*)g.own((u64)offset + s * (u64)src_stride);
     for (i64 j = 0; j < words; ++j)
-        if (wait_from(t, g.live, row + j, (u32)epoch, g.timeout_ns, s) < 0) return;
+        if (wait_from(t, g.live, row + j, (u32)epoch, g.timeout_ns, s) < 0) break;
+    add_wait_cost(wait_cost, s, awaited, started);
 }
 
 // ---- dispatch send -------------------------------------------------------------------------
@@ -72,14 +83,19 @@ moe_ll_dispatch_send(MOE_ARGS_moe_ll_dispatch_send) {
 // grid 1, one thread per source s: s's signature of call `seq` in LL_CALL[buf][s] (call_off =
 // LL_CALL[buf][0]) equals this rank's, else kErrMismatch (every rank sees every signature, so
 // all fail this call; the receive kernel then reads nothing and frees the buffer).
+// wait_cost: as moe_ll_wait's (a source's signature goes before its messages, so a late
+// source is mostly waited for here; the count wait after it adds the rest).
 MOE_KERNEL void __launch_bounds__(MOE_THREADS_LL_CHECK_CALL, 1)
 moe_ll_check_call(MOE_ARGS_moe_ll_check_call) {
     const LLGroup g = MOE_LL_GROUP;
     const Transport t{bases, MOE_ERRORS};
     const int s = threadIdx.x;
     if (t.err.aborted() || s >= g.num_ranks) return;
+    const u64 started = globaltimer_ns();
+    const bool awaited = g.live.on(s);
     same_call(t, g.live, (const u64*)g.own((u64)call_off + (u64)s * kCallWords * 8), (u32)seq,
               g.timeout_ns, s, MOE_CALL_ROW);
+    add_wait_cost(wait_cost, s, awaited, started);
 }
 #endif
 
@@ -98,7 +114,7 @@ moe_ll_dispatch_recv(MOE_ARGS_moe_ll_dispatch_recv) {
 }
 #endif
 
-// ---- combine (bf16 both ways) --------------------------------------------------------------
+// ---- combine (bf16 rows, or LogFMT-encoded with logfmt = 1) --------------------------------
 #ifdef MOE_THREADS_LL_COMBINE_SEND
 // grid: (num_local, SPLIT), block: a multiple of 32 threads
 MOE_KERNEL void __launch_bounds__(MOE_THREADS_LL_COMBINE_SEND, 1)
@@ -106,7 +122,7 @@ moe_ll_combine_send(MOE_ARGS_moe_ll_combine_send) {
     const LLBuffer lb{0, 0, 0, (u64)combine_off, 0, 0, max_tokens};
     ll_combine_send_body(MOE_LL_GROUP, MOE_ERRORS, lb, x, hidden, num_local, rows_cap,
                          recv_ranges, return_base, (u64)done_off, (u64)done_stride, (u32)seq,
-                         counter);
+                         counter, logfmt != 0);
 }
 #endif
 
@@ -118,6 +134,7 @@ moe_ll_combine_recv(MOE_ARGS_moe_ll_combine_recv) {
     const LLBuffer lb{0, 0, 0, (u64)combine_off, 0, 0, 0};
     ll_combine_recv_body(MOE_LL_GROUP, MOE_ERRORS, lb, hidden, num_tokens, topk, rows_cap,
                          topk_idx, topk_w, send_index, (u64)free_off, (u32)seq, out, counter,
-                         num_local, ReturnRows{holds, nullptr, (i32*)runs}, (u64)done_off);
+                         num_local, ReturnRows{holds, nullptr, (i32*)runs}, (u64)done_off,
+                         logfmt != 0, logfmt_seen);
 }
 #endif

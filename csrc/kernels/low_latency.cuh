@@ -34,11 +34,15 @@
 //   send  [c > 2: wait for every owner's LL_COMBINE_FREE[b][owner] = c-2] (L x SPLIT) one warp
 //         per received row writes it into the owner's combine rows at return_base[owner] +
 //         (rows of lower local experts from that owner) + position: the owner's own message
-//         order, so each owner's rows form one contiguous run. The last block signals
-//         LL_COMBINE_DONE[b][me] = (c << 32) | rows in every owner.
-//   recv  wait for every rank's DONE, then out[t] = sum_k w[t,k] * row[send_index[t][k]] in
-//         fp32 (k with id -1 skipped), cast to bf16; the last block pushes
-//         LL_COMBINE_FREE[b][me] = c into every rank.
+//         order, so each owner's rows form one contiguous run. use_logfmt: the warp encodes
+//         the row (logfmt.cuh) into the first logfmt_row_bytes(H) bytes of the same row slot.
+//         The last block signals LL_COMBINE_DONE[b][me] = (c << 32) | rows [| kDoneLogfmt]
+//         in every owner.
+//   recv  wait for every rank's DONE; a DONE whose kDoneLogfmt bit differs from this rank's
+//         use_logfmt fails the call on every rank (kErrMismatch, nothing summed); else
+//         out[t] = sum_k w[t,k] * row[send_index[t][k]] in fp32 (k with id -1 skipped; LogFMT
+//         rows decoded first), cast to bf16; the last block pushes LL_COMBINE_FREE[b][me] = c
+//         into every rank.
 //
 // Every wait is on this rank's own memory (peers push their signals), so a transport that
 // can only write to remote ranks (RDMA) serves the same protocol.
@@ -47,6 +51,7 @@
 // unroll); 0 is the generic variant that reads it from the arguments.
 #pragma once
 #include "fp8.cuh"
+#include "logfmt.cuh"
 #include "transport.cuh"
 
 #ifndef MOE_HIDDEN
@@ -370,13 +375,34 @@ __device__ void ll_dispatch_recv_body(const LLGroup g, const ErrorSink err, cons
 }
 
 // ---- combine send ------------------------------------------------------------------------
+// One returned row into `dst`'s combine row slot at `offset`, by one warp: bf16 as it is, or
+// LogFMT-encoded into the start of the slot. LogFMT rows keep the bf16 row slots (rather than
+// packing each owner's run of encoded rows, as the host backend does): a row's place stays
+// send_index * 2H bytes, so warps encode their rows independently, the receive kernel indexes
+// rows exactly as for bf16, and every encoded row starts 256-byte aligned; only the bytes
+// written and put (0.66x) shrink, which is what LogFMT is for. Built in place (the peer's
+// memory, or the network rank's mirror), then committed (transport.cuh).
+MOE_DEVICE void ll_return_row(const Transport& t, int dst, u64 offset, const u16* x_row,
+                              i64 hidden, bool logfmt, u32* stage) {
+    if (!logfmt) {
+        t.put_warp(dst, offset, x_row, hidden * 2);
+        return;
+    }
+    u8* row = t.row_for_write(dst, offset);
+    if (!row) return;
+    logfmt_encode_row_warp(row, x_row, hidden, stage);
+    t.commit_row_warp(dst, offset, row, logfmt_row_bytes(hidden));
+}
+
 // Grid (L, SPLIT). x bf16 [L, R*M, H]: expert outputs in the layout dispatch returned;
 // recv_ranges / return_base from the dispatch handle; rows_cap = rows of a combine region
-// (M * wire.LL_MAX_TOPK).
+// (M * wire.LL_MAX_TOPK); logfmt: encode the rows (hidden % 128 == 0, checked by the host).
 __device__ void ll_combine_send_body(const LLGroup g, const ErrorSink err, const LLBuffer lb,
                                      const u16* x, i64 hidden_rt, i64 num_local, i64 rows_cap,
                                      const i64* recv_ranges, const i64* return_base,
-                                     u64 done_off, u64 done_stride, u32 seq, i32* counter) {
+                                     u64 done_off, u64 done_stride, u32 seq, i32* counter,
+                                     bool logfmt) {
+    __shared__ u32 stage[1024 / kWarpSize][kLogfmtStageWords];  // LogFMT codes, per warp
     __shared__ i64 start[kMaxRanks + 1];
     __shared__ i64 dest[kMaxRanks];  // owner row of this block's first row from each source
     __shared__ bool live[kMaxRanks];  // elastic: masked owners get nothing back
@@ -410,34 +436,111 @@ __device__ void ll_combine_send_body(const LLGroup g, const ErrorSink err, const
             if (lane_id() == 0) err.report(kErrOverflow, seq, s, (i32)row);
             continue;
         }
-        t.put_warp(s, lb.combine + (u64)row * hidden * 2, x + (le * R * M + i) * hidden,
-                   hidden * 2);
+        ll_return_row(t, s, lb.combine + (u64)row * hidden * 2, x + (le * R * M + i) * hidden,
+                      hidden, logfmt, stage[warp_id()]);
     }
     if (last_block_arrives(counter, &last)) {
         for (int s = threadIdx.x; s < R; s += blockDim.x) {
             i64 rows = 0;
             for (i64 l = 0; l < num_local; ++l) rows += recv_ranges[(l * R + s) * 2 + 1];
-            const u32 value = err.signal_value((u32)rows);
+            const u32 value = err.signal_value((u32)rows | (logfmt ? kDoneLogfmt : 0u));
             if (g.live.on(s)) t.signal(s, done_off + g.rank * done_stride, tag(seq, value));
         }
     }
 }
 
 // ---- combine recv ------------------------------------------------------------------------
+// Whether every source's DONE of call `seq` says what this rank's use_logfmt says (every
+// thread of the block calls it; the DONE words are there: the wait kernel saw them). A source
+// that differs: block 0 reports kErrMismatch naming it (every rank reads the same words, so
+// every rank fails this call and raises CallMismatchError; plain signals, so the next call
+// goes on) and records every source's flag in seen[R] (1 LogFMT, 0 bf16, -1 not heard) for
+// the host's error. Masked sources and failure marks are not compared.
+MOE_DEVICE bool ll_logfmt_agrees(const LLGroup& g, const ErrorSink& err, u64 done_off,
+                                 u32 seq, bool logfmt, i32* seen) {
+    int odd = 0;
+    for (int s = threadIdx.x; s < g.num_ranks; s += blockDim.x) {
+        const u64 w = g.live.on(s) ? ld_acquire_sys((const u64*)g.own(done_off + (u64)s *
+                                                                      kSignalStride)) : 0;
+        const bool heard = tag_epoch(w) == seq && tag_value(w) != kFailedValue;
+        const bool theirs = (tag_value(w) & kDoneLogfmt) != 0;
+        if (blockIdx.x == 0) seen[s] = heard ? (i32)theirs : -1;
+        if (heard && theirs != logfmt) {
+            ++odd;
+            if (blockIdx.x == 0) err.report(kErrMismatch, seq, s, 0);
+        }
+    }
+    return __syncthreads_count(odd) == 0;
+}
+
+// out[tok] (bf16, `hidden` channels) = sum of weight[k] * the rows row_of[k] >= 0 of `rows`
+// (bf16 rows of 2H bytes), in fp32, by the block.
+MOE_DEVICE void ll_sum_bf16_rows(const u16* rows, i64 hidden, i64 topk, const i64* row_of,
+                                 const float* weight, u16* dst, bool vec) {
+    if (vec) {
+        for (i64 c = threadIdx.x; c < hidden / 8; c += blockDim.x) {
+            float acc[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
+            for (i64 k = 0; k < topk; ++k) {
+                if (row_of[k] < 0) continue;
+                const uint4 raw = ld16(rows + row_of[k] * hidden + c * 8);
+                const u16* v = (const u16*)&raw;
+                const float w = weight[k];
+#pragma unroll
+                for (int j = 0; j < 8; ++j) acc[j] += w * bf16_to_f32(v[j]);
+            }
+            uint4 packed;
+            u16* o = (u16*)&packed;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) o[j] = f32_to_bf16(acc[j]);
+            st16(dst + c * 8, packed);
+        }
+    } else {
+        for (i64 c = threadIdx.x; c < hidden; c += blockDim.x) {
+            float acc = 0.0f;
+            for (i64 k = 0; k < topk; ++k)
+                if (row_of[k] >= 0) acc += weight[k] * bf16_to_f32(rows[row_of[k] * hidden + c]);
+            dst[c] = f32_to_bf16(acc);
+        }
+    }
+}
+
+// The same sum over LogFMT rows (each at the start of its 2H-byte row slot), decoded first;
+// a thread takes one 5-byte group (four channels) at a time.
+MOE_DEVICE void ll_sum_logfmt_rows(const u8* rows, i64 hidden, i64 topk, const i64* row_of,
+                                   const float* weight, u16* dst) {
+    for (i64 grp = threadIdx.x; grp < hidden / 4; grp += blockDim.x) {
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (i64 k = 0; k < topk; ++k) {
+            if (row_of[k] < 0) continue;
+            float v[4];
+            logfmt_decode_group(rows + row_of[k] * hidden * 2, hidden, grp, v);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc[j] += weight[k] * v[j];
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) dst[grp * 4 + j] = f32_to_bf16(acc[j]);
+    }
+}
+
 // Grid: any; block b handles tokens b, b + gridDim.x, ... topk_idx i64 [T, K], topk_w f32
-// [T, K], send_index i32 [T, K] from this call's dispatch, out bf16 [T, H].
+// [T, K], send_index i32 [T, K] from this call's dispatch, out bf16 [T, H]; logfmt: this
+// rank's use_logfmt (the rows are decoded), logfmt_seen i32 [R] (ll_logfmt_agrees).
 __device__ void ll_combine_recv_body(const LLGroup g, const ErrorSink err, const LLBuffer lb,
                                      i64 hidden_rt, i64 num_tokens, i64 topk, i64 rows_cap,
                                      const i64* topk_idx, const float* topk_w,
                                      const i32* send_index, u64 free_off, u32 seq, u16* out,
                                      i32* counter, i64 num_local, const ReturnRows rr,
-                                     u64 done_off) {
+                                     u64 done_off, bool logfmt, i32* logfmt_seen) {
     __shared__ float weight[32];
     __shared__ i64 row_of[32];  // returned row of slot k, -1 = slot unused
     __shared__ int last;
     const Transport t{g.bases, err};
-    // failed (an earlier error): nothing summed, the last block still publishes FREE
-    const bool failed = block_failed(err, g.fence());
+    // failed (an earlier error), or the ranks disagree about use_logfmt: nothing summed, the
+    // last block still publishes FREE (both block-uniform: every block reads the same words)
+    const bool failed = block_failed(err, g.fence()) ||
+                        !ll_logfmt_agrees(g, err, done_off, seq, logfmt, logfmt_seen);
     const i64 hidden = hidden_size(hidden_rt);
     const u16* rows = (const u16*)g.own(lb.combine);
     // 16-byte stores need a 16-byte aligned `out` (the caller's tensor: a view may start
@@ -455,34 +558,10 @@ __device__ void ll_combine_recv_body(const LLGroup g, const ErrorSink err, const
         }
         __syncthreads();
         u16* dst = out + tok * hidden;
-        if (vec) {
-            for (i64 c = threadIdx.x; c < hidden / 8; c += blockDim.x) {
-                float acc[8];
-#pragma unroll
-                for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
-                for (i64 k = 0; k < topk; ++k) {
-                    if (row_of[k] < 0) continue;
-                    const uint4 raw = ld16(rows + row_of[k] * hidden + c * 8);
-                    const u16* v = (const u16*)&raw;
-                    const float w = weight[k];
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) acc[j] += w * bf16_to_f32(v[j]);
-                }
-                uint4 packed;
-                u16* o = (u16*)&packed;
-#pragma unroll
-                for (int j = 0; j < 8; ++j) o[j] = f32_to_bf16(acc[j]);
-                st16(dst + c * 8, packed);
-            }
-        } else {
-            for (i64 c = threadIdx.x; c < hidden; c += blockDim.x) {
-                float acc = 0.0f;
-                for (i64 k = 0; k < topk; ++k)
-                    if (row_of[k] >= 0)
-                        acc += weight[k] * bf16_to_f32(rows[row_of[k] * hidden + c]);
-                dst[c] = f32_to_bf16(acc);
-            }
-        }
+        if (logfmt)
+            ll_sum_logfmt_rows((const u8*)rows, hidden, topk, row_of, weight, dst);
+        else
+            ll_sum_bf16_rows(rows, hidden, topk, row_of, weight, dst, vec);
         __syncthreads();  // `weight` / `row_of` are rewritten for the next token
     }
     rr.hold_all_late(g, done_off, seq);

@@ -124,9 +124,16 @@ class CudaComm:
             self._enable_masking()
             self.floors = torch.zeros(2 * num_ranks + 1, dtype=torch.int64, device=self.device)
             self.ll_holds = torch.zeros(4 * num_ranks, dtype=torch.int64, device=self.device)
+        # int32 [R]: each rank's use_logfmt as the last LL combine receive read it from its
+        # DONE word (-1: not heard); the kernel rewrites all of it every call, so it is
+        # allocated once (no fill kernel on the combine's path). Read on a mismatch (check).
+        self.ll_logfmt_seen = torch.full((num_ranks,), -1, dtype=torch.int32,
+                                         device=self.device)
         self.epoch = 0
         self.notify_seq = 0
-        self.last_call = ("normal", 0)    # whose signatures a mismatch error reads (check)
+        # whose signatures a mismatch error reads (check): ("normal" / "ll", parity), or
+        # ("ll_combine", the use_logfmt flags its receive kernel saw)
+        self.last_call = ("normal", 0)
         self.ll_seq = {"dispatch": 0, "combine": 0}
         self.ll_layout = None            # the low-latency layout in use (signature.py)
         self._own_allocation = own_allocation
@@ -167,6 +174,19 @@ class CudaComm:
         rows = words.reshape(self.num_ranks, CALL_WORDS) & VALUE_MASK
         live = self.active_ranks().cpu().tolist()
         return {r: rows[r] for r in range(self.num_ranks) if live[r]}
+
+    def _mismatch_rows(self):
+        """({rank: values}, field names) of the call a kErrMismatch was about: the call
+        signatures (:meth:`_call_rows`), or for an LL combine receive (``last_call`` =
+        ("ll_combine", int32 [R] device tensor)) each rank's use_logfmt as its DONE word said
+        it (-1: not heard; csrc/kernels/low_latency.cuh ll_logfmt_agrees)."""
+        kind, which = self.last_call
+        if kind == "ll_combine":
+            live = self.active_ranks().cpu().tolist()
+            seen = which.cpu().tolist()
+            return ({r: [v] for r, v in enumerate(seen) if v >= 0 and live[r]},
+                    ("use_logfmt",))
+        return self._call_rows(), NORMAL_CALL_FIELDS if kind == "normal" else LL_CALL_FIELDS
 
     def done_offset(self) -> int:
         return self.layout.done(0) * 8
@@ -264,10 +284,9 @@ class CudaComm:
             # with its peers again and the buffer serves the next call
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
-            rows = self._call_rows()
+            rows, fields = self._mismatch_rows()
             self.err_host.zero_()
             self.err_dev.zero_()
-            fields = NORMAL_CALL_FIELDS if self.last_call[0] == "normal" else LL_CALL_FIELDS
             signature.check(op.split("/")[0], rows, fields)
             raise CudaCommError(f"{op}: the ranks' call signatures differ at rank(s) {ranks}")
         if code == ERR_PEER_FAILED:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import logfmt as logfmt_codec
 from .. import signature
 from ..errors import BufferTooSmallError
 from ..handle import LowLatencyHandle
@@ -79,11 +80,13 @@ def _check(comm: CudaComm, lay: LLLayout, hidden: int, num_tokens: int, topk: in
 
 
 def _wait(comm: CudaComm, kernels, op: str, offset: int, src_stride: int, words: int,
-          epoch: int) -> None:
-    """One-block wait on this rank's own slots, one row per source (low_latency.cuh)."""
+          epoch: int, wait_cost=None) -> None:
+    """One-block wait on this rank's own slots, one row per source (ll.cu ``moe_ll_wait``);
+    ``wait_cost``: int64 [R] on the device or None, adds the ns waited for each source."""
     launch(kernels["moe_ll_wait"], 1, THREADS["moe_ll_wait"],
            pack("moe_ll_wait", **ll_group(comm), **errors(comm, op), offset=offset,
-                src_stride=src_stride, words=words, epoch=epoch, active=comm.active),
+                src_stride=src_stride, words=words, epoch=epoch, active=comm.active,
+                wait_cost=wait_cost),
            device=comm.device)
 
 
@@ -144,13 +147,15 @@ def dispatch_recv(comm: CudaComm, handle: LowLatencyHandle, lay: LLLayout, *, re
     ``recv_scales`` (float32 [E/R, R*M, H/128], or int32 [E/R, R*M, H/512] with UE8M0),
     ``recv_count`` int32 [E/R], adds to ``stats`` (int32/int64 [E/R] or None), and the
     handle's ``recv_meta`` int64 [E/R, R*M], ``recv_ranges`` int64 [E/R, R, 2] and
-    ``return_base`` int64 [R] (device tensors). ``wait_stats`` is left as it is: the wait
-    kernel does not time its sources (csrc/kernels/low_latency.cuh)."""
+    ``return_base`` int64 [R] (device tensors). ``wait_stats``: int64 [R] on the device or
+    None; adds per source the ns this receive waited for its signature and counts
+    (%globaltimer in the signature check and the wait kernel, ll.cu ``add_wait_cost``)."""
     comm.begin_call()
     if use_ue8m0 and handle.hidden % 512:
         raise ValueError(f"UE8M0 scales pack four per int32: hidden % 512 == 0 needed, got "
                          f"{handle.hidden}")
-    _contiguous(recv_x=recv_x, recv_scales=recv_scales, recv_count=recv_count, stats=stats)
+    _contiguous(recv_x=recv_x, recv_scales=recv_scales, recv_count=recv_count, stats=stats,
+                dispatch_wait_recv_cost_stats=wait_stats)
     R, M, num_local, dev = comm.num_ranks, lay.max_tokens, lay.num_local, comm.device
     wide_stats = stats is not None and stats.dtype != torch.int32
     stats32 = torch.zeros(num_local, dtype=torch.int32, device=dev) if wide_stats else stats
@@ -166,9 +171,10 @@ def dispatch_recv(comm: CudaComm, handle: LowLatencyHandle, lay: LLLayout, *, re
            pack("moe_ll_check_call", **ll_group(comm),
                 **errors(comm, "low_latency_dispatch/recv"),
                 call_off=comm.layout.ll_call(handle.buf, 0) * 8, seq=handle.seq,
-                active=comm.active, **call_args(handle.call_row)), device=dev)
+                active=comm.active, **call_args(handle.call_row), wait_cost=wait_stats),
+           device=dev)
     _wait(comm, k, "low_latency_dispatch/recv", off["counts"], lay.count_row_words * 8,
-          num_local + 1, handle.seq)
+          num_local + 1, handle.seq, wait_stats)
     agree(comm, "low_latency_dispatch/recv")   # elastic: the same sources count on every rank
     launch(k["moe_ll_dispatch_recv"], (num_local, _split(num_local)),
            THREADS["moe_ll_dispatch_recv"],
@@ -190,15 +196,14 @@ def dispatch_recv(comm: CudaComm, handle: LowLatencyHandle, lay: LLLayout, *, re
 def combine_send(comm: CudaComm, *, x, handle: CudaLowLatencyHandle, lay: LLLayout,
                  use_logfmt: bool = False):
     """Send every received row of ``x`` bf16 [E/R, R*M, H] back to its owner's combine rows,
-    in the owner's message order (one contiguous run per owner). Returns ``(seq, buf)`` for
-    :func:`combine_recv`."""
-    if use_logfmt:              # before anything moves
-        raise NotImplementedError("low_latency_combine(use_logfmt=True) runs on the host "
-                                  "backend only; the CUDA kernels send bf16 rows (pass "
-                                  "use_logfmt=False)")
+    in the owner's message order (one contiguous run per owner); ``use_logfmt``: each row
+    LogFMT-encoded (moe_comm/logfmt.py) at the start of its row slot, and the DONE word says
+    so (wire.LL_DONE_LOGFMT). Returns ``(seq, buf)`` for :func:`combine_recv`."""
     comm.begin_call()
     if x.dtype != torch.bfloat16:
         raise TypeError(f"low-latency combine takes bf16 x, got {x.dtype}")
+    if use_logfmt:              # before anything moves: ValueError naming use_logfmt
+        logfmt_codec.row_bytes(x.shape[-1])
     comm.ll_seq["combine"] += 1
     seq = comm.ll_seq["combine"]
     buf = seq % LL_NUM_BUFFERS
@@ -216,7 +221,8 @@ def combine_send(comm: CudaComm, *, x, handle: CudaLowLatencyHandle, lay: LLLayo
                 rows_cap=lay.max_tokens * LL_MAX_TOPK, recv_ranges=handle.recv_ranges,
                 return_base=handle.return_base,
                 done_off=comm.layout.ll_combine_done(buf, 0) * 8, done_stride=SIGNAL_STRIDE,
-                seq=seq, counter=comm.counter("ll_combine_send"), active=comm.active),
+                seq=seq, counter=comm.counter("ll_combine_send"), active=comm.active,
+                logfmt=int(bool(use_logfmt))),
            device=comm.device)
     return seq, buf
 
@@ -224,17 +230,22 @@ def combine_send(comm: CudaComm, *, x, handle: CudaLowLatencyHandle, lay: LLLayo
 def combine_recv(comm: CudaComm, seq: int, buf: int, lay: LLLayout, *, handle, topk_idx,
                  topk_weights, out, use_logfmt: bool = False, wait_stats=None):
     """Wait for every rank's rows; ``out`` bf16 [T, H] = sum_k w[t, k] * row(t, k) in float32
-    (slots with id -1 skipped). ``handle``: this call's dispatch handle (its send_index);
-    ``topk_idx`` int64 / ``topk_weights`` float32 [T, K], as dispatched. ``wait_stats``: left
-    as it is (see :func:`dispatch_recv`)."""
+    (slots with id -1 skipped; LogFMT rows decoded with ``use_logfmt``). ``handle``: this
+    call's dispatch handle (its send_index); ``topk_idx`` int64 / ``topk_weights`` float32
+    [T, K], as dispatched. ``wait_stats``: int64 [R] on the device or None; adds per rank the
+    ns waited for its DONE. A rank whose DONE says otherwise about use_logfmt fails the call
+    on every rank: CallMismatchError when the rank next checks its errors (comm.py ``check``:
+    at its next call; kernels are asynchronous), and the buffer serves the call after."""
     comm.begin_call()
-    _contiguous(out=out)
+    _contiguous(out=out, combine_wait_recv_cost_stats=wait_stats)
     num_tokens, topk = topk_idx.shape
     hidden = out.shape[1]
     k = comm.kernels(variants.ll_combine(hidden))
     _wait(comm, k, "low_latency_combine/recv", comm.layout.ll_combine_done(buf, 0) * 8,
-          SIGNAL_STRIDE, 1, seq)
+          SIGNAL_STRIDE, 1, seq, wait_stats)
     agree(comm, "low_latency_combine/recv")
+    # a mismatch error reads each rank's use_logfmt from here (comm.py check)
+    comm.last_call = ("ll_combine", comm.ll_logfmt_seen)
     launch(k["moe_ll_combine_recv"], max(1, min(num_tokens, 64)),
            THREADS["moe_ll_combine_recv"],
            pack("moe_ll_combine_recv", **ll_group(comm),
@@ -245,6 +256,7 @@ def combine_recv(comm: CudaComm, seq: int, buf: int, lay: LLLayout, *, handle, t
                 send_index=handle.send_index, free_off=comm.layout.ll_combine_free(buf, 0) * 8,
                 seq=seq, out=out, counter=comm.counter("ll_combine_recv"),
                 num_local=lay.num_local, active=comm.active, holds=comm.ll_holds,
-                runs=handle.return_runs, done_off=comm.layout.ll_combine_done(buf, 0) * 8),
+                runs=handle.return_runs, done_off=comm.layout.ll_combine_done(buf, 0) * 8,
+                logfmt=int(bool(use_logfmt)), logfmt_seen=comm.ll_logfmt_seen),
            device=comm.device)
     return out

@@ -33,8 +33,8 @@ from ..errors import CallMismatchError
 from .. import logfmt
 from ..handle import LowLatencyHandle
 from ..quant import pack_ue8m0, quantize_fp8
-from ..wire import (CALL_WORDS, LL_CALL_FIELDS, LL_MAX_TOPK, LL_NUM_BUFFERS, LLLayout,
-                    ll_msg_stride, tag_epoch, tag_value)
+from ..wire import (CALL_WORDS, LL_CALL_FIELDS, LL_DONE_LOGFMT, LL_MAX_TOPK, LL_NUM_BUFFERS,
+                    LLLayout, ll_msg_stride, tag_epoch, tag_value)
 
 COMBINE_CHUNK_ROWS = 64           # float32 copy of 64 returned rows stays in cache
 
@@ -242,8 +242,9 @@ def dispatch_recv(comm, handle: LowLatencyHandle, lay: LLLayout, *, recv_x, recv
     _publish_free(comm, comm.layout.ll_dispatch_free(buf, me), handle.seq)
 
 
-# the bit of a LL_COMBINE_DONE value that says its rows are LogFMT-encoded (moe_comm/logfmt.py)
-DONE_LOGFMT = 1 << 30
+# the bit of a LL_COMBINE_DONE value that says its rows are LogFMT-encoded (moe_comm/logfmt.py;
+# the CUDA kernels set and check the same bit)
+DONE_LOGFMT = LL_DONE_LOGFMT
 
 
 def combine_send(comm, *, x, handle: LowLatencyHandle, lay: LLLayout, use_logfmt=False):

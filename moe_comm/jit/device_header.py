@@ -17,7 +17,7 @@ import hashlib
 from pathlib import Path
 import tempfile
 
-from .. import wire
+from .. import logfmt, wire
 from .cache import write_atomic
 from .kernel_args import KERNEL_ARGS
 from .variants import EXPERTS_PER_LAYOUT_BLOCK, MAX_RANKS
@@ -55,6 +55,15 @@ WIRE_CONSTANTS = (
     ("kProxySlotWords", "int", wire.PROXY_SLOT_WORDS, "wire.PROXY_SLOT_WORDS"),
     ("kProxyOpPut", "u64", wire.PROXY_OP_PUT, "wire.PROXY_OP_PUT"),
     ("kProxyOpSignal", "u64", wire.PROXY_OP_SIGNAL, "wire.PROXY_OP_SIGNAL"),
+    ("kDoneLogfmt", "u32", wire.LL_DONE_LOGFMT,
+     "wire.LL_DONE_LOGFMT: LL_COMBINE_DONE value bit: the rows are LogFMT-encoded"),
+    ("kLogfmtBlock", "int", logfmt.BLOCK, "logfmt.BLOCK: channels per LogFMT block"),
+    ("kLogfmtLevels", "int", logfmt.LEVELS, "logfmt.LEVELS: magnitude codes 1..LEVELS"),
+    ("kLogfmtLogRange", "int", int(logfmt.LOG_RANGE),
+     "logfmt.LOG_RANGE: log2 span a block keeps below its largest value"),
+    ("kLogfmtHeaderBytes", "int", logfmt.HEADER_BYTES,
+     "logfmt.HEADER_BYTES: per block, float32 low and top log2|x|"),
+    ("kLogfmtCodeBytes", "int", logfmt.CODE_BYTES, "logfmt.CODE_BYTES: a block's packed codes"),
     ("kExpertsPerBlock", "int", EXPERTS_PER_LAYOUT_BLOCK,
      "jit/variants.py EXPERTS_PER_LAYOUT_BLOCK: experts per layout histogram block"),
     ("kMaxRanks", "int", MAX_RANKS,

@@ -123,8 +123,9 @@ _DECLARED = {
                  "i64 tag0, i64 max_rounds, i32* matrix, i64* floors",
     # ---- ll.cu: low-latency mode (ll.py)
     "moe_ll_wait": f"{LL_GROUP}, {ERRORS}, i64 offset, i64 src_stride, i64 words, i64 epoch, "
-                   "i32* active",
-    "moe_ll_check_call": f"{LL_GROUP}, {ERRORS}, i64 call_off, i64 seq, i32* active, {CALL}",
+                   "i32* active, i64* wait_cost",
+    "moe_ll_check_call": f"{LL_GROUP}, {ERRORS}, i64 call_off, i64 seq, i32* active, {CALL}, "
+                         "i64* wait_cost",
     "moe_ll_dispatch_send": f"{LL_GROUP}, {ERRORS}, i64 payload_off, i64 meta_off, "
                             "i64 counts_off, i64 count_row_words, i64 stride, i64 max_tokens, "
                             "const u16* x, i64 num_tokens, i64 hidden, const i64* topk_idx, "
@@ -139,12 +140,12 @@ _DECLARED = {
     "moe_ll_combine_send": f"{LL_GROUP}, {ERRORS}, i64 combine_off, i64 max_tokens, "
                            "const u16* x, i64 hidden, i64 num_local, i64 rows_cap, "
                            "const i64* recv_ranges, const i64* return_base, i64 done_off, "
-                           "i64 done_stride, i64 seq, i32* counter, i32* active",
+                           "i64 done_stride, i64 seq, i32* counter, i32* active, i64 logfmt",
     "moe_ll_combine_recv": f"{LL_GROUP}, {ERRORS}, i64 combine_off, i64 hidden, "
                            "i64 num_tokens, i64 topk, i64 rows_cap, const i64* topk_idx, "
                            "const float* topk_w, const i32* send_index, i64 free_off, i64 seq, "
                            "u16* out, i32* counter, i64 num_local, i32* active, i64* holds, "
-                           "const i32* runs, i64 done_off",
+                           "const i32* runs, i64 done_off, i64 logfmt, i32* logfmt_seen",
     # ---- csrc/ibgda/selftest.cu (moe_comm/testing/ibgda_selftest.py)
     "moe_ibgda_test_send": f"const u64* bases, {ERRORS}, i64 peer, i64 dst_off, const u8* src, "
                            "i64 bytes, i64 sig_off, i64 word",
