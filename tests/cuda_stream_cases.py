@@ -12,6 +12,8 @@ tests (tests/test_cuda_gpu.py), like tests/cuda_cases.py for the single copy.
 * A row larger than half the data region is refused on every rank, and the buffer works after.
 * A rank that fails in the middle of a streamed call (its error word set before round 1) makes
   its peer fail at once, naming it, not at the deadline, and leaves no block counter behind.
+* Elastic: a rank silent from the start is masked at the first notify's deadline and the
+  survivors stream the rest without it; their outputs equal the reference over them.
 """
 from __future__ import annotations
 
@@ -253,3 +255,65 @@ def check_failure_mid_stream_fails_peers_at_once(device, failing_round=1):
     assert error and "rank(s) [1] failed this call" in error, error
     assert seconds < FAST_S and seconds1 < FAST_S, (seconds, seconds1)
     assert counters == [0] * len(counters) and counters1 == [0] * len(counters1)
+
+
+# ---- elastic: a rank silent from the start, the survivors stream ---------------------------------
+ELASTIC_SILENT = 2
+
+
+def _elastic_stream_rank(comm, case, num_sms):
+    """Rank ELASTIC_SILENT never calls; the others dispatch and combine a batch 4x the data
+    region: the first notify masks it at its deadline, and every round after goes without it."""
+    if comm.rank == ELASTIC_SILENT:
+        return None
+    dev = comm.device
+    x, idx, w, _ = make_inputs(case, comm.rank)
+    comm.poison_data()
+    rx, _, ri, rw, handle = cn.dispatch(
+        comm, x_bytes=x.to(dev).view(torch.uint8), dtype=x.dtype, hidden=x.shape[1],
+        scales=None, topk_idx=idx.to(dev), topk_weights=w.to(dev), layout=None, handle=None,
+        num_experts=case["experts"], num_worst_tokens=0, buffer_key=C.KEY, num_sms=num_sms)
+    y = expert_fn(rx, comm.rank)
+    comm.poison_data()
+    comb, comb_w = cn.combine(comm, x=y, handle=handle, topk_weights=rw, bias=(),
+                              num_sms=num_sms)
+    comm.synchronize()
+    return dict(rx=C._cpu(rx), ri=C._cpu(ri), rw=C._cpu(rw), comb=C._cpu(comb),
+                comb_w=C._cpu(comb_w), active=comm.active.tolist(), streamed=handle.streamed)
+
+
+def check_elastic_survivors_stream(device):
+    """The survivors' outputs equal the reference over them (the silent rank's tokens gone, its
+    experts' slots -1), and the mask names the silent rank."""
+    n = 3
+    case = dict(seed=21, tokens=[300, 280, 250], hidden=256, experts=4 * n, topk=4,
+                routing="random", dtype="bfloat16", bias=False, alignment=1, worst=0)
+    C.preload(device, n)
+    comms = groups.local_group(n, SMALL_HEAP, 0, C.deadline(4.0), device=device, elastic=True)
+    with poisoned_outputs():
+        results = C.run(_elastic_stream_rank, comms, case, _num_sms(device))
+    lo, hi = ELASTIC_SILENT * 4, ELASTIC_SILENT * 4 + 4          # the silent rank's experts
+    xs, ids, ws = [], [], []
+    for r in range(n):
+        x, idx, w, _ = make_inputs(case, r)
+        if r == ELASTIC_SILENT:
+            x, idx, w = x[:0], idx[:0], w[:0]
+        xs.append(x)
+        ids.append(torch.where((idx >= lo) & (idx < hi), -1, idx))
+        ws.append(w)
+    ref = moe_comm.reference_dispatch(xs, ids, case["experts"], ws)
+    ys = [expert_fn(ref[r]["recv_x"], r) for r in range(n)]
+    comb = moe_comm.reference_combine(ys, ref, [x.shape[0] for x in xs])
+    for r in range(n):
+        if r == ELASTIC_SILENT:
+            continue
+        got = results[r]
+        assert got["active"] == [1, 1, 0] and got["streamed"], (r, got["active"])
+        row = case["hidden"] * 2
+        assert SlabLayout(got["rx"].shape[0], row, 0, 4).nbytes >= 4 * SMALL_HEAP, r
+        assert torch.equal(got["rx"], ref[r]["recv_x"]), r
+        assert torch.equal(got["ri"], ref[r]["recv_topk_idx"]), r
+        assert torch.equal(got["rw"], ref[r]["recv_topk_weights"]), r
+        torch.testing.assert_close(got["comb"].float(), comb[r].float(), rtol=1e-2, atol=1e-2)
+        sent = ids[r] >= 0
+        torch.testing.assert_close(got["comb_w"], torch.where(sent, ws[r], 0.0))

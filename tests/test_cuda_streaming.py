@@ -32,3 +32,7 @@ def test_a_row_larger_than_half_the_buffer_is_refused_on_every_rank():
 @pytest.mark.parametrize("failing_round", [0, 1])
 def test_a_rank_failing_mid_stream_fails_its_peer_at_once(failing_round):
     S.check_failure_mid_stream_fails_peers_at_once(CPU, failing_round)
+
+
+def test_elastic_survivors_stream_without_a_silent_rank():
+    S.check_elastic_survivors_stream(CPU)
