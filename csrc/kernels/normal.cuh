@@ -27,6 +27,13 @@
 // [sum_{s'<s} m[s'][d], ...). Combine staging at the token owner: rows ordered by expert rank
 // d then token, d's rows start at sum_{d'<d} m[me][d'].
 //
+// Streaming (a call whose regions do not fit the data region; moe_comm/cuda/normal.py Rounds):
+// the send kernels take `chunk` > 0 and `first`: each launch is one round and moves only the
+// rows [first, first + chunk) of every region, into a slab of `chunk` rows at row - first;
+// dispatch copy-out writes them to the outputs from row `first`, combine_stage to a local
+// staging tensor that the reduce reads instead of the slab. Each round has its own epoch and
+// each round after the first starts with a notify: the same barrier as between operations.
+//
 // Why two parities for NOTIFY and one slot for DONE: see docs/ARCHITECTURE.md ("Why the slots
 // are safe without resets"); the per-operation notify barrier gives the same guarantees here.
 #pragma once

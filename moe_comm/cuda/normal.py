@@ -8,14 +8,18 @@ dispatch, epoch e:
   layout    (fresh routing only) per-rank counts, is_token_in_rank, send positions [T, R]
   notify    count rows to every rank; the R x R matrix; the flow-control barrier
   [host]    without num_worst_tokens the host reads the matrix (the one synchronisation of
-            the call): output sizes and the capacity check, identical on every rank
+            the call): output sizes and the rounds (Rounds: one, or streamed), identical on
+            every rank
   send      each token written once per destination rank straight into its data region at
             row = (tokens of lower source ranks) + (token's position among this rank's tokens
             for that destination): order by source rank, then token index
   wait      DONE from every rank
   copy-out  received region -> output tensors (padding rows with num_worst_tokens)
+  (streamed: send / wait / copy-out once per round, each round after the first behind a
+  barrier notify)
 combine, epoch e: notify (as a barrier) -> send rows back into the owners' staging regions ->
-  wait -> per-token float32 sum (+ bias) in the owner.
+  wait -> per-token float32 sum (+ bias) in the owner (streamed: send / wait / copy to a local
+  staging tensor per round, then the one sum from it).
 
 With ``num_worst_tokens`` the host never synchronises: every slab has exactly that many rows;
 a receiver that would get more reports an overflow (raised as CudaCommError at the next call).
@@ -191,7 +195,9 @@ def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_w
     :func:`dispatch_layout`); None with a cached ``handle``, or to have it computed here.
     Returns ``(recv_x [N, H] dtype, recv_scales [N, S] in scales' dtype (float32 or int32)
     or None, recv_topk_idx int64
-    [N, K] or None, recv_topk_weights f32 [N, K] or None, handle)``."""
+    [N, K] or None, recv_topk_weights f32 [N, K] or None, handle)``.
+    One copy when every receiver's SlabLayout fits the data region, else streamed in rounds
+    (module doc); raises BufferTooSmallError on every rank when one row exceeds half of it."""
     comm.begin_call()
     me, R, dev = comm.rank, comm.num_ranks, comm.device
     k = comm.kernels(variants.intranode())
@@ -304,7 +310,9 @@ def combine(comm: CudaComm, *, x, handle: CudaDispatchHandle, topk_weights, bias
     """Run one normal combine. ``x`` [N, H] bf16/fp16/fp32 (CUDA): this rank's expert outputs
     in received order (only the real rows are read when N = num_worst_tokens);
     ``topk_weights`` f32 [N, K] or None; ``bias`` a tuple of up to two f32 [T, H] tensors.
-    Returns ``(combined_x [T, H] in x's dtype, combined_topk_weights f32 [T, K] or None)``."""
+    Returns ``(combined_x [T, H] in x's dtype, combined_topk_weights f32 [T, K] or None)``.
+    Streams (module doc) when an owner's returned rows do not fit the data region; the result
+    is the single copy's bit for bit."""
     comm.begin_call()
     R, dev = comm.num_ranks, comm.device
     k = comm.kernels(variants.intranode())
