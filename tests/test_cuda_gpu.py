@@ -27,6 +27,7 @@ import torch  # noqa: E402
 
 import cuda_cases as C  # noqa: E402
 import cuda_fault_cases as F  # noqa: E402
+import cuda_stream_cases as S  # noqa: E402
 import test_cuda_ll_extras as X  # noqa: E402
 from checks import check_ll, check_normal  # noqa: E402
 from moe_comm.reference import (reference_combine, reference_dispatch,  # noqa: E402
@@ -103,6 +104,25 @@ def test_low_latency_x_and_out_at_any_offset(fp8):
 
 def test_ranks_that_disagree_about_a_call_all_raise_and_go_on():
     F.check_mismatch_raises_everywhere_and_the_next_call_works(_gpu())
+
+
+# ---- batches larger than the buffer (tests/cuda_stream_cases.py) --------------------------------
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_batch_larger_than_the_buffer_streams_exactly(n):
+    S.check_streams_exactly(n, _gpu())
+
+
+def test_a_row_larger_than_half_the_buffer_is_refused_on_every_rank():
+    S.check_row_too_big_refused_everywhere(2, _gpu())
+
+
+@pytest.mark.parametrize("failing_round", [0, 1])
+def test_a_rank_failing_mid_stream_fails_its_peer_at_once(failing_round):
+    S.check_failure_mid_stream_fails_peers_at_once(_gpu(), failing_round)
+
+
+def test_elastic_survivors_stream_without_a_silent_rank():
+    S.check_elastic_survivors_stream(_gpu())
 
 
 # ---- real processes through CUDA IPC -----------------------------------------------------------

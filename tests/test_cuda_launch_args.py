@@ -81,9 +81,9 @@ def test_pack_takes_exactly_the_declared_names_and_kinds():
     pack("moe_ll_wait", **{**values, "bases": np.uint64(64)})    # a raw device address
 
 
-def _comm(num_ranks, ll_bytes=0, elastic=False):
+def _comm(num_ranks, ll_bytes=0, elastic=False, heap_bytes=64 << 20):
     return CudaComm(rank=0, num_ranks=num_ranks, device="cpu", pointers=[0] * num_ranks,
-                    heap_bytes=64 << 20, ll_bytes=ll_bytes, timeout_s=1.0,
+                    heap_bytes=heap_bytes, ll_bytes=ll_bytes, timeout_s=1.0,
                     own_allocation=False, opened=[], elastic=elastic)
 
 
@@ -122,6 +122,65 @@ def test_normal_launches_pass_the_declared_arguments(recorder, dtype, worst, ela
     assert names.count("moe_notify") == 3 and names.count("moe_wait_done") == 3
     # elastic: after the fresh dispatch's notify, and at the end of each of the three calls
     assert names.count("moe_agree") == (4 if elastic else 0)
+
+
+def _windows(calls, kernel):
+    """``(chunk, first)`` of every launch of ``kernel`` among ``calls``."""
+    return [(named["chunk"], named["first"]) for name, _, _, args in calls if name == kernel
+            for named in [dict(zip(args.names, args.values))]]
+
+
+@pytest.mark.parametrize("worst", [0, 12])
+@pytest.mark.parametrize("elastic", [False, True])
+def test_streamed_calls_launch_one_window_per_round(recorder, worst, elastic):
+    """A heap smaller than one copy: dispatch, combine and the cached dispatch run in rounds,
+    each a barrier notify (after the first), a send of one window, a wait, (elastic) an
+    agreement and a copy of the window; the windows tile the region."""
+    R, T, H, K, E = 4, 10, 4096, 4, 16          # 8 rows of 8 KiB to each rank (fake notify)
+    comm = _comm(R, elastic=elastic, heap_bytes=32 << 10)
+    comm.check = lambda: None     # the fake notify's matrix is read as is (worst: for combine)
+    x = torch.randn(T, H).bfloat16()
+    idx = torch.randint(-1, E, (T, K))
+    state = {}
+
+    def dispatch():
+        state["out"] = cn.dispatch(
+            comm, x_bytes=x.view(torch.uint8), dtype=x.dtype, hidden=H, scales=None,
+            topk_idx=idx, topk_weights=torch.rand(T, K), layout=None, handle=None,
+            num_experts=E, num_worst_tokens=worst, buffer_key=("k",))
+
+    def combine():
+        rx, _, _, rw, handle = state["out"]
+        cn.combine(comm, x=torch.randn(rx.shape[0], H).bfloat16(), handle=handle,
+                   topk_weights=rw, bias=())
+
+    def cached():
+        cn.dispatch(comm, x_bytes=x.view(torch.uint8), dtype=x.dtype, hidden=H, scales=None,
+                    topk_idx=None, topk_weights=None, layout=None, handle=state["out"][4],
+                    num_experts=None, num_worst_tokens=worst, buffer_key=("k",))
+
+    rounds = {}
+    for call, kernel, region in ((dispatch, "moe_dispatch_send", worst or 2 * R),
+                                 (combine, "moe_combine_send", 2 * R),
+                                 (cached, "moe_dispatch_send", worst or 2 * R)):
+        start = len(recorder)
+        call()
+        sends = _windows(recorder[start:], kernel)
+        chunk = sends[0][0]
+        assert chunk > 0 and sends == [(chunk, r * chunk) for r in range(len(sends))], sends
+        assert len(sends) >= 2 and (len(sends) - 1) * chunk < region <= len(sends) * chunk
+        rounds[call.__name__] = len(sends)
+    rx, handle = state["out"][0], state["out"][4]
+    assert handle.streamed and rx.shape == (worst or 2 * R, H)
+    _check(recorder)
+    names = [c[0] for c in recorder]
+    total = sum(rounds.values())
+    assert names.count("moe_notify") == total and names.count("moe_wait_done") == total
+    assert len(_windows(recorder, "moe_dispatch_copy_out")) == rounds["dispatch"] + \
+        rounds["cached"]
+    assert names.count("moe_combine_stage") == rounds["combine"]
+    # elastic: after the fresh dispatch's notify, and at the end of every round
+    assert names.count("moe_agree") == ((1 + total) if elastic else 0)
 
 
 @pytest.mark.parametrize("fp8,ue8m0", [(False, False), (True, False), (True, True)])
@@ -173,6 +232,14 @@ def test_every_kernel_of_the_mode_variants_is_launched(recorder):
     for dtype in cn.REDUCE_KERNEL:
         cn.combine(comm, x=torch.randn(rx.shape[0], H).to(dtype), handle=handle, topk_weights=rw,
                    bias=())
+    small = _comm(R, elastic=True, heap_bytes=32 << 10)    # streams: combine_stage too
+    big = torch.randn(3, 4096).bfloat16()                  # 4 rows of 8 KiB to each rank
+    _, _, _, srw, shandle = cn.dispatch(
+        small, x_bytes=big.view(torch.uint8), dtype=torch.bfloat16, hidden=4096,
+        scales=None, topk_idx=idx, topk_weights=w, layout=None, handle=None, num_experts=E,
+        num_worst_tokens=0, buffer_key=("k",))
+    cn.combine(small, x=torch.randn(2 * R, 4096).bfloat16(), handle=shandle, topk_weights=srw,
+               bias=())
     for fp8 in (False, True):
         h = cll.dispatch_send(comm, x=x.bfloat16(), topk_idx=idx, lay=lay, use_fp8=fp8,
                               round_scale=False, buffer_key=("k",))

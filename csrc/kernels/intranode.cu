@@ -46,20 +46,27 @@ moe_wait_done(MOE_ARGS_moe_wait_done) {
 MOE_KERNEL void __launch_bounds__(MOE_THREADS_DISPATCH_SEND, 1)
 moe_dispatch_send(MOE_ARGS_moe_dispatch_send) {
     dispatch_send_body(MOE_GROUP, MOE_ERRORS, x, num_tokens, row_bytes, scales, scale_cols,
-                       topk_idx, topk_w, topk, num_local, send_pos, matrix, worst, (u64)done_off,
-                       (u64)done_stride, (u32)epoch, counter);
+                       topk_idx, topk_w, topk, num_local, send_pos, matrix, worst, chunk, first,
+                       (u64)done_off, (u64)done_stride, (u32)epoch, counter);
 }
 
 MOE_KERNEL void __launch_bounds__(MOE_THREADS_DISPATCH_COPY_OUT, 1)
 moe_dispatch_copy_out(MOE_ARGS_moe_dispatch_copy_out) {
-    dispatch_copy_out_body(MOE_GROUP, row_bytes, scale_cols, topk, matrix, worst, rows_out,
-                           recv_x, recv_scales, recv_idx, recv_w, expert_counts, num_local);
+    dispatch_copy_out_body(MOE_GROUP, row_bytes, scale_cols, topk, matrix, worst, chunk, first,
+                           rows_out, recv_x, recv_scales, recv_idx, recv_w, expert_counts,
+                           num_local);
 }
 
 MOE_KERNEL void __launch_bounds__(MOE_THREADS_COMBINE_SEND, 1)
 moe_combine_send(MOE_ARGS_moe_combine_send) {
-    combine_send_body(MOE_GROUP, MOE_ERRORS, x, row_bytes, topk_w, topk, matrix, (u64)done_off,
-                      (u64)done_stride, (u32)epoch, counter);
+    combine_send_body(MOE_GROUP, MOE_ERRORS, x, row_bytes, topk_w, topk, matrix, chunk, first,
+                      (u64)done_off, (u64)done_stride, (u32)epoch, counter);
+}
+
+// streamed combine: one round's staging rows into the local tensor the reduce reads
+MOE_KERNEL void __launch_bounds__(MOE_THREADS_COMBINE_STAGE, 1)
+moe_combine_stage(MOE_ARGS_moe_combine_stage) {
+    combine_stage_body(MOE_GROUP, row_bytes, topk, chunk, first, rows, total, staged);
 }
 
 // One reduce kernel per element type; MOE_ARGS_<NAME> declares `out` as ELEM::Storage*
@@ -67,7 +74,7 @@ moe_combine_send(MOE_ARGS_moe_combine_send) {
 #define MOE_REDUCE_KERNEL(NAME, ELEM, THREADS)                                              \
     MOE_KERNEL void __launch_bounds__(THREADS, 1) NAME(MOE_ARGS_##NAME) {                  \
         combine_reduce_body<ELEM>(MOE_GROUP, hidden, topk, matrix, send_pos, num_tokens,    \
-                                  bias0, bias1, out, w_out);                                \
+                                  bias0, bias1, out, w_out, staged);                        \
     }
 MOE_REDUCE_KERNEL(moe_combine_reduce_bf16, Bf16, MOE_THREADS_COMBINE_REDUCE_BF16)
 MOE_REDUCE_KERNEL(moe_combine_reduce_f16, F16, MOE_THREADS_COMBINE_REDUCE_F16)

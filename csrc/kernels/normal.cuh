@@ -27,6 +27,13 @@
 // [sum_{s'<s} m[s'][d], ...). Combine staging at the token owner: rows ordered by expert rank
 // d then token, d's rows start at sum_{d'<d} m[me][d'].
 //
+// Streaming (a call whose regions do not fit the data region; moe_comm/cuda/normal.py Rounds):
+// the send kernels take `chunk` > 0 and `first`: each launch is one round and moves only the
+// rows [first, first + chunk) of every region, into a slab of `chunk` rows at row - first;
+// dispatch copy-out writes them to the outputs from row `first`, combine_stage to a local
+// staging tensor that the reduce reads instead of the slab. Each round has its own epoch and
+// each round after the first starts with a notify: the same barrier as between operations.
+//
 // Why two parities for NOTIFY and one slot for DONE: see docs/ARCHITECTURE.md ("Why the slots
 // are safe without resets"); the per-operation notify barrier gives the same guarantees here.
 #pragma once
@@ -173,16 +180,23 @@ MOE_DEVICE int next_destination(const i32* pos, int from, int R) {
 
 // x: [T, row_bytes] bytes; scales f32 [T, S] or null; topk_idx i64 [T, K] / topk_w f32 [T, K]
 // or null (cached dispatch sends neither); send_pos i32 [T, R] from the layout; matrix i32
-// [R, R] from notify. worst > 0 (num_worst_tokens): every destination's slab has exactly
-// `worst` rows, so no host ever needs the matrix; rows past it are dropped and reported.
+// [R, R] from notify. worst > 0 (num_worst_tokens): every destination's receive region has
+// exactly `worst` rows, so no host ever needs the matrix; rows past it are dropped and
+// reported.
+// chunk == 0: the slab holds d's whole receive region (the single copy). chunk > 0 (a streamed
+// call, moe_comm/cuda/normal.py): the slab holds `chunk` rows and this launch (one round)
+// writes only the region's rows [first, first + chunk), at slab row (row - first); the
+// receiver copies them out before the next round's notify lets any sender write again.
 __device__ void dispatch_send_body(const Group g, const ErrorSink err, const u8* x,
                                    i64 num_tokens, i64 row_bytes, const float* scales,
                                    i64 scale_cols, const i64* topk_idx, const float* topk_w,
                                    i64 topk, i64 num_local, const i32* send_pos,
-                                   const i32* matrix, i64 worst, u64 done_off, u64 done_stride,
-                                   u32 epoch, i32* counter) {
-    __shared__ u64 row0[kMaxRanks];     // first row of this rank's block at destination d
-    __shared__ u64 limit[kMaxRanks];    // rows of d's slab (writes at or past it would overflow)
+                                   const i32* matrix, i64 worst, i64 chunk, i64 first,
+                                   u64 done_off, u64 done_stride, u32 epoch, i32* counter) {
+    __shared__ i64 row0[kMaxRanks];     // slab row of this rank's first row at destination d
+                                        // (negative while this round's window starts later)
+    __shared__ u64 limit[kMaxRanks];    // rows of d's slab this round (writes at or past it
+                                        // would overflow the slab or the region)
     __shared__ Slab slab[kMaxRanks];
     __shared__ int last;
     const Transport t{g.bases, err};
@@ -198,12 +212,16 @@ __device__ void dispatch_send_body(const Group g, const ErrorSink err, const u8*
             before += s < g.rank ? c : 0;
             rows += c;
         }
-        const u64 slab_rows = worst > 0 ? (u64)worst : rows;
-        row0[d] = before;
+        const u64 region_rows = worst > 0 ? (u64)worst : rows;
+        const u64 slab_rows = chunk > 0 ? (u64)chunk : region_rows;
+        // rows of the region in this round's window (all of it without streaming)
+        const u64 window = (u64)first < region_rows ? min_of<u64>(slab_rows, region_rows - first)
+                                                    : 0;
+        row0[d] = (i64)before - first;
         slab[d] = Slab::make(slab_rows, row_bytes, scale_cols, topk);
         g.note_end(d, slab[d].nbytes);
-        limit[d] = live && g.fits(d, slab[d].nbytes) ? slab_rows : 0;
-        if (live && (!g.fits(d, slab[d].nbytes) || rows > slab_rows))
+        limit[d] = live && g.fits(d, slab[d].nbytes) ? window : 0;
+        if (live && (!g.fits(d, slab[d].nbytes) || rows > region_rows))
             err.report(kErrOverflow, epoch, d, (i32)rows);
     }
     __syncthreads();
@@ -218,9 +236,10 @@ __device__ void dispatch_send_body(const Group g, const ErrorSink err, const u8*
 #pragma unroll 1
         for (int d = next_destination(token_pos, 0, R); d < R;
              d = next_destination(token_pos, d + 1, R)) {
-            const i32 pos = token_pos[d];
-            const u64 row = row0[d] + (u64)pos;
-            if (row >= limit[d]) continue;  // overflow, reported above
+            const i64 at = row0[d] + token_pos[d];
+            // another round's row, or an overflow (reported above)
+            if (at < 0 || (u64)at >= limit[d]) continue;
+            const u64 row = (u64)at;
             const Slab& s = slab[d];
             const u64 base = g.slab_at(d);
             t.put_warp(d, base + s.x + row * row_bytes, x + tok * row_bytes, row_bytes);
@@ -256,8 +275,11 @@ __device__ void dispatch_send_body(const Group g, const ErrorSink err, const u8*
 // Nothing here trusts the received bytes or the matrix to be sane (an elastic group whose
 // survivors disagreed on the mask has senders that used other offsets): reads stay inside the
 // data region and counts inside expert_counts.
+// chunk > 0 (one round of a streamed call, see dispatch send): the slab holds `chunk` rows,
+// the region's rows [first, first + rows_out); the outputs point at output row `first`.
 __device__ void dispatch_copy_out_body(const Group g, i64 row_bytes, i64 scale_cols, i64 topk,
-                                       const i32* matrix, i64 worst, i64 rows_out, u8* recv_x,
+                                       const i32* matrix, i64 worst, i64 chunk, i64 first,
+                                       i64 rows_out, u8* recv_x,
                                        float* recv_scales, i64* recv_idx, float* recv_w,
                                        i32* expert_counts, i64 num_local) {
     __shared__ i64 received;
@@ -272,10 +294,10 @@ __device__ void dispatch_copy_out_body(const Group g, i64 row_bytes, i64 scale_c
             n += matrix[s * R + g.rank];
             src_end[s] = n;
         }
-        const u64 slab_rows = worst > 0 ? (u64)worst : (u64)n;
+        const u64 slab_rows = chunk > 0 ? (u64)chunk : worst > 0 ? (u64)worst : (u64)n;
         slab = Slab::make(slab_rows, row_bytes, scale_cols, topk);
         // a slab past the region was refused by every sender (overflow): nothing arrived
-        received = g.fits(g.rank, slab.nbytes) ? min_of<i64>(n, rows_out) : 0;
+        received = g.fits(g.rank, slab.nbytes) ? min_of<i64>(n - first, rows_out) : 0;
     }
     __syncthreads();
     const u8* region = g.own(g.slab_at(g.rank));
@@ -283,7 +305,7 @@ __device__ void dispatch_copy_out_body(const Group g, i64 row_bytes, i64 scale_c
     const i64 warp0 = (i64)blockIdx.x * warps_per_block() + warp_id();
     const i64 nwarps = (i64)gridDim.x * warps_per_block();
     for (i64 r = warp0; r < rows_out; r += nwarps) {
-        if (r < received && live[segment_of(src_end, R, r)]) {
+        if (r < received && live[segment_of(src_end, R, first + r)]) {
             warp_copy(recv_x + r * row_bytes, region + slab.x + r * row_bytes, row_bytes);
             if (recv_scales)
                 warp_copy(recv_scales + r * scale_cols, region + slab.scales + r * scale_cols * 4,
@@ -312,12 +334,16 @@ __device__ void dispatch_copy_out_body(const Group g, i64 row_bytes, i64 scale_c
 // ---- combine send ------------------------------------------------------------------------
 // x: [>= N, row_bytes] this rank's expert outputs in received order (N = sum_s m[s][me], the
 // real count even when x has num_worst_tokens rows); topk_w f32 [>= N, K] or null. Each row
-// goes back to its source rank's staging slab.
+// goes back to its source rank's staging slab. chunk > 0 (one round of a streamed call): the
+// staging slab holds `chunk` rows, and only the staging rows [first, first + chunk) move, to
+// slab row (row - first); the owner copies them to a local tensor before the next round.
 __device__ void combine_send_body(const Group g, const ErrorSink err, const u8* x, i64 row_bytes,
-                                  const float* topk_w, i64 topk, const i32* matrix, u64 done_off,
-                                  u64 done_stride, u32 epoch, i32* counter) {
+                                  const float* topk_w, i64 topk, const i32* matrix, i64 chunk,
+                                  i64 first, u64 done_off, u64 done_stride, u32 epoch,
+                                  i32* counter) {
     __shared__ i64 src_start[kMaxRanks + 1];  // my rows from source s: [src_start[s], ...)
-    __shared__ u64 row0[kMaxRanks];           // where my rows start in s's staging slab
+    __shared__ i64 row0[kMaxRanks];           // where my rows start in s's staging slab
+                                              // (negative while this round's window starts later)
     __shared__ bool fits[kMaxRanks];
     __shared__ Slab slab[kMaxRanks];
     __shared__ int last;
@@ -335,8 +361,8 @@ __device__ void combine_send_body(const Group g, const ErrorSink err, const u8* 
             before += d < g.rank ? c : 0;
             rows += c;
         }
-        row0[s] = before;
-        slab[s] = Slab::make(rows, row_bytes, 0, topk);
+        row0[s] = (i64)before - first;
+        slab[s] = Slab::make(chunk > 0 ? (u64)chunk : rows, row_bytes, 0, topk);
         g.note_end(s, slab[s].nbytes);
         fits[s] = g.fits(s, slab[s].nbytes);
         if (!fits[s]) err.report(kErrOverflow, epoch, s, (i32)rows);
@@ -349,7 +375,9 @@ __device__ void combine_send_body(const Group g, const ErrorSink err, const u8* 
     for (i64 i = warp0; i < total; i += nwarps) {
         const int s = segment_of(src_start + 1, R, i);
         if (!fits[s]) continue;
-        const u64 row = row0[s] + (u64)(i - src_start[s]);
+        const i64 at = row0[s] + (i - src_start[s]);
+        if (chunk > 0 && (at < 0 || at >= chunk)) continue;  // another round's row
+        const u64 row = (u64)at;
         const Slab& sl = slab[s];
         t.put_warp(s, g.slab_at(s) + sl.x + row * row_bytes, x + i * row_bytes, row_bytes);
         if (topk_w)
@@ -387,11 +415,13 @@ MOE_DEVICE int token_rows(const Group& g, const i32* send_pos, i64 tok, const u6
 // One block per token (grid-stride); 16-byte vectors when the row size and `out` allow.
 // Like the copy-out, nothing here trusts the matrix to match send_pos (a failed call's is
 // zeros): a row past d's segment, or a segment past the region, is not read.
+// staged: null (the rows are in this rank's slab), or a streamed call's local copy of them,
+// laid out as the same Slab (combine_stage): the same rows, read in the same order.
 template <typename Elem>
 __device__ void combine_reduce_body(const Group g, i64 hidden, i64 topk, const i32* matrix,
                                     const i32* send_pos, i64 num_tokens, const float* bias0,
                                     const float* bias1, typename Elem::Storage* out,
-                                    float* w_out) {
+                                    float* w_out, const u8* staged) {
     typedef typename Elem::Storage S;
     constexpr int V = 16 / sizeof(S);  // elements per 16-byte vector
     __shared__ u64 seg_start[kMaxRanks];
@@ -409,11 +439,11 @@ __device__ void combine_reduce_body(const Group g, i64 hidden, i64 topk, const i
             at += (u64)max_of<i64>(seg_rows[d], 0);
         }
         slab = Slab::make(at, row_bytes, 0, topk);
-        if (!g.fits(g.rank, slab.nbytes))  // refused by every sender (overflow): nothing came
+        if (!staged && !g.fits(g.rank, slab.nbytes))  // refused by every sender (overflow)
             for (int d = 0; d < R; ++d) seg_rows[d] = 0;
     }
     __syncthreads();  // slab and segments ready
-    const u8* region = g.own(g.slab_at(g.rank));
+    const u8* region = staged ? staged : g.own(g.slab_at(g.rank));
     const bool vec = (row_bytes % 16) == 0 && aligned(out, 16);
     for (i64 tok = blockIdx.x; tok < num_tokens; tok += gridDim.x) {
         const int n = token_rows(g, send_pos, tok, seg_start, seg_rows, rows, warp_counts);
@@ -461,5 +491,28 @@ __device__ void combine_reduce_body(const Group g, i64 hidden, i64 topk, const i
                 w_out[tok * topk + k] = acc;
             }
         }
+    }
+}
+
+// ---- combine stage (streamed calls) ------------------------------------------------------
+// One round of a streamed combine: the `rows` staging rows that arrived in this rank's slab
+// (`chunk` rows of layout, holding staging rows [first, first + rows)) copied into `staged`, a
+// local tensor laid out as the Slab of all `total` staging rows, which the reduce then reads:
+// every row is reduced once, in the order the single copy reduces it, so a streamed combine
+// returns the single copy's bits.
+__device__ void combine_stage_body(const Group g, i64 row_bytes, i64 topk, i64 chunk, i64 first,
+                                   i64 rows, i64 total, u8* staged) {
+    const Slab win = Slab::make((u64)chunk, row_bytes, 0, topk);
+    const Slab all = Slab::make((u64)total, row_bytes, 0, topk);
+    if (!g.fits(g.rank, win.nbytes)) return;  // refused by every sender (overflow, reported)
+    const u8* region = g.own(g.slab_at(g.rank));
+    const i64 warp0 = (i64)blockIdx.x * warps_per_block() + warp_id();
+    const i64 nwarps = (i64)gridDim.x * warps_per_block();
+    for (i64 r = warp0; r < rows; r += nwarps) {
+        warp_copy(staged + all.x + (first + r) * row_bytes, region + win.x + r * row_bytes,
+                  row_bytes);
+        if (topk > 0)
+            warp_copy(staged + all.w + (first + r) * topk * 4, region + win.w + r * topk * 4,
+                      topk * 4);
     }
 }

@@ -8,17 +8,42 @@ dispatch, epoch e:
   layout    (fresh routing only) per-rank counts, is_token_in_rank, send positions [T, R]
   notify    count rows to every rank; the R x R matrix; the flow-control barrier
   [host]    without num_worst_tokens the host reads the matrix (the one synchronisation of
-            the call): output sizes and the capacity check, identical on every rank
+            the call): output sizes and the rounds (Rounds: one, or streamed), identical on
+            every rank
   send      each token written once per destination rank straight into its data region at
             row = (tokens of lower source ranks) + (token's position among this rank's tokens
             for that destination): order by source rank, then token index
   wait      DONE from every rank
   copy-out  received region -> output tensors (padding rows with num_worst_tokens)
+  (streamed: send / wait / copy-out once per round, each round after the first behind a
+  barrier notify)
 combine, epoch e: notify (as a barrier) -> send rows back into the owners' staging regions ->
-  wait -> per-token float32 sum (+ bias) in the owner.
+  wait -> per-token float32 sum (+ bias) in the owner (streamed: send / wait / copy to a local
+  staging tensor per round, then the one sum from it).
 
 With ``num_worst_tokens`` the host never synchronises: every slab has exactly that many rows;
 a receiver that would get more reports an overflow (raised as CudaCommError at the next call).
+
+Buffer size and streaming. The single copy needs, in every rank's data region (``heap_bytes``,
+the Buffer's num_nvl_bytes less the header), one wire.SlabLayout of the rows it receives:
+dispatch ``max_d SlabLayout(n_d, row_bytes, scale_cols, topk).nbytes`` with n_d = the rows rank
+d receives (sum_s m[s][d], or num_worst_tokens), combine ``max_s SlabLayout(c_s, hidden * elem,
+0, topk).nbytes`` with c_s = the rows owner s gets back (sum_d m[s][d]); a SlabLayout of n rows
+is about n * (row_bytes + 4 * scale_cols + 12 * topk) bytes (each sub-array rounded up to
+wire.SLAB_ALIGN, the whole to a page). A call whose regions do not fit streams (:class:`Rounds`):
+every region passes through a slab of ``chunk`` rows (as many as fit half the data region,
+wire.stream_chunk_rows; the same on every rank, from the count matrix or num_worst_tokens and
+the equal heap size) in ``ceil(max rows / chunk)`` rounds. Round r moves the rows
+[r * chunk, (r + 1) * chunk) of every region into its slab at row - r * chunk; the receiver
+copies them out (dispatch: into the outputs at row r * chunk; combine: into a local staging
+tensor of c_me rows, reduced once at the end, so the result is the single copy's bit for bit).
+Each round after the first starts with a barrier notify, so no sender overwrites a window its
+receiver has not copied out. Each round has its own epoch, all taken when the geometry is
+known, so ranks stay in step whatever fails; each wait has the group deadline; a rank that
+fails a round marks its later signals failed and its peers fail at once. Cost per extra round:
+one notify among all ranks, one send kernel that scans every token, one wait and one copy;
+combine also holds a device tensor of SlabLayout(c_me) bytes and copies each row once more.
+Only a row larger than half the data region is refused (BufferTooSmallError on every rank).
 """
 from __future__ import annotations
 
@@ -36,7 +61,7 @@ from ..jit.launch import launch
 from ..jit.nvrtc import load_kernels
 from ..jit.variants import EXPERTS_PER_LAYOUT_BLOCK, THREADS
 from ..layout import DispatchLayout
-from ..wire import SlabLayout
+from ..wire import SlabLayout, stream_chunk_rows
 from .comm import SIGNAL_STRIDE, CudaComm
 from .elastic import agree
 from .kernel_inputs import errors, group
@@ -62,6 +87,7 @@ class CudaDispatchHandle(DispatchHandle):
     send_pos: torch.Tensor = None
     matrix: torch.Tensor = None
     recv_expert_counts: torch.Tensor = None
+    streamed: bool = False           # the dispatch streamed (see Rounds)
 
     def rank_prefix_matrix(self) -> torch.Tensor:
         """DeepEP's ``handle[0]`` from the device matrix (no host synchronisation; also with
@@ -120,10 +146,40 @@ def _wait_done(comm: CudaComm, k, epoch: int, op: str) -> None:
                 done_stride=SIGNAL_STRIDE, epoch=epoch), device=comm.device)
 
 
-def _check_capacity(comm: CudaComm, what: str, layouts) -> None:
-    need = max((lay.nbytes for lay in layouts), default=0)
-    if need > comm.heap_bytes:
-        raise BufferTooSmallError(what, need, comm.heap_bytes)
+@dataclass(frozen=True)
+class Rounds:
+    """How one call's receive regions pass through the data regions: ``chunk`` 0 = the
+    single copy (one round, every region whole); else every region streams through a slab of
+    ``chunk`` rows, round r moving its rows [r * chunk, (r + 1) * chunk). ``epochs``: one per
+    round. The same on every rank (computed from what every rank knows)."""
+
+    chunk: int
+    epochs: tuple
+
+    def window(self, r: int, rows: int):
+        """``(first, n)``: the rows of a region of ``rows`` rows that round r moves."""
+        if not self.chunk:
+            return 0, rows
+        first = r * self.chunk
+        return first, max(0, min(self.chunk, rows - first))
+
+
+def _plan(comm: CudaComm, what: str, epoch: int, region_rows, row_bytes: int, scale_cols: int,
+          topk: int) -> Rounds:
+    """The rounds of a call whose receivers' regions hold ``region_rows`` rows (every rank's,
+    known everywhere): one when every region's slab fits the data region, else streamed. Takes
+    the extra rounds' epochs now. Raises BufferTooSmallError (on every rank alike) when not
+    even one row fits half the data region."""
+    most = max((int(n) for n in region_rows), default=0)
+    if SlabLayout(most, row_bytes, scale_cols, topk).nbytes <= comm.heap_bytes:
+        return Rounds(0, (epoch,))
+    chunk = stream_chunk_rows(most, row_bytes, scale_cols, topk, comm.heap_bytes)
+    if chunk <= 0:
+        raise BufferTooSmallError(f"{what} (one row, streamed through half the buffer)",
+                                  2 * SlabLayout(1, row_bytes, scale_cols, topk).nbytes,
+                                  comm.heap_bytes)
+    rounds = -(-most // chunk)
+    return Rounds(chunk, (epoch,) + tuple(comm.next_epoch() for _ in range(rounds - 1)))
 
 
 def _grid_for_rows(rows: int, num_sms: int) -> int:
@@ -139,7 +195,9 @@ def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_w
     :func:`dispatch_layout`); None with a cached ``handle``, or to have it computed here.
     Returns ``(recv_x [N, H] dtype, recv_scales [N, S] in scales' dtype (float32 or int32)
     or None, recv_topk_idx int64
-    [N, K] or None, recv_topk_weights f32 [N, K] or None, handle)``."""
+    [N, K] or None, recv_topk_weights f32 [N, K] or None, handle)``.
+    One copy when every receiver's SlabLayout fits the data region, else streamed in rounds
+    (module doc); raises BufferTooSmallError on every rank when one row exceeds half of it."""
     comm.begin_call()
     me, R, dev = comm.rank, comm.num_ranks, comm.device
     k = comm.kernels(variants.intranode())
@@ -176,28 +234,14 @@ def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_w
         if most > num_worst_tokens:
             raise ValueError(f"num_worst_tokens={num_worst_tokens} is smaller than the "
                              f"{most} tokens a rank receives")
-        _check_capacity(comm, "dispatch",
-                        [SlabLayout(num_worst_tokens, row_bytes, scale_cols, topk)])
+        region_rows = [num_worst_tokens] * R      # the geometry needs no matrix
     else:
         if matrix_host is None:
             matrix_host = matrix.cpu().numpy().astype(np.int64)   # waits for notify
             comm.check()
-        recv_rows = matrix_host.sum(0)
-        rows_out = int(recv_rows[me])
-        _check_capacity(comm, "dispatch", [SlabLayout(int(n), row_bytes, scale_cols, topk)
-                                           for n in recv_rows])
-
-    launch(k["moe_dispatch_send"], max(1, num_sms), THREADS["moe_dispatch_send"],
-           pack("moe_dispatch_send", **group(comm), **errors(comm, "dispatch/send"), x=x_bytes,
-                num_tokens=num_tokens, row_bytes=row_bytes,
-                scales=None if scales is None else scales.contiguous(), scale_cols=scale_cols,
-                topk_idx=topk_idx if topk else None,
-                topk_w=None if topk_weights is None or not topk else topk_weights.contiguous(),
-                topk=topk, num_local=num_local, send_pos=send_pos, matrix=matrix,
-                worst=num_worst_tokens, done_off=comm.done_offset(), done_stride=SIGNAL_STRIDE,
-                epoch=epoch, counter=comm.counter("dispatch_send")), device=dev)
-    _wait_done(comm, k, epoch, "dispatch/payload")
-    agree(comm, "dispatch/payload", floors=comm.floors)
+        region_rows = matrix_host.sum(0)
+        rows_out = int(region_rows[me])
+    plan = _plan(comm, "dispatch", epoch, region_rows, row_bytes, scale_cols, topk)
 
     recv_x = torch.empty(rows_out, row_bytes, dtype=torch.uint8, device=dev)
     # the kernels copy scale_cols 4-byte words per row (declared float*): int32 scales
@@ -207,20 +251,51 @@ def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_w
     recv_idx = torch.empty(rows_out, topk, dtype=torch.int64, device=dev) if topk else None
     recv_w = torch.empty(rows_out, topk, dtype=torch.float32, device=dev) if topk else None
     expert_counts = torch.zeros(num_local, dtype=torch.int32, device=dev) if topk else None
-    if rows_out:
-        launch(k["moe_dispatch_copy_out"], _grid_for_rows(rows_out, num_sms),
-               THREADS["moe_dispatch_copy_out"],
-               pack("moe_dispatch_copy_out", **group(comm), row_bytes=row_bytes,
-                    scale_cols=scale_cols, topk=topk, matrix=matrix, worst=num_worst_tokens,
-                    rows_out=rows_out, recv_x=recv_x, recv_scales=recv_scales,
-                    recv_idx=recv_idx, recv_w=recv_w, expert_counts=expert_counts,
-                    num_local=num_local), device=dev)
+    send = dict(x=x_bytes, num_tokens=num_tokens, row_bytes=row_bytes,
+                scales=None if scales is None else scales.contiguous(), scale_cols=scale_cols,
+                topk_idx=topk_idx if topk else None,
+                topk_w=None if topk_weights is None or not topk else topk_weights.contiguous(),
+                topk=topk, num_local=num_local, send_pos=send_pos, matrix=matrix,
+                worst=num_worst_tokens)
+    outs = dict(recv_x=recv_x, recv_scales=recv_scales, recv_idx=recv_idx, recv_w=recv_w,
+                expert_counts=expert_counts)
+    for r, ep in enumerate(plan.epochs):
+        if r:        # the barrier: every receiver has copied the last window out
+            _notify(comm, k, ep, None, None, "dispatch/notify", call_row)
+        first, n = plan.window(r, rows_out)
+        _dispatch_round(comm, k, plan, ep, first, n, send, outs, num_sms)
     if not cached:
         handle = CudaDispatchHandle(
             buffer_key, num_tokens, hidden, matrix_host, in_rank, None,
             rows_out, num_worst_tokens, call_id=epoch, per_rank=per_rank, send_pos=send_pos,
-            matrix=matrix, recv_expert_counts=expert_counts)
+            matrix=matrix, recv_expert_counts=expert_counts, streamed=bool(plan.chunk))
     return recv_x.view(dtype), recv_scales, recv_idx, recv_w, handle
+
+
+def _dispatch_round(comm: CudaComm, k, plan: Rounds, epoch: int, first: int, rows: int,
+                    send: dict, outs: dict, num_sms: int) -> None:
+    """One round of a dispatch (the only one of a single copy): send this round's window of
+    every receiver's region, wait for every sender's DONE, agree on the mask (elastic), copy
+    this rank's ``rows`` rows of the window into the outputs from row ``first``."""
+    launch(k["moe_dispatch_send"], max(1, num_sms), THREADS["moe_dispatch_send"],
+           pack("moe_dispatch_send", **group(comm), **errors(comm, "dispatch/send"), **send,
+                chunk=plan.chunk, first=first, done_off=comm.done_offset(),
+                done_stride=SIGNAL_STRIDE, epoch=epoch, counter=comm.counter("dispatch_send")),
+           device=comm.device)
+    _wait_done(comm, k, epoch, "dispatch/payload")
+    agree(comm, "dispatch/payload", floors=comm.floors)
+    if not rows:
+        return
+    at = {name: None if t is None else t[first:first + rows] for name, t in outs.items()
+          if name != "expert_counts"}
+    topk, scale_cols = send["topk"], send["scale_cols"]
+    launch(k["moe_dispatch_copy_out"], _grid_for_rows(rows, num_sms),
+           THREADS["moe_dispatch_copy_out"],
+           pack("moe_dispatch_copy_out", **group(comm), row_bytes=send["row_bytes"],
+                scale_cols=scale_cols, topk=topk, matrix=send["matrix"], worst=send["worst"],
+                chunk=plan.chunk, first=first, rows_out=rows, **at,
+                expert_counts=outs["expert_counts"], num_local=send["num_local"]),
+           device=comm.device)
 
 
 def aligned_expert_counts(handle: CudaDispatchHandle, alignment: int) -> torch.Tensor:
@@ -235,7 +310,9 @@ def combine(comm: CudaComm, *, x, handle: CudaDispatchHandle, topk_weights, bias
     """Run one normal combine. ``x`` [N, H] bf16/fp16/fp32 (CUDA): this rank's expert outputs
     in received order (only the real rows are read when N = num_worst_tokens);
     ``topk_weights`` f32 [N, K] or None; ``bias`` a tuple of up to two f32 [T, H] tensors.
-    Returns ``(combined_x [T, H] in x's dtype, combined_topk_weights f32 [T, K] or None)``."""
+    Returns ``(combined_x [T, H] in x's dtype, combined_topk_weights f32 [T, K] or None)``.
+    Streams (module doc) when an owner's returned rows do not fit the data region; the result
+    is the single copy's bit for bit."""
     comm.begin_call()
     R, dev = comm.num_ranks, comm.device
     k = comm.kernels(variants.intranode())
@@ -246,19 +323,21 @@ def combine(comm: CudaComm, *, x, handle: CudaDispatchHandle, topk_weights, bias
     row_bytes = hidden * x.element_size()
     topk = 0 if topk_weights is None else topk_weights.shape[1]
     epoch = comm.next_epoch()
-    _notify(comm, k, epoch, None, None, "combine/notify",
-            signature.of_combine(x=x, topk_weights=topk_weights, handle=handle))
-    if handle.count_matrix is not None:
-        sent = handle.count_matrix.sum(1)
-        _check_capacity(comm, "combine", [SlabLayout(int(n), row_bytes, 0, topk) for n in sent])
-    launch(k["moe_combine_send"], max(1, num_sms), THREADS["moe_combine_send"],
-           pack("moe_combine_send", **group(comm), **errors(comm, "combine/send"), x=x,
-                row_bytes=row_bytes,
+    call_row = signature.of_combine(x=x, topk_weights=topk_weights, handle=handle)
+    _notify(comm, k, epoch, None, None, "combine/notify", call_row)
+    plan, rows_back = _combine_plan(comm, handle, epoch, row_bytes, topk)
+    # a streamed combine gathers its rows here, off the communication buffer, and reduces
+    # them once at the end: the single copy's reduction over the same rows, in the same order
+    staged = torch.empty(SlabLayout(rows_back, row_bytes, 0, topk).nbytes, dtype=torch.uint8,
+                         device=dev) if plan.chunk else None
+    send = dict(x=x, row_bytes=row_bytes,
                 topk_w=None if topk_weights is None else topk_weights.contiguous(), topk=topk,
-                matrix=handle.matrix, done_off=comm.done_offset(), done_stride=SIGNAL_STRIDE,
-                epoch=epoch, counter=comm.counter("combine_send")), device=dev)
-    _wait_done(comm, k, epoch, "combine/payload")
-    agree(comm, "combine/payload", floors=comm.floors)
+                matrix=handle.matrix)
+    for r, ep in enumerate(plan.epochs):
+        if r:        # the barrier: every owner has copied the last window out
+            _notify(comm, k, ep, None, None, "combine/notify", call_row)
+        first, n = plan.window(r, rows_back)
+        _combine_round(comm, k, plan, ep, first, n, rows_back, send, staged, num_sms)
 
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=dev)
     w_out = torch.empty(num_tokens, topk, dtype=torch.float32, device=dev) if topk else None
@@ -270,5 +349,43 @@ def combine(comm: CudaComm, *, x, handle: CudaDispatchHandle, topk_weights, bias
         launch(k[reduce], min(num_tokens, 8 * max(1, num_sms)), THREADS[reduce],
                pack(reduce, **group(comm), hidden=hidden, topk=topk, matrix=handle.matrix,
                     send_pos=handle.send_pos, num_tokens=num_tokens, bias0=biases[0],
-                    bias1=biases[1], out=out, w_out=w_out), device=dev)
+                    bias1=biases[1], out=out, w_out=w_out, staged=staged), device=dev)
     return out, w_out
+
+
+def _combine_plan(comm: CudaComm, handle: CudaDispatchHandle, epoch: int, row_bytes: int,
+                  topk: int):
+    """``(Rounds, rows this rank gets back)``. Owner s gets back sum_d m[s][d] rows. A
+    num_worst_tokens handle's matrix never reached the host: its combine keeps the single copy
+    (a receiver that would overflow reports it, as before) unless its dispatch streamed - a
+    batch too large for one copy - when the host reads the matrix once, here, to size the
+    rounds (the same on every rank: the matrix is after the mask agreement)."""
+    counts = handle.count_matrix
+    if counts is None and handle.streamed:
+        counts = handle.matrix.cpu().numpy().astype(np.int64)
+        comm.check()
+    if counts is None:
+        return Rounds(0, (epoch,)), 0
+    back = counts.sum(1)
+    return (_plan(comm, "combine", epoch, back, row_bytes, 0, topk),
+            int(back[comm.rank]))
+
+
+def _combine_round(comm: CudaComm, k, plan: Rounds, epoch: int, first: int, rows: int,
+                   rows_back: int, send: dict, staged, num_sms: int) -> None:
+    """One round of a combine (the only one of a single copy): send this round's window of
+    every owner's staging rows, wait for DONE, agree on the mask (elastic), and, streamed,
+    copy this rank's ``rows`` rows of the window into ``staged`` from row ``first``."""
+    launch(k["moe_combine_send"], max(1, num_sms), THREADS["moe_combine_send"],
+           pack("moe_combine_send", **group(comm), **errors(comm, "combine/send"), **send,
+                chunk=plan.chunk, first=first, done_off=comm.done_offset(),
+                done_stride=SIGNAL_STRIDE, epoch=epoch, counter=comm.counter("combine_send")),
+           device=comm.device)
+    _wait_done(comm, k, epoch, "combine/payload")
+    agree(comm, "combine/payload", floors=comm.floors)
+    if staged is None or not rows:
+        return
+    launch(k["moe_combine_stage"], _grid_for_rows(rows, num_sms), THREADS["moe_combine_stage"],
+           pack("moe_combine_stage", **group(comm), row_bytes=send["row_bytes"],
+                topk=send["topk"], chunk=plan.chunk, first=first, rows=rows, total=rows_back,
+                staged=staged), device=comm.device)

@@ -94,7 +94,8 @@ ERRORS = "i32* err_host, i32* err_dev, i64 op"
 CALL = ", ".join(f"i64 call{i}" for i in range(CALL_WORDS))
 # The three reduce kernels differ only in the element type of `out` (Elem::Storage).
 _REDUCE = (GROUP + ", i64 hidden, i64 topk, const i32* matrix, const i32* send_pos, "
-           "i64 num_tokens, const float* bias0, const float* bias1, {out}* out, float* w_out")
+           "i64 num_tokens, const float* bias0, const float* bias1, {out}* out, float* w_out, "
+           "const u8* staged")
 
 _DECLARED = {
     # ---- intranode.cu: layout and normal mode (normal.py), elastic agreement (elastic.py)
@@ -106,15 +107,18 @@ _DECLARED = {
     "moe_dispatch_send": f"{GROUP}, {ERRORS}, const u8* x, i64 num_tokens, i64 row_bytes, "
                          "const float* scales, i64 scale_cols, const i64* topk_idx, "
                          "const float* topk_w, i64 topk, i64 num_local, const i32* send_pos, "
-                         "const i32* matrix, i64 worst, i64 done_off, i64 done_stride, "
-                         "i64 epoch, i32* counter",
+                         "const i32* matrix, i64 worst, i64 chunk, i64 first, i64 done_off, "
+                         "i64 done_stride, i64 epoch, i32* counter",
     "moe_dispatch_copy_out": f"{GROUP}, i64 row_bytes, i64 scale_cols, i64 topk, "
-                             "const i32* matrix, i64 worst, i64 rows_out, u8* recv_x, "
+                             "const i32* matrix, i64 worst, i64 chunk, i64 first, "
+                             "i64 rows_out, u8* recv_x, "
                              "float* recv_scales, i64* recv_idx, float* recv_w, "
                              "i32* expert_counts, i64 num_local",
     "moe_combine_send": f"{GROUP}, {ERRORS}, const u8* x, i64 row_bytes, const float* topk_w, "
-                        "i64 topk, const i32* matrix, i64 done_off, i64 done_stride, "
-                        "i64 epoch, i32* counter",
+                        "i64 topk, const i32* matrix, i64 chunk, i64 first, i64 done_off, "
+                        "i64 done_stride, i64 epoch, i32* counter",
+    "moe_combine_stage": f"{GROUP}, i64 row_bytes, i64 topk, i64 chunk, i64 first, i64 rows, "
+                         "i64 total, u8* staged",
     "moe_combine_reduce_bf16": _REDUCE.format(out="u16"),
     "moe_combine_reduce_f16": _REDUCE.format(out="u16"),
     "moe_combine_reduce_f32": _REDUCE.format(out="float"),

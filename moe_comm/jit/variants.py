@@ -46,7 +46,8 @@ SPECIALISED_HIDDEN = (1024, 2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
 GENERIC_HIDDEN = 0
 
 INTRANODE_KERNELS = ("moe_layout", "moe_notify", "moe_wait_done", "moe_dispatch_send",
-                     "moe_dispatch_copy_out", "moe_combine_send", "moe_combine_reduce_bf16",
+                     "moe_dispatch_copy_out", "moe_combine_send", "moe_combine_stage",
+                     "moe_combine_reduce_bf16",
                      "moe_combine_reduce_f16", "moe_combine_reduce_f32", "moe_agree")
 
 # Threads per block of every kernel: the one definition of a kernel's block size. The launch
@@ -59,7 +60,7 @@ INTRANODE_KERNELS = ("moe_layout", "moe_notify", "moe_wait_done", "moe_dispatch_
 THREADS = {
     # normal mode and layout (intranode.cu): one warp per token / row
     "moe_layout": 512, "moe_dispatch_send": 512, "moe_dispatch_copy_out": 512,
-    "moe_combine_send": 512,
+    "moe_combine_send": 512, "moe_combine_stage": 512,
     # fp32 reduce: one block per token, 16-byte vectors across the block
     "moe_combine_reduce_bf16": 256, "moe_combine_reduce_f16": 256,
     "moe_combine_reduce_f32": 256,
