@@ -24,6 +24,7 @@ import traceback  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 import cuda_cases as C  # noqa: E402
 import cuda_fault_cases as F  # noqa: E402
@@ -126,27 +127,33 @@ def test_elastic_survivors_stream_without_a_silent_rank():
 
 
 # ---- real processes through CUDA IPC -----------------------------------------------------------
-def _ipc_child(rank, n, port, queue, normal_cases, ll_cases, transport="auto"):
+def _spawned_rank(rank, n, port, queue, body, *args):
+    """A spawned rank: a gloo group of ``n`` ranks, ``body(rank, n, *args)``, and its result
+    (torch-saved) or its traceback on ``queue``."""
     try:
-        import torch.distributed as dist
-        from moe_comm.cuda import groups
-        from moe_comm.ibgda.runtime import rdma_devices
-        if transport == "ibgda" and not rdma_devices():    # NVSHMEM by P2P only, no NIC
-            os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
-        torch.cuda.set_device(0)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=n)
-        comm = groups.from_group(dist.group.WORLD, C.HEAP, C.ll_bytes(ll_cases, n),
-                                   C.deadline(120.0), transport=transport)
-        res = (C.normal_rank(comm, normal_cases, dist.barrier),
-               C.ll_rank(comm, ll_cases, dist.barrier))
-        comm.destroy()                      # collective: unmap, barrier, free
+        res = body(rank, n, *args)
         blob = io.BytesIO()
         torch.save(res, blob)
         queue.put((rank, True, blob.getvalue()))
         dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001
         queue.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def _ipc_rank(rank, n, normal_cases, ll_cases, transport="auto"):
+    from moe_comm.cuda import groups
+    from moe_comm.ibgda.runtime import rdma_devices
+    if transport == "ibgda" and not rdma_devices():    # NVSHMEM by P2P only, no NIC
+        os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
+    torch.cuda.set_device(0)
+    comm = groups.from_group(dist.group.WORLD, C.HEAP, C.ll_bytes(ll_cases, n),
+                             C.deadline(120.0), transport=transport)
+    res = (C.normal_rank(comm, normal_cases, dist.barrier),
+           C.ll_rank(comm, ll_cases, dist.barrier))
+    comm.destroy()                      # collective: unmap, barrier, free
+    return res
 
 
 def test_two_processes_through_cuda_ipc():
@@ -226,25 +233,15 @@ def _check_buffer_rounds(results):
         torch.testing.assert_close(got["ll_out"], ll_want[r], rtol=1e-2, atol=1e-2)
 
 
-def _gloo_buffer_child(rank, n, port, queue):
+def _gloo_buffer_rank(rank, n):
     """No ``device=``, a gloo group, CUDA tensors: the Buffer must pick the GPU (DeepEP's
     rule), not the CPU because the group is gloo."""
-    try:
-        import torch.distributed as dist
-        os.environ.pop("MOE_COMM_DEVICE", None)   # tests/conftest.py's CPU default
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=n)
-        res = _buffer_round(rank, n)
-        blob = io.BytesIO()
-        torch.save(res, blob)
-        queue.put((rank, True, blob.getvalue()))
-        dist.destroy_process_group()
-    except BaseException as e:  # noqa: BLE001
-        queue.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    os.environ.pop("MOE_COMM_DEVICE", None)   # tests/conftest.py's CPU default
+    return _buffer_round(rank, n)
 
 
 def test_gloo_group_buffer_serves_cuda_tensors():
-    results = _spawn_ranks(_gloo_buffer_child, len(BUF_CASE["tokens"]), "gloo-group Buffer")
+    results = _spawn_ranks(_gloo_buffer_rank, len(BUF_CASE["tokens"]), "gloo-group Buffer")
     _check_buffer_rounds([results[r] for r in sorted(results)])
 
 
@@ -262,14 +259,15 @@ def test_two_hosts_through_the_kernel_proxy():
                                             env={"MOE_COMM_TRANSPORT": "tcp"}))
 
 
-def _spawn_ranks(child, n, what, *args):
-    """Run ``child(rank, n, port, queue, *args)`` in ``n`` spawned processes (CUDA cannot
-    start in a forked child of this one); {rank: the object it put}."""
+def _spawn_ranks(body, n, what, *args):
+    """Run ``body(rank, n, *args)`` in ``n`` spawned processes of one gloo group (CUDA
+    cannot start in a forked child of this one); {rank: what it returned}."""
     from moe_comm.testing.processes import free_port
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=child, args=(r, n, port, queue, *args)) for r in range(n)]
+    procs = [ctx.Process(target=_spawned_rank, args=(r, n, port, queue, body, *args))
+             for r in range(n)]
     for p in procs:
         p.start()
     limit = C.outer_timeout(300)          # start, import, build and the cases
@@ -293,6 +291,6 @@ def _two_processes(transport):
     n = 2
     normal_cases = [c for c in C.normal_cases(n) if c["routing"] == "random"][:2]
     ll_cases = C.ll_cases(n)[:2]
-    results = _spawn_ranks(_ipc_child, n, transport, normal_cases, ll_cases, transport)
+    results = _spawn_ranks(_ipc_rank, n, transport, normal_cases, ll_cases, transport)
     check_normal(n, normal_cases, [results[r][0] for r in range(n)])
     check_ll(n, ll_cases, [results[r][1] for r in range(n)], C.kernel_quantize)

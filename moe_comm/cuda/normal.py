@@ -272,18 +272,26 @@ def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_w
     return recv_x.view(dtype), recv_scales, recv_idx, recv_w, handle
 
 
+def _send_window(comm: CudaComm, k, kind: str, plan: Rounds, epoch: int, first: int,
+                 send: dict, num_sms: int) -> None:
+    """``kind`` ("dispatch" or "combine"): send this round's window of every receiver's
+    region, wait for every sender's DONE, agree on the mask (elastic)."""
+    kernel = f"moe_{kind}_send"
+    launch(k[kernel], max(1, num_sms), THREADS[kernel],
+           pack(kernel, **group(comm), **errors(comm, f"{kind}/send"), **send,
+                chunk=plan.chunk, first=first, done_off=comm.done_offset(),
+                done_stride=SIGNAL_STRIDE, epoch=epoch, counter=comm.counter(f"{kind}_send")),
+           device=comm.device)
+    _wait_done(comm, k, epoch, f"{kind}/payload")
+    agree(comm, f"{kind}/payload", floors=comm.floors)
+
+
 def _dispatch_round(comm: CudaComm, k, plan: Rounds, epoch: int, first: int, rows: int,
                     send: dict, outs: dict, num_sms: int) -> None:
     """One round of a dispatch (the only one of a single copy): send this round's window of
     every receiver's region, wait for every sender's DONE, agree on the mask (elastic), copy
     this rank's ``rows`` rows of the window into the outputs from row ``first``."""
-    launch(k["moe_dispatch_send"], max(1, num_sms), THREADS["moe_dispatch_send"],
-           pack("moe_dispatch_send", **group(comm), **errors(comm, "dispatch/send"), **send,
-                chunk=plan.chunk, first=first, done_off=comm.done_offset(),
-                done_stride=SIGNAL_STRIDE, epoch=epoch, counter=comm.counter("dispatch_send")),
-           device=comm.device)
-    _wait_done(comm, k, epoch, "dispatch/payload")
-    agree(comm, "dispatch/payload", floors=comm.floors)
+    _send_window(comm, k, "dispatch", plan, epoch, first, send, num_sms)
     if not rows:
         return
     at = {name: None if t is None else t[first:first + rows] for name, t in outs.items()
@@ -314,7 +322,7 @@ def combine(comm: CudaComm, *, x, handle: CudaDispatchHandle, topk_weights, bias
     Streams (module doc) when an owner's returned rows do not fit the data region; the result
     is the single copy's bit for bit."""
     comm.begin_call()
-    R, dev = comm.num_ranks, comm.device
+    dev = comm.device
     k = comm.kernels(variants.intranode())
     if x.dtype not in REDUCE_KERNEL:
         raise TypeError(f"combine x must be bf16, fp16 or fp32, got {x.dtype}")
@@ -376,13 +384,7 @@ def _combine_round(comm: CudaComm, k, plan: Rounds, epoch: int, first: int, rows
     """One round of a combine (the only one of a single copy): send this round's window of
     every owner's staging rows, wait for DONE, agree on the mask (elastic), and, streamed,
     copy this rank's ``rows`` rows of the window into ``staged`` from row ``first``."""
-    launch(k["moe_combine_send"], max(1, num_sms), THREADS["moe_combine_send"],
-           pack("moe_combine_send", **group(comm), **errors(comm, "combine/send"), **send,
-                chunk=plan.chunk, first=first, done_off=comm.done_offset(),
-                done_stride=SIGNAL_STRIDE, epoch=epoch, counter=comm.counter("combine_send")),
-           device=comm.device)
-    _wait_done(comm, k, epoch, "combine/payload")
-    agree(comm, "combine/payload", floors=comm.floors)
+    _send_window(comm, k, "combine", plan, epoch, first, send, num_sms)
     if staged is None or not rows:
         return
     launch(k["moe_combine_stage"], _grid_for_rows(rows, num_sms), THREADS["moe_combine_stage"],
