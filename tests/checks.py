@@ -11,8 +11,24 @@ from moe_comm.reference import reference_ll_combine, reference_ll_dispatch
 from inputs import make_inputs, routing
 
 
-def _as_list(rx):
+def flat(rx):
+    """A received x as a list of tensors: (fp8 payload, scales) or the one tensor."""
     return list(rx) if isinstance(rx, tuple) else [rx]
+
+
+def assert_same_bits(n, cases, got, want):
+    """Every rank's normal-mode results (``_run_cases`` dicts) in ``got`` equal ``want``'s bit
+    for bit: a streamed call against the single copy of the same call."""
+    for r in range(n):
+        for ci in range(len(cases)):
+            a, b = got[r][ci], want[r][ci]
+            for key in ("rx", "rx2"):
+                for g, e in zip(flat(a[key]), flat(b[key])):
+                    assert torch.equal(g.view(torch.uint8), e.view(torch.uint8)), (r, ci, key)
+            for key in ("ri", "rw", "comb", "comb_w"):
+                assert torch.equal(a[key].view(torch.uint8), b[key].view(torch.uint8)), \
+                    (r, ci, key)
+            assert a["counts"] == b["counts"], (r, ci)
 
 
 def check_normal(n, cases, results):
@@ -34,12 +50,12 @@ def check_normal(n, cases, results):
             got, exp = results[d][ci], ref[d]
             rows = exp["recv_x"].shape[0]
             want = [exp["recv_x"]] + ([exp["recv_scales"]] if fp8 else [])
-            for g, e in zip(_as_list(got["rx"]), want):
+            for g, e in zip(flat(got["rx"]), want):
                 assert g.shape[0] == max(rows, case["worst"]), (case, d)
                 assert torch.equal(g[:rows].view(torch.uint8), e.view(torch.uint8)), (case, d)
                 if case["worst"]:
                     assert (g[rows:].view(torch.uint8) == 0).all(), (case, d, "padding")
-            for g, e in zip(_as_list(got["rx2"]), want):
+            for g, e in zip(flat(got["rx2"]), want):
                 assert torch.equal(g[:rows].view(torch.uint8), e.view(torch.uint8)), (case, d)
             assert torch.equal(got["ri"][:rows], exp["recv_topk_idx"]), (case, d)
             assert torch.equal(got["rw"][:rows], exp["recv_topk_weights"]), (case, d)

@@ -129,36 +129,38 @@ def normal_cases(n):
     return cases
 
 
-def normal_rank(comm, cases, barrier):
+def normal_rank(comm, cases, barrier, num_sms=None):
+    """Dispatch, combine and a cached dispatch of every case (the data region poisoned
+    before each call); ``num_sms``: blocks per data kernel (None: the backend's default)."""
     from moe_comm.cuda import normal as cn
     dev, out = comm.device, []
+    sms = {} if num_sms is None else {"num_sms": num_sms}
     for case in cases:
         x, idx, w, bias = make_inputs(case, comm.rank)
         fp8 = isinstance(x, tuple)
         data, scales = (x[0].to(dev), x[1].to(dev)) if fp8 else (x.to(dev), None)
         idx, w = idx.to(dev), w.to(dev)
         layout = cn.get_dispatch_layout(idx, case["experts"], comm.num_ranks)
+        common = dict(x_bytes=data.view(torch.uint8), dtype=data.dtype, hidden=data.shape[1],
+                      scales=scales, layout=None, num_worst_tokens=case["worst"],
+                      buffer_key=KEY, **sms)
         comm.poison_data()
-        rx, rs, ri, rw, handle = cn.dispatch(
-            comm, x_bytes=data.view(torch.uint8), dtype=data.dtype, hidden=data.shape[1],
-            scales=scales, topk_idx=idx, topk_weights=w, layout=None, handle=None, num_experts=case["experts"],
-            num_worst_tokens=case["worst"], buffer_key=KEY)
+        rx, rs, ri, rw, handle = cn.dispatch(comm, topk_idx=idx, topk_weights=w, handle=None,
+                                             num_experts=case["experts"], **common)
         counts = cn.aligned_expert_counts(handle, case["alignment"]).tolist()
         recv = (rx, rs) if fp8 else rx
         y = expert_fn(recv, comm.rank)
         biases = (bias.to(dev).float(),) if bias is not None else ()
         comm.poison_data()
-        comb, comb_w = cn.combine(comm, x=y, handle=handle, topk_weights=rw, bias=biases)
+        comb, comb_w = cn.combine(comm, x=y, handle=handle, topk_weights=rw, bias=biases, **sms)
         comm.poison_data()
-        rx2, rs2, ri2, rw2, handle2 = cn.dispatch(
-            comm, x_bytes=data.view(torch.uint8), dtype=data.dtype, hidden=data.shape[1],
-            scales=scales, topk_idx=None, topk_weights=None, layout=None, handle=handle, num_experts=None,
-            num_worst_tokens=case["worst"], buffer_key=KEY)
+        rx2, rs2, ri2, _, handle2 = cn.dispatch(comm, topk_idx=None, topk_weights=None,
+                                                handle=handle, num_experts=None, **common)
         comm.synchronize()
         out.append(dict(layout=_cpu(layout), rx=_cpu(recv), ri=_cpu(ri), rw=_cpu(rw),
                         counts=counts, y=_cpu(y), comb=_cpu(comb), comb_w=_cpu(comb_w),
                         rx2=_cpu((rx2, rs2) if fp8 else rx2), ri2=ri2,
-                        same_handle=handle2 is handle))
+                        same_handle=handle2 is handle, streamed=handle.streamed))
     barrier()
     return out
 

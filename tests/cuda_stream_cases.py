@@ -25,7 +25,7 @@ import torch
 
 import cuda_cases as C
 import moe_comm
-from checks import check_normal
+from checks import assert_same_bits, check_normal, flat
 from inputs import expert_fn, make_inputs
 from moe_comm.cuda import groups
 from moe_comm.cuda import normal as cn
@@ -92,38 +92,8 @@ def poisoned_outputs():
 
 
 def stream_rank(comm, cases, barrier, num_sms=NUM_SMS):
-    """cuda_cases.normal_rank with ``num_sms`` blocks per data kernel: dispatch, combine and a
-    cached dispatch of every case (the data region poisoned before each call)."""
-    dev, out = comm.device, []
-    for case in cases:
-        x, idx, w, bias = make_inputs(case, comm.rank)
-        fp8 = isinstance(x, tuple)
-        data, scales = (x[0].to(dev), x[1].to(dev)) if fp8 else (x.to(dev), None)
-        idx, w = idx.to(dev), w.to(dev)
-        layout = cn.get_dispatch_layout(idx, case["experts"], comm.num_ranks)
-        common = dict(x_bytes=data.view(torch.uint8), dtype=data.dtype, hidden=data.shape[1],
-                      scales=scales, layout=None, num_worst_tokens=case["worst"],
-                      buffer_key=C.KEY, num_sms=num_sms)
-        comm.poison_data()
-        rx, rs, ri, rw, handle = cn.dispatch(comm, topk_idx=idx, topk_weights=w, handle=None,
-                                             num_experts=case["experts"], **common)
-        counts = cn.aligned_expert_counts(handle, case["alignment"]).tolist()
-        recv = (rx, rs) if fp8 else rx
-        y = expert_fn(recv, comm.rank)
-        biases = (bias.to(dev).float(),) if bias is not None else ()
-        comm.poison_data()
-        comb, comb_w = cn.combine(comm, x=y, handle=handle, topk_weights=rw, bias=biases,
-                                  num_sms=num_sms)
-        comm.poison_data()
-        rx2, rs2, ri2, _, handle2 = cn.dispatch(comm, topk_idx=None, topk_weights=None,
-                                                handle=handle, num_experts=None, **common)
-        comm.synchronize()
-        out.append(dict(layout=C._cpu(layout), rx=C._cpu(recv), ri=C._cpu(ri), rw=C._cpu(rw),
-                        counts=counts, y=C._cpu(y), comb=C._cpu(comb), comb_w=C._cpu(comb_w),
-                        rx2=C._cpu((rx2, rs2) if fp8 else rx2), ri2=ri2,
-                        same_handle=handle2 is handle, streamed=handle.streamed))
-    barrier()
-    return out
+    """cuda_cases.normal_rank with ``num_sms`` blocks per data kernel."""
+    return C.normal_rank(comm, cases, barrier, num_sms)
 
 
 def _group(n, device, heap, timeout_s=None):
@@ -143,10 +113,6 @@ def _run_cases(n, device, heap, cases):
                      _num_sms(device))
 
 
-def _flat(value):
-    return list(value) if isinstance(value, tuple) else [value]
-
-
 def _assert_it_streamed(n, cases, results, heap):
     """Dispatch: the largest receive region (or num_worst_tokens) is >= 4x the data region;
     combine: some owner's returned rows do not fit it either."""
@@ -156,7 +122,7 @@ def _assert_it_streamed(n, cases, results, heap):
             continue
         row = case["hidden"] * _elem_bytes(case)
         scale_cols = row // 128 if case["dtype"] == "fp8" else 0
-        most = max(_flat(results[r][ci]["rx"])[0].shape[0] for r in range(n))
+        most = max(flat(results[r][ci]["rx"])[0].shape[0] for r in range(n))
         assert SlabLayout(most, row, scale_cols, case["topk"]).nbytes >= 4 * heap, (ci, most)
         back = max(int(results[r][ci]["layout"][0].sum()) for r in range(n))
         out_row = case["hidden"] * (2 if case["dtype"] == "fp8" else _elem_bytes(case))
@@ -168,17 +134,7 @@ def check_streams_exactly(n, device, cases=None):
     small = _run_cases(n, device, SMALL_HEAP, cases)
     check_normal(n, cases, small)
     _assert_it_streamed(n, cases, small, SMALL_HEAP)
-    large = _run_cases(n, device, LARGE_HEAP, cases)
-    for r in range(n):
-        for ci in range(len(cases)):
-            a, b = small[r][ci], large[r][ci]
-            for key in ("rx", "rx2"):
-                for g, e in zip(_flat(a[key]), _flat(b[key])):
-                    assert torch.equal(g.view(torch.uint8), e.view(torch.uint8)), (r, ci, key)
-            for key in ("ri", "rw", "comb", "comb_w"):
-                assert torch.equal(a[key].view(torch.uint8), b[key].view(torch.uint8)), \
-                    (r, ci, key)
-            assert a["counts"] == b["counts"], (r, ci)
+    assert_same_bits(n, cases, small, _run_cases(n, device, LARGE_HEAP, cases))
 
 
 # ---- a row larger than half the data region ----------------------------------------------------

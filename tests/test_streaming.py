@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 import moe_comm
-from checks import check_normal
+from checks import assert_same_bits, check_normal, flat
 from moe_comm.wire import SlabLayout
 from ranks import run_ranks
 from test_normal_mode import _run_cases
@@ -35,10 +35,6 @@ def _cases(n):
     ]
 
 
-def _flat(value):
-    return list(value) if isinstance(value, tuple) else [value]
-
-
 def test_a_batch_larger_than_the_buffer_streams_exactly():
     n = 3
     cases = _cases(n)
@@ -46,20 +42,11 @@ def test_a_batch_larger_than_the_buffer_streams_exactly():
     check_normal(n, cases, small)
     # it did stream: the largest receive region of the first four cases is >= 4x the heap
     for ci, case in enumerate(cases[:4]):
-        most = max(_flat(small[r][ci]["rx"])[0].shape[0] for r in range(n))
+        most = max(flat(small[r][ci]["rx"])[0].shape[0] for r in range(n))
         elem = 1 if case["dtype"] == "fp8" else getattr(torch, case["dtype"]).itemsize
         row = case["hidden"] * elem
         assert SlabLayout(most, row, 0, case["topk"]).nbytes >= 4 * SMALL_HEAP, (ci, most)
-    large = run_ranks(_run_cases, n, cases, LARGE_HEAP, timeout=300)
-    for r in range(n):
-        for ci in range(len(cases)):
-            a, b = small[r][ci], large[r][ci]
-            for key in ("rx", "rx2"):
-                for g, e in zip(_flat(a[key]), _flat(b[key])):
-                    assert torch.equal(g.view(torch.uint8), e.view(torch.uint8)), (r, ci, key)
-            for key in ("ri", "rw", "comb", "comb_w"):
-                assert torch.equal(a[key], b[key]), (r, ci, key)
-            assert a["counts"] == b["counts"], (r, ci)
+    assert_same_bits(n, cases, small, run_ranks(_run_cases, n, cases, LARGE_HEAP, timeout=300))
 
 
 def _one_row_too_big(rank, n):
