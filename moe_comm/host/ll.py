@@ -242,11 +242,6 @@ def dispatch_recv(comm, handle: LowLatencyHandle, lay: LLLayout, *, recv_x, recv
     _publish_free(comm, comm.layout.ll_dispatch_free(buf, me), handle.seq)
 
 
-# the bit of a LL_COMBINE_DONE value that says its rows are LogFMT-encoded (moe_comm/logfmt.py;
-# the CUDA kernels set and check the same bit)
-DONE_LOGFMT = LL_DONE_LOGFMT
-
-
 def combine_send(comm, *, x, handle: LowLatencyHandle, lay: LLLayout, use_logfmt=False):
     """Send every packed row back to its (token, slot) in the owner's combine region: bf16,
     or LogFMT-encoded (``use_logfmt``: the same slots, each run's rows packed from its first
@@ -281,7 +276,7 @@ def combine_send(comm, *, x, handle: LowLatencyHandle, lay: LLLayout, use_logfmt
                 torch.cat(blocks, out=dst)
                 comm.commit(owner, "ll", at, n * hidden * 2)
         comm.signal(owner, comm.layout.ll_combine_done(buf, me), seq,
-                    n | (DONE_LOGFMT if use_logfmt else 0))
+                    n | (LL_DONE_LOGFMT if use_logfmt else 0))
 
     _wait_free(comm, "combine", lambda r: comm.layout.ll_combine_free(buf, r), seq,
                "low_latency_combine/free", send)
@@ -306,7 +301,7 @@ def combine_recv(comm, seq, buf, lay: LLLayout, *, handle, topk_idx, topk_weight
     n = tok.numel()
     at = comb_off + handle.return_shift * hidden * 2
     region = comm.peer_ll(me)[at:at + n * hidden * 2]
-    encoded = {s: bool(tag_value(waits[s][0]) & DONE_LOGFMT) for s in range(R)
+    encoded = {s: bool(tag_value(waits[s][0]) & LL_DONE_LOGFMT) for s in range(R)
                if comm.active[s]}
     if any(e != bool(use_logfmt) for e in encoded.values()):
         _publish_free(comm, comm.layout.ll_combine_free(buf, me), seq)

@@ -8,18 +8,10 @@ layers should); pass another instance to keep a set of layers apart.
 """
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
+from ..backend import pick_device
 from ..buffer import Buffer
-
-
-def _same_device(have: torch.device, want) -> bool:
-    """``want`` (a device or its name; "cuda" = the current CUDA device) is ``have``."""
-    want = torch.device(want)
-    if want.type == "cuda" and want.index is None:
-        want = torch.device("cuda", torch.cuda.current_device())
-    return want == have
 
 
 def world_if_none(group):
@@ -48,7 +40,7 @@ class SharedBuffers:
         # the group itself is kept and compared: a dead group's id may be reused by a new one
         old = entry[1] if entry is not None and entry[0] is group else None
         live = old is not None and old._comm is not None
-        same_device = device is None or (live and _same_device(old.device, device))
+        same_device = device is None or (live and pick_device(device) == old.device)
         if live and same_device and old.num_nvl_bytes >= num_nvl_bytes and \
                 (num_rdma_bytes == 0 or
                  (old.low_latency_mode and old.num_rdma_bytes >= num_rdma_bytes)):
