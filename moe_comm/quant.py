@@ -21,7 +21,8 @@ def quantize_fp8(x: torch.Tensor, round_scale: bool = False, chunk_tokens: int =
     # chunks of tokens, everything in place: the float32 temporary stays small and cached
     for t0 in range(0, t, chunk_tokens):
         t1 = min(t0 + chunk_tokens, t)
-        blocks = x[t0:t1].float().view(t1 - t0, h // BLOCK, BLOCK)
+        # a copy even for float32 input: the division below works in place
+        blocks = x[t0:t1].to(torch.float32, copy=True).view(t1 - t0, h // BLOCK, BLOCK)
         scale = torch.maximum(blocks.amax(-1), blocks.amin(-1).neg_()).clamp_(min=1e-4)
         scale.div_(FP8_MAX)
         if round_scale:

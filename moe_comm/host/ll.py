@@ -33,11 +33,10 @@ from ..errors import CallMismatchError
 from .. import logfmt
 from ..handle import LowLatencyHandle
 from ..quant import pack_ue8m0, quantize_fp8
+from . import native
+from .reduce import weighted_sum_rows
 from ..wire import (CALL_WORDS, LL_CALL_FIELDS, LL_DONE_LOGFMT, LL_MAX_TOPK, LL_NUM_BUFFERS,
                     LLLayout, ll_msg_stride, tag_epoch, tag_value)
-
-COMBINE_CHUNK_ROWS = 64           # float32 copy of 64 returned rows stays in cache
-
 
 def _words(t: torch.Tensor) -> torch.Tensor:
     """A [rows, bytes] uint8 tensor (any view of one) as int64 words."""
@@ -87,9 +86,11 @@ def dispatch_send(comm, *, x, topk_idx, lay: LLLayout, use_fp8, round_scale, buf
     num_tokens, hidden = x.shape
     stride = ll_msg_stride(hidden, use_fp8)
     if use_fp8:
-        data, scales = quantize_fp8(x, round_scale)
         msgs = torch.empty(num_tokens, stride, dtype=torch.uint8)
-        msgs[:, :hidden] = data.view(torch.uint8)
+        scales = native.quantize_fp8(x, round_scale, msgs)     # the e4m3 bytes in place
+        if scales is None:
+            data, scales = quantize_fp8(x, round_scale)
+            msgs[:, :hidden] = data.view(torch.uint8)
         msgs[:, hidden:hidden + hidden // 32] = scales.view(torch.uint8)
     else:
         msgs = x.view(torch.uint8)
@@ -315,12 +316,7 @@ def combine_recv(comm, seq, buf, lay: LLLayout, *, handle, topk_idx, topk_weight
         keep = torch.from_numpy(comm.active)[owner]
         tok, slot, rows = tok[keep], slot[keep], rows[keep]
         n = tok.numel()
-    w = topk_weights[tok, slot].unsqueeze(1)
-    acc = torch.zeros(num_tokens, hidden, dtype=torch.float32)
-    for m0 in range(0, n, COMBINE_CHUNK_ROWS):
-        m1 = min(m0 + COMBINE_CHUNK_ROWS, n)
-        acc.index_add_(0, tok[m0:m1], rows[m0:m1].float().mul_(w[m0:m1]))
-    out.copy_(acc)
+    weighted_sum_rows(rows, tok, topk_weights[tok, slot].float(), out)
     _publish_free(comm, comm.layout.ll_combine_free(buf, me), seq)
     return out
 

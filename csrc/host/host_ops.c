@@ -1,0 +1,167 @@
+/* The host backend's per-element loops, in C (moe_comm/host/native.py builds and loads this
+ * file with the system C compiler; without one, the same results come from torch).
+ *
+ * Each function gives the same bits as the torch code it replaces (moe_comm/quant.py,
+ * moe_comm/host/reduce.py): float32 arithmetic in the same order, one rounding per operation
+ * (the build passes -ffp-contract=off, so no fused multiply-add), round-to-nearest-even
+ * conversions. Vectorising over the hidden channels keeps that order per channel.
+ *
+ * dtype codes: DT_F32 = 0, DT_BF16 = 1 (native.py's DTYPES).
+ */
+#include <stdint.h>
+#include <string.h>
+
+enum { DT_F32 = 0, DT_BF16 = 1 };
+
+/* Each exported loop is built twice on x86-64, for AVX2 and for the baseline, and the loader
+ * picks the one the CPU runs (GCC's target_clones): the AVX2 build is 2-3x faster (it has
+ * vector blends and 8-wide conversions), and both give the same bits (same operations per
+ * channel, no FMA). */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define MOE_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define MOE_CLONES
+#endif
+
+static inline float bits_to_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t f32_to_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+
+/* bfloat16 is the top half of a float32: widening is a shift, exact */
+static inline float bf16_to_f32(uint16_t b) { return bits_to_f32((uint32_t)b << 16); }
+
+/* float32 -> bfloat16, round to nearest even; NaN -> 0x7FC0 (torch's scalar rule) */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u = f32_to_bits(f);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Row `row` of a [*, hidden] matrix of dtype `dt` as float32 into `dst`. */
+static inline void load_row(const void *src, int dt, int64_t hidden, float *dst) {
+    if (dt == DT_BF16) {
+        const uint16_t *s = (const uint16_t *)src;
+        for (int64_t h = 0; h < hidden; h++) dst[h] = bf16_to_f32(s[h]);
+    } else {
+        memcpy(dst, src, (size_t)hidden * 4);
+    }
+}
+
+/* Per-token sums of rows given by address.
+ * For token t, the rows are entries [first[t], first[t+1]) of row_addr (each a row of
+ * `hidden` channels of dtype in_dt), in the order they are added: acc = 0; acc += w * row
+ * (or acc += row without weights); then acc += bias_k[t] for each float32 [T, hidden]
+ * bias; out[t] = acc converted to out_dt. `scratch`: float32 [2 * hidden]. */
+MOE_CLONES void moe_sum_rows(const int64_t *row_addr, const float *weight, const int64_t *first,
+                  int in_dt, int64_t hidden, int64_t num_tokens, const int64_t *bias_addr,
+                  int num_bias, void *out, int out_dt, float *scratch) {
+    float *acc = scratch, *row = scratch + hidden;
+    for (int64_t t = 0; t < num_tokens; t++) {
+        for (int64_t h = 0; h < hidden; h++) acc[h] = 0.0f;
+        for (int64_t i = first[t]; i < first[t + 1]; i++) {
+            const void *src = (const void *)(intptr_t)row_addr[i];
+            if (weight) {
+                const float w = weight[i];
+                load_row(src, in_dt, hidden, row);
+                for (int64_t h = 0; h < hidden; h++) { float p = row[h] * w; acc[h] += p; }
+            } else if (in_dt == DT_BF16) {
+                const uint16_t *s = (const uint16_t *)src;
+                for (int64_t h = 0; h < hidden; h++) acc[h] += bf16_to_f32(s[h]);
+            } else {
+                const float *s = (const float *)src;
+                for (int64_t h = 0; h < hidden; h++) acc[h] += s[h];
+            }
+        }
+        for (int k = 0; k < num_bias; k++) {
+            const float *b = (const float *)(intptr_t)bias_addr[k] + t * hidden;
+            for (int64_t h = 0; h < hidden; h++) acc[h] += b[h];
+        }
+        if (out_dt == DT_BF16) {
+            uint16_t *o = (uint16_t *)out + t * hidden;
+            for (int64_t h = 0; h < hidden; h++) o[h] = f32_to_bf16(acc[h]);
+        } else {
+            memcpy((float *)out + t * hidden, acc, (size_t)hidden * 4);
+        }
+    }
+}
+
+#define FP8_BLOCK 128
+#define FP8_MAX 448.0f
+
+/* Per-128-channel scales of x [T, hidden] (row stride x_stride elements):
+ * max(|x| over the block, 1e-4) / 448 into scales [T, hidden / 128].
+ * |x| as the sign-cleared bit pattern: for floats of one sign the bit patterns order as the
+ * values do, and NaN patterns lie above infinity, so an integer max is torch's NaN-propagating
+ * max(amax, -amin) (the sign of a NaN aside), without a branch. */
+MOE_CLONES void moe_fp8_scales(const void *x, int in_dt, int64_t num_tokens, int64_t hidden,
+                    int64_t x_stride, float *scales, float *scratch) {
+    (void)scratch;
+    const int64_t groups = hidden / FP8_BLOCK;
+    for (int64_t t = 0; t < num_tokens; t++) {
+        for (int64_t g = 0; g < groups; g++) {
+            float m;
+            if (in_dt == DT_BF16) {
+                const uint16_t *v = (const uint16_t *)x + t * x_stride + g * FP8_BLOCK;
+                uint16_t top = 0;
+                for (int i = 0; i < FP8_BLOCK; i++) {
+                    uint16_t a = v[i] & 0x7FFFu;
+                    top = a > top ? a : top;
+                }
+                m = bf16_to_f32(top);
+            } else {
+                const uint32_t *v = (const uint32_t *)x + t * x_stride + g * FP8_BLOCK;
+                uint32_t top = 0;
+                for (int i = 0; i < FP8_BLOCK; i++) {
+                    uint32_t a = v[i] & 0x7FFFFFFFu;
+                    top = a > top ? a : top;
+                }
+                m = bits_to_f32(top);
+            }
+            if (m < 1e-4f) m = 1e-4f;            /* NaN stays NaN: the comparison is false */
+            scales[t * groups + g] = m / FP8_MAX;
+        }
+    }
+}
+
+/* float32 -> e4m3fn (no infinities; 0x7F is NaN), round to nearest even, for |v| <= 448
+ * (the caller clamps), without branches so the loop vectorises. Normal values (2^-6 and
+ * up): add 0x7FFFF plus the lowest kept mantissa bit, then keep the top 3 mantissa bits
+ * (a carry moves into the exponent, as it should); re-bias the exponent from 127 to 7.
+ * Below 2^-6 the value is a multiple of 2^-9: mag * 512 + 2^23 makes the FPU round it to an
+ * integer, nearest even (8 = 2^-6 is the first normal code, so both agree at the edge). */
+static inline uint8_t f32_to_e4m3(float v) {
+    /* signed 32-bit arithmetic (the sign bit is cleared first): it vectorises on plain SSE2 */
+    int32_t u = (int32_t)f32_to_bits(v);
+    int32_t sign = (u >> 24) & 0x80;
+    int32_t a = u & 0x7FFFFFFF;
+    int32_t normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3);
+    int32_t sub = (int32_t)f32_to_bits(bits_to_f32((uint32_t)a) * 512.0f + 8388608.0f) -
+                  0x4B000000;
+    int32_t code = a < 0x3C800000 ? sub : normal;             /* 0x3C800000 = 2^-6 */
+    code = a > 0x7F800000 ? 0x7F : code;
+    return (uint8_t)(sign | code);
+}
+
+/* out[t, c] = e4m3(clamp(x[t, c] / scales[t, c / 128], -448, 448)); out rows out_stride
+ * bytes apart (a message row), x rows x_stride elements apart. */
+MOE_CLONES void moe_fp8_cast(const void *x, int in_dt, int64_t num_tokens, int64_t hidden,
+                  int64_t x_stride, const float *scales, uint8_t *out, int64_t out_stride,
+                  float *scratch) {
+    const int64_t groups = hidden / FP8_BLOCK;
+    const size_t elem = in_dt == DT_BF16 ? 2 : 4;
+    for (int64_t t = 0; t < num_tokens; t++) {
+        load_row((const char *)x + t * x_stride * elem, in_dt, hidden, scratch);
+        uint8_t *o = out + t * out_stride;
+        for (int64_t g = 0; g < groups; g++) {
+            const float s = scales[t * groups + g];
+            const float *v = scratch + g * FP8_BLOCK;
+            for (int i = 0; i < FP8_BLOCK; i++) {
+                float q = v[i] / s;
+                /* torch.clamp: NaN passes through (both comparisons are false) */
+                q = q < -FP8_MAX ? -FP8_MAX : q;
+                q = q > FP8_MAX ? FP8_MAX : q;
+                o[g * FP8_BLOCK + i] = f32_to_e4m3(q);
+            }
+        }
+    }
+}

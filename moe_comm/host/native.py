@@ -1,0 +1,152 @@
+"""The host backend's per-element loops in C (csrc/host/host_ops.c), where a C compiler is.
+
+Why: the CPU work of a call is a few loops over every payload byte (the fp8 cast of a
+low-latency dispatch, the float32 sums of a combine). As torch operations each is several
+passes with float32 temporaries, 5-8x slower than one C loop that reads each row once; these
+loops are most of a large call's time on the host backend (docs/PERF.md, session 11).
+
+Same results: each function here returns the bits of the torch code it stands in for
+(moe_comm/quant.py's cast, moe_comm/host/reduce.py's sums): the C file keeps torch's order
+of float32 operations and its roundings (tests/test_host_native.py checks it bit for bit).
+Where it cannot run (no ``cc``/``gcc``, a dtype it does not handle, ``MOE_COMM_HOST_NATIVE=0``)
+the callers use torch, so the backend runs on any machine.
+
+The library is built once per source and compiler (a few tenths of a second) into the kernel
+cache (moe_comm/jit/cache.py, folder ``host``), for the baseline x86-64 / aarch64 target, so a
+cache shared between machines never holds code a CPU cannot run.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from pathlib import Path
+import shutil
+import subprocess
+
+import torch
+
+from ..jit.cache import cache_dir, key, write_atomic
+
+log = logging.getLogger(__name__)
+
+ENV = "MOE_COMM_HOST_NATIVE"
+SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "host" / "host_ops.c"
+FLAGS = ("-O3", "-ffp-contract=off", "-fno-trapping-math", "-fPIC", "-shared", "-Wall", "-Werror")
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}       # host_ops.c's DT_F32, DT_BF16
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_SIGNATURES = {
+    "moe_sum_rows": (_P, _P, _P, ctypes.c_int, _I, _I, _P, ctypes.c_int, _P, ctypes.c_int, _P),
+    "moe_fp8_scales": (_P, ctypes.c_int, _I, _I, _I, _P, _P),
+    "moe_fp8_cast": (_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P),
+}
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _build(cc: str) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    digest = key(SOURCE.read_bytes().hex(), version, " ".join(FLAGS))
+    path = cache_dir("host") / f"host_ops-{digest[:40]}.so"
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"building {SOURCE.name} failed:\n{done.stderr[-2000:]}")
+    if not write_atomic(path, tmp.read_bytes()):
+        path = tmp.with_suffix(".so")                  # read-only cache: keep our own copy
+        os.replace(tmp, path)
+    tmp.unlink(missing_ok=True)
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def _library() -> ctypes.CDLL | None:
+    cc = _compiler()
+    if cc is None or not SOURCE.is_file():
+        log.info("host backend: no C compiler (cc/gcc) or %s: torch does its loops", SOURCE)
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(cc)))
+    except (OSError, RuntimeError) as e:
+        log.warning("host backend: the C loops are not available (%s); torch does them", e)
+        return None
+    for name, args in _SIGNATURES.items():
+        getattr(lib, name).argtypes = args
+        getattr(lib, name).restype = None
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded C library, or None where it cannot run (or ``MOE_COMM_HOST_NATIVE=0``)."""
+    if os.environ.get(ENV, "1") == "0":
+        return None
+    return _library()
+
+
+def _rows_ok(t: torch.Tensor) -> bool:
+    """A CPU matrix whose rows are contiguous in a dtype the C loops read."""
+    return t.device.type == "cpu" and t.dtype in DTYPES and t.dim() == 2 and \
+        (t.shape[1] <= 1 or t.stride(1) == 1)
+
+
+def sum_rows(segments, ids_per_segment, num_tokens: int, out_dtype, biases=(),
+             weights=None, out=None) -> torch.Tensor | None:
+    """``reduce.sum_rows_per_token`` (and with ``weights``, float32 [n_i] per segment, the
+    weighted sum of the low-latency combine) in C, into ``out`` (contiguous [num_tokens, H]
+    of ``out_dtype``) or a new tensor; None (nothing written) where the C loops cannot run
+    it. A token's rows are added in segment order, and within a segment in row order."""
+    lib = library()
+    if out is not None and (not out.is_contiguous() or out.dtype != out_dtype):
+        return None
+    if lib is None or out_dtype not in DTYPES or not segments or \
+            any(not _rows_ok(s) or s.dtype != segments[0].dtype for s in segments) or \
+            any(b.dtype != torch.float32 or not b.is_contiguous() for b in biases):
+        return None
+    hidden = segments[0].shape[1]
+    addr = torch.cat([s.data_ptr() + torch.arange(s.shape[0], dtype=torch.int64) *
+                      (s.stride(0) * s.element_size()) for s in segments])
+    ids = torch.cat(list(ids_per_segment))
+    order = torch.argsort(ids, stable=True)      # by token; within a token, segment order
+    addr = addr[order].contiguous()
+    first = torch.zeros(num_tokens + 1, dtype=torch.int64)
+    torch.cumsum(torch.bincount(ids, minlength=num_tokens), 0, out=first[1:])
+    w = None if weights is None else \
+        torch.cat(list(weights)).to(torch.float32)[order].contiguous()
+    bias_addr = torch.tensor([b.data_ptr() for b in biases] or [0], dtype=torch.int64)
+    if out is None:
+        out = torch.empty(num_tokens, hidden, dtype=out_dtype)
+    scratch = torch.empty(2 * max(hidden, 1), dtype=torch.float32)
+    lib.moe_sum_rows(addr.data_ptr(), None if w is None else w.data_ptr(), first.data_ptr(),
+                     DTYPES[segments[0].dtype], hidden, num_tokens, bias_addr.data_ptr(),
+                     len(biases), out.data_ptr(), DTYPES[out_dtype], scratch.data_ptr())
+    return out
+
+
+def quantize_fp8(x: torch.Tensor, round_scale: bool, out: torch.Tensor):
+    """quant.quantize_fp8 in C, the e4m3 bytes written straight into ``out`` (uint8 rows of
+    at least H bytes: the messages of a low-latency dispatch). Returns the float32 scales
+    [T, H/128], or None (nothing written) where the C loops cannot run it."""
+    lib = library()
+    if lib is None or not _rows_ok(x) or out.stride(1) != 1 or out.dtype != torch.uint8:
+        return None
+    tokens, hidden = x.shape
+    scales = torch.empty(tokens, hidden // 128, dtype=torch.float32)
+    scratch = torch.empty(max(hidden, 1), dtype=torch.float32)
+    dt = DTYPES[x.dtype]
+    lib.moe_fp8_scales(x.data_ptr(), dt, tokens, hidden, x.stride(0), scales.data_ptr(),
+                       scratch.data_ptr())
+    if round_scale:         # torch's own rounding of the (few) scales: quant.py's exactly
+        scales = torch.exp2(torch.ceil(torch.log2(scales)))
+    lib.moe_fp8_cast(x.data_ptr(), dt, tokens, hidden, x.stride(0), scales.data_ptr(),
+                     out.data_ptr(), out.stride(0), scratch.data_ptr())
+    return scales

@@ -1,0 +1,116 @@
+"""The host backend's C loops (moe_comm/host/native.py, csrc/host/host_ops.c) give the bits of
+the torch code they stand in for: the fp8 cast of quant.py, the float32 sums of reduce.py.
+Inputs are chosen to hit every rounding edge (midpoints between e4m3 values and their
+neighbours, subnormals, the clamp at 448, zeros, infinities) and ragged routing (tokens
+without rows, empty segments)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_comm.host import native, reduce
+from moe_comm.quant import quantize_fp8
+
+pytestmark = pytest.mark.skipif(native.library() is None,
+                                reason="no C compiler: the host backend uses torch's loops")
+
+
+def _edge_values() -> torch.Tensor:
+    """Every finite e4m3 value, the midpoints between neighbours, and the floats just either
+    side of each midpoint, both signs."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    values = codes[torch.isfinite(codes)].unique().sort().values
+    mids = (values[1:] + values[:-1]) / 2
+    up, down = torch.full_like(mids, 1e9), torch.full_like(mids, -1e9)
+    edges = torch.cat([values, mids, torch.nextafter(mids, up), torch.nextafter(mids, down)])
+    return torch.cat([edges, -edges, torch.tensor([500.0, -1e6, 1e-12, float("inf")])])
+
+
+def _inputs(dtype, tokens=48, hidden=1024, seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    # magnitudes spread over 2^-20 .. 2^20 between rows, so scales and subnormals vary
+    x = torch.randn(tokens, hidden, generator=g) * torch.exp2(
+        torch.randint(-20, 20, (tokens, 1), generator=g).float())
+    edges = _edge_values()
+    x[0, :min(hidden, edges.numel())] = edges[:hidden]
+    x[1, :128] = 0                                     # an all-zero block: the scale floor
+    x[2, 128:256] = edges[-256:-128] if edges.numel() >= 256 else 1.0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("round_scale", [False, True])
+def test_fp8_cast_is_torchs_bit_for_bit(dtype, round_scale):
+    x = _inputs(dtype)
+    before = x.clone()
+    data, scales = quantize_fp8(x, round_scale)
+    assert torch.equal(x, before)                      # the torch cast leaves its input alone
+    # a message row: the bytes past the payload must stay as they were
+    msgs = torch.full((x.shape[0], x.shape[1] + 96), 0xA5, dtype=torch.uint8)
+    got = native.quantize_fp8(x, round_scale, msgs)
+    assert torch.equal(got, scales)
+    assert torch.equal(msgs[:, :x.shape[1]], data.view(torch.uint8))
+    assert (msgs[:, x.shape[1]:] == 0xA5).all()
+
+
+def test_fp8_cast_of_strided_rows_and_nan():
+    x = _inputs(torch.bfloat16, hidden=2048)[:, :1024]   # rows 2048 elements apart
+    msgs = torch.zeros(x.shape[0], 1024, dtype=torch.uint8)
+    native.quantize_fp8(x, False, msgs)
+    assert torch.equal(msgs, quantize_fp8(x)[0].view(torch.uint8))
+    x = x.contiguous()
+    x[5, 300] = float("nan")                            # the block's scale and codes are NaN
+    scales = native.quantize_fp8(x, False, msgs)
+    assert scales[5, 2].isnan() and ((msgs[5, 256:384] & 0x7F) == 0x7F).all()
+
+
+def _segments(dtype, hidden, seed):
+    """Ragged per-source segments, ids ascending within each, some tokens in none."""
+    g = torch.Generator().manual_seed(seed)
+    tokens, segs, ids = 70, [], []
+    for n in (0, 33, 70, 5):
+        chosen = torch.randperm(tokens, generator=g)[:n].sort().values
+        segs.append((torch.randn(n, hidden, generator=g) * 3).to(dtype))
+        ids.append(chosen)
+    return tokens, segs, ids
+
+
+@pytest.mark.parametrize("dtype,out_dtype", [(torch.bfloat16, torch.bfloat16),
+                                             (torch.float32, torch.float32),
+                                             (torch.bfloat16, torch.float32)])
+def test_sums_are_torchs_bit_for_bit(dtype, out_dtype, monkeypatch):
+    tokens, segs, ids = _segments(dtype, 384, seed=1)
+    bias = [torch.randn(tokens, 384), torch.randn(tokens, 384)]
+    fast = reduce.sum_rows_per_token(segs, ids, tokens, out_dtype, bias)
+    monkeypatch.setenv(native.ENV, "0")
+    assert native.library() is None
+    slow = reduce.sum_rows_per_token(segs, ids, tokens, out_dtype, bias)
+    assert torch.equal(fast.view(torch.uint8), slow.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_weighted_sums_are_torchs_bit_for_bit(dtype, monkeypatch):
+    g = torch.Generator().manual_seed(2)
+    tokens, rows_n, hidden = 50, 160, 512
+    rows = (torch.randn(rows_n, hidden, generator=g) * 5).to(dtype)
+    tok = torch.randint(0, tokens - 3, (rows_n,), generator=g)      # unsorted; 3 tokens empty
+    w = torch.rand(rows_n, generator=g)
+    poison = torch.full((tokens, hidden), float("nan")).bfloat16()
+    fast = reduce.weighted_sum_rows(rows, tok, w, poison.clone())
+    monkeypatch.setenv(native.ENV, "0")
+    slow = reduce.weighted_sum_rows(rows, tok, w, poison.clone())
+    assert torch.equal(fast.view(torch.uint8), slow.view(torch.uint8))
+    assert (fast[tokens - 3:] == 0).all()
+
+
+def test_a_compiler_that_fails_leaves_torch_in_charge(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", "false")
+    native._library.cache_clear()
+    monkeypatch.setattr(native, "cache_dir", lambda kind: tmp_path / kind)
+    try:
+        assert native.library() is None
+        tokens, segs, ids = _segments(torch.bfloat16, 128, seed=3)
+        out = reduce.sum_rows_per_token(segs, ids, tokens, torch.bfloat16)
+        assert out.shape == (tokens, 128)
+    finally:
+        native._library.cache_clear()
