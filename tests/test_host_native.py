@@ -114,3 +114,24 @@ def test_a_compiler_that_fails_leaves_torch_in_charge(monkeypatch, tmp_path):
         assert out.shape == (tokens, 128)
     finally:
         native._library.cache_clear()
+
+
+def test_row_copies_gather_and_scatter_like_torch(monkeypatch):
+    g = torch.Generator().manual_seed(4)
+    src = torch.randint(0, 256, (40, 96), generator=g, dtype=torch.uint8)
+    src_rows, dst_rows = torch.randperm(40, generator=g)[:25], torch.randperm(60, generator=g)[:25]
+    results = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv(native.ENV, flag)
+        dst = torch.full((60, 128), 0xEE, dtype=torch.uint8)      # rows wider than the copy
+        native.copy_rows(src[:, 8:72], src_rows, dst, dst_rows)
+        native.copy_rows(src[:5, :16], None, dst[50:], None)
+        results.append(dst)
+    assert torch.equal(results[0], results[1])
+    want = torch.full((60, 128), 0xEE, dtype=torch.uint8)
+    want[dst_rows, :64] = src[src_rows, 8:72]
+    want[50:55, :16] = src[:5, :16]
+    assert torch.equal(results[0], want)
+    monkeypatch.setenv(native.ENV, "1")
+    with pytest.raises(IndexError, match="destination row"):
+        native.copy_rows(src, src_rows, torch.empty(10, 96, dtype=torch.uint8), dst_rows)

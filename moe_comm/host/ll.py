@@ -2,10 +2,11 @@
 receive blocks, counts travel with the data, send and receive as separate phases.
 
 dispatch call s (buffer b = s % 2):
-  send    - cast to fp8 once per token (optional); wait until each destination has read its
-            buffer b from call s-2 (its LL_DISPATCH_FREE push, normally already there); for every local
-            expert of the destination, write this rank's tokens routed to it as one message per
-            (token, expert) into block [expert][me] (index_select into the peer's memory), the
+  send    - cast to fp8 once per token (optional, in C where host/native.py can); wait until
+            each destination has read its buffer b from call s-2 (its LL_DISPATCH_FREE push,
+            normally already there); for every local expert of the destination, write this
+            rank's tokens routed to it as one message per (token, expert) into block
+            [expert][me] (one row copy each, straight into the peer's memory), the
             (token, slot) meta beside them, then release-store the row of counts [me][*].
   receive - wait for every source's count row; pack each expert's rows (source order) into
             recv_x [E_local, R*max_tokens, H]; push LL_DISPATCH_FREE[b][me] to every peer.
@@ -34,6 +35,7 @@ from .. import logfmt
 from ..handle import LowLatencyHandle
 from ..quant import pack_ue8m0, quantize_fp8
 from . import native
+from .native import copy_rows
 from .reduce import weighted_sum_rows
 from ..wire import (CALL_WORDS, LL_CALL_FIELDS, LL_DONE_LOGFMT, LL_MAX_TOPK, LL_NUM_BUFFERS,
                     LLLayout, ll_msg_stride, tag_epoch, tag_value)
@@ -114,8 +116,11 @@ def dispatch_send(comm, *, x, topk_idx, lay: LLLayout, use_fp8, round_scale, buf
     # this rank's messages to expert e land in rows [(le*R + me)*M, +count) of its owner
     bounds = [starts[d * num_local] if d < R else tok.numel() for d in range(R + 1)]
 
-    msg_words, meta_rows = _words(msgs), meta.view(-1, 1)
     M = lay.max_tokens
+    # row of each message in its owner's payload: block [le][me], then its place in the run
+    first_of = torch.tensor(starts[:-1], dtype=torch.int64)
+    at_row = ((expert % num_local) * R + me) * M + torch.arange(tok.numel()) - first_of[expert]
+    meta_bytes = meta.view(torch.uint8).view(-1, 8)
     call_row = signature.low_latency(hidden=hidden, use_fp8=use_fp8, round_scale=round_scale,
                                      topk=topk_idx.shape[1], num_experts=lay.num_experts,
                                      max_tokens=M,
@@ -131,17 +136,18 @@ def dispatch_send(comm, *, x, topk_idx, lay: LLLayout, use_fp8, round_scale, buf
         # signature.py), and checks it before it trusts the count row
         comm.signal(dst, comm.layout.ll_call(buf, me), seq, call_row)
         region = comm.peer_ll(dst)
-        rows = _words(region[payload:payload + slots * stride].view(slots, stride))
-        metas = region[meta_off:meta_off + slots * 8].view(torch.int64).view(slots, 1)
-        for le in range(num_local):
-            e = dst * num_local + le
-            lo, c = starts[e], counts_l[e]
-            if c:            # one block [le][me]: a single copy straight into the peer
-                at = (le * R + me) * M
-                torch.index_select(msg_words, 0, tok[lo:lo + c], out=rows[at:at + c])
-                metas[at:at + c] = meta_rows[lo:lo + c]
-                comm.commit(dst, "ll", payload + at * stride, c * stride)
-                comm.commit(dst, "ll", meta_off + at * 8, c * 8)
+        lo, hi = bounds[dst], bounds[dst + 1]
+        if hi > lo:            # each message one copy straight into the peer's block
+            copy_rows(msgs, tok[lo:hi], region[payload:payload + slots * stride].view(
+                slots, stride), at_row[lo:hi])
+            copy_rows(meta_bytes[lo:hi], None, region[meta_off:meta_off + slots * 8].view(
+                slots, 8), at_row[lo:hi])
+            for le in range(num_local):          # the byte runs a network peer gets
+                e = dst * num_local + le
+                if counts_l[e]:
+                    at = (le * R + me) * M
+                    comm.commit(dst, "ll", payload + at * stride, counts_l[e] * stride)
+                    comm.commit(dst, "ll", meta_off + at * 8, counts_l[e] * 8)
         comm.ll_signal(dst, count_off, seq,
                        counts_l[dst * num_local:(dst + 1) * num_local] + [bounds[dst] + shift])
 
@@ -221,15 +227,15 @@ def dispatch_recv(comm, handle: LowLatencyHandle, lay: LLLayout, *, recv_x, recv
     src_row = block * M + i                                 # where src wrote it
     packed = (torch.cumsum(by_expert, 1) - by_expert).flatten()[block] + i
     dst_row = (block // R) * (R * M) + packed               # where recv_x wants it
-    msgs = _words(region[payload:payload + slots * stride].view(slots, stride)).index_select(
-        0, src_row).view(torch.uint8)
+    region_rows = region[payload:payload + slots * stride].view(slots, stride)
+    row_bytes = hidden if use_fp8 else hidden * 2
+    copy_rows(region_rows[:, :row_bytes], src_row, recv_x.view(torch.uint8).view(slots, row_bytes),
+              dst_row)
     if use_fp8:
-        _words(recv_x.view(slots, hidden)).index_copy_(0, dst_row, _words(msgs[:, :hidden]))
-        s = msgs[:, hidden:hidden + hidden // 32].contiguous().view(torch.float32)
+        s = region_rows[:, hidden:hidden + hidden // 32].index_select(0, src_row)
+        s = s.view(torch.float32)
         s = pack_ue8m0(s) if use_ue8m0 else s
         recv_scales.view(slots, -1).index_copy_(0, dst_row, s)
-    else:
-        _words(recv_x.view(slots, hidden)).index_copy_(0, dst_row, _words(msgs))
     recv_meta = torch.full((num_local, R * M), -1, dtype=torch.int64)
     recv_meta.view(-1).index_copy_(0, dst_row, region[meta_off:meta_off + slots * 8].view(
         torch.int64).index_select(0, src_row))

@@ -42,6 +42,7 @@ _SIGNATURES = {
     "moe_sum_rows": (_P, _P, _P, ctypes.c_int, _I, _I, _P, ctypes.c_int, _P, ctypes.c_int, _P),
     "moe_fp8_scales": (_P, ctypes.c_int, _I, _I, _I, _P, _P),
     "moe_fp8_cast": (_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P),
+    "moe_copy_rows": (_P, _I, _P, _P, _I, _P, _I, _I),
 }
 
 
@@ -150,3 +151,33 @@ def quantize_fp8(x: torch.Tensor, round_scale: bool, out: torch.Tensor):
     lib.moe_fp8_cast(x.data_ptr(), dt, tokens, hidden, x.stride(0), scales.data_ptr(),
                      out.data_ptr(), out.stride(0), scratch.data_ptr())
     return scales
+
+
+def copy_rows(src: torch.Tensor, src_rows, dst: torch.Tensor, dst_rows) -> None:
+    """``dst[dst_rows[i]] = src[src_rows[i]]`` for uint8 matrices (rows contiguous, any row
+    stride; the row width is ``src``'s, at most ``dst``'s), ``None`` rows meaning 0, 1, ...:
+    one pass in C, where torch would gather into a temporary and scatter from it. A plain
+    copy, so torch's indexing stands in for it wherever the C loops cannot run."""
+    n = src_rows.numel() if src_rows is not None else \
+        dst_rows.numel() if dst_rows is not None else src.shape[0]
+    nbytes = src.shape[1]
+    for rows, mat, name in ((src_rows, src, "source"), (dst_rows, dst, "destination")):
+        if rows is not None and n and (int(rows.min()) < 0 or int(rows.max()) >= mat.shape[0]):
+            raise IndexError(f"copy_rows: a {name} row outside [0, {mat.shape[0]})")
+    if n > (src.shape[0] if src_rows is None else n) or \
+            n > (dst.shape[0] if dst_rows is None else n) or nbytes > dst.shape[1]:
+        raise IndexError(f"copy_rows: {n} rows of {nbytes} bytes do not fit {tuple(dst.shape)}")
+    lib = library()
+    if lib is None or src.stride(1) != 1 or dst.stride(1) != 1:
+        rows = src if src_rows is None else src.index_select(0, src_rows)
+        if dst_rows is None:
+            dst[:n, :nbytes] = rows
+        else:
+            dst[:, :nbytes].index_copy_(0, dst_rows, rows)
+        return
+    src_rows = None if src_rows is None else src_rows.contiguous()
+    dst_rows = None if dst_rows is None else dst_rows.contiguous()
+    lib.moe_copy_rows(src.data_ptr(), src.stride(0),
+                      None if src_rows is None else src_rows.data_ptr(),
+                      dst.data_ptr(), dst.stride(0),
+                      None if dst_rows is None else dst_rows.data_ptr(), n, nbytes)
