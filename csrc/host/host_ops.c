@@ -167,12 +167,20 @@ MOE_CLONES void moe_fp8_cast(const void *x, int in_dt, int64_t num_tokens, int64
 }
 
 /* dst row dst_rows[i] (or i when dst_rows is NULL) = src row src_rows[i] (or i), nbytes
- * each: a gather and a scatter in one pass (rows stride bytes apart on each side). */
-void moe_copy_rows(const uint8_t *src, int64_t src_stride, const int64_t *src_rows,
-                   uint8_t *dst, int64_t dst_stride, const int64_t *dst_rows, int64_t n,
-                   int64_t nbytes) {
+ * each: a gather and a scatter in one pass (rows stride bytes apart on each side). Every
+ * index is checked against src_count / dst_count first: returns -1 (nothing copied) for a
+ * source row outside, -2 for a destination row outside, else 0. */
+int moe_copy_rows(const uint8_t *src, int64_t src_stride, const int64_t *src_rows,
+                  int64_t src_count, uint8_t *dst, int64_t dst_stride, const int64_t *dst_rows,
+                  int64_t dst_count, int64_t n, int64_t nbytes) {
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t s = src_rows ? src_rows[i] : i, d = dst_rows ? dst_rows[i] : i;
+        if (s < 0 || s >= src_count) return -1;
+        if (d < 0 || d >= dst_count) return -2;
+    }
     for (int64_t i = 0; i < n; i++) {
         const int64_t s = src_rows ? src_rows[i] : i, d = dst_rows ? dst_rows[i] : i;
         memcpy(dst + d * dst_stride, src + s * src_stride, (size_t)nbytes);
     }
+    return 0;
 }

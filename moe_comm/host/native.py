@@ -42,8 +42,9 @@ _SIGNATURES = {
     "moe_sum_rows": (_P, _P, _P, ctypes.c_int, _I, _I, _P, ctypes.c_int, _P, ctypes.c_int, _P),
     "moe_fp8_scales": (_P, ctypes.c_int, _I, _I, _I, _P, _P),
     "moe_fp8_cast": (_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P),
-    "moe_copy_rows": (_P, _I, _P, _P, _I, _P, _I, _I),
+    "moe_copy_rows": (_P, _I, _P, _I, _P, _I, _P, _I, _I, _I),
 }
+_RETURNS = {"moe_copy_rows": ctypes.c_int}
 
 
 def _compiler() -> str | None:
@@ -83,7 +84,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     for name, args in _SIGNATURES.items():
         getattr(lib, name).argtypes = args
-        getattr(lib, name).restype = None
+        getattr(lib, name).restype = _RETURNS.get(name)
     return lib
 
 
@@ -161,15 +162,11 @@ def copy_rows(src: torch.Tensor, src_rows, dst: torch.Tensor, dst_rows) -> None:
     n = src_rows.numel() if src_rows is not None else \
         dst_rows.numel() if dst_rows is not None else src.shape[0]
     nbytes = src.shape[1]
-    for rows, mat, name in ((src_rows, src, "source"), (dst_rows, dst, "destination")):
-        if rows is not None and n and (int(rows.min()) < 0 or int(rows.max()) >= mat.shape[0]):
-            raise IndexError(f"copy_rows: a {name} row outside [0, {mat.shape[0]})")
-    if n > (src.shape[0] if src_rows is None else n) or \
-            n > (dst.shape[0] if dst_rows is None else n) or nbytes > dst.shape[1]:
-        raise IndexError(f"copy_rows: {n} rows of {nbytes} bytes do not fit {tuple(dst.shape)}")
+    if nbytes > dst.shape[1]:
+        raise IndexError(f"copy_rows: rows of {nbytes} bytes do not fit {tuple(dst.shape)}")
     lib = library()
     if lib is None or src.stride(1) != 1 or dst.stride(1) != 1:
-        rows = src if src_rows is None else src.index_select(0, src_rows)
+        rows = src[:n] if src_rows is None else src.index_select(0, src_rows)
         if dst_rows is None:
             dst[:n, :nbytes] = rows
         else:
@@ -177,7 +174,11 @@ def copy_rows(src: torch.Tensor, src_rows, dst: torch.Tensor, dst_rows) -> None:
         return
     src_rows = None if src_rows is None else src_rows.contiguous()
     dst_rows = None if dst_rows is None else dst_rows.contiguous()
-    lib.moe_copy_rows(src.data_ptr(), src.stride(0),
-                      None if src_rows is None else src_rows.data_ptr(),
-                      dst.data_ptr(), dst.stride(0),
-                      None if dst_rows is None else dst_rows.data_ptr(), n, nbytes)
+    err = lib.moe_copy_rows(src.data_ptr(), src.stride(0),
+                            None if src_rows is None else src_rows.data_ptr(), src.shape[0],
+                            dst.data_ptr(), dst.stride(0),
+                            None if dst_rows is None else dst_rows.data_ptr(), dst.shape[0],
+                            n, nbytes)
+    if err:
+        side, rows = ("source", src) if err == -1 else ("destination", dst)
+        raise IndexError(f"copy_rows: a {side} row outside [0, {rows.shape[0]})")
