@@ -4,10 +4,12 @@ other host once, to one relay that forwards it over shared memory); normal and l
 calls are checked against the reference, and the bytes that cross the host links, read from
 the interfaces' own counters, are compared with the ideal (each token's payload once per other
 host it visits, out and back). An elastic group loses a whole host and its survivors agree
-and stay exact.
+and stay exact, through relays picked among the survivors; a relay killed mid-call (in its
+forward, or in combine) makes the survivors redo that call flat, exact again.
 """
 from __future__ import annotations
 
+import functools
 import io
 import os
 import signal
@@ -18,6 +20,7 @@ import torch.distributed as dist
 
 import cuda_cases
 import moe_comm
+from moe_comm.host import relay
 from moe_comm.host.exchange import ReceiverFailed
 from moe_comm.jit import emulator
 from moe_comm.quant import quantize_fp8
@@ -156,23 +159,93 @@ def _elastic_host_dies(rank, n, mode):
     dist.barrier()                      # every rank is up before the host goes
     if rank // PER_HOST == DEAD_HOST:
         os.kill(os.getpid(), signal.SIGKILL)
-    step = _ll_step if mode == "ll" else _normal_step
+    handles = []
+    step = _ll_step if mode == "ll" else functools.partial(_normal_step, handles=handles)
     out = step(buf, x, phy, pw)[1]
     mask = buf.active_ranks
     second = step(buf, x, *_route(idx, w, n, active=mask))[1]
     buf.destroy()
-    return {"mask": mask, "out": out, "phy": phy, "second_out": second}
+    return {"mask": mask, "out": out, "phy": phy, "second_out": second,
+            "relayed": [h.relay is not None for h in handles]}
 
 
 @pytest.mark.parametrize("mode", ["normal", "ll"])
 def test_elastic_group_survives_a_whole_host(mode):
     """Survivors agree on the mask (the dead host's four ranks out) and are exact: the first
-    step sums what the surviving experts served, the second (re-placed) serves everything."""
+    step sums what the surviving experts served, the second (re-placed) serves everything.
+    Normal mode goes by relays picked among the survivors (the notify agreement masks the
+    dead host before any relay is chosen)."""
     with netns.Hosts(HOSTS) as hosts:
         results = hosts.run(_elastic_host_dies, PER_HOST, mode, expect_exit={DEAD_HOST},
                             timeout=240, env=TCP)
     mask = torch.tensor([int(r // PER_HOST != DEAD_HOST) for r in range(N)], dtype=torch.int32)
     _check_survivors(results, N, mask, mode)
+    if mode == "normal":
+        assert all(results[r]["relayed"] == [True, True] for r in range(N) if mask[r])
+
+
+# a relay killed mid-call: 3 hosts x 2 ranks; rank 2 (host 1, local index 0) relays the
+# tokens of ranks 0 and 4 onto host 1, where rank 3 gets some of them through it
+RELAY_HOSTS, RELAY_PER_HOST, RELAY_VICTIM, RELAY_TIMEOUT = 3, 2, 2, 3.0
+
+
+def _kill_self_at(name, after=0, rank=None):
+    """SIGKILL this process at ``relay.name``: right after its ``after``-th call (before the
+    first, when 0); with ``rank``, counting only calls whose second argument (the rank written
+    to) is another rank."""
+    real, seen = getattr(relay, name), []
+
+    def dying(*args, **kwargs):
+        if not after:
+            os.kill(os.getpid(), signal.SIGKILL)
+        out = real(*args, **kwargs)
+        if rank is None or args[1] != rank:
+            seen.append(1)
+            if len(seen) == after:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return out
+    setattr(relay, name, dying)
+
+
+def _elastic_relay_dies(rank, n, point):
+    """The victim relays normally until it is killed in its first step: in its forward, after
+    its own rows and one relayed sender's rows reached some rank of its host (a partial
+    forward, no DONE), or in combine, once its host's rows for the owners it relays for came
+    and before it sums them. The survivors' first step, then one over re-placed experts."""
+    buf = moe_comm.Buffer(None, 8 << 20, timeout_s=RELAY_TIMEOUT, elastic=True)
+    x, idx, w = _inputs(rank)
+    phy, pw = _route(idx, w, n)
+    if rank == RELAY_VICTIM:
+        if point == "forward":      # forward's put_rows: its own rows to d, then staged ones
+            _kill_self_at("put_rows", after=2, rank=rank)
+        else:
+            _kill_self_at("_relay_sums")
+    handles = []
+    out = _normal_step(buf, x, phy, pw, handles=handles)[1]
+    mask = buf.active_ranks
+    second = _normal_step(buf, x, *_route(idx, w, n, active=mask), handles=handles)[1]
+    buf.destroy()
+    return {"mask": mask, "out": out, "phy": phy, "second_out": second,
+            "relayed": [h.relay is not None for h in handles]}
+
+
+@pytest.mark.parametrize("point", ["forward", "combine"])
+def test_elastic_relay_killed_mid_call_leaves_survivors_exact(point):
+    """A relay of other hosts' tokens is SIGKILLed mid-call. The survivors agree on the mask
+    (the victim out) and redo the call flat: the first step sums exactly what the surviving
+    experts served (the rows the victim relayed for healthy ranks included), the second goes
+    by relays picked among the survivors and serves everything."""
+    with netns.Hosts(RELAY_HOSTS) as hosts:
+        results = hosts.run(_elastic_relay_dies, RELAY_PER_HOST, point,
+                            expect_exit_ranks={RELAY_VICTIM}, timeout=120, env=TCP)
+    n = RELAY_HOSTS * RELAY_PER_HOST
+    assert results[RELAY_VICTIM] is None, "the victim was to die in its relay's work"
+    mask = torch.tensor([int(r != RELAY_VICTIM) for r in range(n)], dtype=torch.int32)
+    _check_survivors(results, n, mask, point)
+    # the first dispatch's handle: redone flat (forward), or relayed (the kill came later)
+    first = point == "combine"
+    assert all(results[r]["relayed"] == [first, True] for r in range(n) if mask[r]), \
+        [results[r]["relayed"] for r in range(n) if mask[r]]
 
 
 def _refuse_then_go_on(rank, n):
