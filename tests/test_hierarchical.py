@@ -216,7 +216,9 @@ def _elastic_relay_dies(rank, n, point):
     x, idx, w = _inputs(rank)
     phy, pw = _route(idx, w, n)
     if rank == RELAY_VICTIM:
-        if point == "forward":      # forward's put_rows: its own rows to d, then staged ones
+        if point == "stage":        # after the notify, before its first stage write
+            _kill_self_at("send_when_granted")
+        elif point == "forward":    # forward's put_rows: its own rows to d, then staged ones
             _kill_self_at("put_rows", after=2, rank=rank)
         else:
             _kill_self_at("_relay_sums")
@@ -229,7 +231,7 @@ def _elastic_relay_dies(rank, n, point):
             "relayed": [h.relay is not None for h in handles]}
 
 
-@pytest.mark.parametrize("point", ["forward", "combine"])
+@pytest.mark.parametrize("point", ["stage", "forward", "combine"])
 def test_elastic_relay_killed_mid_call_leaves_survivors_exact(point):
     """A relay of other hosts' tokens is SIGKILLed mid-call. The survivors agree on the mask
     (the victim out) and redo the call flat: the first step sums exactly what the surviving

@@ -139,14 +139,15 @@ def done_words(comm, sources) -> dict:
 
 
 def settle(comm, epoch, op, *, pages, own_error, dones, failed, short, calls=None,
-           sizes=None):
+           sizes=None, late=0.0):
     """The end of a payload phase, once every DONE came or timed out: agree on the mask
     (elastic), quarantine what a late writer may still write, check the signatures (when
     ``calls``), then raise what went wrong, the same way on every rank that saw it.
     ``sizes``: {source: bytes this rank expects} of the sources whose DONE carries the bytes
-    they wrote (eager slots); a source that wrote another size counts as refused."""
+    they wrote (eager slots); a source that wrote another size counts as refused. ``late``:
+    see HostComm.agree."""
     if comm.elastic:
-        comm.agree(op)
+        comm.agree(op, late)
     for page in pages:
         quarantine_if_late(comm, epoch, page, dones)
     if calls is not None:

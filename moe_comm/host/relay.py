@@ -274,10 +274,11 @@ def dispatch(comm, epoch, handle, *, x_bytes, scales, topk_idx, topk_weights, nu
         f2, s2 = send_when_granted(comm, epoch, dests, forward, lambda d: final(d).nbytes,
                                    "dispatch/grant", agrees,
                                    written=DONE_LOST if lost else DONE_WRITTEN)
-        comm.wait(dones, epoch, "dispatch/payload")
+        # a forwarder may first wait a deadline out for a dead sender of another host
+        comm.wait(dones, epoch, "dispatch/payload", patient=writers)
         settle(comm, epoch, "dispatch", pages=[page, stage_page], own_error=own_error,
                dones={**stage_dones, **dones}, failed=failed + f2, short=short + s2,
-               calls=calls)
+               calls=calls, late=comm.timeout_s)
         _check_relays(comm, routes, "dispatch")
     except BaseException:
         release_on_error(comm, epoch, [page, stage_page], {**stage_dones, **dones})
@@ -387,9 +388,11 @@ def combine(comm, epoch, handle, *, x, topk_weights, bias, calls, call_row):
         f2, s2 = send_when_granted(comm, epoch, owners, write_partials,
                                    lambda o: partials(o).nbytes, "combine/grant", agrees,
                                    written=DONE_LOST if lost else DONE_WRITTEN)
-        comm.wait(part_dones, epoch, "combine/relay")
+        # a relay may first wait a deadline out for a dead writer of its host
+        comm.wait(part_dones, epoch, "combine/relay", patient=across)
         settle(comm, epoch, "combine", pages=[page, part_page], own_error=own_error,
-               dones={**dones, **part_dones}, failed=failed + f2, short=short + s2, calls=calls)
+               dones={**dones, **part_dones}, failed=failed + f2, short=short + s2, calls=calls,
+               late=comm.timeout_s)
         _check_relays(comm, routes, "combine")
         # 4. reduce: this host's rows of my tokens, one partial row per other host
         segments, ids, weights = [], [], []
