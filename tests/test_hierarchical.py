@@ -26,8 +26,8 @@ from moe_comm.jit import emulator
 from moe_comm.quant import quantize_fp8
 from moe_comm.testing import netns
 from checks import check_ll, check_normal
-from test_elastic import (HIDDEN, MAX_TOKENS, _check_survivors, _inputs, _ll_step,
-                          _normal_step, _route, _slots)
+from test_elastic import (HIDDEN, MAX_TOKENS, VICTIM, _check_survivors, _inputs, _ll_step,
+                          _normal_step, _resume_victim_and_wait, _route, _slots)
 from test_low_latency import _cases as ll_cases
 from test_low_latency import _run as ll_run
 from test_normal_mode import _cases as normal_cases
@@ -186,7 +186,7 @@ def test_elastic_group_survives_a_whole_host(mode):
 
 # a relay killed mid-call: 3 hosts x 2 ranks; rank 2 (host 1, local index 0) relays the
 # tokens of ranks 0 and 4 onto host 1, where rank 3 gets some of them through it
-RELAY_HOSTS, RELAY_PER_HOST, RELAY_VICTIM, RELAY_TIMEOUT = 3, 2, 2, 3.0
+RELAY_HOSTS, RELAY_PER_HOST, RELAY_VICTIM, RELAY_TIMEOUT = 3, 2, VICTIM, 3.0
 
 
 def _kill_self_at(name, after=0, rank=None):
@@ -291,3 +291,70 @@ def test_a_refusing_relay_host_leaves_the_buffer_usable():
         ranks = (idx // 4).sort(1).values
         copies = 1 + (ranks[:, 1] != ranks[:, 0]).float()
         torch.testing.assert_close(out, x * copies.unsqueeze(1))
+
+
+def _frozen_relay(rank, n, flag):
+    """The victim stops (SIGSTOP) in its forward, between its fence check and its first
+    write into a peer of its host. The survivors mask it, redo the step flat, run the next
+    step (by relays among them) and hold its received rows while rank 0 resumes the victim
+    (SIGCONT), which must raise RankMaskedError having changed nothing they hold."""
+    pids = [None] * n
+    dist.all_gather_object(pids, os.getpid())
+    buf = moe_comm.Buffer(None, 8 << 20, timeout_s=RELAY_TIMEOUT, elastic=True)
+    x, idx, w = _inputs(rank)
+    phy, pw = _route(idx, w, n)
+    if rank == RELAY_VICTIM:
+        real, stopped = relay.put_rows, []
+
+        def frozen(comm, dst, *args):
+            if dst != rank and not stopped:
+                stopped.append(dst)
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return real(comm, dst, *args)
+        relay.put_rows = frozen
+        try:
+            _normal_step(buf, x, phy, pw)
+            outcome = "finished"
+        except moe_comm.RankMaskedError:
+            outcome = "RankMaskedError"
+        with open(flag, "w") as f:        # the survivors look at their memory after this
+            f.write(outcome)
+        return outcome
+    out = _normal_step(buf, x, phy, pw)[1]
+    mask = buf.active_ranks
+    phy2, w2 = _route(idx, w, n, active=mask)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(phy2, _slots(n))
+    rx, ri, rw, _, handle, _ = buf.dispatch(x, topk_idx=phy2, topk_weights=w2,
+                                            num_tokens_per_rank=per_rank,
+                                            is_token_in_rank=in_rank,
+                                            num_tokens_per_expert=per_expert)
+    held = [t.clone() for t in (rx, ri, rw)]
+    _resume_victim_and_wait(rank, pids, flag)
+    unchanged = all(torch.equal(a, b) for a, b in zip((rx, ri, rw), held))
+    y = (rx.float() * torch.where(ri >= 0, rw, 0).sum(1, keepdim=True)).bfloat16()
+    second = buf.combine(y, handle)[0]
+    quarantined = buf._comm.heap.bytes_quarantined
+    buf.destroy()
+    return {"mask": mask, "out": out, "phy": phy, "second_out": second,
+            "unchanged": unchanged, "flag": os.path.exists(flag),
+            "relayed": handle.relay is not None, "quarantined": quarantined}
+
+
+def test_a_frozen_relay_that_resumes_is_fenced(tmp_path):
+    """A relay frozen past the deadline in its forward is masked; the survivors redo the
+    call flat and go on by relays among themselves. Resumed, its pending write lands in the
+    region its host's rank had granted it, which that rank quarantined; it raises
+    RankMaskedError, and nothing the survivors hold or compute changes."""
+    flag = str(tmp_path / "victim_done")
+    n = RELAY_HOSTS * RELAY_PER_HOST
+    results = netns.run_on_hosts(_frozen_relay, RELAY_HOSTS, RELAY_PER_HOST, flag,
+                                 timeout=120, env=TCP)
+    assert results[RELAY_VICTIM] == "RankMaskedError"
+    mask = torch.tensor([int(r != RELAY_VICTIM) for r in range(n)], dtype=torch.int32)
+    _check_survivors(results, n, mask, "frozen relay")
+    for r in range(n):
+        if mask[r]:
+            assert results[r]["flag"] and results[r]["unchanged"], (r, results[r])
+            assert results[r]["relayed"], r
+    mate = RELAY_VICTIM ^ 1                  # the rank of its host it was writing to
+    assert results[mate]["quarantined"], results[mate]
