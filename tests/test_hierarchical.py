@@ -358,3 +358,39 @@ def test_a_frozen_relay_that_resumes_is_fenced(tmp_path):
             assert results[r]["relayed"], r
     mate = RELAY_VICTIM ^ 1                  # the rank of its host it was writing to
     assert results[mate]["quarantined"], results[mate]
+
+
+def _controller_masks(rank, n):
+    """No elastic mode: a controller masks rank 2 (the relay of rank 0's tokens on host 1)
+    between a dispatch and its combine (set_active_ranks, on every rank; rank 2 stays away).
+    The combine goes flat (its relays were picked with rank 2 in), the next step by relays
+    among the others."""
+    buf = moe_comm.Buffer(None, 8 << 20, timeout_s=20)
+    x, idx, w = _inputs(rank)
+    phy, pw = _route(idx, w, n)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(phy, _slots(n))
+    rx, ri, rw, _, handle, _ = buf.dispatch(x, topk_idx=phy, topk_weights=pw,
+                                            num_tokens_per_rank=per_rank,
+                                            is_token_in_rank=in_rank,
+                                            num_tokens_per_expert=per_expert)
+    mask = torch.tensor([int(r != VICTIM) for r in range(n)], dtype=torch.int32)
+    buf.set_active_ranks(mask)
+    if rank == VICTIM:
+        buf.destroy()
+        return None
+    y = (rx.float() * torch.where(ri >= 0, rw, 0).sum(1, keepdim=True)).bfloat16()
+    out = buf.combine(y, handle)[0]
+    handles = [handle]
+    second = _normal_step(buf, x, *_route(idx, w, n, active=mask), handles=handles)[1]
+    active = buf.active_ranks
+    buf.destroy()
+    return {"mask": active, "out": out, "phy": phy,
+            "second_out": second, "relayed": [h.relay is not None for h in handles]}
+
+
+def test_ranks_a_controller_masks_take_no_part_in_relays():
+    n = 4
+    results = netns.run_on_hosts(_controller_masks, 2, 2, timeout=120, env=TCP)
+    mask = torch.tensor([int(r != VICTIM) for r in range(n)], dtype=torch.int32)
+    _check_survivors(results, n, mask, "controller mask")
+    assert all(results[r]["relayed"] == [True, True] for r in range(n) if mask[r])
