@@ -192,8 +192,6 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
                                 send_ids, int(matrix[:, me].sum()), num_worst_tokens,
                                 call_id=epoch)
     handle = handle.without_inactive(comm.active, me)
-    if handle.relay is not None and not handle.relay.relays.serve(comm.active):
-        handle = replace(handle, relay=None)   # (cached) its relays lost a rank: flat
     matrix, send_ids = handle.count_matrix, handle.send_token_ids
     eagerly = eager.pairs(comm, matrix, row_bytes, scale_cols, topk, eager_on)   # [s, d]
     recv_rows = matrix.sum(0)
@@ -386,8 +384,10 @@ def combine(comm, *, x, handle, topk_weights, bias):
     eager.send(comm, epoch, parity, [o for o in _rotation(me, R)
                                      if eagerly[me, o] and comm.active[o]], write_eagerly)
     calls = comm.post_call(epoch, call_row)     # checked along the payload phase
-    if (handle.relay is not None and handle.relay.combine_fits and _relays(comm) is not None
-            and handle.relay.relays.serve(comm.active)):
+    # (by the handle's relays even when this rank knows one of them masked since: whether a
+    # call goes by relays must not depend on masks, which may differ between ranks until
+    # the call's agreement; relay.RelayLost then sends every survivor flat alike)
+    if handle.relay is not None and handle.relay.combine_fits and _relays(comm) is not None:
         try:
             return relay.combine(comm, epoch, handle, x=x, topk_weights=topk_weights,
                                  bias=bias, calls=calls, call_row=call_row)

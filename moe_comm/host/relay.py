@@ -27,9 +27,20 @@ combine mirrors it
                 payload dtype: DeepEP's scheme), and writes one row per token across. DONE.
   4. reduce   - the owner sums its host's rows and one partial row per other host.
 Results, ordering and handles equal the flat protocol's (normal.py). It serves groups spread
-over hosts while no rank is masked and the regions fit the heap each rank has free; other
-calls go flat
-(elastic Buffers always do: a relay that dies mid-call would lose healthy ranks' rows).
+over hosts whose regions fit the heap each rank has free; other calls go flat.
+
+Masked ranks (elastic, or a controller's set_active_ranks): the relays of a call are picked
+among the ranks the notify agreement kept (``Relays.among``; a host with no active rank gets
+nothing), so every rank derives the same choice. Counts sent before that agreement may
+count tokens only for a rank it masked: a sender pads such rows with an empty destination
+mask (forwarded nowhere, summed as nothing). A rank masked mid-call may have been a relay
+of healthy ranks' rows, partly forwarded or summed: once the survivors agree on the mask
+(the end of the payload phase), every survivor sees that a rank the relays were picked
+among is gone and raises :class:`RelayLost`, after quarantining what a late writer may
+still write; normal.py then redoes the call flat over the survivors in fresh epochs (its
+inputs are the caller's, untouched). A relay may wait a deadline out for a dead peer of its
+own before it writes: ranks waiting for a relay give it one more timeout (HostComm.wait
+``patient``) and the call's agreement allows for that (``late``).
 """
 from __future__ import annotations
 
@@ -47,8 +58,9 @@ log = logging.getLogger("moe_comm")
 
 
 class RelayLost(Exception):
-    """A rank the call's relays were chosen among was masked mid-call (elastic): the relayed
-    result may miss rows of healthy ranks, so the survivors redo the call flat (normal.py)."""
+    """A rank the call's relays were picked among was masked since (mid-call, or between a
+    dispatch and a call on its handle): the relayed result may miss rows of healthy ranks,
+    so the survivors redo the call flat (normal.py)."""
 
 
 class Relays:
@@ -295,9 +307,9 @@ def _check_relays(comm, routes, op) -> None:
     rest and normal.py redoes the call flat over the survivors."""
     if not routes.relays.serve(comm.active):
         gone = np.flatnonzero(routes.relays.active & ~comm.active).tolist()
-        log.warning("moe_comm rank %d: %s: rank(s) %s masked mid-call; redone flat",
-                    comm.rank, op, gone)
-        raise RelayLost(f"{op}: rank(s) {gone} masked mid-call")
+        log.warning("moe_comm rank %d: %s: rank(s) %s, among whom the call's relays were "
+                    "picked, masked since; the call is redone flat", comm.rank, op, gone)
+        raise RelayLost(f"{op}: rank(s) {gone} masked since the call's relays were picked")
 
 
 def _staged(comm, routes, page, lay, senders, here, relays, scales, topk) -> dict:
