@@ -174,11 +174,11 @@ class Routes:
 
 def fits(routes: Routes, R: int, final_rows: list, row_bytes, scale_cols, topk,
          free_bytes) -> bool:
-    """Whether a dispatch goes by relays: every rank's output and staging regions fit the
-    heap it had free at the call's start (``free_bytes[f]``, told in the count rows, so every
-    rank answers the same; masked ranks take no part). Also records on ``routes`` whether combine will: its two regions
-    fit what stays free once the dispatch's output is held (the caller holds it at combine;
-    whatever else it holds by then makes that combine fail as a flat one could)."""
+    """Whether a dispatch goes by relays: every active rank's output and staging regions fit
+    the heap it had free at the call's start (``free_bytes[f]``, told in the count rows, so
+    every rank answers the same). Also records on ``routes`` whether combine will: its two
+    regions fit what stays free once the dispatch's output is held (the caller holds it at
+    combine; whatever else it holds by then makes that combine fail as a flat one could)."""
     mc = routes.relays.mask_cols
     final = [SlabLayout(final_rows[f], row_bytes, scale_cols, topk).nbytes for f in range(R)]
     stage = [SlabLayout(routes.stage_rows(f), row_bytes, scale_cols, topk, mc).nbytes
