@@ -91,7 +91,7 @@ class Relays:
         ranks = self.active_on[host]
         return ranks[self.local_index[s] % len(ranks)] if ranks else None
 
-    def among(self, active) -> "Relays":
+    def among(self, active) -> Relays:
         """These relays chosen among the ranks ``active`` (bool [R]) marks: every rank that
         holds the same mask derives the same choice."""
         active = np.asarray(active, bool)
