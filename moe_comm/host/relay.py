@@ -290,8 +290,8 @@ def dispatch(comm, epoch, handle, *, x_bytes, scales, topk_idx, topk_weights, nu
         comm.wait(dones, epoch, "dispatch/payload", patient=writers)
         settle(comm, epoch, "dispatch", pages=[page, stage_page], own_error=own_error,
                dones={**stage_dones, **dones}, failed=failed + f2, short=short + s2,
-               calls=calls, late=comm.timeout_s)
-        _check_relays(comm, routes, "dispatch")
+               calls=calls, late=comm.timeout_s,
+               agreed=lambda: _check_relays(comm, routes, "dispatch"))
     except BaseException:
         release_on_error(comm, epoch, [page, stage_page], {**stage_dones, **dones})
         raise
@@ -302,9 +302,10 @@ def dispatch(comm, epoch, handle, *, x_bytes, scales, topk_idx, topk_weights, nu
 
 def _check_relays(comm, routes, op) -> None:
     """RelayLost when the survivors' agreed mask drops a rank the call's relays were chosen
-    among: every survivor decides alike (same routes, same mask), after the settle has
-    quarantined what a late writer may still write; the caller's except clause frees the
-    rest and normal.py redoes the call flat over the survivors."""
+    among: every survivor decides alike (same routes, same mask; before any rank raises its
+    own outcome of the call), after the settle has quarantined what a late writer may still
+    write; the caller's except clause frees the rest and normal.py redoes the call flat over
+    the survivors, where a capacity error of this call comes again on every rank alike."""
     if not routes.relays.serve(comm.active):
         gone = np.flatnonzero(routes.relays.active & ~comm.active).tolist()
         log.warning("moe_comm rank %d: %s: rank(s) %s, among whom the call's relays were "
@@ -404,8 +405,7 @@ def combine(comm, epoch, handle, *, x, topk_weights, bias, calls, call_row):
         comm.wait(part_dones, epoch, "combine/relay", patient=across)
         settle(comm, epoch, "combine", pages=[page, part_page], own_error=own_error,
                dones={**dones, **part_dones}, failed=failed + f2, short=short + s2, calls=calls,
-               late=comm.timeout_s)
-        _check_relays(comm, routes, "combine")
+               late=comm.timeout_s, agreed=lambda: _check_relays(comm, routes, "combine"))
         # 4. reduce: this host's rows of my tokens, one partial row per other host
         segments, ids, weights = [], [], []
         rows, wts = mine
