@@ -33,12 +33,15 @@ Masked ranks (elastic, or a controller's set_active_ranks): the relays of a call
 among the ranks the notify agreement kept (``Relays.among``; a host with no active rank gets
 nothing), so every rank derives the same choice. Counts sent before that agreement may
 count tokens only for a rank it masked: a sender pads such rows with an empty destination
-mask (forwarded nowhere, summed as nothing). A rank masked mid-call may have been a relay
-of healthy ranks' rows, partly forwarded or summed: once the survivors agree on the mask
-(the end of the payload phase), every survivor sees that a rank the relays were picked
-among is gone and raises :class:`RelayLost`, after quarantining what a late writer may
-still write; normal.py then redoes the call flat over the survivors in fresh epochs (its
-inputs are the caller's, untouched). A relay may wait a deadline out for a dead peer of its
+mask (forwarded nowhere, summed as nothing). A rank masked mid-call (or, for a call on a
+handle, since its dispatch) may have been a relay of healthy ranks' rows, partly forwarded
+or summed: once the survivors agree on the mask (the end of the payload phase), every
+survivor sees that a rank the relays were picked among is gone and raises
+:class:`RelayLost` - before any rank raises its own outcome of the call - after
+quarantining what a late writer may still write; normal.py then redoes the call flat over
+the survivors in fresh epochs (its inputs are the caller's, untouched). Not a repair of the
+lost rows: a partial sum that took in the rows of a rank masked after it was summed cannot
+be taken apart, and the deadline spent on the dead rank dwarfs one more flat call. A relay may wait a deadline out for a dead peer of its
 own before it writes: ranks waiting for a relay give it one more timeout (HostComm.wait
 ``patient``) and the call's agreement allows for that (``late``).
 """
