@@ -82,13 +82,16 @@ def _route(idx, w, n, active=None):
                                         topk_weights=w)
 
 
-def _normal_step(buf, x, phy, w, kill_between=False):
-    """dispatch -> identity experts weighted by the routing weights -> combine."""
+def _normal_step(buf, x, phy, w, kill_between=False, handles=None):
+    """dispatch -> identity experts weighted by the routing weights -> combine. ``handles``
+    (a list), when given, gets the dispatch's handle."""
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(phy, _slots(buf))
     rx, ri, rw, _, handle, _ = buf.dispatch(x, topk_idx=phy, topk_weights=w,
                                             num_tokens_per_rank=per_rank,
                                             is_token_in_rank=in_rank,
                                             num_tokens_per_expert=per_expert)
+    if handles is not None:
+        handles.append(handle)
     if kill_between:
         os.kill(os.getpid(), signal.SIGKILL)
     y = (rx.float() * torch.where(ri >= 0, rw, 0).sum(1, keepdim=True)).bfloat16()

@@ -4,10 +4,12 @@ other host once, to one relay that forwards it over shared memory); normal and l
 calls are checked against the reference, and the bytes that cross the host links, read from
 the interfaces' own counters, are compared with the ideal (each token's payload once per other
 host it visits, out and back). An elastic group loses a whole host and its survivors agree
-and stay exact.
+and stay exact, through relays picked among the survivors; a relay killed mid-call (in its
+forward, or in combine) makes the survivors redo that call flat, exact again.
 """
 from __future__ import annotations
 
+import functools
 import io
 import os
 import signal
@@ -18,13 +20,14 @@ import torch.distributed as dist
 
 import cuda_cases
 import moe_comm
+from moe_comm.host import relay
 from moe_comm.host.exchange import ReceiverFailed
 from moe_comm.jit import emulator
 from moe_comm.quant import quantize_fp8
 from moe_comm.testing import netns
 from checks import check_ll, check_normal
-from test_elastic import (HIDDEN, MAX_TOKENS, _check_survivors, _inputs, _ll_step,
-                          _normal_step, _route, _slots)
+from test_elastic import (HIDDEN, MAX_TOKENS, VICTIM, _check_survivors, _inputs, _ll_step,
+                          _normal_step, _resume_victim_and_wait, _route, _slots)
 from test_low_latency import _cases as ll_cases
 from test_low_latency import _run as ll_run
 from test_normal_mode import _cases as normal_cases
@@ -156,23 +159,95 @@ def _elastic_host_dies(rank, n, mode):
     dist.barrier()                      # every rank is up before the host goes
     if rank // PER_HOST == DEAD_HOST:
         os.kill(os.getpid(), signal.SIGKILL)
-    step = _ll_step if mode == "ll" else _normal_step
+    handles = []
+    step = _ll_step if mode == "ll" else functools.partial(_normal_step, handles=handles)
     out = step(buf, x, phy, pw)[1]
     mask = buf.active_ranks
     second = step(buf, x, *_route(idx, w, n, active=mask))[1]
     buf.destroy()
-    return {"mask": mask, "out": out, "phy": phy, "second_out": second}
+    return {"mask": mask, "out": out, "phy": phy, "second_out": second,
+            "relayed": [h.relay is not None for h in handles]}
 
 
 @pytest.mark.parametrize("mode", ["normal", "ll"])
 def test_elastic_group_survives_a_whole_host(mode):
     """Survivors agree on the mask (the dead host's four ranks out) and are exact: the first
-    step sums what the surviving experts served, the second (re-placed) serves everything."""
+    step sums what the surviving experts served, the second (re-placed) serves everything.
+    Normal mode goes by relays picked among the survivors (the notify agreement masks the
+    dead host before any relay is chosen)."""
     with netns.Hosts(HOSTS) as hosts:
         results = hosts.run(_elastic_host_dies, PER_HOST, mode, expect_exit={DEAD_HOST},
                             timeout=240, env=TCP)
     mask = torch.tensor([int(r // PER_HOST != DEAD_HOST) for r in range(N)], dtype=torch.int32)
     _check_survivors(results, N, mask, mode)
+    if mode == "normal":
+        assert all(results[r]["relayed"] == [True, True] for r in range(N) if mask[r])
+
+
+# a relay killed mid-call: 3 hosts x 2 ranks; rank 2 (host 1, local index 0) relays the
+# tokens of ranks 0 and 4 onto host 1, where rank 3 gets some of them through it
+RELAY_HOSTS, RELAY_PER_HOST, RELAY_VICTIM, RELAY_TIMEOUT = 3, 2, VICTIM, 3.0
+
+
+def _kill_self_at(name, after=0, rank=None):
+    """SIGKILL this process at ``relay.name``: right after its ``after``-th call (before the
+    first, when 0); with ``rank``, counting only calls whose second argument (the rank written
+    to) is another rank."""
+    real, seen = getattr(relay, name), []
+
+    def dying(*args, **kwargs):
+        if not after:
+            os.kill(os.getpid(), signal.SIGKILL)
+        out = real(*args, **kwargs)
+        if rank is None or args[1] != rank:
+            seen.append(1)
+            if len(seen) == after:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return out
+    setattr(relay, name, dying)
+
+
+def _elastic_relay_dies(rank, n, point):
+    """The victim relays normally until it is killed in its first step: in its forward, after
+    its own rows and one relayed sender's rows reached some rank of its host (a partial
+    forward, no DONE), or in combine, once its host's rows for the owners it relays for came
+    and before it sums them. The survivors' first step, then one over re-placed experts."""
+    buf = moe_comm.Buffer(None, 8 << 20, timeout_s=RELAY_TIMEOUT, elastic=True)
+    x, idx, w = _inputs(rank)
+    phy, pw = _route(idx, w, n)
+    if rank == RELAY_VICTIM:
+        if point == "stage":        # after the notify, before its first stage write
+            _kill_self_at("send_when_granted")
+        elif point == "forward":    # forward's put_rows: its own rows to d, then staged ones
+            _kill_self_at("put_rows", after=2, rank=rank)
+        else:
+            _kill_self_at("_relay_sums")
+    handles = []
+    out = _normal_step(buf, x, phy, pw, handles=handles)[1]
+    mask = buf.active_ranks
+    second = _normal_step(buf, x, *_route(idx, w, n, active=mask), handles=handles)[1]
+    buf.destroy()
+    return {"mask": mask, "out": out, "phy": phy, "second_out": second,
+            "relayed": [h.relay is not None for h in handles]}
+
+
+@pytest.mark.parametrize("point", ["stage", "forward", "combine"])
+def test_elastic_relay_killed_mid_call_leaves_survivors_exact(point):
+    """A relay of other hosts' tokens is SIGKILLed mid-call. The survivors agree on the mask
+    (the victim out) and redo the call flat: the first step sums exactly what the surviving
+    experts served (the rows the victim relayed for healthy ranks included), the second goes
+    by relays picked among the survivors and serves everything."""
+    with netns.Hosts(RELAY_HOSTS) as hosts:
+        results = hosts.run(_elastic_relay_dies, RELAY_PER_HOST, point,
+                            expect_exit_ranks={RELAY_VICTIM}, timeout=120, env=TCP)
+    n = RELAY_HOSTS * RELAY_PER_HOST
+    assert results[RELAY_VICTIM] is None, "the victim was to die in its relay's work"
+    mask = torch.tensor([int(r != RELAY_VICTIM) for r in range(n)], dtype=torch.int32)
+    _check_survivors(results, n, mask, point)
+    # the first dispatch's handle: redone flat (forward), or relayed (the kill came later)
+    first = point == "combine"
+    assert all(results[r]["relayed"] == [first, True] for r in range(n) if mask[r]), \
+        [results[r]["relayed"] for r in range(n) if mask[r]]
 
 
 def _refuse_then_go_on(rank, n):
@@ -216,3 +291,106 @@ def test_a_refusing_relay_host_leaves_the_buffer_usable():
         ranks = (idx // 4).sort(1).values
         copies = 1 + (ranks[:, 1] != ranks[:, 0]).float()
         torch.testing.assert_close(out, x * copies.unsqueeze(1))
+
+
+def _frozen_relay(rank, n, flag):
+    """The victim stops (SIGSTOP) in its forward, between its fence check and its first
+    write into a peer of its host. The survivors mask it, redo the step flat, run the next
+    step (by relays among them) and hold its received rows while rank 0 resumes the victim
+    (SIGCONT), which must raise RankMaskedError having changed nothing they hold."""
+    pids = [None] * n
+    dist.all_gather_object(pids, os.getpid())
+    buf = moe_comm.Buffer(None, 8 << 20, timeout_s=RELAY_TIMEOUT, elastic=True)
+    x, idx, w = _inputs(rank)
+    phy, pw = _route(idx, w, n)
+    if rank == RELAY_VICTIM:
+        real, stopped = relay.put_rows, []
+
+        def frozen(comm, dst, *args):
+            if dst != rank and not stopped:
+                stopped.append(dst)
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return real(comm, dst, *args)
+        relay.put_rows = frozen
+        try:
+            _normal_step(buf, x, phy, pw)
+            outcome = "finished"
+        except moe_comm.RankMaskedError:
+            outcome = "RankMaskedError"
+        with open(flag, "w") as f:        # the survivors look at their memory after this
+            f.write(outcome)
+        return outcome
+    out = _normal_step(buf, x, phy, pw)[1]
+    mask = buf.active_ranks
+    phy2, w2 = _route(idx, w, n, active=mask)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(phy2, _slots(n))
+    rx, ri, rw, _, handle, _ = buf.dispatch(x, topk_idx=phy2, topk_weights=w2,
+                                            num_tokens_per_rank=per_rank,
+                                            is_token_in_rank=in_rank,
+                                            num_tokens_per_expert=per_expert)
+    held = [t.clone() for t in (rx, ri, rw)]
+    _resume_victim_and_wait(rank, pids, flag)
+    unchanged = all(torch.equal(a, b) for a, b in zip((rx, ri, rw), held))
+    y = (rx.float() * torch.where(ri >= 0, rw, 0).sum(1, keepdim=True)).bfloat16()
+    second = buf.combine(y, handle)[0]
+    quarantined = buf._comm.heap.bytes_quarantined
+    buf.destroy()
+    return {"mask": mask, "out": out, "phy": phy, "second_out": second,
+            "unchanged": unchanged, "flag": os.path.exists(flag),
+            "relayed": handle.relay is not None, "quarantined": quarantined}
+
+
+def test_a_frozen_relay_that_resumes_is_fenced(tmp_path):
+    """A relay frozen past the deadline in its forward is masked; the survivors redo the
+    call flat and go on by relays among themselves. Resumed, its pending write lands in the
+    region its host's rank had granted it, which that rank quarantined; it raises
+    RankMaskedError, and nothing the survivors hold or compute changes."""
+    flag = str(tmp_path / "victim_done")
+    n = RELAY_HOSTS * RELAY_PER_HOST
+    results = netns.run_on_hosts(_frozen_relay, RELAY_HOSTS, RELAY_PER_HOST, flag,
+                                 timeout=120, env=TCP)
+    assert results[RELAY_VICTIM] == "RankMaskedError"
+    mask = torch.tensor([int(r != RELAY_VICTIM) for r in range(n)], dtype=torch.int32)
+    _check_survivors(results, n, mask, "frozen relay")
+    for r in range(n):
+        if mask[r]:
+            assert results[r]["flag"] and results[r]["unchanged"], (r, results[r])
+            assert results[r]["relayed"], r
+    mate = RELAY_VICTIM ^ 1                  # the rank of its host it was writing to
+    assert results[mate]["quarantined"], results[mate]
+
+
+def _controller_masks(rank, n):
+    """No elastic mode: a controller masks rank 2 (the relay of rank 0's tokens on host 1)
+    between a dispatch and its combine (set_active_ranks, on every rank; rank 2 stays away).
+    The combine goes flat (its relays were picked with rank 2 in), the next step by relays
+    among the others."""
+    buf = moe_comm.Buffer(None, 8 << 20, timeout_s=20)
+    x, idx, w = _inputs(rank)
+    phy, pw = _route(idx, w, n)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(phy, _slots(n))
+    rx, ri, rw, _, handle, _ = buf.dispatch(x, topk_idx=phy, topk_weights=pw,
+                                            num_tokens_per_rank=per_rank,
+                                            is_token_in_rank=in_rank,
+                                            num_tokens_per_expert=per_expert)
+    mask = torch.tensor([int(r != VICTIM) for r in range(n)], dtype=torch.int32)
+    buf.set_active_ranks(mask)
+    if rank == VICTIM:
+        buf.destroy()
+        return None
+    y = (rx.float() * torch.where(ri >= 0, rw, 0).sum(1, keepdim=True)).bfloat16()
+    out = buf.combine(y, handle)[0]
+    handles = [handle]
+    second = _normal_step(buf, x, *_route(idx, w, n, active=mask), handles=handles)[1]
+    active = buf.active_ranks
+    buf.destroy()
+    return {"mask": active, "out": out, "phy": phy,
+            "second_out": second, "relayed": [h.relay is not None for h in handles]}
+
+
+def test_ranks_a_controller_masks_take_no_part_in_relays():
+    n = 4
+    results = netns.run_on_hosts(_controller_masks, 2, 2, timeout=120, env=TCP)
+    mask = torch.tensor([int(r != VICTIM) for r in range(n)], dtype=torch.int32)
+    _check_survivors(results, n, mask, "controller mask")
+    assert all(results[r]["relayed"] == [True, True] for r in range(n) if mask[r])

@@ -213,14 +213,26 @@ class HostComm:
         rounds (each round is one exchange with its peers, bounded on its own)."""
         self._deadline = time.monotonic() + self.timeout_s
 
-    def wait(self, waits: dict, epoch: int, op: str, on_ready=None) -> set:
+    def wait(self, waits: dict, epoch: int, op: str, on_ready=None, patient=()) -> set:
         """Wait for the tagged words ``waits`` (rank -> view of *this* rank's header) of the
         active ranks until the call's deadline. Returns the ranks that missed it (elastic
-        mode: now masked) or raises :class:`CommTimeoutError` naming them."""
+        mode: now masked) or raises :class:`CommTimeoutError` naming them.
+
+        ``patient``: ranks whose words may come a whole deadline late from a healthy rank,
+        because it first waits out a dead peer of its own (a relay, relay.py). In elastic mode
+        those still silent at the deadline get one more timeout, unless their process is
+        known to be gone (ranks on this host): a dead one costs one deadline, as elsewhere."""
         waits = {r: w for r, w in waits.items() if self.active[r]}
         silent = atomics.wait_words(waits, epoch, self._deadline, op, self.timeout_s,
                                     on_ready, raise_on_timeout=not self.elastic,
                                     check=self.check_fence, crowded=self.crowded)
+        slow = [r for r in silent if r in patient and not self.gone(r)]
+        if slow:
+            later = atomics.wait_words({r: waits[r] for r in slow}, epoch,
+                                       time.monotonic() + self.timeout_s, op, self.timeout_s,
+                                       on_ready, raise_on_timeout=False,
+                                       check=self.check_fence, crowded=self.crowded)
+            silent = (silent - set(slow)) | later
         if silent:
             self.mask(silent, op)
             # Healthy peers may have been held up by the same silent rank: they get a fresh
@@ -251,7 +263,7 @@ class HostComm:
             self.active[ranks] = False
             log.warning("moe_comm rank %d: masking rank(s) %s (%s)", self.rank, ranks, why)
 
-    def agree(self, op: str) -> None:
+    def agree(self, op: str, late: float = 0.0) -> None:
         """Elastic mode: leave the call with the same ``active`` mask as every survivor.
 
         Flooding rounds with early decision (docs/ARCHITECTURE.md "Agreement" has why it
@@ -267,8 +279,10 @@ class HostComm:
         until the call's deadline plus the grace, if later): a healthy peer may arrive a
         whole deadline late, having timed out on a rank whose signals reached this one, or
         having spent the previous round waiting for a rank that died in it. The rest of the
-        call then gets a fresh deadline. The survivors write FENCE into the header of every
-        rank the decision drops; rows go to every rank the previous agreement kept."""
+        call then gets a fresh deadline. ``late``: seconds more for round 1, when a healthy
+        peer may arrive later still (one that waited patiently, :meth:`wait`). The survivors
+        write FENCE into the header of every rank the decision drops; rows go to every rank
+        the previous agreement kept."""
         lay, me, R = self.layout, self.rank, self.num_ranks
         self.agree_seq = self.agree_seq % MAX_EPOCH + 1
         seq = self.agree_seq
@@ -278,7 +292,7 @@ class HostComm:
         estimate = self.active.copy()
         listen = [p for p in np.flatnonzero(estimate).tolist() if p != me]
         grace = min(self.timeout_s, AGREE_GRACE_S)
-        deadline = max(self._deadline, time.monotonic() + self.timeout_s) + grace
+        deadline = max(self._deadline, time.monotonic() + self.timeout_s) + grace + late
         decision = None
         for rnd in range(1, agree_rounds(R) + 1):
             row_tag, row = agree_round_tag(seq, rnd, R), mask_words(estimate)

@@ -139,18 +139,24 @@ def done_words(comm, sources) -> dict:
 
 
 def settle(comm, epoch, op, *, pages, own_error, dones, failed, short, calls=None,
-           sizes=None):
+           sizes=None, late=0.0, agreed=None):
     """The end of a payload phase, once every DONE came or timed out: agree on the mask
     (elastic), quarantine what a late writer may still write, check the signatures (when
     ``calls``), then raise what went wrong, the same way on every rank that saw it.
     ``sizes``: {source: bytes this rank expects} of the sources whose DONE carries the bytes
-    they wrote (eager slots); a source that wrote another size counts as refused."""
+    they wrote (eager slots); a source that wrote another size counts as refused. ``late``:
+    see HostComm.agree. ``agreed()``: runs once the mask is agreed and the signatures are
+    checked, before this rank's own outcome is raised: a decision every rank must take
+    alike, whatever went wrong here (relay.py: RelayLost, then every survivor redoes the
+    call, this one too)."""
     if comm.elastic:
-        comm.agree(op)
+        comm.agree(op, late)
     for page in pages:
         quarantine_if_late(comm, epoch, page, dones)
     if calls is not None:
         comm.verify_call(calls, epoch, op)
+    if agreed is not None:
+        agreed()
     if own_error is not None:
         raise own_error
     said = {s: int(tag_value(w[0])) for s, w in dones.items() if comm.active[s]}

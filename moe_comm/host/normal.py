@@ -27,6 +27,7 @@ whatever the newly masked ranks sent, so the result equals the reference over th
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -213,7 +214,7 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
         refuse = ValueError(f"num_worst_tokens={num_worst_tokens} is smaller than the "
                             f"{num_recv} tokens rank {me} receives")
     if layout is not None and _relays(comm) is not None:
-        routes = relay.Routes(_relays(comm), matrix, host_counts)
+        routes = relay.Routes(_relays(comm).among(comm.active), matrix, host_counts)
         if relay.fits(routes, R, rows_at, row_bytes, scale_cols, topk, free_pages * PAGE):
             handle.relay = routes          # else flat: it streams what does not fit
 
@@ -234,10 +235,16 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
         recv = [torch.empty(rows_at[me], w, dtype=dt) if want else None
                 for (w, _, dt), want in zip(widths, wanted)]
     if handle.relay is not None and _relays(comm) is not None:     # one round, by relays
-        first_page = relay.dispatch(
-            comm, epoch, handle, x_bytes=x_bytes, scales=scales, topk_idx=topk_idx,
-            topk_weights=topk_weights, num_local=num_local, final=slab, refuse=refuse,
-            calls=calls, call_row=call_row)
+        try:
+            first_page = relay.dispatch(
+                comm, epoch, handle, x_bytes=x_bytes, scales=scales, topk_idx=topk_idx,
+                topk_weights=topk_weights, num_local=num_local, final=slab, refuse=refuse,
+                calls=calls, call_row=call_row)
+        except relay.RelayLost:       # every survivor: again, flat, over the survivors
+            return dispatch(comm, x_bytes=x_bytes, dtype=dtype, hidden=hidden, scales=scales,
+                            topk_idx=topk_idx, topk_weights=topk_weights, layout=None,
+                            handle=replace(handle, relay=None), num_experts=num_experts,
+                            num_worst_tokens=num_worst_tokens, buffer_key=buffer_key)
         epochs = []
     in_slots = [s for s in range(R) if eagerly[s, me]]   # their rows wait in eager slots
     failure = None                    # a round's error: the rest of the rounds still run
@@ -377,9 +384,16 @@ def combine(comm, *, x, handle, topk_weights, bias):
     eager.send(comm, epoch, parity, [o for o in _rotation(me, R)
                                      if eagerly[me, o] and comm.active[o]], write_eagerly)
     calls = comm.post_call(epoch, call_row)     # checked along the payload phase
+    # (by the handle's relays even when this rank knows one of them masked since: whether a
+    # call goes by relays must not depend on masks, which may differ between ranks until
+    # the call's agreement; relay.RelayLost then sends every survivor flat alike)
     if handle.relay is not None and handle.relay.combine_fits and _relays(comm) is not None:
-        return relay.combine(comm, epoch, handle, x=x, topk_weights=topk_weights, bias=bias,
-                             calls=calls, call_row=call_row)
+        try:
+            return relay.combine(comm, epoch, handle, x=x, topk_weights=topk_weights,
+                                 bias=bias, calls=calls, call_row=call_row)
+        except relay.RelayLost:       # every survivor: again, flat (x keeps the handle's rows)
+            return combine(comm, x=x, handle=replace(handle, relay=None),
+                           topk_weights=topk_weights, bias=bias)
     streamed, n_rows = plan.streams(me), plan.rows_at[me]
     if streamed:                      # the rows pass through the heap into tensors of their own
         rows_all = torch.empty(n_rows, row_bytes, dtype=torch.uint8)
@@ -467,11 +481,12 @@ def _reduce(comm, rows, weights, counts, send_ids, num_tokens, bias):
 
 
 def _relays(comm):
-    """The host's relays (relay.py) when this call may go hierarchical: a group on several
-    hosts, not elastic (a relay that died mid-call would lose healthy ranks' rows) and with
-    every rank active; else None (the flat protocol)."""
-    if comm.relays is None or comm.elastic or not comm.active.all():
-        return None
+    """The host's relays (relay.py) when calls may go hierarchical: a group on several hosts
+    with MOE_COMM_RELAY on; else None (the flat protocol). It depends on nothing that changes
+    between calls, so every rank sizes its count row and decides on eager slots alike before
+    the notify; the relays of a call are then picked among the ranks the notify agreement
+    kept (Relays.among), and a call that loses one of them mid-call is redone flat
+    (relay.RelayLost)."""
     return comm.relays
 
 

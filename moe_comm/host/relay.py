@@ -27,11 +27,27 @@ combine mirrors it
                 payload dtype: DeepEP's scheme), and writes one row per token across. DONE.
   4. reduce   - the owner sums its host's rows and one partial row per other host.
 Results, ordering and handles equal the flat protocol's (normal.py). It serves groups spread
-over hosts while no rank is masked and the regions fit the heap each rank has free; other
-calls go flat
-(elastic Buffers always do: a relay that dies mid-call would lose healthy ranks' rows).
+over hosts whose regions fit the heap each rank has free; other calls go flat.
+
+Masked ranks (elastic, or a controller's set_active_ranks): the relays of a call are picked
+among the ranks the notify agreement kept (``Relays.among``; a host with no active rank gets
+nothing), so every rank derives the same choice. Counts sent before that agreement may
+count tokens only for a rank it masked: a sender pads such rows with an empty destination
+mask (forwarded nowhere, summed as nothing). A rank masked mid-call (or, for a call on a
+handle, since its dispatch) may have been a relay of healthy ranks' rows, partly forwarded
+or summed: once the survivors agree on the mask (the end of the payload phase), every
+survivor sees that a rank the relays were picked among is gone and raises
+:class:`RelayLost` - before any rank raises its own outcome of the call - after
+quarantining what a late writer may still write; normal.py then redoes the call flat over
+the survivors in fresh epochs (its inputs are the caller's, untouched). Not a repair of the
+lost rows: a partial sum that took in the rows of a rank masked after it was summed cannot
+be taken apart, and the deadline spent on the dead rank dwarfs one more flat call. A relay may wait a deadline out for a dead peer of its
+own before it writes: ranks waiting for a relay give it one more timeout (HostComm.wait
+``patient``) and the call's agreement allows for that (``late``).
 """
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 import torch
@@ -41,26 +57,57 @@ from .exchange import (DONE_LOST, DONE_WRITTEN, done_words, grant, put_rows,
                        release_on_error, send_when_granted, settle, signature_check)
 from .reduce import sum_rows_per_token
 
+log = logging.getLogger("moe_comm")
+
+
+class RelayLost(Exception):
+    """A rank the call's relays were picked among was masked since (mid-call, or between a
+    dispatch and a call on its handle): the relayed result may miss rows of healthy ranks,
+    so the survivors redo the call flat (normal.py)."""
+
 
 class Relays:
-    """Who relays for whom, from the host index of every rank (built once per HostComm)."""
+    """Who relays for whom, from the host index of every rank and the ranks still active
+    (built once per HostComm, then once per mask: :meth:`among`)."""
 
-    def __init__(self, host_of: list, rank: int):
+    def __init__(self, host_of: list, rank: int, active=None):
         R = len(host_of)
         self.rank, self.host_of = rank, list(host_of)
+        self.active = np.ones(R, bool) if active is None else np.array(active, bool)
         self.num_hosts = max(host_of) + 1
         self.ranks_on = [[r for r in range(R) if host_of[r] == h] for h in range(self.num_hosts)]
         self.local_index = [self.ranks_on[h].index(r) for r, h in enumerate(host_of)]
+        # relays are picked among a host's active ranks; a host with none gets nothing (its
+        # ranks' tokens are masked anyway). Mask columns stay one per rank of the host.
+        self.active_on = [[r for r in ranks if self.active[r]] for ranks in self.ranks_on]
         self.mask_cols = max(len(ranks) for ranks in self.ranks_on)   # one byte per rank
         self.local = self.ranks_on[host_of[rank]]
-        # relayed[f]: the ranks of other hosts whose tokens rank f relays onto its host
-        self.relayed = [[s for s in range(R) if host_of[s] != host_of[f]
+        # relayed[f]: the active ranks of other hosts whose tokens rank f relays onto its host
+        self.relayed = [[s for s in range(R) if self.active[s] and host_of[s] != host_of[f]
                          and self.relay(s, host_of[f]) == f] for f in range(R)]
         self._host_index = torch.tensor(host_of, dtype=torch.int64)
+        self._among = {}
 
-    def relay(self, s: int, host: int) -> int:
-        ranks = self.ranks_on[host]
-        return ranks[self.local_index[s] % len(ranks)]
+    def relay(self, s: int, host: int):
+        """The relay of rank s on ``host``: the host's active rank with s's local index,
+        modulo their count (None when the host has no active rank)."""
+        ranks = self.active_on[host]
+        return ranks[self.local_index[s] % len(ranks)] if ranks else None
+
+    def among(self, active) -> Relays:
+        """These relays chosen among the ranks ``active`` (bool [R]) marks: every rank that
+        holds the same mask derives the same choice."""
+        active = np.asarray(active, bool)
+        if np.array_equal(active, self.active):
+            return self
+        key = active.tobytes()
+        if key not in self._among:
+            self._among[key] = Relays(self.host_of, self.rank, active)
+        return self._among[key]
+
+    def serve(self, active) -> bool:
+        """Whether every rank these relays were chosen among is still active."""
+        return not (self.active & ~np.asarray(active, bool)).any()
 
     def rows_per_host(self, matrix: np.ndarray) -> np.ndarray:
         """[R, hosts]: rows each rank sends to the ranks of each host (sum over ranks)."""
@@ -75,6 +122,12 @@ class Routes:
     destination masks of the rows this rank relayed (``masks[s]`` bool [n, ranks here])."""
 
     def __init__(self, relays: Relays, matrix: np.ndarray, host_counts: np.ndarray):
+        # counts were sent before the notify agreement: nothing of a masked rank, nothing to
+        # a host with no active rank. A count may still exceed the tokens that go (a rank of
+        # that host masked since): the sender pads its rows with empty destination masks.
+        host_counts = host_counts.copy()
+        host_counts[~relays.active] = 0
+        host_counts[:, [h for h, ranks in enumerate(relays.active_on) if not ranks]] = 0
         self.relays, self.matrix, self.host_counts = relays, matrix, host_counts
         self.masks = {}
         self.combine_fits = False        # set by fits()
@@ -124,19 +177,20 @@ class Routes:
 
 def fits(routes: Routes, R: int, final_rows: list, row_bytes, scale_cols, topk,
          free_bytes) -> bool:
-    """Whether a dispatch goes by relays: every rank's output and staging regions fit the
-    heap it had free at the call's start (``free_bytes[f]``, told in the count rows, so every
-    rank answers the same). Also records on ``routes`` whether combine will: its two regions
-    fit what stays free once the dispatch's output is held (the caller holds it at combine;
-    whatever else it holds by then makes that combine fail as a flat one could)."""
+    """Whether a dispatch goes by relays: every active rank's output and staging regions fit
+    the heap it had free at the call's start (``free_bytes[f]``, told in the count rows, so
+    every rank answers the same). Also records on ``routes`` whether combine will: its two
+    regions fit what stays free once the dispatch's output is held (the caller holds it at
+    combine; whatever else it holds by then makes that combine fail as a flat one could)."""
     mc = routes.relays.mask_cols
     final = [SlabLayout(final_rows[f], row_bytes, scale_cols, topk).nbytes for f in range(R)]
     stage = [SlabLayout(routes.stage_rows(f), row_bytes, scale_cols, topk, mc).nbytes
              for f in range(R)]
     back = [SlabLayout(routes.back_rows(f), row_bytes, 0, topk).nbytes +
             SlabLayout(routes.partial_rows(f), row_bytes, 0, topk).nbytes for f in range(R)]
-    routes.combine_fits = all(final[f] + back[f] <= free_bytes[f] for f in range(R))
-    return all(final[f] + stage[f] <= free_bytes[f] for f in range(R))
+    live = np.flatnonzero(routes.relays.active).tolist()
+    routes.combine_fits = all(final[f] + back[f] <= free_bytes[f] for f in live)
+    return all(final[f] + stage[f] <= free_bytes[f] for f in live)
 
 
 def _grant_two(comm, epoch, own, extra, refuse=None):
@@ -193,6 +247,7 @@ def dispatch(comm, epoch, handle, *, x_bytes, scales, topk_idx, topk_weights, nu
             in_host = handle.is_token_in_rank[:, relays.ranks_on[h]]
             ids = in_host.any(1).nonzero().flatten()
             lay, at, c, spans = staging(f), routes.stage_row0(me, f), len(ids), []
+            counted = int(routes.host_counts[me, h])    # >= c: see Routes
             heap, base = comm.peer_heap(f), f_page * PAGE
             torch.index_select(x_bytes, 0, ids, out=_view(heap, base, lay, 0, at, c, row_bytes,
                                                           1, torch.uint8, spans))
@@ -203,17 +258,20 @@ def dispatch(comm, epoch, handle, *, x_bytes, scales, topk_idx, topk_weights, nu
                 _view(heap, base, lay, 2, at, c, topk, 8, torch.int64, spans).copy_(topk_idx[ids])
                 w = _view(heap, base, lay, 3, at, c, topk, 4, torch.float32, spans)
                 w.copy_(topk_weights[ids]) if topk_weights is not None else w.zero_()
-            mask = _view(heap, base, lay, 4, at, c, relays.mask_cols, 1, torch.uint8, spans)
-            mask.zero_()
-            mask[:, :in_host.shape[1]] = in_host[ids]
+            mask = _view(heap, base, lay, 4, at, counted, relays.mask_cols, 1, torch.uint8,
+                         spans)
+            mask.zero_()                # padding rows: forwarded nowhere, summed as nothing
+            mask[:c, :in_host.shape[1]] = in_host[ids]
             _commit(comm, f, spans)
 
         failed, short = send_when_granted(comm, epoch, list(relay_of), stage,
                                           lambda f: staging(f).nbytes, "dispatch/grant", agrees)
         comm.wait(stage_dones, epoch, "dispatch/relay")
+        # a sender masked meanwhile is no loss (its rows are dropped; RelayLost below)
+        live = [s for s in senders if comm.active[s]]
         lost = (senders and stage_page is None) or any(
-            int(tag_value(w[0])) != DONE_WRITTEN for w in stage_dones.values())
-        staged = _staged(comm, routes, stage_page, staging(me), senders, here, relays,
+            int(tag_value(stage_dones[s][0])) != DONE_WRITTEN for s in live)
+        staged = _staged(comm, routes, stage_page, staging(me), live, here, relays,
                          scales, topk) if not lost else {}
 
         # 4. forward: own rows and relayed rows to each rank of this host
@@ -222,24 +280,40 @@ def dispatch(comm, epoch, handle, *, x_bytes, scales, topk_idx, topk_weights, nu
             put_rows(comm, d, base, lay, int(row0[me, d]), handle.send_token_ids[d], x_bytes,
                      scales, topk_idx, topk_weights, num_local)
             for s, rows in staged.items():
-                if m[s, d]:
+                if m[s, d]:             # (never more rows than granted for s, whatever came)
                     put_rows(comm, d, base, lay, int(row0[s, d]),
-                             routes.masks[s][:, li].nonzero().flatten(), *rows, num_local)
+                             routes.masks[s][:, li].nonzero().flatten()[:int(m[s, d])],
+                             *rows, num_local)
 
         dests = [d for d in relays.local if routes.forwards(me, d)]
         f2, s2 = send_when_granted(comm, epoch, dests, forward, lambda d: final(d).nbytes,
                                    "dispatch/grant", agrees,
                                    written=DONE_LOST if lost else DONE_WRITTEN)
-        comm.wait(dones, epoch, "dispatch/payload")
+        # a forwarder may first wait a deadline out for a dead sender of another host
+        comm.wait(dones, epoch, "dispatch/payload", patient=writers)
         settle(comm, epoch, "dispatch", pages=[page, stage_page], own_error=own_error,
                dones={**stage_dones, **dones}, failed=failed + f2, short=short + s2,
-               calls=calls)
+               calls=calls, late=comm.timeout_s,
+               agreed=lambda: _check_relays(comm, routes, "dispatch"))
     except BaseException:
         release_on_error(comm, epoch, [page, stage_page], {**stage_dones, **dones})
         raise
     if stage_page is not None:
         comm.heap.free(stage_page)
     return page
+
+
+def _check_relays(comm, routes, op) -> None:
+    """RelayLost when the survivors' agreed mask drops a rank the call's relays were chosen
+    among: every survivor decides alike (same routes, same mask; before any rank raises its
+    own outcome of the call), after the settle has quarantined what a late writer may still
+    write; the caller's except clause frees the rest and normal.py redoes the call flat over
+    the survivors, where a capacity error of this call comes again on every rank alike."""
+    if not routes.relays.serve(comm.active):
+        gone = np.flatnonzero(routes.relays.active & ~comm.active).tolist()
+        log.warning("moe_comm rank %d: %s: rank(s) %s, among whom the call's relays were "
+                    "picked, masked since; the call is redone flat", comm.rank, op, gone)
+        raise RelayLost(f"{op}: rank(s) {gone} masked since the call's relays were picked")
 
 
 def _staged(comm, routes, page, lay, senders, here, relays, scales, topk) -> dict:
@@ -311,7 +385,7 @@ def combine(comm, epoch, handle, *, x, topk_weights, bias, calls, call_row):
         comm.wait(dones, epoch, "combine/payload")
         mine = _region(comm, page, back(me), topk) if page is not None else None
         lost = own_error is not None or any(int(tag_value(w[0])) != DONE_WRITTEN
-                                            for w in dones.values())
+                                            for d, w in dones.items() if comm.active[d])
 
         # 3. relay: one partial row per relayed token, across to its owner
         def write_partials(o, o_page):
@@ -330,9 +404,11 @@ def combine(comm, epoch, handle, *, x, topk_weights, bias, calls, call_row):
         f2, s2 = send_when_granted(comm, epoch, owners, write_partials,
                                    lambda o: partials(o).nbytes, "combine/grant", agrees,
                                    written=DONE_LOST if lost else DONE_WRITTEN)
-        comm.wait(part_dones, epoch, "combine/relay")
+        # a relay may first wait a deadline out for a dead writer of its host
+        comm.wait(part_dones, epoch, "combine/relay", patient=across)
         settle(comm, epoch, "combine", pages=[page, part_page], own_error=own_error,
-               dones={**dones, **part_dones}, failed=failed + f2, short=short + s2, calls=calls)
+               dones={**dones, **part_dones}, failed=failed + f2, short=short + s2, calls=calls,
+               late=comm.timeout_s, agreed=lambda: _check_relays(comm, routes, "combine"))
         # 4. reduce: this host's rows of my tokens, one partial row per other host
         segments, ids, weights = [], [], []
         rows, wts = mine
@@ -346,11 +422,12 @@ def combine(comm, epoch, handle, *, x, topk_weights, bias, calls, call_row):
                 ids.append(handle.send_token_ids[d])
             at += sum(c)
         prow, pw = _region(comm, part_page, partials(me), topk) if across else (None, None)
-        for h in remote_hosts:
-            lo, n = routes.partial_row0(me, h), int(routes.host_counts[me, h])
+        for h in remote_hosts:          # the tokens that went there, then padding (Routes)
+            lo = routes.partial_row0(me, h)
+            ids.append(in_rank[:, relays.ranks_on[h]].any(1).nonzero().flatten())
+            n = len(ids[-1])
             segments.append(prow[lo:lo + n])
             weights.append(None if pw is None else pw[lo:lo + n])
-            ids.append(in_rank[:, relays.ranks_on[h]].any(1).nonzero().flatten())
         segments = [s.view(dtype).view(-1, hidden) for s in segments]
         out = _sum(segments, ids, handle.num_tokens, dtype, hidden, bias)
         combined_w = None

@@ -267,9 +267,11 @@ class Hosts:
         return job
 
     def run(self, fn, ranks_per_host: int = 1, *args, mode: str = "fork",
-            timeout: float = 120.0, expect_exit=(), env: dict | None = None) -> list:
+            timeout: float = 120.0, expect_exit=(), expect_exit_ranks=(),
+            env: dict | None = None) -> list:
         return self.start(fn, ranks_per_host, *args, mode=mode, timeout=timeout,
-                          env=env).wait(expect_exit=expect_exit)
+                          env=env).wait(expect_exit=expect_exit,
+                                        expect_exit_ranks=expect_exit_ranks)
 
 
 class Job:
@@ -297,10 +299,12 @@ class Job:
     def host_of(self, rank: int) -> int:
         return rank // self.rph
 
-    def wait(self, expect_exit=()) -> list:
-        """Per-rank results. ``expect_exit``: hosts whose ranks may die without a result.
+    def wait(self, expect_exit=(), expect_exit_ranks=()) -> list:
+        """Per-rank results. ``expect_exit``: hosts whose ranks may die without a result;
+        ``expect_exit_ranks``: single ranks that may (their host's others must finish).
         The first failing rank ends the run at once (its peers would only wait for it)."""
-        expected = {r for r in range(self.world) if self.host_of(r) not in set(expect_exit)}
+        expected = {r for r in range(self.world) if self.host_of(r) not in set(expect_exit)
+                    and r not in set(expect_exit_ranks)}
         results, errors, gone = {}, {}, set()
         while time.monotonic() < self.deadline:
             for r, p in self.procs.items():
