@@ -244,9 +244,9 @@ def test_elastic_relay_killed_mid_call_leaves_survivors_exact(point):
     assert results[RELAY_VICTIM] is None, "the victim was to die in its relay's work"
     mask = torch.tensor([int(r != RELAY_VICTIM) for r in range(n)], dtype=torch.int32)
     _check_survivors(results, n, mask, point)
-    # the first dispatch's handle: redone flat (forward), or relayed (the kill came later)
-    first = point == "combine"
-    assert all(results[r]["relayed"] == [first, True] for r in range(n) if mask[r]), \
+    # the first step's handle lost its relays with the flat redo (of its dispatch, or of
+    # its combine: later calls on it go flat at once); the second step relays again
+    assert all(results[r]["relayed"] == [False, True] for r in range(n) if mask[r]), \
         [results[r]["relayed"] for r in range(n) if mask[r]]
 
 
@@ -363,8 +363,8 @@ def test_a_frozen_relay_that_resumes_is_fenced(tmp_path):
 def _controller_masks(rank, n):
     """No elastic mode: a controller masks rank 2 (the relay of rank 0's tokens on host 1)
     between a dispatch and its combine (set_active_ranks, on every rank; rank 2 stays away).
-    The combine goes flat (its relays were picked with rank 2 in), the next step by relays
-    among the others."""
+    The combine goes flat (its relays were picked with rank 2 in) and its handle loses its
+    relays; the next step goes by relays among the others."""
     buf = moe_comm.Buffer(None, 8 << 20, timeout_s=20)
     x, idx, w = _inputs(rank)
     phy, pw = _route(idx, w, n)
@@ -393,4 +393,4 @@ def test_ranks_a_controller_masks_take_no_part_in_relays():
     results = netns.run_on_hosts(_controller_masks, 2, 2, timeout=120, env=TCP)
     mask = torch.tensor([int(r != VICTIM) for r in range(n)], dtype=torch.int32)
     _check_survivors(results, n, mask, "controller mask")
-    assert all(results[r]["relayed"] == [True, True] for r in range(n) if mask[r])
+    assert all(results[r]["relayed"] == [False, True] for r in range(n) if mask[r])

@@ -135,3 +135,25 @@ def test_row_copies_gather_and_scatter_like_torch(monkeypatch):
     monkeypatch.setenv(native.ENV, "1")
     with pytest.raises(IndexError, match="destination row"):
         native.copy_rows(src, src_rows, torch.empty(10, 96, dtype=torch.uint8), dst_rows)
+
+
+def test_inconsistent_arguments_are_refused_not_read_past(monkeypatch):
+    """What the callers never pass must still not reach the C loops: wrong dtypes and row
+    counts raise, and sums with shapes or ids that do not fit go to torch, which raises."""
+    src = torch.zeros(8, 16, dtype=torch.uint8)
+    with pytest.raises(TypeError, match="uint8"):
+        native.copy_rows(src.view(torch.int16), None, torch.zeros(8, 8, dtype=torch.int16), None)
+    with pytest.raises(IndexError, match="row indices"):
+        native.copy_rows(src, torch.arange(4), torch.zeros(8, 16, dtype=torch.uint8),
+                         torch.arange(3))
+    dst = torch.zeros(8, 16, dtype=torch.uint8)
+    native.copy_rows(src + 7, torch.arange(4, dtype=torch.int32), dst,
+                     torch.arange(4, 8, dtype=torch.int32))     # any integer index dtype
+    assert (dst[4:] == 7).all() and (dst[:4] == 0).all()
+    rows = torch.ones(4, 128).bfloat16()
+    for tokens, ids in ((3, torch.tensor([0, 1, 5, 2])), (8, torch.tensor([0, 1, 2, -1]))):
+        assert native.sum_rows([rows], [ids], tokens, torch.bfloat16) is None
+        with pytest.raises((IndexError, RuntimeError)):
+            reduce.weighted_sum_rows(rows, ids, torch.ones(4), torch.empty(tokens, 128).bfloat16())
+    assert native.sum_rows([rows, torch.ones(2, 64).bfloat16()],
+                           [torch.arange(4), torch.arange(2)], 4, torch.bfloat16) is None

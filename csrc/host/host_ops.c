@@ -134,8 +134,9 @@ static inline uint8_t f32_to_e4m3(float v) {
     int32_t u = (int32_t)f32_to_bits(v);
     int32_t sign = (u >> 24) & 0x80;
     int32_t a = u & 0x7FFFFFFF;
-    int32_t normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3);
-    int32_t sub = (int32_t)f32_to_bits(bits_to_f32((uint32_t)a) * 512.0f + 8388608.0f) -
+    int32_t c = a > 0x7F800000 ? 0x7F800000 : a;           /* NaN: no signed overflow below */
+    int32_t normal = ((c + 0x7FFFF + ((c >> 20) & 1)) >> 20) - (120 << 3);
+    int32_t sub = (int32_t)f32_to_bits(bits_to_f32((uint32_t)c) * 512.0f + 8388608.0f) -
                   0x4B000000;
     int32_t code = a < 0x3C800000 ? sub : normal;             /* 0x3C800000 = 2^-6 */
     code = a > 0x7F800000 ? 0x7F : code;

@@ -42,7 +42,7 @@ from ..wire import (CALL_WORDS, MAGIC, MAX_EPOCH, PAGE, VERSION, HeaderLayout, a
                     tag_value)
 from .heap import PageHeap
 from .late_rows import LateRows
-from .relay import Relays
+from .relay import PATIENT_TIMEOUTS, Relays
 
 log = logging.getLogger("moe_comm")
 
@@ -218,10 +218,11 @@ class HostComm:
         active ranks until the call's deadline. Returns the ranks that missed it (elastic
         mode: now masked) or raises :class:`CommTimeoutError` naming them.
 
-        ``patient``: ranks whose words may come a whole deadline late from a healthy rank,
-        because it first waits out a dead peer of its own (a relay, relay.py). In elastic mode
-        those still silent at the deadline get one more timeout, unless their process is
-        known to be gone (ranks on this host): a dead one costs one deadline, as elsewhere."""
+        ``patient``: ranks whose words may come late from a healthy rank, because it first
+        waits out dead peers of its own (a relay, relay.py: up to PATIENT_TIMEOUTS of them one
+        after the other, each a fresh deadline). In elastic mode those still silent at the
+        deadline get PATIENT_TIMEOUTS more timeouts, unless their process is known to be gone
+        (ranks on this host): a dead one there costs one deadline, as elsewhere."""
         waits = {r: w for r, w in waits.items() if self.active[r]}
         silent = atomics.wait_words(waits, epoch, self._deadline, op, self.timeout_s,
                                     on_ready, raise_on_timeout=not self.elastic,
@@ -229,7 +230,8 @@ class HostComm:
         slow = [r for r in silent if r in patient and not self.gone(r)]
         if slow:
             later = atomics.wait_words({r: waits[r] for r in slow}, epoch,
-                                       time.monotonic() + self.timeout_s, op, self.timeout_s,
+                                       time.monotonic() + PATIENT_TIMEOUTS * self.timeout_s,
+                                       op, self.timeout_s,
                                        on_ready, raise_on_timeout=False,
                                        check=self.check_fence, crowded=self.crowded)
             silent = (silent - set(slow)) | later

@@ -8,12 +8,14 @@ loops are most of a large call's time on the host backend (docs/PERF.md, session
 Same results: each function here returns the bits of the torch code it stands in for
 (moe_comm/quant.py's cast, moe_comm/host/reduce.py's sums): the C file keeps torch's order
 of float32 operations and its roundings (tests/test_host_native.py checks it bit for bit).
+NaN is the exception: a NaN stays a NaN, but its sign and payload bits may differ.
 Where it cannot run (no ``cc``/``gcc``, a dtype it does not handle, ``MOE_COMM_HOST_NATIVE=0``)
 the callers use torch, so the backend runs on any machine.
 
 The library is built once per source and compiler (a few tenths of a second) into the kernel
-cache (moe_comm/jit/cache.py, folder ``host``), for the baseline x86-64 / aarch64 target, so a
-cache shared between machines never holds code a CPU cannot run.
+cache (moe_comm/jit/cache.py, folder ``host``, keyed by the compiler, its target and the
+source), for the baseline target plus an AVX2 clone picked at load time on x86-64 CPUs that
+have it, so a cache shared between machines never holds code a CPU cannot run.
 """
 from __future__ import annotations
 
@@ -22,8 +24,10 @@ import functools
 import logging
 import os
 from pathlib import Path
+import platform
 import shutil
 import subprocess
+import tempfile
 
 import torch
 
@@ -52,23 +56,22 @@ def _compiler() -> str | None:
 
 
 def _build(cc: str) -> Path:
+    """The built library: from the cache, or compiled in a private temporary folder (ranks
+    that build at once never share a file) and published atomically; where the cache cannot
+    be written, the temporary copy is loaded."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    digest = key(SOURCE.read_bytes().hex(), version, " ".join(FLAGS))
+    target = subprocess.run([cc, "-dumpmachine"], capture_output=True, text=True).stdout
+    digest = key(SOURCE.read_bytes().hex(), version, target, platform.machine(),
+                 " ".join(FLAGS))
     path = cache_dir("host") / f"host_ops-{digest[:40]}.so"
     if path.is_file():
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True,
+    built = Path(tempfile.mkdtemp(prefix="moe_comm_host_")) / path.name
+    done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True,
                           text=True)
     if done.returncode != 0:
-        tmp.unlink(missing_ok=True)
         raise RuntimeError(f"building {SOURCE.name} failed:\n{done.stderr[-2000:]}")
-    if not write_atomic(path, tmp.read_bytes()):
-        path = tmp.with_suffix(".so")                  # read-only cache: keep our own copy
-        os.replace(tmp, path)
-    tmp.unlink(missing_ok=True)
-    return path
+    return path if write_atomic(path, built.read_bytes()) else built
 
 
 @functools.lru_cache(maxsize=None)
@@ -115,9 +118,17 @@ def sum_rows(segments, ids_per_segment, num_tokens: int, out_dtype, biases=(),
             any(b.dtype != torch.float32 or not b.is_contiguous() for b in biases):
         return None
     hidden = segments[0].shape[1]
+    ids = torch.cat(list(ids_per_segment))
+    # the torch path raises for inconsistent shapes or ids past the tokens: leave it to it
+    if any(s.shape[1] != hidden for s in segments) or \
+            ids.numel() != sum(s.shape[0] for s in segments) or \
+            any(tuple(b.shape) != (num_tokens, hidden) for b in biases) or \
+            (out is not None and tuple(out.shape) != (num_tokens, hidden)) or \
+            (ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_tokens)) or \
+            (weights is not None and sum(w.numel() for w in weights) != ids.numel()):
+        return None
     addr = torch.cat([s.data_ptr() + torch.arange(s.shape[0], dtype=torch.int64) *
                       (s.stride(0) * s.element_size()) for s in segments])
-    ids = torch.cat(list(ids_per_segment))
     order = torch.argsort(ids, stable=True)      # by token; within a token, segment order
     addr = addr[order].contiguous()
     first = torch.zeros(num_tokens + 1, dtype=torch.int64)
@@ -159,11 +170,17 @@ def copy_rows(src: torch.Tensor, src_rows, dst: torch.Tensor, dst_rows) -> None:
     stride; the row width is ``src``'s, at most ``dst``'s), ``None`` rows meaning 0, 1, ...:
     one pass in C, where torch would gather into a temporary and scatter from it. A plain
     copy, so torch's indexing stands in for it wherever the C loops cannot run."""
+    if src.dtype != torch.uint8 or dst.dtype != torch.uint8:
+        raise TypeError(f"copy_rows: uint8 matrices, not {src.dtype} -> {dst.dtype}")
+    src_rows = None if src_rows is None else src_rows.to(torch.int64)
+    dst_rows = None if dst_rows is None else dst_rows.to(torch.int64)
     n = src_rows.numel() if src_rows is not None else \
         dst_rows.numel() if dst_rows is not None else src.shape[0]
     nbytes = src.shape[1]
-    if nbytes > dst.shape[1]:
-        raise IndexError(f"copy_rows: rows of {nbytes} bytes do not fit {tuple(dst.shape)}")
+    if nbytes > dst.shape[1] or (src_rows is not None and dst_rows is not None and
+                                 dst_rows.numel() != n):
+        raise IndexError(f"copy_rows: {n} rows of {nbytes} bytes do not match the "
+                         f"destination {tuple(dst.shape)} and its row indices")
     lib = library()
     if lib is None or src.stride(1) != 1 or dst.stride(1) != 1:
         rows = src[:n] if src_rows is None else src.index_select(0, src_rows)

@@ -142,6 +142,7 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
 
     Returns ``(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, handle)``."""
     me, R = comm.rank, comm.num_ranks
+    given = handle                    # the caller's handle (a cached dispatch), or None
     comm.start_call()
     parity, epoch = comm.next_normal_parity(), comm.next_epoch()
     call_row = signature.of_dispatch(
@@ -241,6 +242,8 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
                 topk_weights=topk_weights, num_local=num_local, final=slab, refuse=refuse,
                 calls=calls, call_row=call_row)
         except relay.RelayLost:       # every survivor: again, flat, over the survivors
+            if given is not None:     # (all alike) later calls on it go flat at once
+                given.relay = None
             return dispatch(comm, x_bytes=x_bytes, dtype=dtype, hidden=hidden, scales=scales,
                             topk_idx=topk_idx, topk_weights=topk_weights, layout=None,
                             handle=replace(handle, relay=None), num_experts=num_experts,
@@ -392,7 +395,8 @@ def combine(comm, *, x, handle, topk_weights, bias):
             return relay.combine(comm, epoch, handle, x=x, topk_weights=topk_weights,
                                  bias=bias, calls=calls, call_row=call_row)
         except relay.RelayLost:       # every survivor: again, flat (x keeps the handle's rows)
-            return combine(comm, x=x, handle=replace(handle, relay=None),
+            handle.relay = None       # (all alike) later calls on it go flat at once
+            return combine(comm, x=x, handle=handle,
                            topk_weights=topk_weights, bias=bias)
     streamed, n_rows = plan.streams(me), plan.rows_at[me]
     if streamed:                      # the rows pass through the heap into tensors of their own

@@ -61,6 +61,7 @@ def weighted_sum_rows(rows, tokens, weights, out):
     w = weights.unsqueeze(1)
     for m0 in range(0, tokens.numel(), WEIGHTED_CHUNK_ROWS):
         m1 = min(m0 + WEIGHTED_CHUNK_ROWS, tokens.numel())
-        acc.index_add_(0, tokens[m0:m1], rows[m0:m1].float().mul_(w[m0:m1]))
+        # a product of its own: float() of float32 rows is the rows themselves
+        acc.index_add_(0, tokens[m0:m1], rows[m0:m1].float() * w[m0:m1])
     out.copy_(acc)
     return out

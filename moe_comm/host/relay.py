@@ -41,9 +41,10 @@ survivor sees that a rank the relays were picked among is gone and raises
 quarantining what a late writer may still write; normal.py then redoes the call flat over
 the survivors in fresh epochs (its inputs are the caller's, untouched). Not a repair of the
 lost rows: a partial sum that took in the rows of a rank masked after it was summed cannot
-be taken apart, and the deadline spent on the dead rank dwarfs one more flat call. A relay may wait a deadline out for a dead peer of its
-own before it writes: ranks waiting for a relay give it one more timeout (HostComm.wait
-``patient``) and the call's agreement allows for that (``late``).
+be taken apart, and the deadline spent on the dead rank dwarfs one more flat call. A relay
+may wait deadlines out for dead peers of its own before it writes: ranks waiting for a relay
+give it PATIENT_TIMEOUTS more timeouts (HostComm.wait ``patient``) and the call's agreement
+allows for that (``late``).
 """
 from __future__ import annotations
 
@@ -58,6 +59,12 @@ from .exchange import (DONE_LOST, DONE_WRITTEN, done_words, grant, put_rows,
 from .reduce import sum_rows_per_token
 
 log = logging.getLogger("moe_comm")
+
+# A relay writes after at most two waits of its own that may each end at a fresh deadline
+# (dispatch: its grants, then the senders it relays for; combine: the grants of its host,
+# then the rows of its host's writers): it may be that many timeouts late and healthy, so
+# ranks waiting for it give it that much more (HostComm.wait ``patient``, agree ``late``).
+PATIENT_TIMEOUTS = 2
 
 
 class RelayLost(Exception):
@@ -289,11 +296,11 @@ def dispatch(comm, epoch, handle, *, x_bytes, scales, topk_idx, topk_weights, nu
         f2, s2 = send_when_granted(comm, epoch, dests, forward, lambda d: final(d).nbytes,
                                    "dispatch/grant", agrees,
                                    written=DONE_LOST if lost else DONE_WRITTEN)
-        # a forwarder may first wait a deadline out for a dead sender of another host
+        # a forwarder may first wait deadlines out for dead peers of its own (comm.py)
         comm.wait(dones, epoch, "dispatch/payload", patient=writers)
         settle(comm, epoch, "dispatch", pages=[page, stage_page], own_error=own_error,
                dones={**stage_dones, **dones}, failed=failed + f2, short=short + s2,
-               calls=calls, late=comm.timeout_s,
+               calls=calls, late=PATIENT_TIMEOUTS * comm.timeout_s,
                agreed=lambda: _check_relays(comm, routes, "dispatch"))
     except BaseException:
         release_on_error(comm, epoch, [page, stage_page], {**stage_dones, **dones})
@@ -404,11 +411,12 @@ def combine(comm, epoch, handle, *, x, topk_weights, bias, calls, call_row):
         f2, s2 = send_when_granted(comm, epoch, owners, write_partials,
                                    lambda o: partials(o).nbytes, "combine/grant", agrees,
                                    written=DONE_LOST if lost else DONE_WRITTEN)
-        # a relay may first wait a deadline out for a dead writer of its host
+        # a relay may first wait deadlines out for dead peers of its own (comm.py)
         comm.wait(part_dones, epoch, "combine/relay", patient=across)
         settle(comm, epoch, "combine", pages=[page, part_page], own_error=own_error,
                dones={**dones, **part_dones}, failed=failed + f2, short=short + s2, calls=calls,
-               late=comm.timeout_s, agreed=lambda: _check_relays(comm, routes, "combine"))
+               late=PATIENT_TIMEOUTS * comm.timeout_s,
+               agreed=lambda: _check_relays(comm, routes, "combine"))
         # 4. reduce: this host's rows of my tokens, one partial row per other host
         segments, ids, weights = [], [], []
         rows, wts = mine
