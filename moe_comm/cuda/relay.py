@@ -40,12 +40,20 @@ RELAY_REDUCE_KERNEL = {torch.bfloat16: "moe_relay_reduce_bf16",
                        torch.float32: "moe_relay_reduce_f32"}
 
 
+def enabled(comm: CudaComm) -> bool:
+    """``MOE_COMM_RELAY`` (not ``0``: relays), read once per communicator (a Buffer), at its
+    first normal call; it must be the same on every rank, as on the host backend."""
+    on = getattr(comm, "_relay_enabled", None)
+    if on is None:
+        on = comm._relay_enabled = os.environ.get("MOE_COMM_RELAY", "1") != "0"
+    return on
+
+
 def wanted(comm: CudaComm, num_worst_tokens: int) -> bool:
     """Whether a call may go by relays, decided before its notify from what every rank
-    knows alike (the environment switch must be the same on every rank, as on the host
-    backend)."""
+    knows alike."""
     return (comm.host_of is not None and not comm.elastic and comm.active is None
-            and not num_worst_tokens and os.environ.get("MOE_COMM_RELAY", "1") != "0")
+            and not num_worst_tokens and enabled(comm))
 
 
 def _live(num_ranks: int, ranks, device) -> torch.Tensor:
