@@ -93,8 +93,7 @@ moe_relay_stage(MOE_ARGS_moe_relay_stage) {
 // grid: one block per job at most
 MOE_KERNEL void __launch_bounds__(MOE_THREADS_RELAY_FORWARD, 1)
 moe_relay_forward(MOE_ARGS_moe_relay_forward) {
-    relay_forward_body(MOE_GROUP, MOE_ERRORS, row_bytes, scale_cols, topk, has_w, num_local,
-                       mask_cols,
+    relay_forward_body(MOE_GROUP, MOE_ERRORS, row_bytes, scale_cols, topk, num_local, mask_cols,
                        stage_off, stage_rows, jobs, num_jobs, out_rows, relay_pos, num_here,
                        done_to, (u64)done_off, (u64)done_stride, (u32)epoch, counter);
 }

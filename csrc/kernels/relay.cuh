@@ -35,20 +35,24 @@
 #pragma once
 #include "normal.cuh"
 
-// wire.SlabLayout with a mask sub-array (a relay's staging slab): payload, scales, ids,
-// weights, mask bytes, each kSlabAlign aligned, the whole a page multiple.
+// A relay's staging slab (moe_comm/cuda/relay.py StageLayout): payload rows, then one
+// metadata row per token - global top-k ids (8 bytes each), scales, top-k weights (4 bytes
+// each), mask bytes, the row rounded to 8 bytes - so a staged token crosses as two puts, not
+// five (each put costs a command and a frame on the wire). Sub-arrays kSlabAlign aligned,
+// the whole a page multiple.
 struct StageSlab {
-    u64 x, scales, idx, w, mask, nbytes;
+    u64 x, meta, meta_bytes, scales, w, mask, nbytes;  // scales, w, mask: offsets in a meta row
 
     static MOE_DEVICE StageSlab make(u64 rows, u64 row_bytes, u64 scale_cols, u64 topk,
                                      u64 mask_cols) {
         StageSlab s;
         s.x = 0;
-        s.scales = round_up(s.x + rows * row_bytes, kSlabAlign);
-        s.idx = round_up(s.scales + rows * scale_cols * 4, kSlabAlign);
-        s.w = round_up(s.idx + rows * topk * 8, kSlabAlign);
-        s.mask = round_up(s.w + rows * topk * 4, kSlabAlign);
-        s.nbytes = round_up(s.mask + rows * mask_cols, kPage);
+        s.meta = round_up(rows * row_bytes, kSlabAlign);
+        s.scales = topk * 8;
+        s.w = s.scales + scale_cols * 4;
+        s.mask = s.w + topk * 4;
+        s.meta_bytes = round_up(s.mask + mask_cols, 8);
+        s.nbytes = round_up(s.meta + rows * s.meta_bytes, kPage);
         return s;
     }
 };
@@ -67,7 +71,7 @@ MOE_DEVICE void signal_done_to(const Transport& t, const Group& g, const i32* do
 // host). ranks_on i32 [H, mask_cols]: host h's ranks by local index (-1 padding).
 // stage_off/stage_rows/stage_row0 i64 [H]: where the relay's staging slab starts in its data
 // region, its rows, and this rank's first row there. Ids and weights go as given (global ids;
-// no weights without topk_w); the relay converts them per destination.
+// zero weights without topk_w); the relay converts them per destination.
 __device__ void relay_stage_body(const Group g, const ErrorSink err, const u8* x,
                                  i64 num_tokens, i64 row_bytes, const float* scales,
                                  i64 scale_cols, const i64* topk_idx, const float* topk_w,
@@ -108,25 +112,22 @@ __device__ void relay_stage_body(const Group g, const ErrorSink err, const u8* x
             if (p < 0 || f < 0) continue;
             const u64 row = (u64)(row0[h] + p);
             t.put_warp(f, base[h] + slab[h].x + row * row_bytes, x + tok * row_bytes, row_bytes);
-            if (scales)
-                t.put_warp(f, base[h] + slab[h].scales + row * scale_cols * 4,
-                           scales + tok * scale_cols, scale_cols * 4);
-            if (topk > 0) {
-                t.put_warp(f, base[h] + slab[h].idx + row * topk * 8, topk_idx + tok * topk,
-                           topk * 8);
-                if (topk_w)  // none: the relay writes zeros (relay_forward's has_w)
-                    t.put_warp(f, base[h] + slab[h].w + row * topk * 4, topk_w + tok * topk,
-                               topk * 4);
-            }
-            const u64 at = base[h] + slab[h].mask + row * mask_cols;
-            u8* mask = t.row_for_write(f, at);
-            if (mask)
+            const u64 at = base[h] + slab[h].meta + row * slab[h].meta_bytes;
+            u8* meta = t.row_for_write(f, at);
+            if (meta) {
+                for (i64 k = lane; k < topk; k += kWarpSize) {
+                    ((i64*)meta)[k] = topk_idx[tok * topk + k];
+                    ((float*)(meta + slab[h].w))[k] = topk_w ? topk_w[tok * topk + k] : 0.0f;
+                }
+                for (i64 c = lane; c < scale_cols; c += kWarpSize)
+                    ((float*)(meta + slab[h].scales))[c] = scales[tok * scale_cols + c];
                 for (i64 c = lane; c < mask_cols; c += kWarpSize) {
                     const i32 d = ranks_on[h * mask_cols + c];
-                    mask[c] = d >= 0 && send_pos[tok * R + d] >= 0 ? 1 : 0;
+                    meta[slab[h].mask + c] = d >= 0 && send_pos[tok * R + d] >= 0 ? 1 : 0;
                 }
+            }
             __syncwarp();
-            t.commit_row_warp(f, at, mask, mask_cols);
+            t.commit_row_warp(f, at, meta, slab[h].meta_bytes);
         }
     }
     if (last_block_arrives(counter, &last))
@@ -137,12 +138,10 @@ __device__ void relay_stage_body(const Group g, const ErrorSink err, const u8* x
 // jobs i64 [J, 5], one per (relayed sender s, rank d of this host): (s's first staging row,
 // its staged rows n, d, d's local index li, d's flat row0 for s = rows of lower sources).
 // One block per job (grid-stride). out_rows i64 [R]: rows of each rank's output slab (its
-// column sum). has_w: the senders staged weights (else they are zeros). relay_pos i32
-// [stage_rows, L] out: a staged row's place among s's rows for the
+// column sum). relay_pos i32 [stage_rows, L] out: a staged row's place among s's rows for the
 // rank of local index li, -1 when it does not go there (the combine's relay reads it).
 __device__ void relay_forward_body(const Group g, const ErrorSink err, i64 row_bytes,
-                                   i64 scale_cols, i64 topk, i64 has_w, i64 num_local,
-                                   i64 mask_cols,
+                                   i64 scale_cols, i64 topk, i64 num_local, i64 mask_cols,
                                    i64 stage_off, i64 stage_rows, const i64* jobs,
                                    i64 num_jobs, const i64* out_rows, i32* relay_pos,
                                    i64 num_here, const i32* done_to, u64 done_off,
@@ -166,7 +165,8 @@ __device__ void relay_forward_body(const Group g, const ErrorSink err, i64 row_b
         i64 running = 0;
         for (i64 c0 = 0; c0 < n; c0 += blockDim.x) {
             const i64 i = c0 + threadIdx.x;
-            const bool bit = i < n && region[st.mask + (u64)(row0 + i) * mask_cols + li] != 0;
+            const bool bit = i < n && region[st.meta + (u64)(row0 + i) * st.meta_bytes + st.mask +
+                                             li] != 0;
             int total;
             const int before = block_scan_flags(bit, warp_counts, &total);
             const i32 at = bit ? (i32)(running + before) : -1;
@@ -177,16 +177,17 @@ __device__ void relay_forward_body(const Group g, const ErrorSink err, i64 row_b
             for (i64 r = warp_id(); fits && r < chunk; r += warps_per_block()) {
                 if (pos[r] < 0) continue;
                 const u64 src = (u64)(row0 + c0 + r), row = (u64)(dst0 + pos[r]);
+                const u8* meta = region + st.meta + src * st.meta_bytes;
                 t.put_warp(d, base + out.x + row * row_bytes, region + st.x + src * row_bytes,
                            row_bytes);
                 if (scale_cols)
-                    t.put_warp(d, base + out.scales + row * scale_cols * 4,
-                               region + st.scales + src * scale_cols * 4, scale_cols * 4);
+                    t.put_warp(d, base + out.scales + row * scale_cols * 4, meta + st.scales,
+                               scale_cols * 4);
                 if (topk > 0) {
                     // ids as d sees them (local, -1 elsewhere), weights zeroed there: the
                     // flat send's rule (normal.cuh dispatch send)
-                    const i64* ids_in = (const i64*)(region + st.idx) + src * topk;
-                    const float* ws_in = (const float*)(region + st.w) + src * topk;
+                    const i64* ids_in = (const i64*)meta;
+                    const float* ws_in = (const float*)(meta + st.w);
                     i64* ids = (i64*)t.row_for_write(d, base + out.idx + row * topk * 8);
                     float* ws = (float*)t.row_for_write(d, base + out.w + row * topk * 4);
                     if (!ids || !ws) continue;
@@ -195,7 +196,7 @@ __device__ void relay_forward_body(const Group g, const ErrorSink err, i64 row_b
                         const i64 local = e - (i64)d * num_local;
                         const bool mine = e >= 0 && local >= 0 && local < num_local;
                         ids[k] = mine ? local : -1;
-                        ws[k] = mine && has_w ? ws_in[k] : 0.0f;
+                        ws[k] = mine ? ws_in[k] : 0.0f;
                     }
                     __syncwarp();
                     t.commit_row_warp(d, base + out.idx + row * topk * 8, (const u8*)ids,

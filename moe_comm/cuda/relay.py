@@ -31,7 +31,7 @@ from ..host.relay import Relays
 from ..jit.kernel_args import pack
 from ..jit.launch import launch
 from ..jit.variants import THREADS
-from ..wire import SlabLayout
+from ..wire import PAGE, SLAB_ALIGN, SlabLayout, round_up
 from .comm import SIGNAL_STRIDE, CudaComm
 from .kernel_inputs import errors, group
 
@@ -181,13 +181,21 @@ class Routes:
         raise KeyError((f, s, d))
 
 
+def stage_nbytes(rows: int, row_bytes: int, scale_cols: int, topk: int, mask_cols: int) -> int:
+    """Bytes of a relay's staging slab (relay.cuh StageSlab): ``rows`` payload rows, then one
+    metadata row per token (ids, scales, weights, mask; 8-byte multiple), so a staged token
+    crosses as two puts; SLAB_ALIGN between the two, a page multiple in all."""
+    meta = round_up(topk * 8 + scale_cols * 4 + topk * 4 + mask_cols, 8)
+    return round_up(round_up(rows * row_bytes, SLAB_ALIGN) + rows * meta, PAGE)
+
+
 def dispatch_fits(routes: Routes, heap_bytes: int, row_bytes: int, scale_cols: int,
                   topk: int) -> bool:
     """Every rank's output slab and staging slab fit its data region (one copy)."""
     m, mc = routes.matrix, routes.topo.mask_cols
     cols = m.sum(0)
     return all(SlabLayout(int(cols[f]), row_bytes, scale_cols, topk).nbytes +
-               SlabLayout(routes.stage_rows(f), row_bytes, scale_cols, topk, mc).nbytes
+               stage_nbytes(routes.stage_rows(f), row_bytes, scale_cols, topk, mc)
                <= heap_bytes for f in range(m.shape[0]))
 
 
@@ -270,7 +278,7 @@ def dispatch(comm: CudaComm, k, routes: Routes, epochs: tuple, send: dict, num_s
            THREADS["moe_relay_forward"],
            pack("moe_relay_forward", **group(comm), **errors(comm, "dispatch/send"),
                 row_bytes=row_bytes, scale_cols=scale_cols, topk=topk,
-                has_w=int(send["topk_w"] is not None), num_local=send["num_local"], mask_cols=topo.mask_cols,
+                num_local=send["num_local"], mask_cols=topo.mask_cols,
                 stage_off=SlabLayout(int(cols[me]), row_bytes, scale_cols, topk).nbytes,
                 stage_rows=routes.stage_rows(me), jobs=_i64(jobs, 5, dev),
                 num_jobs=len(jobs) // 5, out_rows=_i64(cols.tolist(), 1, dev).flatten(),

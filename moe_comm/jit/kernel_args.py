@@ -137,7 +137,7 @@ _DECLARED = {
                        "const i64* stage_rows, const i64* stage_row0, const i32* done_to, "
                        "i64 done_off, i64 done_stride, i64 epoch, i32* counter",
     "moe_relay_forward": f"{GROUP}, {ERRORS}, i64 row_bytes, i64 scale_cols, i64 topk, "
-                         "i64 has_w, i64 num_local, i64 mask_cols, i64 stage_off, i64 stage_rows, "
+                         "i64 num_local, i64 mask_cols, i64 stage_off, i64 stage_rows, "
                          "const i64* jobs, i64 num_jobs, const i64* out_rows, i32* relay_pos, "
                          "i64 num_here, const i32* done_to, i64 done_off, i64 done_stride, "
                          "i64 epoch, i32* counter",
