@@ -3,8 +3,9 @@ backend. Normal mode goes hierarchical there (moe_comm/host/relay.py: a token cr
 other host once, to one relay that forwards it over shared memory); normal and low-latency
 calls are checked against the reference, and the bytes that cross the host links, read from
 the interfaces' own counters, are compared with the ideal (each token's payload once per other
-host it visits, out and back). An elastic group loses a whole host and its survivors agree
-and stay exact.
+host it visits, out and back). The CUDA backend (kernels on the CPU emulator, 4 hosts x 3
+ranks) goes by its relays too (moe_comm/cuda/relay.py) and gets the same checks. An elastic
+group loses a whole host and its survivors agree and stay exact.
 """
 from __future__ import annotations
 

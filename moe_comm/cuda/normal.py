@@ -21,6 +21,13 @@ combine, epoch e: notify (as a barrier) -> send rows back into the owners' stagi
   wait -> per-token float32 sum (+ bias) in the owner (streamed: send / wait / copy to a local
   staging tensor per round, then the one sum from it).
 
+Across hosts (``comm.host_of``), a dispatch without num_worst_tokens whose regions fit in one
+copy goes by relays (moe_comm/cuda/relay.py, csrc/kernels/relay.cuh): its notify also carries
+each rank's token count per host, the send becomes stage / own rows / forward so a token
+crosses to each other host once, and its combine (when it fits too) has each host's rows of a
+token summed by the owner's relay there; copy-out and the reduce are the ones below. The same
+outputs and handles; elastic groups, masked ranks, MOE_COMM_RELAY=0 and streamed calls go flat.
+
 With ``num_worst_tokens`` the host never synchronises: every slab has exactly that many rows;
 a receiver that would get more reports an overflow (raised as CudaCommError at the next call).
 

@@ -1,7 +1,7 @@
 """Hierarchical (relay) normal mode of the CUDA backend: a token crosses to each other host once.
 
-The host backend's protocol (moe_comm/host/relay.py, whose ``Relays`` this module uses: the
-relay of sender s on host H is H's rank with s's local index) with the CUDA backend's
+The host backend's protocol (moe_comm/host/relay.py; moe_comm/relay_map.py: the relay of
+sender s on host H is H's rank with s's local index) with the CUDA backend's
 kernels (csrc/kernels/relay.cuh has the device side and the order of every step). What this
 module adds is the host's part: from the count matrices every rank holds after the notify
 (ranks x ranks, and ranks x hosts: the notify carries each rank's token count per host),
@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..host.relay import Relays
 from ..jit.kernel_args import pack
 from ..jit.launch import launch
 from ..jit.variants import THREADS
+from ..relay_map import Relays
 from ..wire import PAGE, SLAB_ALIGN, SlabLayout, round_up
 from .comm import SIGNAL_STRIDE, CudaComm
 from .kernel_inputs import errors, group
@@ -143,6 +143,7 @@ class Routes:
     host_pos: torch.Tensor           # int32 [T, H] (host_positions)
     send_pos_first: torch.Tensor     # int32 [T, R] (first_per_host)
     relay_pos: torch.Tensor = field(default=None)   # int32 [staged rows here, L] (forward)
+    _gather0: dict = field(default_factory=dict, repr=False)
 
     def relayed(self, f: int) -> list:
         return self.topo.relays.relayed[f]
@@ -173,12 +174,16 @@ class Routes:
         return sum(n for _, _, n in self.gather_parts(f))
 
     def gather_row0(self, f: int, s: int, d: int) -> int:
-        at = 0
-        for p, q, n in self.gather_parts(f):
-            if (p, q) == (s, d):
-                return at
-            at += n
-        raise KeyError((f, s, d))
+        """Where d's rows for s start in f's gather slab (one table per f, kept: a combine
+        asks once per source)."""
+        table = self._gather0.get(f)
+        if table is None:
+            table, at = {}, 0
+            for p, q, n in self.gather_parts(f):
+                table[p, q] = at
+                at += n
+            self._gather0[f] = table
+        return table[s, d]
 
 
 def stage_nbytes(rows: int, row_bytes: int, scale_cols: int, topk: int, mask_cols: int) -> int:
