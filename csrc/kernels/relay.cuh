@@ -248,10 +248,10 @@ __device__ void relay_ranges_body(const Group g, const ErrorSink err, const u8* 
 // jobs i64 [J, 4 + 2L], one per relayed owner s: (s's first staging row, its staged rows,
 // s, rows of s's flat staging slab, then per local index li: where (s, li)'s rows start in
 // this rank's gather slab, and where li's rows start in s's flat staging slab); ends i64 [J]
-// cumulative staged rows. One block per staged token: the fp32 sum of the rows this host
-// returned for it (relay_pos says which and where), in local-index order, cast to Elem,
-// written into s's slab at the row of the first local rank the token went to; weights summed
-// alike (float32).
+// cumulative staged rows. One warp per staged token (no block barrier: a token's few rows are
+// summed lane by lane across the row): the fp32 sum of the rows this host returned for it
+// (relay_pos says which and where), in local-index order, cast to Elem, written into s's slab
+// at the row of the first local rank the token went to; weights summed alike (float32).
 template <typename Elem>
 __device__ void relay_reduce_body(const Group g, const ErrorSink err, i64 hidden, i64 topk,
                                   i64 gather_off, i64 gather_rows, const i64* jobs,
@@ -259,9 +259,6 @@ __device__ void relay_reduce_body(const Group g, const ErrorSink err, i64 hidden
                                   i64 num_here, const i32* done_to, u64 done_off,
                                   u64 done_stride, u32 epoch, i32* counter) {
     typedef typename Elem::Storage S;
-    __shared__ u64 rows[kMaxRanks];  // the token's gather rows
-    __shared__ int nrows;
-    __shared__ u64 dst_row;
     __shared__ int last;
     const Transport t{g.bases, err};
     const bool failed = block_failed(err, g.fence());
@@ -271,55 +268,48 @@ __device__ void relay_reduce_body(const Group g, const ErrorSink err, i64 hidden
     const bool inside = (u64)gather_off + gs.nbytes <= g.capacity;
     const i64 total = failed || !inside || num_jobs == 0 ? 0 : ends[num_jobs - 1];
     const i64 stride = 4 + 2 * num_here;
-    for (i64 i = blockIdx.x; i < total; i += gridDim.x) {
+    const int lane = lane_id();
+    const i64 warp0 = (i64)blockIdx.x * warps_per_block() + warp_id();
+    const i64 nwarps = (i64)gridDim.x * warps_per_block();
+    for (i64 i = warp0; i < total; i += nwarps) {
         const int j = segment_of(ends, (int)num_jobs, i);
         const i64* job = jobs + j * stride;
-        const i64 srow = job[0] + (i - (ends[j] - job[1]));
+        const i32* pos = relay_pos + (job[0] + (i - (ends[j] - job[1]))) * num_here;
         const int s = (int)job[2];
         const Slab back = Slab::make((u64)job[3], row_bytes, 0, topk);
-        if (threadIdx.x == 0) {
-            int n = 0;
-            dst_row = ~0ull;
-            for (int li = 0; li < num_here; ++li) {
-                const i32 p = relay_pos[srow * num_here + li];
-                if (p < 0) continue;
-                if (n == 0) dst_row = (u64)(job[4 + 2 * li + 1] + p);
-                rows[n++] = (u64)(job[4 + 2 * li] + p);
+        int first = 0;  // the first local rank the token went to (the same in every lane)
+        while (first < num_here && pos[first] < 0) ++first;
+        if (first == num_here || !g.fits(s, back.nbytes)) continue;
+        const u64 dst_row = (u64)(job[4 + 2 * first + 1] + pos[first]);
+        const u64 at = g.data_off + back.x + dst_row * row_bytes;
+        S* out = (S*)t.row_for_write(s, at);
+        if (out)
+            for (i64 c = lane; c < hidden; c += kWarpSize) {
+                float acc = 0.0f;
+                for (int li = first; li < num_here; ++li)
+                    if (pos[li] >= 0)
+                        acc += Elem::to_f32(((const S*)(region + gs.x + (u64)(job[4 + 2 * li] +
+                                                                            pos[li]) *
+                                                                       row_bytes))[c]);
+                out[c] = Elem::from_f32(acc);
             }
-            nrows = n;
-        }
-        __syncthreads();
-        const int n = nrows;
-        const u64 base = g.data_off;  // the owner's flat staging slab (not elastic: floor 0)
-        if (n > 0 && g.fits(s, back.nbytes)) {
-            S* out = (S*)t.row_for_write(s, base + back.x + dst_row * row_bytes);
-            float* w_out = topk > 0 ? (float*)t.row_for_write(s, base + back.w +
-                                                              dst_row * topk * 4)
-                                    : nullptr;
-            if (out)
-                for (i64 c = threadIdx.x; c < hidden; c += blockDim.x) {
-                    float acc = 0.0f;
-                    for (int r = 0; r < n; ++r)
-                        acc += Elem::to_f32(((const S*)(region + gs.x + rows[r] * row_bytes))[c]);
-                    out[c] = Elem::from_f32(acc);
-                }
+        __syncwarp();
+        t.commit_row_warp(s, at, (const u8*)out, row_bytes);
+        if (topk > 0) {
+            const u64 w_at = g.data_off + back.w + dst_row * topk * 4;
+            float* w_out = (float*)t.row_for_write(s, w_at);
             if (w_out)
-                for (i64 k = threadIdx.x; k < topk; k += blockDim.x) {
+                for (i64 k = lane; k < topk; k += kWarpSize) {
                     float acc = 0.0f;
-                    for (int r = 0; r < n; ++r)
-                        acc += ((const float*)(region + gs.w))[rows[r] * topk + k];
+                    for (int li = first; li < num_here; ++li)
+                        if (pos[li] >= 0)
+                            acc += ((const float*)(region + gs.w))[(job[4 + 2 * li] + pos[li]) *
+                                                                   topk + k];
                     w_out[k] = acc;
                 }
-            __syncthreads();  // the whole row is built before one warp sends it
-            if (warp_id() == 0) {
-                t.commit_row_warp(s, base + back.x + dst_row * row_bytes, (const u8*)out,
-                                  row_bytes);
-                if (w_out)
-                    t.commit_row_warp(s, base + back.w + dst_row * topk * 4, (const u8*)w_out,
-                                      topk * 4);
-            }
+            __syncwarp();
+            t.commit_row_warp(s, w_at, (const u8*)w_out, topk * 4);
         }
-        __syncthreads();  // rows / nrows are rewritten for the next token
     }
     if (last_block_arrives(counter, &last))
         signal_done_to(t, g, done_to, done_off, done_stride, epoch);

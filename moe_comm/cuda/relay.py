@@ -212,6 +212,11 @@ def combine_fits(routes: Routes, heap_bytes: int, row_bytes: int, topk: int) -> 
                for f in range(back.shape[0]))
 
 
+def _grid(rows: int, kernel: str, num_sms: int) -> int:
+    """Blocks of a warp-per-row kernel: enough for one warp a row, at most ``num_sms``."""
+    return max(1, min(-(-rows // (THREADS[kernel] // 32)), num_sms))
+
+
 def _i64(rows, width: int, device) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64).reshape(-1, width).to(device)
 
@@ -249,9 +254,9 @@ def dispatch(comm: CudaComm, k, routes: Routes, epochs: tuple, send: dict, num_s
         stage_off.append(SlabLayout(int(cols[f]), row_bytes, scale_cols, topk).nbytes)
         stage_rows.append(routes.stage_rows(f))
         stage_row0.append(routes.stage_row0(me, f))
-    threads = THREADS["moe_relay_stage"]
     if any(f >= 0 for f in topo.relay_of):
-        launch(k["moe_relay_stage"], max(1, num_sms), threads,
+        launch(k["moe_relay_stage"], _grid(send["num_tokens"], "moe_relay_stage", num_sms),
+               THREADS["moe_relay_stage"],
                pack("moe_relay_stage", **group(comm), **errors(comm, "dispatch/send"),
                     x=send["x"], num_tokens=send["num_tokens"], row_bytes=row_bytes,
                     scales=send["scales"], scale_cols=scale_cols, topk_idx=send["topk_idx"],
@@ -320,7 +325,8 @@ def combine(comm: CudaComm, k, routes: Routes, epoch: int, *, x, topk_weights, n
                      routes.gather_rows(f)]
         total += n
         ends.append(total)
-    launch(k["moe_relay_ranges"], max(1, num_sms), THREADS["moe_relay_ranges"],
+    launch(k["moe_relay_ranges"], _grid(total, "moe_relay_ranges", num_sms),
+           THREADS["moe_relay_ranges"],
            pack("moe_relay_ranges", **group(comm), **errors(comm, "combine/send"), x=x,
                 row_bytes=row_bytes, topk_w=topk_weights, topk=topk, jobs=_i64(jobs, 6, dev),
                 ends=_i64(ends, 1, dev).flatten(), num_jobs=len(ends),
@@ -342,7 +348,7 @@ def combine(comm: CudaComm, k, routes: Routes, epoch: int, *, x, topk_weights, n
             total += n
             ends.append(total)
         reduce = RELAY_REDUCE_KERNEL[x.dtype]
-        launch(k[reduce], max(1, min(total, 8 * max(1, num_sms))), THREADS[reduce],
+        launch(k[reduce], _grid(total, reduce, num_sms), THREADS[reduce],
                pack(reduce, **group(comm), **errors(comm, "combine/send"),
                     hidden=x.shape[1], topk=topk, gather_off=flat_nbytes(me),
                     gather_rows=routes.gather_rows(me),
