@@ -160,7 +160,8 @@ def normal_rank(comm, cases, barrier, num_sms=None):
         out.append(dict(layout=_cpu(layout), rx=_cpu(recv), ri=_cpu(ri), rw=_cpu(rw),
                         counts=counts, y=_cpu(y), comb=_cpu(comb), comb_w=_cpu(comb_w),
                         rx2=_cpu((rx2, rs2) if fp8 else rx2), ri2=ri2,
-                        same_handle=handle2 is handle, streamed=handle.streamed))
+                        same_handle=handle2 is handle, streamed=handle.streamed,
+                        relayed=handle.relay is not None))
     barrier()
     return out
 
@@ -320,6 +321,11 @@ def check_normal_group(n, device, cases=None, network=0):
     barrier = threading.Barrier(n)
     results = run(normal_rank, group(n, device, network=network), cases, barrier.wait)
     check_normal(n, cases, results)
+    if network > 1:      # across hosts: by relays (cuda/relay.py) but with num_worst_tokens
+        relays = os.environ.get("MOE_COMM_RELAY", "1") != "0"
+        for ci, case in enumerate(cases):
+            assert all(r[ci]["relayed"] == (relays and not case["worst"]) for r in results), \
+                case
 
 
 def check_ll_group(n, device, cases=None, network=0):

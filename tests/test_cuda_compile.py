@@ -109,7 +109,8 @@ def test_every_listed_kernel_is_defined_in_its_source():
     for v in set(variants.all_variants()):
         text = _with_includes(kernel_dir() / v.source)
         defined = set(re.findall(r"MOE_KERNEL void __launch_bounds__\([^)]*\)\s+(\w+)\(",
-                                 text)) | set(re.findall(r"MOE_REDUCE_KERNEL\((\w+),", text))
+                                 text)) | set(re.findall(r"MOE_(?:RELAY_)?REDUCE_KERNEL\((\w+),",
+                                                         text))
         assert set(v.kernels) <= defined, (v.label, set(v.kernels) - defined)
 
 

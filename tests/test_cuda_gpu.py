@@ -209,7 +209,7 @@ def _buffer_round(rank, n, device=None, want="cuda"):
                                                             c["experts"], use_fp8=False)
     ll_out, _, _ = buf.low_latency_combine(recv * (rank + 1), idx, w, ll_handle)
     res = dict(rx=rx.cpu(), ri=ri.cpu(), out=out.cpu(), recv=recv.cpu(), count=count.cpu(),
-               ll_out=ll_out.cpu())
+               ll_out=ll_out.cpu(), relayed=handle.relay is not None)
     buf.destroy()
     return res
 
@@ -250,13 +250,16 @@ def test_gloo_group_buffer_serves_cuda_tensors():
 def test_two_hosts_through_the_kernel_proxy():
     """Two network-namespace hosts x two ranks on the one GPU: peers on the other host are
     reached through the kernels' command ring and the kernel proxy over TCP (the emulated
-    twin is tests/test_multihost.py's cuda_emulated case). Needs root for the namespaces."""
+    twin is tests/test_multihost.py's cuda_emulated case); normal mode goes by relays
+    (moe_comm/cuda/relay.py: a token crosses once, to the rank of the other host with its
+    sender's local index, which forwards it by peer stores). Needs root for the namespaces."""
     why = netns.available()
     if why:
         pytest.skip(f"no network namespaces: {why}")
-    _check_buffer_rounds(netns.run_on_hosts(_buffer_round, 2, 2, "cuda", mode="exec",
-                                            timeout=C.outer_timeout(300),
-                                            env={"MOE_COMM_TRANSPORT": "tcp"}))
+    results = netns.run_on_hosts(_buffer_round, 2, 2, "cuda", mode="exec",
+                                 timeout=C.outer_timeout(300), env={"MOE_COMM_TRANSPORT": "tcp"})
+    assert all(r["relayed"] for r in results)
+    _check_buffer_rounds(results)
 
 
 def _spawn_ranks(body, n, what, *args):

@@ -18,6 +18,7 @@ import torch
 from moe_comm.cuda import elastic as cel
 from moe_comm.cuda import ll as cll
 from moe_comm.cuda import normal as cn
+from moe_comm.cuda import relay as crelay
 from moe_comm.cuda.comm import CudaComm
 from moe_comm.jit import variants
 from moe_comm.jit.kernel_args import KERNEL_ARGS, PackedArgs, pack
@@ -38,12 +39,14 @@ def recorder(monkeypatch):
         # what notify and layout would produce: a count matrix, per-rank counts
         if kernel == "moe_notify" and isinstance(named["matrix"], torch.Tensor):
             named["matrix"].fill_(2)
+        if kernel == "moe_notify" and isinstance(named["host_matrix"], torch.Tensor):
+            named["host_matrix"].fill_(2)        # hierarchical: 2 tokens per host
         if kernel == "moe_layout" and isinstance(named["per_rank"], torch.Tensor):
             named["per_rank"].fill_(1)
 
     monkeypatch.setattr(cn, "load_kernels", fake_load)            # the layout kernel
     monkeypatch.setattr(CudaComm, "kernels", lambda self, variant: fake_load(variant, None))
-    for mod in (cn, cll, cel):
+    for mod in (cn, cll, cel, crelay):
         monkeypatch.setattr(mod, "launch", fake_launch)
     return calls
 
@@ -81,10 +84,30 @@ def test_pack_takes_exactly_the_declared_names_and_kinds():
     pack("moe_ll_wait", **{**values, "bases": np.uint64(64)})    # a raw device address
 
 
-def _comm(num_ranks, ll_bytes=0, elastic=False, heap_bytes=64 << 20):
+def _comm(num_ranks, ll_bytes=0, elastic=False, heap_bytes=64 << 20, host_of=None):
     return CudaComm(rank=0, num_ranks=num_ranks, device="cpu", pointers=[0] * num_ranks,
                     heap_bytes=heap_bytes, ll_bytes=ll_bytes, timeout_s=1.0,
-                    own_allocation=False, opened=[], elastic=elastic)
+                    own_allocation=False, opened=[], elastic=elastic, host_of=host_of)
+
+
+def _relay_calls(R, H, K, E, dtypes):
+    """A dispatch, combines in ``dtypes`` and a cached dispatch of a group on two hosts: the
+    hierarchical path (cuda/relay.py) with its own kernels."""
+    comm = _comm(R, host_of=[r * 2 // R for r in range(R)])
+    idx = torch.randint(0, E, (3, K))
+    w = torch.rand(3, K)
+    x = torch.randn(3, H).bfloat16()
+    rx, _, _, rw, handle = cn.dispatch(
+        comm, x_bytes=x.view(torch.uint8), dtype=torch.bfloat16, hidden=H, scales=None,
+        topk_idx=idx, topk_weights=w, layout=None, handle=None, num_experts=E,
+        num_worst_tokens=0, buffer_key=("k",))
+    assert handle.relay is not None
+    for dtype in dtypes:
+        cn.combine(comm, x=torch.randn(rx.shape[0], H).to(dtype), handle=handle,
+                   topk_weights=rw, bias=())
+    cn.dispatch(comm, x_bytes=x.view(torch.uint8), dtype=torch.bfloat16, hidden=H,
+                scales=None, topk_idx=None, topk_weights=None, layout=None, handle=handle,
+                num_experts=None, num_worst_tokens=0, buffer_key=("k",))
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "fp8", "float32"])
@@ -254,6 +277,7 @@ def test_every_kernel_of_the_mode_variants_is_launched(recorder):
                                     lay=lay)
         cll.combine_recv(comm, seq, buf, lay, handle=h, topk_idx=idx, topk_weights=w,
                          out=torch.empty(3, H, dtype=torch.bfloat16))
+    _relay_calls(4, H, K, 2 * E, list(cn.REDUCE_KERNEL))
     _check(recorder)
     listed = set(variants.INTRANODE_KERNELS)
     for v in (variants.ll_dispatch_send(H, False, False), variants.ll_dispatch_recv(H, False,

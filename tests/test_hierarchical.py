@@ -3,9 +3,11 @@ backend. Normal mode goes hierarchical there (moe_comm/host/relay.py: a token cr
 other host once, to one relay that forwards it over shared memory); normal and low-latency
 calls are checked against the reference, and the bytes that cross the host links, read from
 the interfaces' own counters, are compared with the ideal (each token's payload once per other
-host it visits, out and back). An elastic group loses a whole host and its survivors agree
-and stay exact, through relays picked among the survivors; a relay killed mid-call (in its
-forward, or in combine) makes the survivors redo that call flat, exact again.
+host it visits, out and back). The CUDA backend (kernels on the CPU emulator, 4 hosts x 3
+ranks) goes by its relays too (moe_comm/cuda/relay.py) and gets the same checks. An elastic
+group loses a whole host and its survivors agree and stay exact, through relays picked among
+the survivors; a relay killed mid-call (in its forward, or in combine) makes the survivors
+redo that call flat, exact again.
 """
 from __future__ import annotations
 
@@ -46,17 +48,18 @@ WIRE_TOKENS, WIRE_HIDDEN, WIRE_TOPK, WIRE_CALLS = 128, 2048, 8, 3
 WIRE_RATIO_MAX = 1.10          # issue #16: bytes on the links over the ideal, normal mode
 
 
-def _wire(rank, n):
-    """WIRE_CALLS dispatch + combine pairs between two barriers; local rank 0 of each host
+def _wire(rank, n, ranks_per_host=PER_HOST, tokens=WIRE_TOKENS, hidden=WIRE_HIDDEN,
+          calls=WIRE_CALLS):
+    """``calls`` dispatch + combine pairs between two barriers; local rank 0 of each host
     reads its link's counter around them. Returns (bytes sent by this host or None, the
     ideal bytes this rank's tokens need, whether the calls went by relays)."""
     buf = moe_comm.Buffer(None, 64 << 20, timeout_s=60)
     g = torch.Generator().manual_seed(rank)
     experts = 8 * n
-    x = torch.randn(WIRE_TOKENS, WIRE_HIDDEN, generator=g).bfloat16()
+    x = torch.randn(tokens, hidden, generator=g).bfloat16()
     idx = torch.stack([torch.randperm(experts, generator=g)[:WIRE_TOPK]
-                       for _ in range(WIRE_TOKENS)])
-    w = torch.rand(WIRE_TOKENS, WIRE_TOPK, generator=g)
+                       for _ in range(tokens)])
+    w = torch.rand(tokens, WIRE_TOPK, generator=g)
     ntr, per_host, nte, itr, _ = buf.get_dispatch_layout(idx, experts)
 
     def step():
@@ -67,16 +70,16 @@ def _wire(rank, n):
         return handle
 
     relayed = step().relay is not None           # and the transport's connections are up
-    first = rank % PER_HOST == 0
+    first = rank % ranks_per_host == 0
     dist.barrier()
     before = netns.link_tx_bytes() if first else None
-    for _ in range(WIRE_CALLS):
+    for _ in range(calls):
         step()
     dist.barrier()
     sent = netns.link_tx_bytes() - before if first else None
-    my_host = rank // PER_HOST
-    row = WIRE_HIDDEN * 2
-    ideal = 2 * WIRE_CALLS * row * sum(int(c) for h, c in enumerate(per_host) if h != my_host)
+    my_host = rank // ranks_per_host
+    row = hidden * 2
+    ideal = 2 * calls * row * sum(int(c) for h, c in enumerate(per_host) if h != my_host)
     buf.destroy()
     return sent, ideal, relayed
 
@@ -117,17 +120,31 @@ def test_without_relays_tokens_cross_once_per_rank():
     assert ratio > 1.5 * WIRE_RATIO_MAX, ratio
 
 
+# the CUDA wire check's calls: smaller, the emulator runs every kernel on the CPU cores
+CUDA_WIRE_TOKENS, CUDA_WIRE_HIDDEN = 64, 2048
+
+
 def _both_modes(rank, n, normal, ll):
+    """Normal and LL calls, then the wire check with relays and, on a new Buffer that reads
+    MOE_COMM_RELAY=0 (the CUDA backend reads it per Buffer), flat."""
+    per_host = 3
+    wire = _wire(rank, n, per_host, CUDA_WIRE_TOKENS, CUDA_WIRE_HIDDEN)
+    os.environ["MOE_COMM_RELAY"] = "0"
+    try:       # flat costs the same bytes every call: one is enough (the emulator is slow)
+        flat = _wire(rank, n, per_host, CUDA_WIRE_TOKENS // 2, CUDA_WIRE_HIDDEN, calls=1)
+    finally:
+        del os.environ["MOE_COMM_RELAY"]
     blob = io.BytesIO()
-    torch.save((normal_run(rank, n, normal), ll_run(rank, n, ll)), blob)
+    torch.save((normal_run(rank, n, normal), ll_run(rank, n, ll), wire, flat), blob)
     return blob.getvalue()
 
 
 def test_twelve_emulated_cuda_ranks_on_four_hosts_match_reference():
     """The CUDA backend (its kernels in the CPU emulator) on 4 hosts x 3 ranks, small hidden
     sizes: peers on the same host by pointer, the others through the kernels' command ring
-    and the kernel proxy over TCP. Normal and LL calls against the reference. (The CUDA
-    kernels send normal mode flat, once per destination rank: no relays there yet.)"""
+    and the kernel proxy over TCP. Normal mode goes by relays (moe_comm/cuda/relay.py);
+    normal and LL calls against the reference, and the bytes on the links within
+    WIRE_RATIO_MAX of the ideal with relays, far above it flat (MOE_COMM_RELAY=0)."""
     if not emulator.available():
         pytest.skip("the kernel emulator needs a C++ compiler (g++)")
     hosts, per_host = 4, 3
@@ -142,6 +159,13 @@ def test_twelve_emulated_cuda_ranks_on_four_hosts_match_reference():
     results = [torch.load(io.BytesIO(b), weights_only=False) for b in blobs]
     check_normal(n, normal, [r[0] for r in results])
     check_ll(n, ll, [r[1] for r in results], cuda_cases.kernel_quantize)
+    wires, flat = [r[2] for r in results], [r[3] for r in results]
+    assert all(relayed for _, _, relayed in wires)
+    assert not any(relayed for _, _, relayed in flat)
+    ratio, flat_ratio = _ratio(wires), _ratio(flat)
+    print(f"CUDA wire ratio with relays: {ratio:.3f}, without: {flat_ratio:.3f}")
+    assert ratio <= WIRE_RATIO_MAX, ratio
+    assert flat_ratio > 1.5 * WIRE_RATIO_MAX, flat_ratio
 
 
 ELASTIC_TIMEOUT = 6.0       # 16 ranks and their proxy threads on 2 shared cores: no false alarms

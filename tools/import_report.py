@@ -21,7 +21,8 @@ PKG = "moe_comm"
 # (layer, the top-level modules and folders of moe_comm in it), bottom first
 LAYERS = [
     ("format and pure helpers", ["wire", "errors", "config", "quant", "logfmt", "layout",
-                                 "event", "handle", "signature", "reference", "deps", "logs"]),
+                                 "event", "handle", "signature", "reference", "deps", "logs",
+                                 "relay_map"]),
     ("shared memory", ["shm"]),
     ("transport, kernel builds", ["transport", "jit"]),
     ("IBGDA host side", ["ibgda"]),

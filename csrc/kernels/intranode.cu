@@ -7,6 +7,7 @@
 #include "elastic.cuh"
 #include "layout.cuh"
 #include "normal.cuh"
+#include "relay.cuh"
 
 // The kernels that wait on every rank side by side keep one thread per rank (each wait has
 // its own deadline); the others loop over ranks.
@@ -34,7 +35,7 @@ moe_layout(MOE_ARGS_moe_layout) {
 MOE_KERNEL void __launch_bounds__(MOE_THREADS_NOTIFY, 1)
 moe_notify(MOE_ARGS_moe_notify) {
     notify_body(MOE_GROUP, MOE_ERRORS, (u64)notify_off, row_words, (u32)epoch, counts, matrix,
-                   (u64)call_off, MOE_CALL_ROW);
+                (u64)call_off, MOE_CALL_ROW, host_counts, num_hosts, host_matrix);
 }
 
 // grid 1, block >= R
@@ -79,6 +80,39 @@ moe_combine_stage(MOE_ARGS_moe_combine_stage) {
 MOE_REDUCE_KERNEL(moe_combine_reduce_bf16, Bf16, MOE_THREADS_COMBINE_REDUCE_BF16)
 MOE_REDUCE_KERNEL(moe_combine_reduce_f16, F16, MOE_THREADS_COMBINE_REDUCE_F16)
 MOE_REDUCE_KERNEL(moe_combine_reduce_f32, F32, MOE_THREADS_COMBINE_REDUCE_F32)
+
+// ---- hierarchical normal mode (relay.cuh, moe_comm/cuda/relay.py) ----
+MOE_KERNEL void __launch_bounds__(MOE_THREADS_RELAY_STAGE, 1)
+moe_relay_stage(MOE_ARGS_moe_relay_stage) {
+    relay_stage_body(MOE_GROUP, MOE_ERRORS, x, num_tokens, row_bytes, scales, scale_cols,
+                     topk_idx, topk_w, topk, send_pos, host_pos, num_hosts, relay_of, ranks_on,
+                     mask_cols, stage_off, stage_rows, stage_row0, done_to, (u64)done_off,
+                     (u64)done_stride, (u32)epoch, counter);
+}
+
+// grid: one block per job at most
+MOE_KERNEL void __launch_bounds__(MOE_THREADS_RELAY_FORWARD, 1)
+moe_relay_forward(MOE_ARGS_moe_relay_forward) {
+    relay_forward_body(MOE_GROUP, MOE_ERRORS, row_bytes, scale_cols, topk, num_local, mask_cols,
+                       stage_off, stage_rows, jobs, num_jobs, out_rows, relay_pos, num_here,
+                       done_to, (u64)done_off, (u64)done_stride, (u32)epoch, counter);
+}
+
+MOE_KERNEL void __launch_bounds__(MOE_THREADS_RELAY_RANGES, 1)
+moe_relay_ranges(MOE_ARGS_moe_relay_ranges) {
+    relay_ranges_body(MOE_GROUP, MOE_ERRORS, x, row_bytes, topk_w, topk, jobs, ends, num_jobs,
+                      done_to, (u64)done_off, (u64)done_stride, (u32)epoch, counter);
+}
+
+#define MOE_RELAY_REDUCE_KERNEL(NAME, ELEM, THREADS)                                        \
+    MOE_KERNEL void __launch_bounds__(THREADS, 1) NAME(MOE_ARGS_##NAME) {                  \
+        relay_reduce_body<ELEM>(MOE_GROUP, MOE_ERRORS, hidden, topk, gather_off, gather_rows, \
+                                jobs, ends, num_jobs, relay_pos, num_here, done_to,         \
+                                (u64)done_off, (u64)done_stride, (u32)epoch, counter);      \
+    }
+MOE_RELAY_REDUCE_KERNEL(moe_relay_reduce_bf16, Bf16, MOE_THREADS_RELAY_REDUCE_BF16)
+MOE_RELAY_REDUCE_KERNEL(moe_relay_reduce_f16, F16, MOE_THREADS_RELAY_REDUCE_F16)
+MOE_RELAY_REDUCE_KERNEL(moe_relay_reduce_f32, F32, MOE_THREADS_RELAY_REDUCE_F32)
 
 // grid 1, block >= R: elastic mode's mask agreement (elastic.cuh); the LL calls use it too
 MOE_KERNEL void __launch_bounds__(MOE_THREADS_AGREE, 1)

@@ -105,15 +105,24 @@ struct Group {
 // kErrMismatch: every rank sees every signature, so all fail the call together, before any
 // payload moves) and reads rank p's row of counts.
 // counts: int32 [R] or null (zeros: a pure barrier). matrix: int32 [R, R] out, or null.
+// host_counts: int32 [num_hosts] (a hierarchical dispatch, relay.cuh; num_hosts 0 otherwise):
+// the row carries them after the R counts, read into host_matrix int32 [R, num_hosts].
 // A rank that has failed still writes its row, of kFailedValue words, and waits for nothing:
 // its peers fail at once instead of waiting for it until their deadline. A fresh dispatch's
 // matrix is zeros then, so its copy-out moves nothing; calls with a handle keep the handle's
 // matrix, and their copy-out/reduce (which take no error word) read only inside the region:
 // their outputs are meaningless, and the call raises. (Its row may land in a NOTIFY slot a
 // peer still waits on for an older epoch: that peer meets its deadline, as before.)
+// Rank p's row of the count matrices, zeroed (rank p failed, disagreed or is silent).
+MOE_DEVICE void zero_notify_row(i32* matrix, i32* host_matrix, int p, int R, i64 num_hosts) {
+    for (int e = 0; matrix && e < R; ++e) matrix[p * R + e] = 0;
+    for (int h = 0; host_matrix && h < num_hosts; ++h) host_matrix[p * num_hosts + h] = 0;
+}
+
 __device__ void notify_body(const Group g, const ErrorSink err, u64 notify_off, i64 row_words,
                             u32 epoch, const i32* counts, i32* matrix, u64 call_off,
-                            const CallRow call) {
+                            const CallRow call, const i32* host_counts, i64 num_hosts,
+                            i32* host_matrix) {
     const Transport t{g.bases, err};
     const int p = threadIdx.x, R = (int)g.num_ranks;  // blockDim >= kMaxRanks (intranode.cu)
     g.settle_floors();
@@ -126,24 +135,31 @@ __device__ void notify_body(const Group g, const ErrorSink err, u64 notify_off, 
             const u32 c = failed ? kFailedValue : counts ? (u32)counts[d] : 0u;
             t.signal(p, notify_off + (u64)(g.rank * row_words + d) * 8, tag(epoch, c));
         }
+        // a hierarchical dispatch (relay.cuh): the row goes on with this rank's token count
+        // per host (row_words >= 2R + 1 leaves room for up to R of them)
+        for (int h = 0; h < num_hosts; ++h) {
+            const u32 c = failed ? kFailedValue : (u32)host_counts[h];
+            t.signal(p, notify_off + (u64)(g.rank * row_words + R + h) * 8, tag(epoch, c));
+        }
     }
     if (failed) {
-        for (int e = 0; matrix && e < R; ++e) matrix[p * R + e] = 0;
+        zero_notify_row(matrix, host_matrix, p, R, num_hosts);
         return;
     }
     const u64* theirs = (const u64*)g.own(call_off + (u64)(p * kCallWords) * 8);
     if (!same_call(t, g.live, theirs, epoch, g.timeout_ns, p, call)) {
-        for (int e = 0; matrix && e < R; ++e) matrix[p * R + e] = 0;
+        zero_notify_row(matrix, host_matrix, p, R, num_hosts);
         return;
     }
     const u64* row = (const u64*)g.own(notify_off + (u64)(p * row_words) * 8);
-    for (int d = 0; d < R; ++d) {
+    for (int d = 0; d < R + num_hosts; ++d) {
         const i64 v = wait_from(t, g.live, row + d, epoch, g.timeout_ns, p);
         if (v < 0) {  // rank p is silent (reported) or masked: it sends nothing
-            for (int e = 0; matrix && e < R; ++e) matrix[p * R + e] = 0;
+            zero_notify_row(matrix, host_matrix, p, R, num_hosts);
             return;
         }
-        if (matrix) matrix[p * R + d] = (i32)v;
+        if (d < R && matrix) matrix[p * R + d] = (i32)v;
+        if (d >= R) host_matrix[p * num_hosts + d - R] = (i32)v;
     }
 }
 

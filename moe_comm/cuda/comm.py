@@ -50,7 +50,8 @@ OP = {name: i for i, name in enumerate(OPS)}
 SIGNAL_STRIDE = LINE_WORDS * 8   # bytes between one-per-rank signal slots (one line each)
 
 COUNTER = {"dispatch_send": 0, "combine_send": 1, "ll_dispatch_recv": 2, "ll_combine_send": 3,
-           "ll_combine_recv": 4}
+           "ll_combine_recv": 4, "relay_stage": 5, "relay_forward": 6, "relay_ranges": 7,
+           "relay_reduce": 8}
 
 
 class CudaCommError(RuntimeError):
@@ -104,7 +105,7 @@ class CudaComm:
                                     pin_memory=self.device.type == "cuda")
         self._err = self.err_host.numpy()
         self.err_dev = torch.zeros(4, dtype=torch.int32, device=device)
-        self.counters = torch.zeros(8, dtype=torch.int32, device=device)
+        self.counters = torch.zeros(len(COUNTER), dtype=torch.int32, device=device)
         # rank mask (csrc/kernels/transport.cuh Active): None until a rank can be masked, so
         # a plain group's kernels skip every check; else words 1.. of int32 [1 + R], word 0
         # telling the kernels whether a missed deadline masks (elastic) or is reported

@@ -21,6 +21,13 @@ combine, epoch e: notify (as a barrier) -> send rows back into the owners' stagi
   wait -> per-token float32 sum (+ bias) in the owner (streamed: send / wait / copy to a local
   staging tensor per round, then the one sum from it).
 
+Across hosts (``comm.host_of``), a dispatch without num_worst_tokens whose regions fit in one
+copy goes by relays (moe_comm/cuda/relay.py, csrc/kernels/relay.cuh): its notify also carries
+each rank's token count per host, the send becomes stage / own rows / forward so a token
+crosses to each other host once, and its combine (when it fits too) has each host's rows of a
+token summed by the owner's relay there; copy-out and the reduce are the ones below. The same
+outputs and handles; elastic groups, masked ranks, MOE_COMM_RELAY=0 and streamed calls go flat.
+
 With ``num_worst_tokens`` the host never synchronises: every slab has exactly that many rows;
 a receiver that would get more reports an overflow (raised as CudaCommError at the next call).
 
@@ -52,6 +59,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import relay
 from .. import signature
 from ..errors import BufferTooSmallError
 from ..handle import DispatchHandle
@@ -88,6 +96,10 @@ class CudaDispatchHandle(DispatchHandle):
     matrix: torch.Tensor = None
     recv_expert_counts: torch.Tensor = None
     streamed: bool = False           # the dispatch streamed (see Rounds)
+    # a dispatch that may go by relays (relay.wanted): its relay.Routes, kept for cached
+    # dispatches and the combine; ``relay`` (DispatchHandle's field) is the same object when
+    # this dispatch went by relays (then the combine may too), else None
+    routes: object = None
 
     def rank_prefix_matrix(self) -> torch.Tensor:
         """DeepEP's ``handle[0]`` from the device matrix (no host synchronisation; also with
@@ -130,14 +142,18 @@ def _layout(topk_idx, num_experts, num_ranks, *, want_experts, want_pos):
     return per_rank, per_expert, in_rank, send_pos
 
 
-def _notify(comm: CudaComm, k, epoch: int, counts, matrix, op: str, call_row) -> None:
+def _notify(comm: CudaComm, k, epoch: int, counts, matrix, op: str, call_row,
+            host_counts=None, host_matrix=None) -> None:
     """Notify (normal.cuh), carrying the call's signature ``call_row`` (moe_comm/signature.py):
-    ranks that disagree about the call fail it together (CallMismatchError)."""
+    ranks that disagree about the call fail it together (CallMismatchError). A hierarchical
+    dispatch also sends ``host_counts`` int32 [H] and gets ``host_matrix`` int32 [R, H]."""
     notify_off, call_off = comm.next_notify_offsets()
     launch(k["moe_notify"], 1, THREADS["moe_notify"],
            pack("moe_notify", **group(comm), **errors(comm, op), notify_off=notify_off,
                 row_words=comm.layout.row_words, epoch=epoch, counts=counts, matrix=matrix,
-                call_off=call_off, **call_args(call_row)), device=comm.device)
+                call_off=call_off, **call_args(call_row), host_counts=host_counts,
+                num_hosts=0 if host_counts is None else int(host_counts.shape[0]),
+                host_matrix=host_matrix), device=comm.device)
 
 
 def _wait_done(comm: CudaComm, k, epoch: int, op: str) -> None:
@@ -205,6 +221,8 @@ def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_w
     x_bytes = x_bytes.contiguous()
     scale_cols = 0 if scales is None else scales.shape[1]
     cached = handle is not None
+    relaying = relay.wanted(comm, num_worst_tokens)
+    host_counts = host_matrix = routes = None
     if cached:
         per_rank, in_rank, send_pos, matrix = (handle.per_rank, handle.is_token_in_rank,
                                                handle.send_pos, handle.matrix)
@@ -218,11 +236,16 @@ def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_w
         per_rank, in_rank, send_pos = layout.per_rank, layout.in_rank, layout.send_pos
         matrix = torch.empty(R, R, dtype=torch.int32, device=dev)
         matrix_host = None
+        if relaying:          # the notify also carries this rank's token count per host
+            topo = relay.topology(comm)
+            host_counts, host_pos = relay.host_positions(topo, in_rank)
+            host_matrix = torch.empty(R, topo.num_hosts, dtype=torch.int32, device=dev)
     epoch = comm.next_epoch()
     call_row = signature.of_dispatch(hidden=hidden, dtype=dtype, scales=scales,
                                      topk_idx=topk_idx, num_experts=num_experts or 0,
                                      num_worst_tokens=num_worst_tokens, handle=handle)
-    _notify(comm, k, epoch, per_rank, None if cached else matrix, "dispatch/notify", call_row)
+    _notify(comm, k, epoch, per_rank, None if cached else matrix, "dispatch/notify", call_row,
+            host_counts, host_matrix)
     if not cached:        # elastic: one mask, and one count matrix, on every survivor
         agree(comm, "dispatch/notify", matrix)
 
@@ -242,6 +265,13 @@ def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_w
         region_rows = matrix_host.sum(0)
         rows_out = int(region_rows[me])
     plan = _plan(comm, "dispatch", epoch, region_rows, row_bytes, scale_cols, topk)
+    if relaying and cached:
+        routes = handle.routes
+    elif relaying:
+        routes = relay.Routes(topo, matrix_host, host_matrix.cpu().numpy().astype(np.int64),
+                              host_pos, relay.first_per_host(topo, send_pos))
+    by_relay = routes is not None and not plan.chunk and relay.dispatch_fits(
+        routes, comm.heap_bytes, row_bytes, scale_cols, topk)
 
     recv_x = torch.empty(rows_out, row_bytes, dtype=torch.uint8, device=dev)
     # the kernels copy scale_cols 4-byte words per row (declared float*): int32 scales
@@ -259,7 +289,14 @@ def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_w
                 worst=num_worst_tokens)
     outs = dict(recv_x=recv_x, recv_scales=recv_scales, recv_idx=recv_idx, recv_w=recv_w,
                 expert_counts=expert_counts)
-    for r, ep in enumerate(plan.epochs):
+    if by_relay:          # one copy, through the relays (relay.py), then the flat copy-out
+        if routes.relay_pos is None:
+            routes.relay_pos = torch.empty(routes.stage_rows(me), len(routes.topo.local),
+                                           dtype=torch.int32, device=dev)
+        relay.dispatch(comm, k, routes, (comm.next_epoch(), epoch), send, num_sms,
+                       routes.relay_pos)
+        _copy_out(comm, k, plan, 0, rows_out, send, outs, num_sms)
+    for r, ep in enumerate(() if by_relay else plan.epochs):
         if r:        # the barrier: every receiver has copied the last window out
             _notify(comm, k, ep, None, None, "dispatch/notify", call_row)
         first, n = plan.window(r, rows_out)
@@ -268,7 +305,8 @@ def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_w
         handle = CudaDispatchHandle(
             buffer_key, num_tokens, hidden, matrix_host, in_rank, None,
             rows_out, num_worst_tokens, call_id=epoch, per_rank=per_rank, send_pos=send_pos,
-            matrix=matrix, recv_expert_counts=expert_counts, streamed=bool(plan.chunk))
+            matrix=matrix, recv_expert_counts=expert_counts, streamed=bool(plan.chunk),
+            routes=routes, relay=routes if by_relay else None)
     return recv_x.view(dtype), recv_scales, recv_idx, recv_w, handle
 
 
@@ -292,6 +330,13 @@ def _dispatch_round(comm: CudaComm, k, plan: Rounds, epoch: int, first: int, row
     every receiver's region, wait for every sender's DONE, agree on the mask (elastic), copy
     this rank's ``rows`` rows of the window into the outputs from row ``first``."""
     _send_window(comm, k, "dispatch", plan, epoch, first, send, num_sms)
+    _copy_out(comm, k, plan, first, rows, send, outs, num_sms)
+
+
+def _copy_out(comm: CudaComm, k, plan: Rounds, first: int, rows: int, send: dict, outs: dict,
+              num_sms: int) -> None:
+    """This rank's ``rows`` rows of its slab (this round's window) into the outputs from row
+    ``first``."""
     if not rows:
         return
     at = {name: None if t is None else t[first:first + rows] for name, t in outs.items()
@@ -334,6 +379,9 @@ def combine(comm: CudaComm, *, x, handle: CudaDispatchHandle, topk_weights, bias
     call_row = signature.of_combine(x=x, topk_weights=topk_weights, handle=handle)
     _notify(comm, k, epoch, None, None, "combine/notify", call_row)
     plan, rows_back = _combine_plan(comm, handle, epoch, row_bytes, topk)
+    routes = handle.relay
+    by_relay = (routes is not None and relay.wanted(comm, 0) and not plan.chunk
+                and relay.combine_fits(routes, comm.heap_bytes, row_bytes, topk))
     # a streamed combine gathers its rows here, off the communication buffer, and reduces
     # them once at the end: the single copy's reduction over the same rows, in the same order
     staged = torch.empty(SlabLayout(rows_back, row_bytes, 0, topk).nbytes, dtype=torch.uint8,
@@ -341,7 +389,10 @@ def combine(comm: CudaComm, *, x, handle: CudaDispatchHandle, topk_weights, bias
     send = dict(x=x, row_bytes=row_bytes,
                 topk_w=None if topk_weights is None else topk_weights.contiguous(), topk=topk,
                 matrix=handle.matrix)
-    for r, ep in enumerate(plan.epochs):
+    if by_relay:          # every row this rank sums into its slab, through the relays
+        relay.combine(comm, k, routes, epoch, x=x, topk_weights=send["topk_w"],
+                      num_sms=num_sms)
+    for r, ep in enumerate(() if by_relay else plan.epochs):
         if r:        # the barrier: every owner has copied the last window out
             _notify(comm, k, ep, None, None, "combine/notify", call_row)
         first, n = plan.window(r, rows_back)
@@ -356,7 +407,8 @@ def combine(comm: CudaComm, *, x, handle: CudaDispatchHandle, topk_weights, bias
         reduce = REDUCE_KERNEL[x.dtype]
         launch(k[reduce], min(num_tokens, 8 * max(1, num_sms)), THREADS[reduce],
                pack(reduce, **group(comm), hidden=hidden, topk=topk, matrix=handle.matrix,
-                    send_pos=handle.send_pos, num_tokens=num_tokens, bias0=biases[0],
+                    send_pos=routes.send_pos_first if by_relay else handle.send_pos,
+                    num_tokens=num_tokens, bias0=biases[0],
                     bias1=biases[1], out=out, w_out=w_out, staged=staged), device=dev)
     return out, w_out
 

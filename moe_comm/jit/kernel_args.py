@@ -97,12 +97,18 @@ _REDUCE = (GROUP + ", i64 hidden, i64 topk, const i32* matrix, const i32* send_p
            "i64 num_tokens, const float* bias0, const float* bias1, {out}* out, float* w_out, "
            "const u8* staged")
 
+_RELAY_REDUCE = (GROUP + ", " + ERRORS + ", i64 hidden, i64 topk, i64 gather_off, "
+                 "i64 gather_rows, const i64* jobs, const i64* ends, i64 num_jobs, "
+                 "const i32* relay_pos, i64 num_here, const i32* done_to, i64 done_off, "
+                 "i64 done_stride, i64 epoch, i32* counter")
+
 _DECLARED = {
     # ---- intranode.cu: layout and normal mode (normal.py), elastic agreement (elastic.py)
     "moe_layout": "const i64* topk_idx, i64 num_tokens, i64 topk, i64 num_experts, "
                   "i64 num_ranks, i32* per_rank, i32* per_expert, u8* in_rank, i32* send_pos",
     "moe_notify": f"{GROUP}, {ERRORS}, i64 notify_off, i64 row_words, i64 epoch, "
-                  f"const i32* counts, i32* matrix, i64 call_off, {CALL}",
+                  f"const i32* counts, i32* matrix, i64 call_off, {CALL}, "
+                  "const i32* host_counts, i64 num_hosts, i32* host_matrix",
     "moe_wait_done": f"{GROUP}, {ERRORS}, i64 done_off, i64 done_stride, i64 epoch",
     "moe_dispatch_send": f"{GROUP}, {ERRORS}, const u8* x, i64 num_tokens, i64 row_bytes, "
                          "const float* scales, i64 scale_cols, const i64* topk_idx, "
@@ -122,6 +128,26 @@ _DECLARED = {
     "moe_combine_reduce_bf16": _REDUCE.format(out="u16"),
     "moe_combine_reduce_f16": _REDUCE.format(out="u16"),
     "moe_combine_reduce_f32": _REDUCE.format(out="float"),
+    # hierarchical normal mode (relay.cuh, cuda/relay.py)
+    "moe_relay_stage": f"{GROUP}, {ERRORS}, const u8* x, i64 num_tokens, i64 row_bytes, "
+                       "const float* scales, i64 scale_cols, const i64* topk_idx, "
+                       "const float* topk_w, i64 topk, const i32* send_pos, "
+                       "const i32* host_pos, i64 num_hosts, const i32* relay_of, "
+                       "const i32* ranks_on, i64 mask_cols, const i64* stage_off, "
+                       "const i64* stage_rows, const i64* stage_row0, const i32* done_to, "
+                       "i64 done_off, i64 done_stride, i64 epoch, i32* counter",
+    "moe_relay_forward": f"{GROUP}, {ERRORS}, i64 row_bytes, i64 scale_cols, i64 topk, "
+                         "i64 num_local, i64 mask_cols, i64 stage_off, i64 stage_rows, "
+                         "const i64* jobs, i64 num_jobs, const i64* out_rows, i32* relay_pos, "
+                         "i64 num_here, const i32* done_to, i64 done_off, i64 done_stride, "
+                         "i64 epoch, i32* counter",
+    "moe_relay_ranges": f"{GROUP}, {ERRORS}, const u8* x, i64 row_bytes, const float* topk_w, "
+                        "i64 topk, const i64* jobs, const i64* ends, i64 num_jobs, "
+                        "const i32* done_to, i64 done_off, i64 done_stride, i64 epoch, "
+                        "i32* counter",
+    "moe_relay_reduce_bf16": _RELAY_REDUCE,
+    "moe_relay_reduce_f16": _RELAY_REDUCE,
+    "moe_relay_reduce_f32": _RELAY_REDUCE,
     "moe_agree": f"{LL_GROUP}, {ERRORS}, i32* active, i32* told, i64 mask_off, "
                  "i64 decided_off, i64 fence_off, i64 row_stride, i64 mask_words, i64 seq, "
                  "i64 tag0, i64 max_rounds, i32* matrix, i64* floors",

@@ -48,7 +48,9 @@ GENERIC_HIDDEN = 0
 INTRANODE_KERNELS = ("moe_layout", "moe_notify", "moe_wait_done", "moe_dispatch_send",
                      "moe_dispatch_copy_out", "moe_combine_send", "moe_combine_stage",
                      "moe_combine_reduce_bf16",
-                     "moe_combine_reduce_f16", "moe_combine_reduce_f32", "moe_agree")
+                     "moe_combine_reduce_f16", "moe_combine_reduce_f32", "moe_agree",
+                     "moe_relay_stage", "moe_relay_forward", "moe_relay_ranges",
+                     "moe_relay_reduce_bf16", "moe_relay_reduce_f16", "moe_relay_reduce_f32")
 
 # Threads per block of every kernel: the one definition of a kernel's block size. The launch
 # sites (cuda/normal.py, ll.py, elastic.py, testing/ibgda_selftest.py) launch with THREADS[name],
@@ -64,6 +66,9 @@ THREADS = {
     # fp32 reduce: one block per token, 16-byte vectors across the block
     "moe_combine_reduce_bf16": 256, "moe_combine_reduce_f16": 256,
     "moe_combine_reduce_f32": 256,
+    # hierarchical normal mode (relay.cuh): one warp per row; the relay's sum one block a row
+    "moe_relay_stage": 512, "moe_relay_forward": 512, "moe_relay_ranges": 512,
+    "moe_relay_reduce_bf16": 256, "moe_relay_reduce_f16": 256, "moe_relay_reduce_f32": 256,
     # signal waits: one thread per rank (each wait has its own deadline, side by side: a
     # thread serving several ranks would wait out one deadline per silent rank in turn)
     "moe_notify": MAX_RANKS, "moe_wait_done": MAX_RANKS, "moe_ll_wait": MAX_RANKS,

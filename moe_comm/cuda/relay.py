@@ -1,0 +1,359 @@
+"""Hierarchical (relay) normal mode of the CUDA backend: a token crosses to each other host once.
+
+The host backend's protocol (moe_comm/host/relay.py; moe_comm/relay_map.py: the relay of
+sender s on host H is H's rank with s's local index) with the CUDA backend's
+kernels (csrc/kernels/relay.cuh has the device side and the order of every step). What this
+module adds is the host's part: from the count matrices every rank holds after the notify
+(ranks x ranks, and ranks x hosts: the notify carries each rank's token count per host),
+where every slab lies and which rows each kernel moves, as small tables of jobs, the same on
+every rank. Results, ordering and handles are the flat protocol's (normal.py): dispatch
+outputs bit for bit, combine up to the float summation order (a relay sums its host's rows of
+a token in float32 and sends one row in the payload dtype, as DeepEP does; the owner sums its
+host's rows and one such row per other host).
+
+When a call goes by relays (:func:`wanted`, then :func:`dispatch_fits` /
+:func:`combine_fits`, all decided alike on every rank): the group spans hosts
+(``comm.host_of``), it is not elastic and no rank was ever masked (a relay that dies would
+lose healthy ranks' rows), ``MOE_COMM_RELAY`` is not ``0``, the dispatch has no
+num_worst_tokens (its geometry must be known on the host), and every rank's output slab plus
+its staging slab (dispatch), or its flat combine slab plus its gather slab (combine), fit its
+data region in one copy. Anything else goes flat, as before (a streamed call included).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..jit.kernel_args import pack
+from ..jit.launch import launch
+from ..jit.variants import THREADS
+from ..relay_map import Relays
+from ..wire import PAGE, SLAB_ALIGN, SlabLayout, round_up
+from .comm import SIGNAL_STRIDE, CudaComm
+from .kernel_inputs import errors, group
+
+RELAY_REDUCE_KERNEL = {torch.bfloat16: "moe_relay_reduce_bf16",
+                       torch.float16: "moe_relay_reduce_f16",
+                       torch.float32: "moe_relay_reduce_f32"}
+
+
+def enabled(comm: CudaComm) -> bool:
+    """``MOE_COMM_RELAY`` (not ``0``: relays), read once per communicator (a Buffer), at its
+    first normal call; it must be the same on every rank, as on the host backend."""
+    on = getattr(comm, "_relay_enabled", None)
+    if on is None:
+        on = comm._relay_enabled = os.environ.get("MOE_COMM_RELAY", "1") != "0"
+    return on
+
+
+def wanted(comm: CudaComm, num_worst_tokens: int) -> bool:
+    """Whether a call may go by relays, decided before its notify from what every rank
+    knows alike."""
+    return (comm.host_of is not None and not comm.elastic and comm.active is None
+            and not num_worst_tokens and enabled(comm))
+
+
+def _live(num_ranks: int, ranks, device) -> torch.Tensor:
+    """The kernels' Active words (transport.cuh) with only ``ranks`` on and word -1 at 0 (a
+    missed deadline is reported, not masked): a wait for, or a flat send to, those ranks."""
+    words = torch.zeros(1 + num_ranks, dtype=torch.int32)
+    for r in ranks:
+        words[1 + r] = 1
+    return words.to(device)[1:]
+
+
+def _flags(num_ranks: int, ranks, device) -> torch.Tensor:
+    out = torch.zeros(num_ranks, dtype=torch.int32)
+    out[list(ranks)] = 1
+    return out.to(device)
+
+
+class Topology:
+    """Who relays for whom in one CudaComm's group, with the device tables every call uses
+    (built once, on the first call that may relay)."""
+
+    def __init__(self, comm: CudaComm):
+        R, me, dev = comm.num_ranks, comm.rank, comm.device
+        host_of = [int(h) for h in comm.host_of.tolist()]
+        self.relays = r = Relays(host_of, me)
+        self.num_ranks, self.rank, self.device = R, me, dev
+        self.here = host_of[me]
+        self.num_hosts, self.mask_cols, self.local = r.num_hosts, r.mask_cols, r.local
+        self.relay_of = [r.relay(me, h) if h != self.here else -1 for h in range(r.num_hosts)]
+        ranks_on = np.full((r.num_hosts, r.mask_cols), -1, np.int32)
+        for h, ranks in enumerate(r.ranks_on):
+            ranks_on[h, :len(ranks)] = ranks
+        self.ranks_on = torch.from_numpy(ranks_on).to(dev)
+        self.host_cols = [torch.tensor(ranks, dtype=torch.long, device=dev)
+                          for ranks in r.ranks_on]
+        mine = [f for f in self.relay_of if f >= 0]
+        self.live_local = _live(R, self.local, dev)
+        self.live_relayed = _live(R, r.relayed[me], dev)
+        self.live_relays = _live(R, mine, dev)
+        self.to_local = _flags(R, self.local, dev)
+        self.to_relays = _flags(R, mine, dev)
+        self.to_relayed = _flags(R, r.relayed[me], dev)
+        self.relay_of_dev = torch.tensor(self.relay_of, dtype=torch.int32, device=dev)
+
+
+def topology(comm: CudaComm) -> Topology:
+    topo = getattr(comm, "_relay_topology", None)
+    if topo is None:
+        topo = Topology(comm)
+        comm._relay_topology = topo
+    return topo
+
+
+def host_positions(topo: Topology, in_rank: torch.Tensor):
+    """``(counts int32 [H], pos int32 [T, H])`` on the device (no synchronisation): tokens of
+    this rank per other host (0 for its own), and each token's place among them (-1: not)."""
+    in_host = torch.stack([in_rank[:, cols].any(1) for cols in topo.host_cols], 1)
+    in_host[:, topo.here] = False
+    pos = torch.where(in_host, in_host.int().cumsum(0) - 1, -1).to(torch.int32)
+    return in_host.sum(0, dtype=torch.int32), pos.contiguous()
+
+
+def first_per_host(topo: Topology, send_pos: torch.Tensor) -> torch.Tensor:
+    """send_pos [T, R] keeping, per other host, only the first rank there a token went to: the
+    row where that host's relay puts the token's partial sum (the combine's reduce reads
+    exactly those rows and those of this rank's own host)."""
+    out = send_pos.clone()
+    for h, cols in enumerate(topo.host_cols):
+        if h == topo.here:
+            continue
+        sp = send_pos[:, cols]
+        first = (sp >= 0).int().argmax(1, keepdim=True)
+        keep = torch.arange(len(cols), device=sp.device)[None, :] == first
+        out[:, cols] = torch.where(keep, sp, torch.full_like(sp, -1))
+    return out.contiguous()
+
+
+@dataclass(eq=False)
+class Routes:
+    """One relayed dispatch's geometry, on its handle (``handle.relay``) for the combine and
+    cached dispatches: the count matrices (numpy, the same on every rank) and the device
+    tables of this rank."""
+
+    topo: Topology
+    matrix: np.ndarray               # [R, R] rows of s for d
+    host_matrix: np.ndarray          # [R, H] tokens of s for the ranks of host h
+    host_pos: torch.Tensor           # int32 [T, H] (host_positions)
+    send_pos_first: torch.Tensor     # int32 [T, R] (first_per_host)
+    relay_pos: torch.Tensor = field(default=None)   # int32 [staged rows here, L] (forward)
+    _gather0: dict = field(default_factory=dict, repr=False)
+
+    def relayed(self, f: int) -> list:
+        return self.topo.relays.relayed[f]
+
+    def host(self, r: int) -> int:
+        return self.topo.relays.host_of[r]
+
+    def ranks_here(self, f: int) -> list:
+        return self.topo.relays.ranks_on[self.host(f)]
+
+    # -- dispatch ------------------------------------------------------------------------
+    def stage_rows(self, f: int) -> int:
+        h = self.host(f)
+        return int(sum(self.host_matrix[s, h] for s in self.relayed(f)))
+
+    def stage_row0(self, s: int, f: int) -> int:
+        h = self.host(f)
+        return int(sum(self.host_matrix[p, h] for p in self.relayed(f) if p < s))
+
+    # -- combine -------------------------------------------------------------------------
+    def gather_parts(self, f: int) -> list:
+        """((s, d, rows), ...) of f's gather slab in order: per relayed s, per rank d of f's
+        host, the rows d returns for s."""
+        return [(s, d, int(self.matrix[s, d])) for s in self.relayed(f)
+                for d in self.ranks_here(f)]
+
+    def gather_rows(self, f: int) -> int:
+        return sum(n for _, _, n in self.gather_parts(f))
+
+    def gather_row0(self, f: int, s: int, d: int) -> int:
+        """Where d's rows for s start in f's gather slab (one table per f, kept: a combine
+        asks once per source)."""
+        table = self._gather0.get(f)
+        if table is None:
+            table, at = {}, 0
+            for p, q, n in self.gather_parts(f):
+                table[p, q] = at
+                at += n
+            self._gather0[f] = table
+        return table[s, d]
+
+
+def stage_nbytes(rows: int, row_bytes: int, scale_cols: int, topk: int, mask_cols: int) -> int:
+    """Bytes of a relay's staging slab (relay.cuh StageSlab): ``rows`` payload rows, then one
+    metadata row per token (ids, scales, weights, mask; 8-byte multiple), so a staged token
+    crosses as two puts; SLAB_ALIGN between the two, a page multiple in all."""
+    meta = round_up(topk * 8 + scale_cols * 4 + topk * 4 + mask_cols, 8)
+    return round_up(round_up(rows * row_bytes, SLAB_ALIGN) + rows * meta, PAGE)
+
+
+def dispatch_fits(routes: Routes, heap_bytes: int, row_bytes: int, scale_cols: int,
+                  topk: int) -> bool:
+    """Every rank's output slab and staging slab fit its data region (one copy)."""
+    m, mc = routes.matrix, routes.topo.mask_cols
+    cols = m.sum(0)
+    return all(SlabLayout(int(cols[f]), row_bytes, scale_cols, topk).nbytes +
+               stage_nbytes(routes.stage_rows(f), row_bytes, scale_cols, topk, mc)
+               <= heap_bytes for f in range(m.shape[0]))
+
+
+def combine_fits(routes: Routes, heap_bytes: int, row_bytes: int, topk: int) -> bool:
+    """Every rank's flat combine slab and gather slab fit its data region (one copy)."""
+    back = routes.matrix.sum(1)
+    return all(SlabLayout(int(back[f]), row_bytes, 0, topk).nbytes +
+               SlabLayout(routes.gather_rows(f), row_bytes, 0, topk).nbytes <= heap_bytes
+               for f in range(back.shape[0]))
+
+
+def _grid(rows: int, kernel: str, num_sms: int) -> int:
+    """Blocks of a warp-per-row kernel: enough for one warp a row, at most ``num_sms``."""
+    return max(1, min(-(-rows // (THREADS[kernel] // 32)), num_sms))
+
+
+def _i64(rows, width: int, device) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.int64).reshape(-1, width).to(device)
+
+
+def _signal_args(comm: CudaComm, epoch: int, done_to, counter: str) -> dict:
+    return dict(done_to=done_to, done_off=comm.done_offset(), done_stride=SIGNAL_STRIDE,
+                epoch=epoch, counter=comm.counter(counter))
+
+
+def _wait(comm: CudaComm, k, live, epoch: int, op: str) -> None:
+    """moe_wait_done for the ranks on in ``live`` only (the group deadline)."""
+    launch(k["moe_wait_done"], 1, THREADS["moe_wait_done"],
+           pack("moe_wait_done", **{**group(comm), "active": live}, **errors(comm, op),
+                done_off=comm.done_offset(), done_stride=SIGNAL_STRIDE, epoch=epoch),
+           device=comm.device)
+
+
+def dispatch(comm: CudaComm, k, routes: Routes, epochs: tuple, send: dict, num_sms: int,
+             relay_pos: torch.Tensor) -> None:
+    """The payload of a relayed dispatch (relay.cuh), up to every row of this rank's output
+    slab being in place: stage, own rows to this host, forward. ``send``: normal.py's send
+    arguments (x, scales, top-k, send_pos, matrix); ``epochs``: (the own rows' epoch, the
+    call's relay epoch); ``relay_pos`` int32 [stage_rows(me), L] is filled for the combine."""
+    topo, me, dev = routes.topo, comm.rank, comm.device
+    own_epoch, epoch = epochs
+    m = routes.matrix
+    cols = m.sum(0)
+    row_bytes, scale_cols, topk = send["row_bytes"], send["scale_cols"], send["topk"]
+    H = topo.num_hosts
+    stage_off, stage_rows, stage_row0 = [], [], []
+    for f in topo.relay_of:
+        if f < 0:
+            stage_off.append(0), stage_rows.append(0), stage_row0.append(0)
+            continue
+        stage_off.append(SlabLayout(int(cols[f]), row_bytes, scale_cols, topk).nbytes)
+        stage_rows.append(routes.stage_rows(f))
+        stage_row0.append(routes.stage_row0(me, f))
+    if any(f >= 0 for f in topo.relay_of):
+        launch(k["moe_relay_stage"], _grid(send["num_tokens"], "moe_relay_stage", num_sms),
+               THREADS["moe_relay_stage"],
+               pack("moe_relay_stage", **group(comm), **errors(comm, "dispatch/send"),
+                    x=send["x"], num_tokens=send["num_tokens"], row_bytes=row_bytes,
+                    scales=send["scales"], scale_cols=scale_cols, topk_idx=send["topk_idx"],
+                    topk_w=send["topk_w"], topk=topk, send_pos=send["send_pos"],
+                    host_pos=routes.host_pos, num_hosts=H, relay_of=topo.relay_of_dev,
+                    ranks_on=topo.ranks_on, mask_cols=topo.mask_cols,
+                    stage_off=_i64(stage_off, 1, dev).flatten(),
+                    stage_rows=_i64(stage_rows, 1, dev).flatten(),
+                    stage_row0=_i64(stage_row0, 1, dev).flatten(),
+                    **_signal_args(comm, epoch, topo.to_relays, "relay_stage")), device=dev)
+    # this rank's own rows to the ranks of its host: the flat send with only them live (its
+    # DONE, at the own epoch, is overwritten by the forward's before anyone awaits it)
+    launch(k["moe_dispatch_send"], max(1, num_sms), THREADS["moe_dispatch_send"],
+           pack("moe_dispatch_send", **{**group(comm), "active": topo.live_local},
+                **errors(comm, "dispatch/send"), **send, chunk=0, first=0,
+                done_off=comm.done_offset(), done_stride=SIGNAL_STRIDE, epoch=own_epoch,
+                counter=comm.counter("dispatch_send")), device=dev)
+    relayed = routes.relayed(me)
+    if relayed:
+        _wait(comm, k, topo.live_relayed, epoch, "dispatch/payload")
+    prefix = np.cumsum(m, 0) - m
+    jobs, here = [], topo.local
+    for s in relayed:
+        n = int(routes.host_matrix[s, topo.here])
+        for li, d in enumerate(here):
+            if n:
+                jobs += [routes.stage_row0(s, me), n, d, li, int(prefix[s, d])]
+    launch(k["moe_relay_forward"], max(1, min(len(jobs) // 5, 4 * max(1, num_sms))),
+           THREADS["moe_relay_forward"],
+           pack("moe_relay_forward", **group(comm), **errors(comm, "dispatch/send"),
+                row_bytes=row_bytes, scale_cols=scale_cols, topk=topk,
+                num_local=send["num_local"], mask_cols=topo.mask_cols,
+                stage_off=SlabLayout(int(cols[me]), row_bytes, scale_cols, topk).nbytes,
+                stage_rows=routes.stage_rows(me), jobs=_i64(jobs, 5, dev),
+                num_jobs=len(jobs) // 5, out_rows=_i64(cols.tolist(), 1, dev).flatten(),
+                relay_pos=relay_pos, num_here=len(here),
+                **_signal_args(comm, epoch, topo.to_local, "relay_forward")), device=dev)
+    _wait(comm, k, topo.live_local, epoch, "dispatch/payload")
+
+
+def combine(comm: CudaComm, k, routes: Routes, epoch: int, *, x, topk_weights, num_sms: int
+            ) -> None:
+    """The payload of a relayed combine (relay.cuh), up to every row this rank's reduce reads
+    being in its flat staging slab: ranges (rows to this host's owners and relays), the
+    relays' sums across. The reduce is normal.py's, with ``routes.send_pos_first``."""
+    topo, me, dev = routes.topo, comm.rank, comm.device
+    m = routes.matrix
+    row_bytes = x.shape[1] * x.element_size()
+    topk = 0 if topk_weights is None else topk_weights.shape[1]
+    back = m.sum(1)
+    received0 = np.cumsum(m[:, me]) - m[:, me]
+
+    def flat_nbytes(f):
+        return SlabLayout(int(back[f]), row_bytes, 0, topk).nbytes
+
+    jobs, ends, total = [], [], 0
+    for s in range(comm.num_ranks):
+        n = int(m[s, me])
+        if not n:
+            continue
+        if routes.host(s) == topo.here:    # owner here: its flat slab, the flat row
+            jobs += [int(received0[s]), n, s, int(m[s, :me].sum()), 0, int(back[s])]
+        else:                               # the owner's relay here: its gather slab
+            f = topo.relays.relay(s, topo.here)
+            jobs += [int(received0[s]), n, f, routes.gather_row0(f, s, me), flat_nbytes(f),
+                     routes.gather_rows(f)]
+        total += n
+        ends.append(total)
+    launch(k["moe_relay_ranges"], _grid(total, "moe_relay_ranges", num_sms),
+           THREADS["moe_relay_ranges"],
+           pack("moe_relay_ranges", **group(comm), **errors(comm, "combine/send"), x=x,
+                row_bytes=row_bytes, topk_w=topk_weights, topk=topk, jobs=_i64(jobs, 6, dev),
+                ends=_i64(ends, 1, dev).flatten(), num_jobs=len(ends),
+                **_signal_args(comm, epoch, topo.to_local, "relay_ranges")), device=dev)
+    _wait(comm, k, topo.live_local, epoch, "combine/payload")
+
+    relayed = routes.relayed(me)
+    here = topo.local
+    if relayed:
+        jobs, ends, total = [], [], 0
+        for s in relayed:
+            n = int(routes.host_matrix[s, topo.here])
+            if not n:
+                continue
+            row = [routes.stage_row0(s, me), n, s, int(back[s])]
+            for d in here:
+                row += [routes.gather_row0(me, s, d), int(m[s, :d].sum())]
+            jobs += row
+            total += n
+            ends.append(total)
+        reduce = RELAY_REDUCE_KERNEL[x.dtype]
+        launch(k[reduce], _grid(total, reduce, num_sms), THREADS[reduce],
+               pack(reduce, **group(comm), **errors(comm, "combine/send"),
+                    hidden=x.shape[1], topk=topk, gather_off=flat_nbytes(me),
+                    gather_rows=routes.gather_rows(me),
+                    jobs=_i64(jobs, 4 + 2 * len(here), dev), ends=_i64(ends, 1, dev).flatten(),
+                    num_jobs=len(ends), relay_pos=routes.relay_pos, num_here=len(here),
+                    **_signal_args(comm, epoch, topo.to_relayed, "relay_reduce")), device=dev)
+    if any(f >= 0 for f in topo.relay_of):
+        _wait(comm, k, topo.live_relays, epoch, "combine/payload")
