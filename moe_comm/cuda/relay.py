@@ -1,7 +1,7 @@
 """Hierarchical (relay) normal mode of the CUDA backend: a token crosses to each other host once.
 
-The host backend's protocol (moe_comm/host/relay.py; moe_comm/relay_map.py: the relay of
-sender s on host H is H's rank with s's local index) with the CUDA backend's
+The host backend's protocol (moe_comm/host/relay.py; moe_comm/relay_map.py, the rule both
+share: the relay of sender s on host H is H's rank with s's local index) with the CUDA backend's
 kernels (csrc/kernels/relay.cuh has the device side and the order of every step). What this
 module adds is the host's part: from the count matrices every rank holds after the notify
 (ranks x ranks, and ranks x hosts: the notify carries each rank's token count per host),

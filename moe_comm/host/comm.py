@@ -42,7 +42,8 @@ from ..wire import (CALL_WORDS, MAGIC, MAX_EPOCH, PAGE, VERSION, HeaderLayout, a
                     tag_value)
 from .heap import PageHeap
 from .late_rows import LateRows
-from .relay import PATIENT_TIMEOUTS, Relays
+from ..relay_map import Relays
+from .relay import PATIENT_TIMEOUTS
 
 log = logging.getLogger("moe_comm")
 

@@ -53,6 +53,7 @@ import logging
 import numpy as np
 import torch
 
+from ..relay_map import Relays
 from ..wire import PAGE, SlabLayout, tag_value
 from .exchange import (DONE_LOST, DONE_WRITTEN, done_words, grant, put_rows,
                        release_on_error, send_when_granted, settle, signature_check)
@@ -71,56 +72,6 @@ class RelayLost(Exception):
     """A rank the call's relays were picked among was masked since (mid-call, or between a
     dispatch and a call on its handle): the relayed result may miss rows of healthy ranks,
     so the survivors redo the call flat (normal.py)."""
-
-
-class Relays:
-    """Who relays for whom, from the host index of every rank and the ranks still active
-    (built once per HostComm, then once per mask: :meth:`among`)."""
-
-    def __init__(self, host_of: list, rank: int, active=None):
-        R = len(host_of)
-        self.rank, self.host_of = rank, list(host_of)
-        self.active = np.ones(R, bool) if active is None else np.array(active, bool)
-        self.num_hosts = max(host_of) + 1
-        self.ranks_on = [[r for r in range(R) if host_of[r] == h] for h in range(self.num_hosts)]
-        self.local_index = [self.ranks_on[h].index(r) for r, h in enumerate(host_of)]
-        # relays are picked among a host's active ranks; a host with none gets nothing (its
-        # ranks' tokens are masked anyway). Mask columns stay one per rank of the host.
-        self.active_on = [[r for r in ranks if self.active[r]] for ranks in self.ranks_on]
-        self.mask_cols = max(len(ranks) for ranks in self.ranks_on)   # one byte per rank
-        self.local = self.ranks_on[host_of[rank]]
-        # relayed[f]: the active ranks of other hosts whose tokens rank f relays onto its host
-        self.relayed = [[s for s in range(R) if self.active[s] and host_of[s] != host_of[f]
-                         and self.relay(s, host_of[f]) == f] for f in range(R)]
-        self._host_index = torch.tensor(host_of, dtype=torch.int64)
-        self._among = {}
-
-    def relay(self, s: int, host: int):
-        """The relay of rank s on ``host``: the host's active rank with s's local index,
-        modulo their count (None when the host has no active rank)."""
-        ranks = self.active_on[host]
-        return ranks[self.local_index[s] % len(ranks)] if ranks else None
-
-    def among(self, active) -> Relays:
-        """These relays chosen among the ranks ``active`` (bool [R]) marks: every rank that
-        holds the same mask derives the same choice."""
-        active = np.asarray(active, bool)
-        if np.array_equal(active, self.active):
-            return self
-        key = active.tobytes()
-        if key not in self._among:
-            self._among[key] = Relays(self.host_of, self.rank, active)
-        return self._among[key]
-
-    def serve(self, active) -> bool:
-        """Whether every rank these relays were chosen among is still active."""
-        return not (self.active & ~np.asarray(active, bool)).any()
-
-    def rows_per_host(self, matrix: np.ndarray) -> np.ndarray:
-        """[R, hosts]: rows each rank sends to the ranks of each host (sum over ranks)."""
-        out = np.zeros((matrix.shape[0], self.num_hosts), np.int64)
-        np.add.at(out.T, self.host_of, matrix.T)
-        return out
 
 
 class Routes:
