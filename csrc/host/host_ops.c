@@ -60,7 +60,14 @@ MOE_CLONES void moe_sum_rows(const int64_t *row_addr, const float *weight, const
         for (int64_t h = 0; h < hidden; h++) acc[h] = 0.0f;
         for (int64_t i = first[t]; i < first[t + 1]; i++) {
             const void *src = (const void *)(intptr_t)row_addr[i];
-            if (weight) {
+            if (weight && in_dt == DT_BF16) {          /* one pass: widen, scale, add */
+                const float w = weight[i];
+                const uint16_t *s = (const uint16_t *)src;
+                for (int64_t h = 0; h < hidden; h++) {
+                    float p = bf16_to_f32(s[h]) * w;
+                    acc[h] += p;
+                }
+            } else if (weight) {
                 const float w = weight[i];
                 load_row(src, in_dt, hidden, row);
                 for (int64_t h = 0; h < hidden; h++) { float p = row[h] * w; acc[h] += p; }
