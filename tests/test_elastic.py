@@ -455,6 +455,23 @@ def _resume_victim_and_wait(rank, pids, flag):
         time.sleep(0.01)
 
 
+def _step_holding_rows_while_victim_resumes(buf, x, idx, w, n, mask, rank, pids, flag):
+    """A normal step over the survivors ``mask`` whose received rows this rank holds while
+    the frozen victim resumes and does whatever it still does. Returns (whether the held
+    rows stayed unchanged, the combined output, the dispatch's handle)."""
+    phy, pw = _route(idx, w, n, active=mask)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(phy, _slots(n))
+    rx, ri, rw, _, handle, _ = buf.dispatch(x, topk_idx=phy, topk_weights=pw,
+                                            num_tokens_per_rank=per_rank,
+                                            is_token_in_rank=in_rank,
+                                            num_tokens_per_expert=per_expert)
+    held = [t.clone() for t in (rx, ri, rw)]
+    _resume_victim_and_wait(rank, pids, flag)
+    unchanged = all(torch.equal(a, b) for a, b in zip((rx, ri, rw), held))
+    y = (rx.float() * torch.where(ri >= 0, rw, 0).sum(1, keepdim=True)).bfloat16()
+    return unchanged, buf.combine(y, handle)[0], handle
+
+
 def _resume_before_second_copy_out(rank, pids, flag):
     """CUDA backend: the survivors' received rows are copies, made by the copy-out kernel
     from the data region after the payload agreement; resume the victim right there in the
@@ -527,17 +544,8 @@ def _late_writer_worker(rank, n, point, flag, timeout_s):
     # while the victim resumes and does whatever it still does
     if point == "mid_write" and not host:
         _resume_before_second_copy_out(rank, pids, flag)
-    phy2, w2 = _route(idx, w, n, active=mask)
-    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(phy2, _slots(n))
-    rx2, ri2, rw2, _, handle2, _ = buf.dispatch(x, topk_idx=phy2, topk_weights=w2,
-                                                num_tokens_per_rank=per_rank,
-                                                is_token_in_rank=in_rank,
-                                                num_tokens_per_expert=per_expert)
-    held = [t.clone() for t in (rx2, ri2, rw2)]
-    _resume_victim_and_wait(rank, pids, flag)
-    unchanged = all(torch.equal(a, b) for a, b in zip((rx2, ri2, rw2), held))
-    y = (rx2.float() * torch.where(ri2 >= 0, rw2, 0).sum(1, keepdim=True)).bfloat16()
-    out2, _, _ = buf.combine(y, handle2)
+    unchanged, out2, _ = _step_holding_rows_while_victim_resumes(buf, x, idx, w, n, mask, rank,
+                                                                 pids, flag)
     # what was set aside for the late writer: quarantined heap bytes (host), or how far the
     # slabs moved in this rank's data region (CUDA)
     quarantined = buf._comm.heap.bytes_quarantined if host else \

@@ -29,7 +29,7 @@ from moe_comm.quant import quantize_fp8
 from moe_comm.testing import netns
 from checks import check_ll, check_normal
 from test_elastic import (HIDDEN, MAX_TOKENS, VICTIM, _check_survivors, _inputs, _ll_step,
-                          _normal_step, _resume_victim_and_wait, _route, _slots)
+                          _normal_step, _route, _slots, _step_holding_rows_while_victim_resumes)
 from test_low_latency import _cases as ll_cases
 from test_low_latency import _run as ll_run
 from test_normal_mode import _cases as normal_cases
@@ -346,17 +346,8 @@ def _frozen_relay(rank, n, flag):
         return outcome
     out = _normal_step(buf, x, phy, pw)[1]
     mask = buf.active_ranks
-    phy2, w2 = _route(idx, w, n, active=mask)
-    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(phy2, _slots(n))
-    rx, ri, rw, _, handle, _ = buf.dispatch(x, topk_idx=phy2, topk_weights=w2,
-                                            num_tokens_per_rank=per_rank,
-                                            is_token_in_rank=in_rank,
-                                            num_tokens_per_expert=per_expert)
-    held = [t.clone() for t in (rx, ri, rw)]
-    _resume_victim_and_wait(rank, pids, flag)
-    unchanged = all(torch.equal(a, b) for a, b in zip((rx, ri, rw), held))
-    y = (rx.float() * torch.where(ri >= 0, rw, 0).sum(1, keepdim=True)).bfloat16()
-    second = buf.combine(y, handle)[0]
+    unchanged, second, handle = _step_holding_rows_while_victim_resumes(
+        buf, x, idx, w, n, mask, rank, pids, flag)
     quarantined = buf._comm.heap.bytes_quarantined
     buf.destroy()
     return {"mask": mask, "out": out, "phy": phy, "second_out": second,
