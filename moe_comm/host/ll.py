@@ -257,30 +257,29 @@ def combine_send(comm, *, x, handle: LowLatencyHandle, lay: LLLayout, use_logfmt
     comm.ll_seq["combine"] += 1
     seq = comm.ll_seq["combine"]
     buf = seq % LL_NUM_BUFFERS
-    me, num_local = comm.rank, lay.num_local
+    me = comm.rank
     hidden = x.shape[-1]
     ranges = handle.recv_ranges
     comb_off = lay.offset(buf, "combine", comm.ll_stride)
 
-    starts, counts = ranges[:, :, 0].tolist(), ranges[:, :, 1].tolist()   # [le][src]
     bases = handle.return_base.tolist()
+    rows_of = _return_rows(ranges, x.shape[1])
+    x_bytes = x.view(-1, hidden).view(torch.uint8)          # [le * R*M + row, 2H]
 
     def send(owner, _grant):
         # this rank's rows for `owner`, expert by expert, are one run of the owner's messages
-        blocks = [x[le, starts[le][owner]:starts[le][owner] + counts[le][owner]]
-                  for le in range(num_local) if counts[le][owner]]
-        n = sum(b.shape[0] for b in blocks)
+        idx = rows_of[owner]
+        n = idx.numel()
         comm.check_fence()             # a rank the survivors masked writes nothing
         if n:
             at = comb_off + bases[owner] * hidden * 2
             if use_logfmt:
-                rows = logfmt.encode(torch.cat(blocks))
+                rows = logfmt.encode(x.view(-1, hidden).index_select(0, idx))
                 comm.peer_ll(owner)[at:at + rows.numel()].view(rows.shape).copy_(rows)
                 comm.commit(owner, "ll", at, rows.numel())
             else:
-                dst = comm.peer_ll(owner)[at:at + n * hidden * 2].view(torch.bfloat16).view(
-                    n, hidden)
-                torch.cat(blocks, out=dst)
+                copy_rows(x_bytes, idx, comm.peer_ll(owner)[at:at + n * hidden * 2].view(
+                    n, hidden * 2), None)
                 comm.commit(owner, "ll", at, n * hidden * 2)
         comm.signal(owner, comm.layout.ll_combine_done(buf, me), seq,
                     n | (LL_DONE_LOGFMT if use_logfmt else 0))
@@ -288,6 +287,22 @@ def combine_send(comm, *, x, handle: LowLatencyHandle, lay: LLLayout, use_logfmt
     _wait_free(comm, "combine", lambda r: comm.layout.ll_combine_free(buf, r), seq,
                "low_latency_combine/free", send)
     return seq, buf
+
+
+def _return_rows(ranges: torch.Tensor, rows_per_expert: int) -> list:
+    """For each owner, the rows of the combine input (viewed as [E_local * R*M, H]) that go
+    back to it, expert by expert: ``ranges`` [E_local, R, (start, count)] of the handle."""
+    num_local, R = ranges.shape[0], ranges.shape[1]
+    first = ranges[:, :, 0] + (torch.arange(num_local) * rows_per_expert).unsqueeze(1)
+    out = []
+    for owner in range(R):
+        counts = ranges[:, owner, 1]
+        n = int(counts.sum())
+        # row i of the run: first row of its expert's block + its place in that block
+        base = torch.repeat_interleave(first[:, owner] - (torch.cumsum(counts, 0) - counts),
+                                       counts, output_size=n)
+        out.append(base + torch.arange(n))
+    return out
 
 
 def combine_recv(comm, seq, buf, lay: LLLayout, *, handle, topk_idx, topk_weights, out,
