@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import ll, normal
+from . import ll, native, normal
 from ..errors import refuse_if_masked
 from ..event import EventOverlap
 from ..layout import DispatchLayout, aligned_expert_counts, dispatch_layout
@@ -18,6 +18,7 @@ class HostBackend:
                  transport):
         self.normal, self.ll = normal, ll
         self.device = torch.device("cpu")
+        native.library()     # built (once, cached) now, not inside the first call's deadline
         self.comm = HostComm(group, num_nvl_bytes, num_rdma_bytes, timeout_s,
                              elastic=elastic, transport=transport)
         self.job = self.comm.job
