@@ -112,6 +112,21 @@ def expert_ids(t, num_experts, num_tokens=None):
     return t
 
 
+def expert_rows(t, num_experts: int, max_tokens: int) -> None:
+    """Low-latency dispatch: no expert may get more than ``max_tokens`` rows from one rank
+    (its block at the receiver holds that many), which only a token naming an expert twice
+    can cause. One number read back, skipped while a CUDA graph is captured (expert_ids)."""
+    if t.numel() <= max_tokens or (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    slots = torch.where(t >= 0, t, num_experts).flatten()       # -1 slots: a column of its own
+    per_expert = torch.bincount(slots, minlength=num_experts + 1)[:num_experts]
+    worst = int(per_expert.argmax())
+    if int(per_expert[worst]) > max_tokens:
+        raise ValueError(f"topk_idx sends {int(per_expert[worst])} rows to expert {worst}, more "
+                         f"than num_max_dispatch_tokens_per_rank={max_tokens}: a token names "
+                         "that expert more than once")
+
+
 def routing_weights(t, idx):
     if t is None:
         return None
@@ -464,6 +479,7 @@ def ll_dispatch_args(facts: BufferFacts, ll_bytes, x, topk_idx, max_tokens, num_
     if topk_idx.shape[1] > LL_MAX_TOPK:
         raise ValueError(f"topk_idx has {topk_idx.shape[1]} columns; low-latency mode "
                          f"supports top-k <= {LL_MAX_TOPK}")
+    expert_rows(topk_idx, num_experts, max_tokens)
     if use_ue8m0 and not (use_fp8 and round_scale):
         raise ValueError("use_ue8m0 needs use_fp8=True and round_scale=True (UE8M0 holds "
                          "powers of two)")

@@ -219,6 +219,9 @@ def _ll_bad(rank, n):
         (lambda: buf.low_latency_dispatch(x, torch.randint(0, 8, (x.shape[0], 17)), 8, 8),
          ValueError, "top-k <= 16"),
         (lambda: buf.low_latency_dispatch(x, idx + 100, 8, 8), ValueError, "expert id"),
+        # every slot of every token to expert 3: its block of 8 rows at the receiver overflows
+        (lambda: buf.low_latency_dispatch(x, torch.full((x.shape[0], 2), 3), 8, 8), ValueError,
+         "a token names that expert more than once"),
     ]
     msgs = []
     for call, exc, text in bad:
