@@ -77,8 +77,8 @@ def test_every_kernel_is_declared_with_its_generated_list():
             if name != "NAME":
                 defined.add(name)
                 assert params == f"MOE_ARGS_{name}", (path.name, name, params)
-        if re.search(head + r"NAME\(MOE_ARGS_##NAME\)", src):   # MOE_REDUCE_KERNEL
-            defined |= set(re.findall(r"^MOE_REDUCE_KERNEL\((\w+),", src, re.MULTILINE))
+        if re.search(head + r"NAME\(MOE_ARGS_##NAME\)", src):   # MOE_*REDUCE_KERNEL macros
+            defined |= set(re.findall(r"^MOE_\w*REDUCE_KERNEL\((\w+),", src, re.MULTILINE))
     assert defined == set(KERNEL_ARGS), set(KERNEL_ARGS) ^ defined
     listed = {k for v in variants.all_variants() for k in v.kernels}
     assert listed | set(nvcc.SELFTEST_KERNELS) == set(KERNEL_ARGS)
