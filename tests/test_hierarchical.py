@@ -409,3 +409,90 @@ def test_ranks_a_controller_masks_take_no_part_in_relays():
     mask = torch.tensor([int(r != VICTIM) for r in range(n)], dtype=torch.int32)
     _check_survivors(results, n, mask, "controller mask")
     assert all(results[r]["relayed"] == [False, True] for r in range(n) if mask[r])
+
+
+# ---- the CUDA backend's relays with masked ranks and in elastic Buffers (kernels emulated) ----
+CUDA_ENV = {**TCP, "MOE_COMM_CPU_BACKEND": "emulator"}
+CUDA_ELASTIC_TIMEOUT = 2.0
+
+
+def _cuda_preload(n):
+    if not emulator.available():
+        pytest.skip("the kernel emulator needs a C++ compiler (g++)")
+    cuda_cases.preload("cpu", n)
+
+
+def _kill_self_in_cuda_relay(after):
+    """SIGKILL this process right after its ``after``-th relay wait (moe_comm/cuda/relay.py
+    ``_wait``; the emulated kernels are done when launched): 1 = a relay's wait for the
+    senders it relays for (their rows are staged here, none forwarded yet), 3 = its combine's
+    wait for its host's rows (before it sums any)."""
+    from moe_comm.cuda import relay as cuda_relay
+    real, seen = cuda_relay._wait, []
+
+    def dying(*args, **kwargs):
+        real(*args, **kwargs)
+        seen.append(1)
+        if len(seen) == after:
+            os.kill(os.getpid(), signal.SIGKILL)
+    cuda_relay._wait = dying
+
+
+def _cuda_elastic(rank, n, per_host, point, redo=True):
+    """An elastic group of emulated CUDA ranks loses a whole host before its first call
+    (``point`` "host") or a relay mid-call ("forward": after the rows of the senders it
+    relays for were staged at it, before it forwards any; "combine": after its host's rows
+    came back to it, before it sums them). The survivors' first step, then one over experts
+    re-placed on them. ``redo`` False: the survivors do not redo a call that lost a relay
+    (to show the test needs it)."""
+    if not redo:
+        from moe_comm.cuda import relay as cuda_relay
+        cuda_relay.lost = lambda comm, routes: (cuda_relay.current_mask(comm), False)[1]
+    buf = moe_comm.Buffer(None, 8 << 20, timeout_s=CUDA_ELASTIC_TIMEOUT, elastic=True)
+    x, idx, w = _inputs(rank)
+    phy, pw = _route(idx, w, n)
+    dist.barrier()                      # every rank is up before one goes
+    if point == "host" and rank // per_host == n // per_host - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if point != "host" and rank == RELAY_VICTIM:
+        _kill_self_in_cuda_relay(1 if point == "forward" else 3)
+    handles = []
+    out = _normal_step(buf, x, phy, pw, handles=handles)[1]
+    mask = buf.active_ranks
+    second = _normal_step(buf, x, *_route(idx, w, n, active=mask), handles=handles)[1]
+    buf.destroy()
+    return {"mask": mask, "out": out, "phy": phy, "second_out": second,
+            "relayed": [h.relay is not None for h in handles]}
+
+
+@pytest.mark.parametrize("point", ["host", "forward", "combine"])
+def test_emulated_cuda_elastic_relays(point):
+    """Emulated CUDA ranks, 3 hosts x 2, elastic. A whole host lost before the first call:
+    both steps go by relays picked among the survivors (the notify's agreement masks the
+    host first) and are exact. A relay killed mid-call (rank 2 relays ranks 0 and 4 onto host
+    1): the survivors agree on the mask and redo the call flat, exact (the rows it was
+    relaying for healthy ranks included); that handle lost its relays, the next step relays
+    among the survivors."""
+    n = RELAY_HOSTS * RELAY_PER_HOST
+    _cuda_preload(n)
+    dead = set(range(n - RELAY_PER_HOST, n)) if point == "host" else {RELAY_VICTIM}
+    with netns.Hosts(RELAY_HOSTS) as hosts:
+        results = hosts.run(_cuda_elastic, RELAY_PER_HOST, RELAY_PER_HOST, point,
+                            expect_exit_ranks=dead, timeout=180, env=CUDA_ENV)
+    mask = torch.tensor([int(r not in dead) for r in range(n)], dtype=torch.int32)
+    _check_survivors(results, n, mask, point)
+    want = [True, True] if point == "host" else [False, True]
+    assert all(results[r]["relayed"] == want for r in range(n) if mask[r]), \
+        [results[r]["relayed"] for r in range(n) if mask[r]]
+
+
+def test_emulated_cuda_ranks_a_controller_masks_take_no_part_in_relays():
+    """The controller-mask case above (no elastic mode; rank 2 masked between a dispatch and
+    its combine) on emulated CUDA ranks, 2 hosts x 2: the combine goes flat and its handle
+    loses its relays, the next step goes by relays among the other three."""
+    n = 4
+    _cuda_preload(n)
+    results = netns.run_on_hosts(_controller_masks, 2, 2, timeout=120, env=CUDA_ENV)
+    mask = torch.tensor([int(r != VICTIM) for r in range(n)], dtype=torch.int32)
+    _check_survivors(results, n, mask, "controller mask")
+    assert all(results[r]["relayed"] == [False, True] for r in range(n) if mask[r])
