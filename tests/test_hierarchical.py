@@ -29,7 +29,8 @@ from moe_comm.quant import quantize_fp8
 from moe_comm.testing import netns
 from checks import check_ll, check_normal
 from test_elastic import (HIDDEN, MAX_TOKENS, VICTIM, _check_survivors, _inputs, _ll_step,
-                          _normal_step, _route, _slots, _step_holding_rows_while_victim_resumes)
+                          _normal_step, _route, _slots, _resume_victim_and_wait,
+                          _step_holding_rows_while_victim_resumes)
 from test_low_latency import _cases as ll_cases
 from test_low_latency import _run as ll_run
 from test_normal_mode import _cases as normal_cases
@@ -496,3 +497,70 @@ def test_emulated_cuda_ranks_a_controller_masks_take_no_part_in_relays():
     mask = torch.tensor([int(r != VICTIM) for r in range(n)], dtype=torch.int32)
     _check_survivors(results, n, mask, "controller mask")
     assert all(results[r]["relayed"] == [False, True] for r in range(n) if mask[r])
+
+
+def _cuda_frozen_relay(rank, n, flag):
+    """Emulated CUDA ranks: the victim stops (the emulator's SIGSTOP) in its first relay
+    stage kernel, between its fence check and its stores into its relays' staging slabs on
+    the other hosts. The survivors mask it, redo the step flat, and run the next step by
+    relays among them; rank 0 resumes the victim inside that step's dispatch, after its
+    closing agreement and before its copy-out reads the rows (where the late stores would
+    land in rows a survivor reads, but for the floors moved past the first call's staging
+    slabs too). The victim must raise RankMaskedError, and nothing the survivors hold or
+    compute changes."""
+    from moe_comm.cuda import comm as cuda_comm
+    from moe_comm.cuda import normal as cuda_normal
+    pids = [None] * n
+    dist.all_gather_object(pids, os.getpid())
+    buf = moe_comm.Buffer(None, 8 << 20, timeout_s=CUDA_ELASTIC_TIMEOUT, elastic=True)
+    x, idx, w = _inputs(rank)
+    phy, pw = _route(idx, w, n)
+    if rank == RELAY_VICTIM:
+        os.environ["MOE_EMU_STOP_AT_OP"] = str(cuda_comm.OP["dispatch/send"])
+        try:
+            _normal_step(buf, x, phy, pw)
+            outcome = "finished"
+        except moe_comm.RankMaskedError:
+            outcome = "RankMaskedError"
+        with open(flag, "w") as f:        # the survivors look at their memory after this
+            f.write(outcome)
+        return outcome
+    real, seen = cuda_normal.agree, []
+
+    def agree(comm, op, *args, **kwargs):   # the third dispatch payload agreement: step 2's
+        real(comm, op, *args, **kwargs)     # (step 1's relayed call, then its flat redo)
+        if op == "dispatch/payload":
+            seen.append(op)
+            if len(seen) == 3:
+                _resume_victim_and_wait(rank, pids, flag)
+    cuda_normal.agree = agree
+    out = _normal_step(buf, x, phy, pw)[1]
+    mask = buf.active_ranks
+    unchanged, second, handle = _step_holding_rows_while_victim_resumes(
+        buf, x, idx, w, n, mask, rank, pids, flag)
+    floors = buf._comm.floors[:n].tolist()
+    buf.destroy()
+    return {"mask": mask, "out": out, "phy": phy, "second_out": second,
+            "unchanged": unchanged, "flag": os.path.exists(flag),
+            "relayed": handle.relay is not None, "resumed_in_step_2": len(seen) >= 3,
+            "floors": floors}
+
+
+def test_emulated_cuda_frozen_relay_that_resumes_is_fenced(tmp_path):
+    """A CUDA relay frozen past the deadline in its stage is masked; the survivors redo the
+    call flat and go on by relays among themselves; resumed inside their next dispatch, it
+    raises RankMaskedError and its late stores change nothing they hold or compute (they
+    land in the first call's staging slabs, which every survivor's floors moved past)."""
+    flag = str(tmp_path / "victim_done")
+    n = RELAY_HOSTS * RELAY_PER_HOST
+    _cuda_preload(n)
+    results = netns.run_on_hosts(_cuda_frozen_relay, RELAY_HOSTS, RELAY_PER_HOST, flag,
+                                 timeout=180, env=CUDA_ENV)
+    assert results[RELAY_VICTIM] == "RankMaskedError"
+    mask = torch.tensor([int(r != RELAY_VICTIM) for r in range(n)], dtype=torch.int32)
+    _check_survivors(results, n, mask, "frozen CUDA relay")
+    for r in range(n):
+        if mask[r]:
+            got = results[r]
+            assert got["flag"] and got["unchanged"] and got["resumed_in_step_2"], (r, got)
+            assert got["relayed"] and any(got["floors"]), (r, got)
