@@ -7,7 +7,9 @@ host it visits, out and back). The CUDA backend (kernels on the CPU emulator, 4 
 ranks) goes by its relays too (moe_comm/cuda/relay.py) and gets the same checks. An elastic
 group loses a whole host and its survivors agree and stay exact, through relays picked among
 the survivors; a relay killed mid-call (in its forward, or in combine) makes the survivors
-redo that call flat, exact again.
+redo that call flat, exact again. The same on emulated CUDA ranks (3 hosts x 2): a controller's
+mask, a whole host lost, a relay killed in its forward or combine, a relay frozen in its
+stage that resumes.
 """
 from __future__ import annotations
 

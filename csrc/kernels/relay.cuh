@@ -28,6 +28,12 @@
 //             reduce   moe_combine_reduce with send_pos keeping, per other host, only that
 //                      first rank: the owner sums its host's rows and one partial per host.
 //
+// Masked ranks and elastic groups: relays are picked among the active ranks (the host's
+// tables); the stage kernel leaves masked ranks out of a token's mask, so a token counted for
+// one goes nowhere. Every slab (staging, gather, the owner's) starts after the rank's floor
+// (Group::slab_at), and the host notes where a relayed call's slabs end (floors[R + d]), so
+// a rank dropped mid-call that resumes writes only where no later call reads.
+//
 // Memory ordering is normal.cuh's: payload stores (peer stores, or puts through the proxy
 // ring, which keeps the order of its commands) precede the last block's fence and its DONE
 // signals; every wait is moe_wait_done's, with the group deadline. The notify of the next
