@@ -462,10 +462,16 @@ def _cuda_elastic(rank, n, per_host, point, redo=True):
     handles = []
     out = _normal_step(buf, x, phy, pw, handles=handles)[1]
     mask = buf.active_ranks
-    second = _normal_step(buf, x, *_route(idx, w, n, active=mask), handles=handles)[1]
+    rx, second, _ = _normal_step(buf, x, *_route(idx, w, n, active=mask), handles=handles)
+    # a cached dispatch on the second step's handle: by its relays, the same rows
+    from moe_comm.cuda import relay as cuda_relay
+    real, calls = cuda_relay.dispatch, []
+    cuda_relay.dispatch = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    cached = buf.dispatch(x, handle=handles[-1])[0]
     buf.destroy()
     return {"mask": mask, "out": out, "phy": phy, "second_out": second,
-            "relayed": [h.relay is not None for h in handles]}
+            "relayed": [h.relay is not None for h in handles],
+            "cached": (bool(calls), torch.equal(cached, rx))}
 
 
 @pytest.mark.parametrize("point", ["host", "forward", "combine"])
@@ -487,6 +493,8 @@ def test_emulated_cuda_elastic_relays(point):
     want = [True, True] if point == "host" else [False, True]
     assert all(results[r]["relayed"] == want for r in range(n) if mask[r]), \
         [results[r]["relayed"] for r in range(n) if mask[r]]
+    assert all(results[r]["cached"] == (True, True) for r in range(n) if mask[r]), \
+        [results[r]["cached"] for r in range(n) if mask[r]]
 
 
 def test_emulated_cuda_ranks_a_controller_masks_take_no_part_in_relays():
