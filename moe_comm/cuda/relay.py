@@ -90,10 +90,17 @@ def _live_now(comm: CudaComm, flags: torch.Tensor) -> torch.Tensor:
     """The kernels' Active words (transport.cuh) for a wait for, or a flat send to, the ranks
     on in ``flags`` that are active now: word -1 says whether a missed deadline masks
     (elastic) or is reported. Fresh per call: an elastic wait clears its words (see
-    :func:`_fold`)."""
+    :func:`_fold`); while no rank can be masked they never change, and are kept."""
+    static = comm.active is None
+    if static:
+        cache = comm.__dict__.setdefault("_relay_live", {})
+        if id(flags) in cache:
+            return cache[id(flags)][1]
     words = torch.empty(1 + comm.num_ranks, dtype=torch.int32, device=comm.device)
     words[0] = int(comm.elastic)
-    words[1:] = flags if comm.active is None else flags * comm.active
+    words[1:] = flags if static else flags * comm.active
+    if static:                  # keyed by the Topology's tensor, which the entry keeps alive
+        cache[id(flags)] = (flags, words[1:])
     return words[1:]
 
 
