@@ -60,7 +60,11 @@ def enabled(comm: CudaComm) -> bool:
     return on
 
 
-PATIENT_TIMEOUTS = 2    # host/relay.py's: more deadlines for a wait behind a relay
+# More deadlines for a wait behind a relay, and for the closing agreement. A CUDA relay waits
+# at most one deadline before it writes (dispatch: for the senders it relays for; combine: for
+# its host's rows), each wait starting right after the call's notify, so one more deadline
+# covers it (the host backend's relay may wait two in a row: PATIENT_TIMEOUTS = 2 there).
+PATIENT_TIMEOUTS = 1
 
 
 def wanted(comm: CudaComm, num_worst_tokens: int) -> bool:
