@@ -7,7 +7,9 @@ host it visits, out and back). The CUDA backend (kernels on the CPU emulator, 4 
 ranks) goes by its relays too (moe_comm/cuda/relay.py) and gets the same checks. An elastic
 group loses a whole host and its survivors agree and stay exact, through relays picked among
 the survivors; a relay killed mid-call (in its forward, or in combine) makes the survivors
-redo that call flat, exact again.
+redo that call flat, exact again. The same on emulated CUDA ranks (3 hosts x 2): a controller's
+mask, a whole host lost, a relay killed in its forward or combine, a relay frozen in its
+stage that resumes.
 """
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ from moe_comm.quant import quantize_fp8
 from moe_comm.testing import netns
 from checks import check_ll, check_normal
 from test_elastic import (HIDDEN, MAX_TOKENS, VICTIM, _check_survivors, _inputs, _ll_step,
-                          _normal_step, _route, _slots, _step_holding_rows_while_victim_resumes)
+                          _normal_step, _route, _slots, _resume_victim_and_wait,
+                          _step_holding_rows_while_victim_resumes)
 from test_low_latency import _cases as ll_cases
 from test_low_latency import _run as ll_run
 from test_normal_mode import _cases as normal_cases
@@ -409,3 +412,165 @@ def test_ranks_a_controller_masks_take_no_part_in_relays():
     mask = torch.tensor([int(r != VICTIM) for r in range(n)], dtype=torch.int32)
     _check_survivors(results, n, mask, "controller mask")
     assert all(results[r]["relayed"] == [False, True] for r in range(n) if mask[r])
+
+
+# ---- the CUDA backend's relays with masked ranks and in elastic Buffers (kernels emulated) ----
+CUDA_ENV = {**TCP, "MOE_COMM_CPU_BACKEND": "emulator"}
+CUDA_ELASTIC_TIMEOUT = 2.0     # 6 emulated ranks + proxies on 2 loaded cores
+
+
+def _cuda_preload(n):
+    if not emulator.available():
+        pytest.skip("the kernel emulator needs a C++ compiler (g++)")
+    cuda_cases.preload("cpu", n)
+
+
+def _kill_self_in_cuda_relay(after):
+    """SIGKILL this process right after its ``after``-th relay wait (moe_comm/cuda/relay.py
+    ``_wait``; the emulated kernels are done when launched): 1 = a relay's wait for the
+    senders it relays for (their rows are staged here, none forwarded yet), 3 = its combine's
+    wait for its host's rows (before it sums any)."""
+    from moe_comm.cuda import relay as cuda_relay
+    real, seen = cuda_relay._wait, []
+
+    def dying(*args, **kwargs):
+        real(*args, **kwargs)
+        seen.append(1)
+        if len(seen) == after:
+            os.kill(os.getpid(), signal.SIGKILL)
+    cuda_relay._wait = dying
+
+
+def _cuda_elastic(rank, n, per_host, point, redo=True):
+    """An elastic group of emulated CUDA ranks loses a whole host before its first call
+    (``point`` "host") or a relay mid-call ("forward": after the rows of the senders it
+    relays for were staged at it, before it forwards any; "combine": after its host's rows
+    came back to it, before it sums them). The survivors' first step, then one over experts
+    re-placed on them. ``redo`` False: the survivors do not redo a call that lost a relay
+    (to show the test needs it)."""
+    if not redo:
+        from moe_comm.cuda import relay as cuda_relay
+        cuda_relay.lost = lambda comm, routes: (cuda_relay.current_mask(comm), False)[1]
+    buf = moe_comm.Buffer(None, 8 << 20, timeout_s=CUDA_ELASTIC_TIMEOUT, elastic=True)
+    x, idx, w = _inputs(rank)
+    phy, pw = _route(idx, w, n)
+    dist.barrier()                      # every rank is up before one goes
+    if point == "host" and rank // per_host == n // per_host - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if point != "host" and rank == RELAY_VICTIM:
+        _kill_self_in_cuda_relay(1 if point == "forward" else 3)
+    handles = []
+    out = _normal_step(buf, x, phy, pw, handles=handles)[1]
+    mask = buf.active_ranks
+    rx, second, _ = _normal_step(buf, x, *_route(idx, w, n, active=mask), handles=handles)
+    # a cached dispatch on the second step's handle: by its relays, the same rows
+    from moe_comm.cuda import relay as cuda_relay
+    real, calls = cuda_relay.dispatch, []
+    cuda_relay.dispatch = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    cached = buf.dispatch(x, handle=handles[-1])[0]
+    buf.destroy()
+    return {"mask": mask, "out": out, "phy": phy, "second_out": second,
+            "relayed": [h.relay is not None for h in handles],
+            "cached": (bool(calls), torch.equal(cached, rx))}
+
+
+@pytest.mark.parametrize("point", ["host", "forward", "combine"])
+def test_emulated_cuda_elastic_relays(point):
+    """Emulated CUDA ranks, 3 hosts x 2, elastic. A whole host lost before the first call:
+    both steps go by relays picked among the survivors (the notify's agreement masks the
+    host first) and are exact. A relay killed mid-call (rank 2 relays ranks 0 and 4 onto host
+    1): the survivors agree on the mask and redo the call flat, exact (the rows it was
+    relaying for healthy ranks included); that handle lost its relays, the next step relays
+    among the survivors."""
+    n = RELAY_HOSTS * RELAY_PER_HOST
+    _cuda_preload(n)
+    dead = set(range(n - RELAY_PER_HOST, n)) if point == "host" else {RELAY_VICTIM}
+    with netns.Hosts(RELAY_HOSTS) as hosts:
+        results = hosts.run(_cuda_elastic, RELAY_PER_HOST, RELAY_PER_HOST, point,
+                            expect_exit_ranks=dead, timeout=180, env=CUDA_ENV)
+    mask = torch.tensor([int(r not in dead) for r in range(n)], dtype=torch.int32)
+    _check_survivors(results, n, mask, point)
+    want = [True, True] if point == "host" else [False, True]
+    assert all(results[r]["relayed"] == want for r in range(n) if mask[r]), \
+        [results[r]["relayed"] for r in range(n) if mask[r]]
+    assert all(results[r]["cached"] == (True, True) for r in range(n) if mask[r]), \
+        [results[r]["cached"] for r in range(n) if mask[r]]
+
+
+def test_emulated_cuda_ranks_a_controller_masks_take_no_part_in_relays():
+    """The controller-mask case above (no elastic mode; rank 2 masked between a dispatch and
+    its combine) on emulated CUDA ranks, 2 hosts x 2: the combine goes flat and its handle
+    loses its relays, the next step goes by relays among the other three."""
+    n = 4
+    _cuda_preload(n)
+    results = netns.run_on_hosts(_controller_masks, 2, 2, timeout=120, env=CUDA_ENV)
+    mask = torch.tensor([int(r != VICTIM) for r in range(n)], dtype=torch.int32)
+    _check_survivors(results, n, mask, "controller mask")
+    assert all(results[r]["relayed"] == [False, True] for r in range(n) if mask[r])
+
+
+def _cuda_frozen_relay(rank, n, flag):
+    """Emulated CUDA ranks: the victim stops (the emulator's SIGSTOP) in its first relay
+    stage kernel, between its fence check and its stores into its relays' staging slabs on
+    the other hosts. The survivors mask it, redo the step flat, and run the next step by
+    relays among them; rank 0 resumes the victim inside that step's dispatch, after its
+    closing agreement and before its copy-out reads the rows (where the late stores would
+    land in rows a survivor reads, but for the floors moved past the first call's staging
+    slabs too). The victim must raise RankMaskedError, and nothing the survivors hold or
+    compute changes."""
+    from moe_comm.cuda import comm as cuda_comm
+    from moe_comm.cuda import normal as cuda_normal
+    pids = [None] * n
+    dist.all_gather_object(pids, os.getpid())
+    buf = moe_comm.Buffer(None, 8 << 20, timeout_s=CUDA_ELASTIC_TIMEOUT, elastic=True)
+    x, idx, w = _inputs(rank)
+    phy, pw = _route(idx, w, n)
+    if rank == RELAY_VICTIM:
+        os.environ["MOE_EMU_STOP_AT_OP"] = str(cuda_comm.OP["dispatch/send"])
+        try:
+            _normal_step(buf, x, phy, pw)
+            outcome = "finished"
+        except moe_comm.RankMaskedError:
+            outcome = "RankMaskedError"
+        with open(flag, "w") as f:        # the survivors look at their memory after this
+            f.write(outcome)
+        return outcome
+    real, seen = cuda_normal.agree, []
+
+    def agree(comm, op, *args, **kwargs):   # the third dispatch payload agreement: step 2's
+        real(comm, op, *args, **kwargs)     # (step 1's relayed call, then its flat redo)
+        if op == "dispatch/payload":
+            seen.append(op)
+            if len(seen) == 3:
+                _resume_victim_and_wait(rank, pids, flag)
+    cuda_normal.agree = agree
+    out = _normal_step(buf, x, phy, pw)[1]
+    mask = buf.active_ranks
+    unchanged, second, handle = _step_holding_rows_while_victim_resumes(
+        buf, x, idx, w, n, mask, rank, pids, flag)
+    floors = buf._comm.floors[:n].tolist()
+    buf.destroy()
+    return {"mask": mask, "out": out, "phy": phy, "second_out": second,
+            "unchanged": unchanged, "flag": os.path.exists(flag),
+            "relayed": handle.relay is not None, "resumed_in_step_2": len(seen) >= 3,
+            "floors": floors}
+
+
+def test_emulated_cuda_frozen_relay_that_resumes_is_fenced(tmp_path):
+    """A CUDA relay frozen past the deadline in its stage is masked; the survivors redo the
+    call flat and go on by relays among themselves; resumed inside their next dispatch, it
+    raises RankMaskedError and its late stores change nothing they hold or compute (they
+    land in the first call's staging slabs, which every survivor's floors moved past)."""
+    flag = str(tmp_path / "victim_done")
+    n = RELAY_HOSTS * RELAY_PER_HOST
+    _cuda_preload(n)
+    results = netns.run_on_hosts(_cuda_frozen_relay, RELAY_HOSTS, RELAY_PER_HOST, flag,
+                                 timeout=180, env=CUDA_ENV)
+    assert results[RELAY_VICTIM] == "RankMaskedError"
+    mask = torch.tensor([int(r != RELAY_VICTIM) for r in range(n)], dtype=torch.int32)
+    _check_survivors(results, n, mask, "frozen CUDA relay")
+    for r in range(n):
+        if mask[r]:
+            got = results[r]
+            assert got["flag"] and got["unchanged"] and got["resumed_in_step_2"], (r, got)
+            assert got["relayed"] and any(got["floors"]), (r, got)

@@ -28,6 +28,12 @@
 //             reduce   moe_combine_reduce with send_pos keeping, per other host, only that
 //                      first rank: the owner sums its host's rows and one partial per host.
 //
+// Masked ranks and elastic groups: relays are picked among the active ranks (the host's
+// tables); the stage kernel leaves masked ranks out of a token's mask, so a token counted for
+// one goes nowhere. Every slab (staging, gather, the owner's) starts after the rank's floor
+// (Group::slab_at), and the host notes where a relayed call's slabs end (floors[R + d]), so
+// a rank dropped mid-call that resumes writes only where no later call reads.
+//
 // Memory ordering is normal.cuh's: payload stores (peer stores, or puts through the proxy
 // ring, which keeps the order of its commands) precede the last block's fence and its DONE
 // signals; every wait is moe_wait_done's, with the group deadline. The notify of the next
@@ -92,10 +98,12 @@ __device__ void relay_stage_body(const Group g, const ErrorSink err, const u8* x
     const bool failed = block_failed(err, g.fence());
     for (int h = threadIdx.x; h < H; h += blockDim.x) {
         slab[h] = StageSlab::make((u64)stage_rows[h], row_bytes, scale_cols, topk, mask_cols);
-        base[h] = g.data_off + (u64)stage_off[h];
+        // after the relay's floor (elastic groups: past slabs a late writer may still use)
+        base[h] = relay_of[h] >= 0 ? g.slab_at(relay_of[h]) + (u64)stage_off[h] : g.data_off;
         row0[h] = stage_row0[h];
         // the host planned the slab inside the region: a guard, never a normal path
-        const bool inside = (u64)stage_off[h] + slab[h].nbytes <= g.capacity;
+        const bool inside = relay_of[h] < 0 || g.fits(relay_of[h], (u64)stage_off[h] +
+                                                                    slab[h].nbytes);
         relay[h] = inside ? relay_of[h] : -1;
         if (relay_of[h] >= 0 && !inside && blockIdx.x == 0)
             err.report(kErrOverflow, epoch, relay_of[h], (i32)stage_rows[h]);
@@ -123,7 +131,10 @@ __device__ void relay_stage_body(const Group g, const ErrorSink err, const u8* x
                     ((float*)(meta + slab[h].scales))[c] = scales[tok * scale_cols + c];
                 for (i64 c = lane; c < mask_cols; c += kWarpSize) {
                     const i32 d = ranks_on[h * mask_cols + c];
-                    meta[slab[h].mask + c] = d >= 0 && send_pos[tok * R + d] >= 0 ? 1 : 0;
+                    // a masked rank gets nothing (the counts of the notify may still count
+                    // it: such a token is staged with an empty mask, forwarded nowhere)
+                    meta[slab[h].mask + c] =
+                        d >= 0 && g.live.on(d) && send_pos[tok * R + d] >= 0 ? 1 : 0;
                 }
             }
             __syncwarp();
@@ -152,8 +163,8 @@ __device__ void relay_forward_body(const Group g, const ErrorSink err, i64 row_b
     const Transport t{g.bases, err};
     const bool failed = block_failed(err, g.fence());
     const StageSlab st = StageSlab::make((u64)stage_rows, row_bytes, scale_cols, topk, mask_cols);
-    const u8* region = g.own(g.data_off + (u64)stage_off);
-    const bool inside = (u64)stage_off + st.nbytes <= g.capacity;
+    const u8* region = g.own(g.slab_at((int)g.rank) + (u64)stage_off);
+    const bool inside = g.fits((int)g.rank, (u64)stage_off + st.nbytes);
     const int lane = lane_id();
     for (i64 j = blockIdx.x; !failed && inside && j < num_jobs; j += gridDim.x) {
         const i64* job = jobs + j * 5;
@@ -234,8 +245,8 @@ __device__ void relay_ranges_body(const Group g, const ErrorSink err, const u8* 
         const i64 k = i - (ends[j] - job[1]);  // place in the job's range
         const int d = (int)job[2];
         const Slab sl = Slab::make((u64)job[5], row_bytes, 0, topk);
-        if ((u64)job[4] + sl.nbytes > g.capacity) continue;  // planned inside: a guard
-        const u64 base = g.data_off + (u64)job[4], row = (u64)(job[3] + k), src = job[0] + k;
+        if (!g.fits(d, (u64)job[4] + sl.nbytes)) continue;  // planned inside: a guard
+        const u64 base = g.slab_at(d) + (u64)job[4], row = (u64)(job[3] + k), src = job[0] + k;
         t.put_warp(d, base + sl.x + row * row_bytes, x + src * row_bytes, row_bytes);
         if (topk_w)
             t.put_warp(d, base + sl.w + row * topk * 4, topk_w + src * topk, topk * 4);
@@ -264,8 +275,8 @@ __device__ void relay_reduce_body(const Group g, const ErrorSink err, i64 hidden
     const bool failed = block_failed(err, g.fence());
     const u64 row_bytes = (u64)hidden * sizeof(S);
     const Slab gs = Slab::make((u64)gather_rows, row_bytes, 0, topk);
-    const u8* region = g.own(g.data_off + (u64)gather_off);
-    const bool inside = (u64)gather_off + gs.nbytes <= g.capacity;
+    const u8* region = g.own(g.slab_at((int)g.rank) + (u64)gather_off);
+    const bool inside = g.fits((int)g.rank, (u64)gather_off + gs.nbytes);
     const i64 total = failed || !inside || num_jobs == 0 ? 0 : ends[num_jobs - 1];
     const i64 stride = 4 + 2 * num_here;
     const int lane = lane_id();
@@ -281,7 +292,7 @@ __device__ void relay_reduce_body(const Group g, const ErrorSink err, i64 hidden
         while (first < num_here && pos[first] < 0) ++first;
         if (first == num_here || !g.fits(s, back.nbytes)) continue;
         const u64 dst_row = (u64)(job[4 + 2 * first + 1] + pos[first]);
-        const u64 at = g.data_off + back.x + dst_row * row_bytes;
+        const u64 at = g.slab_at(s) + back.x + dst_row * row_bytes;
         S* out = (S*)t.row_for_write(s, at);
         if (out)
             for (i64 c = lane; c < hidden; c += kWarpSize) {
@@ -296,7 +307,7 @@ __device__ void relay_reduce_body(const Group g, const ErrorSink err, i64 hidden
         __syncwarp();
         t.commit_row_warp(s, at, (const u8*)out, row_bytes);
         if (topk > 0) {
-            const u64 w_at = g.data_off + back.w + dst_row * topk * 4;
+            const u64 w_at = g.slab_at(s) + back.w + dst_row * topk * 4;
             float* w_out = (float*)t.row_for_write(s, w_at);
             if (w_out)
                 for (i64 k = lane; k < topk; k += kWarpSize) {

@@ -26,12 +26,14 @@ from .kernel_inputs import errors, ll_group
 AGREE_GRACE_NS = 10**9    # HostComm's AGREE_GRACE_S: the round waits a deadline plus this
 
 
-def agree(comm: CudaComm, op: str, matrix=None, floors=None) -> None:
+def agree(comm: CudaComm, op: str, matrix=None, floors=None, late: int = 0) -> None:
     """Queue the mask agreement of an elastic group on the current stream (a no-op for a
     group that is not elastic). ``matrix``: int32 [R, R] count matrix to zero the masked
     ranks' rows and columns of. ``floors`` (``comm.floors``, at the end of a normal
     operation): moved past this operation's slabs if a rank that may still write there is
-    dropped (csrc/kernels/elastic.cuh)."""
+    dropped (csrc/kernels/elastic.cuh). ``late``: deadlines more a healthy peer may arrive
+    after this rank (a relayed call, whose relays may wait out dead peers before they write:
+    moe_comm/cuda/relay.py, like ``HostComm.agree(late=)``)."""
     if not comm.elastic:
         return
     comm.agree_seq = comm.agree_seq % MAX_EPOCH + 1
@@ -40,7 +42,7 @@ def agree(comm: CudaComm, op: str, matrix=None, floors=None) -> None:
     k = comm.kernels(variants.intranode())
     # A healthy peer may reach a round a full deadline after this rank did (it timed out on
     # a rank whose signals reached this one): each round's wait covers that, and a grace more.
-    wait_ns = comm.timeout_ns + min(comm.timeout_ns, AGREE_GRACE_NS)
+    wait_ns = (1 + late) * comm.timeout_ns + min(comm.timeout_ns, AGREE_GRACE_NS)
     seq, R = comm.agree_seq, comm.num_ranks
     launch(k["moe_agree"], 1, THREADS["moe_agree"],
            pack("moe_agree", **ll_group(comm, timeout_ns=wait_ns), **errors(comm, op),

@@ -26,7 +26,9 @@ copy goes by relays (moe_comm/cuda/relay.py, csrc/kernels/relay.cuh): its notify
 each rank's token count per host, the send becomes stage / own rows / forward so a token
 crosses to each other host once, and its combine (when it fits too) has each host's rows of a
 token summed by the owner's relay there; copy-out and the reduce are the ones below. The same
-outputs and handles; elastic groups, masked ranks, MOE_COMM_RELAY=0 and streamed calls go flat.
+outputs and handles. Relays are picked among the active ranks; an elastic call that loses a
+rank the relays were picked among is redone flat over the survivors (relay.py).
+MOE_COMM_RELAY=0 and streamed calls go flat.
 
 With ``num_worst_tokens`` the host never synchronises: every slab has exactly that many rows;
 a receiver that would get more reports an overflow (raised as CudaCommError at the next call).
@@ -204,7 +206,7 @@ def _grid_for_rows(rows: int, num_sms: int) -> int:
 
 def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights,
              layout, handle, num_experts, num_worst_tokens, buffer_key,
-             num_sms: int = DEFAULT_NUM_SMS):
+             num_sms: int = DEFAULT_NUM_SMS, flat: bool = False):
     """Run one normal dispatch. ``x_bytes`` is x as uint8 ``[T, row_bytes]`` (CUDA).
 
     ``layout``: the DispatchLayout of ``topk_idx`` with its send positions (the Buffer's, from
@@ -213,16 +215,29 @@ def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_w
     or None, recv_topk_idx int64
     [N, K] or None, recv_topk_weights f32 [N, K] or None, handle)``.
     One copy when every receiver's SlabLayout fits the data region, else streamed in rounds
-    (module doc); raises BufferTooSmallError on every rank when one row exceeds half of it."""
+    (module doc); raises BufferTooSmallError on every rank when one row exceeds half of it.
+    ``flat``: no relays (the redo of a relayed call that lost a relay)."""
     comm.begin_call()
+    args = dict(x_bytes=x_bytes, dtype=dtype, hidden=hidden, scales=scales, topk_idx=topk_idx,
+                topk_weights=topk_weights, layout=layout, handle=handle,
+                num_experts=num_experts, num_worst_tokens=num_worst_tokens,
+                buffer_key=buffer_key, num_sms=num_sms)
     me, R, dev = comm.rank, comm.num_ranks, comm.device
     k = comm.kernels(variants.intranode())
     num_tokens, row_bytes = x_bytes.shape
     x_bytes = x_bytes.contiguous()
     scale_cols = 0 if scales is None else scales.shape[1]
     cached = handle is not None
-    relaying = relay.wanted(comm, num_worst_tokens)
+    relaying = not flat and relay.wanted(comm, num_worst_tokens)
     host_counts = host_matrix = routes = None
+    if relaying and cached:
+        # relays picked among the mask the routes were made with, if it is still the mask
+        # (read before the notify: what the last agreement left, the same on every rank)
+        mask = relay.current_mask(comm)
+        routes = handle.routes
+        relaying = routes is not None and (
+            mask is None or np.array_equal(routes.topo.relays.active, mask))
+        routes = routes if relaying else None
     if cached:
         per_rank, in_rank, send_pos, matrix = (handle.per_rank, handle.is_token_in_rank,
                                                handle.send_pos, handle.matrix)
@@ -237,8 +252,8 @@ def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_w
         matrix = torch.empty(R, R, dtype=torch.int32, device=dev)
         matrix_host = None
         if relaying:          # the notify also carries this rank's token count per host
+            host_counts, host_pos = relay.host_positions(relay.topology(comm), in_rank)
             topo = relay.topology(comm)
-            host_counts, host_pos = relay.host_positions(topo, in_rank)
             host_matrix = torch.empty(R, topo.num_hosts, dtype=torch.int32, device=dev)
     epoch = comm.next_epoch()
     call_row = signature.of_dispatch(hidden=hidden, dtype=dtype, scales=scales,
@@ -262,12 +277,12 @@ def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_w
         if matrix_host is None:
             matrix_host = matrix.cpu().numpy().astype(np.int64)   # waits for notify
             comm.check()
+            if relaying:      # relays among the ranks the notify's agreement kept
+                topo = relay.topology(comm, relay.current_mask(comm))
         region_rows = matrix_host.sum(0)
         rows_out = int(region_rows[me])
     plan = _plan(comm, "dispatch", epoch, region_rows, row_bytes, scale_cols, topk)
-    if relaying and cached:
-        routes = handle.routes
-    elif relaying:
+    if relaying and not cached:
         routes = relay.Routes(topo, matrix_host, host_matrix.cpu().numpy().astype(np.int64),
                               host_pos, relay.first_per_host(topo, send_pos))
     by_relay = routes is not None and not plan.chunk and relay.dispatch_fits(
@@ -291,10 +306,19 @@ def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_w
                 expert_counts=expert_counts)
     if by_relay:          # one copy, through the relays (relay.py), then the flat copy-out
         if routes.relay_pos is None:
-            routes.relay_pos = torch.empty(routes.stage_rows(me), len(routes.topo.local),
-                                           dtype=torch.int32, device=dev)
+            routes.relay_pos = torch.full((routes.stage_rows(me), len(routes.topo.local)), -1,
+                                          dtype=torch.int32, device=dev)
         relay.dispatch(comm, k, routes, (comm.next_epoch(), epoch), send, num_sms,
                        routes.relay_pos)
+        if comm.elastic:
+            agree(comm, "dispatch/payload", floors=comm.floors, late=relay.PATIENT_TIMEOUTS)
+            if relay.lost(comm, routes):
+                # a rank the relays were picked among is gone: it may have been relaying
+                # healthy ranks' rows. Every survivor sees it in the same agreed mask and
+                # redoes the call flat over the survivors (host/normal.py does the same)
+                if cached:
+                    handle.relay = handle.routes = None
+                return dispatch(comm, **args, flat=True)
         _copy_out(comm, k, plan, 0, rows_out, send, outs, num_sms)
     for r, ep in enumerate(() if by_relay else plan.epochs):
         if r:        # the barrier: every receiver has copied the last window out
@@ -375,11 +399,18 @@ def combine(comm: CudaComm, *, x, handle: CudaDispatchHandle, topk_weights, bias
     hidden, num_tokens = x.shape[1], handle.num_tokens
     row_bytes = hidden * x.element_size()
     topk = 0 if topk_weights is None else topk_weights.shape[1]
+    routes = handle.relay
+    if routes is not None and comm.active is not None:
+        # relays picked at the dispatch serve only while the mask is the same (read before
+        # the notify: what the last agreement left, the same on every rank); else flat, and
+        # the handle loses its relays
+        mask = relay.current_mask(comm)
+        if not np.array_equal(routes.topo.relays.active, mask):
+            handle.relay = routes = None
     epoch = comm.next_epoch()
     call_row = signature.of_combine(x=x, topk_weights=topk_weights, handle=handle)
     _notify(comm, k, epoch, None, None, "combine/notify", call_row)
     plan, rows_back = _combine_plan(comm, handle, epoch, row_bytes, topk)
-    routes = handle.relay
     by_relay = (routes is not None and relay.wanted(comm, 0) and not plan.chunk
                 and relay.combine_fits(routes, comm.heap_bytes, row_bytes, topk))
     # a streamed combine gathers its rows here, off the communication buffer, and reduces
@@ -392,6 +423,15 @@ def combine(comm: CudaComm, *, x, handle: CudaDispatchHandle, topk_weights, bias
     if by_relay:          # every row this rank sums into its slab, through the relays
         relay.combine(comm, k, routes, epoch, x=x, topk_weights=send["topk_w"],
                       num_sms=num_sms)
+        if comm.elastic:
+            agree(comm, "combine/payload", floors=comm.floors, late=relay.PATIENT_TIMEOUTS)
+            if relay.lost(comm, routes):
+                # a rank the relays were picked among is gone (it may have held partial sums
+                # of healthy ranks' rows): every survivor redoes the combine flat, and the
+                # handle loses its relays (dispatch's redo, above)
+                handle.relay = None
+                return combine(comm, x=x, handle=handle, topk_weights=topk_weights,
+                               bias=bias, num_sms=num_sms)
     for r, ep in enumerate(() if by_relay else plan.epochs):
         if r:        # the barrier: every owner has copied the last window out
             _notify(comm, k, ep, None, None, "combine/notify", call_row)

@@ -13,11 +13,22 @@ host's rows and one such row per other host).
 
 When a call goes by relays (:func:`wanted`, then :func:`dispatch_fits` /
 :func:`combine_fits`, all decided alike on every rank): the group spans hosts
-(``comm.host_of``), it is not elastic and no rank was ever masked (a relay that dies would
-lose healthy ranks' rows), ``MOE_COMM_RELAY`` is not ``0``, the dispatch has no
-num_worst_tokens (its geometry must be known on the host), and every rank's output slab plus
-its staging slab (dispatch), or its flat combine slab plus its gather slab (combine), fit its
-data region in one copy. Anything else goes flat, as before (a streamed call included).
+(``comm.host_of``), ``MOE_COMM_RELAY`` is not ``0``, the dispatch has no num_worst_tokens
+(its geometry must be known on the host), and every rank's output slab plus its staging slab
+(dispatch), or its flat combine slab plus its gather slab (combine), fit its data region in
+one copy. Anything else goes flat, as before (a streamed call included).
+
+Masked ranks and elastic groups (the host backend's design, moe_comm/host/relay.py): a call's
+relays are picked among the active ranks (``Relays.among``), from the mask the host reads
+where it synchronises anyway (a fresh dispatch: with the count matrix, after the notify's
+agreement; a cached dispatch or a combine on a group with a mask: before its notify, the mask
+the last agreement left), so every rank derives the same choice. Elastic, the relays' waits
+mask silent ranks in ``comm.active`` like every other wait, the waits behind a relay that may
+itself have waited out a dead peer get ``PATIENT_TIMEOUTS`` more deadlines, and the call ends
+with an agreement that the host reads (:func:`lost`): if a rank the relays were picked among
+is gone, every survivor raises nothing and redoes the call flat over the survivors (normal.py;
+the inputs are the caller's). Each relayed slab lies past the rank's floor and the call notes
+where its slabs end (``comm.floors``), so a late writer lands in slabs no later call reads.
 """
 from __future__ import annotations
 
@@ -49,20 +60,69 @@ def enabled(comm: CudaComm) -> bool:
     return on
 
 
+# More deadlines for a wait behind a relay, and for the closing agreement. A CUDA relay waits
+# at most one deadline before it writes (dispatch: for the senders it relays for; combine: for
+# its host's rows), each wait starting right after the call's notify, so one more deadline
+# covers it (the host backend's relay may wait two in a row: PATIENT_TIMEOUTS = 2 there).
+PATIENT_TIMEOUTS = 1
+
+
 def wanted(comm: CudaComm, num_worst_tokens: int) -> bool:
     """Whether a call may go by relays, decided before its notify from what every rank
     knows alike."""
-    return (comm.host_of is not None and not comm.elastic and comm.active is None
-            and not num_worst_tokens and enabled(comm))
+    return comm.host_of is not None and not num_worst_tokens and enabled(comm)
 
 
-def _live(num_ranks: int, ranks, device) -> torch.Tensor:
-    """The kernels' Active words (transport.cuh) with only ``ranks`` on and word -1 at 0 (a
-    missed deadline is reported, not masked): a wait for, or a flat send to, those ranks."""
-    words = torch.zeros(1 + num_ranks, dtype=torch.int32)
-    for r in ranks:
-        words[1 + r] = 1
-    return words.to(device)[1:]
+def current_mask(comm: CudaComm):
+    """The rank mask as a numpy bool [R] (a synchronisation: asked only where one happens
+    anyway, or on a group with a mask), None while no rank can be masked."""
+    if comm.active is None:
+        return None
+    return comm.active.cpu().numpy() != 0
+
+
+def lost(comm: CudaComm, routes: Routes) -> bool:
+    """After a relayed call's closing agreement (elastic): whether a rank its relays were
+    picked among is gone (a synchronisation; every survivor reads the same agreed mask).
+    Raises first what this rank's kernels reported (RankMaskedError when it was dropped)."""
+    mask = current_mask(comm)
+    comm.check()
+    return mask is not None and not routes.topo.relays.serve(mask)
+
+
+def _live_now(comm: CudaComm, flags: torch.Tensor) -> torch.Tensor:
+    """The kernels' Active words (transport.cuh) for a wait for, or a flat send to, the ranks
+    on in ``flags`` that are active now: word -1 says whether a missed deadline masks
+    (elastic) or is reported. Fresh per call: an elastic wait clears its words (see
+    :func:`_fold`); while no rank can be masked they never change, and are kept."""
+    static = comm.active is None
+    if static:
+        cache = comm.__dict__.setdefault("_relay_live", {})
+        if id(flags) in cache:
+            return cache[id(flags)][1]
+    words = torch.empty(1 + comm.num_ranks, dtype=torch.int32, device=comm.device)
+    words[0] = int(comm.elastic)
+    words[1:] = flags if static else flags * comm.active
+    if static:                  # keyed by the Topology's tensor, which the entry keeps alive
+        cache[id(flags)] = (flags, words[1:])
+    return words[1:]
+
+
+def _fold(comm: CudaComm, flags: torch.Tensor, live: torch.Tensor) -> None:
+    """Elastic: the ranks a wait on ``live`` masked are masked in the group's mask too (on
+    the stream, no synchronisation), so the closing agreement hears of them."""
+    if comm.elastic:
+        comm.active.mul_(torch.where(flags != 0, live, torch.ones_like(live)))
+
+
+def _note_ends(comm: CudaComm, nbytes) -> None:
+    """Elastic: where this operation's slabs end at every rank (``nbytes`` [R] from each
+    rank's floor), for a move past them if a rank that may still write there is dropped
+    (normal.cuh Group.note_end, for slabs the flat send kernels do not know of)."""
+    if comm.floors is not None:
+        R = comm.num_ranks
+        ends = torch.tensor([int(n) for n in nbytes], dtype=torch.int64, device=comm.device)
+        comm.floors[R:2 * R] = comm.floors[:R] + ends
 
 
 def _flags(num_ranks: int, ranks, device) -> torch.Tensor:
@@ -72,13 +132,13 @@ def _flags(num_ranks: int, ranks, device) -> torch.Tensor:
 
 
 class Topology:
-    """Who relays for whom in one CudaComm's group, with the device tables every call uses
-    (built once, on the first call that may relay)."""
+    """Who relays for whom in one CudaComm's group among the ranks ``active`` marks (None:
+    all), with the device tables every call uses (built once per mask)."""
 
-    def __init__(self, comm: CudaComm):
+    def __init__(self, comm: CudaComm, active=None):
         R, me, dev = comm.num_ranks, comm.rank, comm.device
         host_of = [int(h) for h in comm.host_of.tolist()]
-        self.relays = r = Relays(host_of, me)
+        self.relays = r = Relays(host_of, me, active)
         self.num_ranks, self.rank, self.device = R, me, dev
         self.here = host_of[me]
         self.num_hosts, self.mask_cols, self.local = r.num_hosts, r.mask_cols, r.local
@@ -89,21 +149,29 @@ class Topology:
         self.ranks_on = torch.from_numpy(ranks_on).to(dev)
         self.host_cols = [torch.tensor(ranks, dtype=torch.long, device=dev)
                           for ranks in r.ranks_on]
-        mine = [f for f in self.relay_of if f >= 0]
-        self.live_local = _live(R, self.local, dev)
-        self.live_relayed = _live(R, r.relayed[me], dev)
-        self.live_relays = _live(R, mine, dev)
-        self.to_local = _flags(R, self.local, dev)
+        mine = [f for f in self.relay_of if f is not None and f >= 0]
+        self.relay_of = [-1 if f is None else f for f in self.relay_of]
+        self.local_active = [d for d in self.local if r.active[d]]
+        # host h's ranks by local index, -1 where masked (first_per_host)
+        self.host_cols_active = [torch.tensor([bool(r.active[d]) for d in ranks], device=dev)
+                                 for ranks in r.ranks_on]
+        self.to_local = _flags(R, self.local_active, dev)
         self.to_relays = _flags(R, mine, dev)
         self.to_relayed = _flags(R, r.relayed[me], dev)
         self.relay_of_dev = torch.tensor(self.relay_of, dtype=torch.int32, device=dev)
 
 
-def topology(comm: CudaComm) -> Topology:
-    topo = getattr(comm, "_relay_topology", None)
+def topology(comm: CudaComm, active=None) -> Topology:
+    """The Topology among the ranks ``active`` (numpy bool [R] or None: all) marks, kept per
+    mask."""
+    cache = getattr(comm, "_relay_topologies", None)
+    if cache is None:
+        cache = comm._relay_topologies = {}
+    key = None if active is None or np.asarray(active, bool).all() else \
+        np.asarray(active, bool).tobytes()
+    topo = cache.get(key)
     if topo is None:
-        topo = Topology(comm)
-        comm._relay_topology = topo
+        topo = cache[key] = Topology(comm, None if key is None else active)
     return topo
 
 
@@ -124,7 +192,9 @@ def first_per_host(topo: Topology, send_pos: torch.Tensor) -> torch.Tensor:
     for h, cols in enumerate(topo.host_cols):
         if h == topo.here:
             continue
-        sp = send_pos[:, cols]
+        # among the active ranks only: masked ones get nothing from the relay
+        sp = torch.where(topo.host_cols_active[h][None, :], send_pos[:, cols],
+                         torch.full_like(send_pos[:, cols], -1))
         first = (sp >= 0).int().argmax(1, keepdim=True)
         keep = torch.arange(len(cols), device=sp.device)[None, :] == first
         out[:, cols] = torch.where(keep, sp, torch.full_like(sp, -1))
@@ -226,12 +296,18 @@ def _signal_args(comm: CudaComm, epoch: int, done_to, counter: str) -> dict:
                 epoch=epoch, counter=comm.counter(counter))
 
 
-def _wait(comm: CudaComm, k, live, epoch: int, op: str) -> None:
-    """moe_wait_done for the ranks on in ``live`` only (the group deadline)."""
+def _wait(comm: CudaComm, k, flags, epoch: int, op: str, patient: bool = False) -> None:
+    """moe_wait_done for the active ranks on in ``flags`` only: the group deadline, or
+    ``PATIENT_TIMEOUTS`` more on an elastic group when those ranks may first have waited out
+    a dead peer (``patient``). Elastic, the ranks it masks are masked in ``comm.active``."""
+    live = _live_now(comm, flags)
+    timeout = comm.timeout_ns * (1 + PATIENT_TIMEOUTS if patient and comm.elastic else 1)
     launch(k["moe_wait_done"], 1, THREADS["moe_wait_done"],
-           pack("moe_wait_done", **{**group(comm), "active": live}, **errors(comm, op),
-                done_off=comm.done_offset(), done_stride=SIGNAL_STRIDE, epoch=epoch),
+           pack("moe_wait_done", **{**group(comm), "active": live, "timeout_ns": timeout},
+                **errors(comm, op), done_off=comm.done_offset(), done_stride=SIGNAL_STRIDE,
+                epoch=epoch),
            device=comm.device)
+    _fold(comm, flags, live)
 
 
 def dispatch(comm: CudaComm, k, routes: Routes, epochs: tuple, send: dict, num_sms: int,
@@ -270,19 +346,19 @@ def dispatch(comm: CudaComm, k, routes: Routes, epochs: tuple, send: dict, num_s
     # this rank's own rows to the ranks of its host: the flat send with only them live (its
     # DONE, at the own epoch, is overwritten by the forward's before anyone awaits it)
     launch(k["moe_dispatch_send"], max(1, num_sms), THREADS["moe_dispatch_send"],
-           pack("moe_dispatch_send", **{**group(comm), "active": topo.live_local},
+           pack("moe_dispatch_send", **{**group(comm), "active": _live_now(comm, topo.to_local)},
                 **errors(comm, "dispatch/send"), **send, chunk=0, first=0,
                 done_off=comm.done_offset(), done_stride=SIGNAL_STRIDE, epoch=own_epoch,
                 counter=comm.counter("dispatch_send")), device=dev)
     relayed = routes.relayed(me)
     if relayed:
-        _wait(comm, k, topo.live_relayed, epoch, "dispatch/payload")
+        _wait(comm, k, topo.to_relayed, epoch, "dispatch/payload")
     prefix = np.cumsum(m, 0) - m
-    jobs, here = [], topo.local
+    jobs, here, active = [], topo.local, topo.relays.active
     for s in relayed:
         n = int(routes.host_matrix[s, topo.here])
         for li, d in enumerate(here):
-            if n:
+            if n and active[d]:     # a masked rank gets nothing (relay_pos stays -1 there)
                 jobs += [routes.stage_row0(s, me), n, d, li, int(prefix[s, d])]
     launch(k["moe_relay_forward"], max(1, min(len(jobs) // 5, 4 * max(1, num_sms))),
            THREADS["moe_relay_forward"],
@@ -294,7 +370,12 @@ def dispatch(comm: CudaComm, k, routes: Routes, epochs: tuple, send: dict, num_s
                 num_jobs=len(jobs) // 5, out_rows=_i64(cols.tolist(), 1, dev).flatten(),
                 relay_pos=relay_pos, num_here=len(here),
                 **_signal_args(comm, epoch, topo.to_local, "relay_forward")), device=dev)
-    _wait(comm, k, topo.live_local, epoch, "dispatch/payload")
+    # a relay of this host may first have waited out a dead sender
+    _wait(comm, k, topo.to_local, epoch, "dispatch/payload", patient=True)
+    _note_ends(comm, [SlabLayout(int(cols[f]), row_bytes, scale_cols, topk).nbytes +
+                      (stage_nbytes(routes.stage_rows(f), row_bytes, scale_cols, topk,
+                                    topo.mask_cols) if routes.relayed(f) else 0)
+                      for f in range(comm.num_ranks)])
 
 
 def combine(comm: CudaComm, k, routes: Routes, epoch: int, *, x, topk_weights, num_sms: int
@@ -331,7 +412,7 @@ def combine(comm: CudaComm, k, routes: Routes, epoch: int, *, x, topk_weights, n
                 row_bytes=row_bytes, topk_w=topk_weights, topk=topk, jobs=_i64(jobs, 6, dev),
                 ends=_i64(ends, 1, dev).flatten(), num_jobs=len(ends),
                 **_signal_args(comm, epoch, topo.to_local, "relay_ranges")), device=dev)
-    _wait(comm, k, topo.live_local, epoch, "combine/payload")
+    _wait(comm, k, topo.to_local, epoch, "combine/payload")
 
     relayed = routes.relayed(me)
     here = topo.local
@@ -355,5 +436,8 @@ def combine(comm: CudaComm, k, routes: Routes, epoch: int, *, x, topk_weights, n
                     jobs=_i64(jobs, 4 + 2 * len(here), dev), ends=_i64(ends, 1, dev).flatten(),
                     num_jobs=len(ends), relay_pos=routes.relay_pos, num_here=len(here),
                     **_signal_args(comm, epoch, topo.to_relayed, "relay_reduce")), device=dev)
-    if any(f >= 0 for f in topo.relay_of):
-        _wait(comm, k, topo.live_relays, epoch, "combine/payload")
+    if any(f >= 0 for f in topo.relay_of):   # a relay may first have waited out a dead rank
+        _wait(comm, k, topo.to_relays, epoch, "combine/payload", patient=True)
+    _note_ends(comm, [flat_nbytes(f) + (SlabLayout(routes.gather_rows(f), row_bytes, 0,
+                                                   topk).nbytes if routes.relayed(f) else 0)
+                      for f in range(comm.num_ranks)])
