@@ -66,8 +66,9 @@ THREADS = {
     # fp32 reduce: one block per token, 16-byte vectors across the block
     "moe_combine_reduce_bf16": 256, "moe_combine_reduce_f16": 256,
     "moe_combine_reduce_f32": 256,
-    # hierarchical normal mode (relay.cuh): one warp per row; the relay's sum one block a row
-    "moe_relay_stage": 512, "moe_relay_forward": 512, "moe_relay_ranges": 512,
+    # hierarchical normal mode (relay.cuh): one warp per row; the relay's sum one block a row;
+    # the forward at 256 threads: at 512 (128 registers a thread) the NVSHMEM build spills
+    "moe_relay_stage": 512, "moe_relay_forward": 256, "moe_relay_ranges": 512,
     "moe_relay_reduce_bf16": 256, "moe_relay_reduce_f16": 256, "moe_relay_reduce_f32": 256,
     # signal waits: one thread per rank (each wait has its own deadline, side by side: a
     # thread serving several ranks would wait out one deadline per silent rank in turn)
