@@ -107,7 +107,8 @@ def dispatch_send(comm, *, x, topk_idx, lay: LLLayout, use_fp8, round_scale, buf
     comm.ll_seq["dispatch"] += 1
     seq = comm.ll_seq["dispatch"]
     buf = seq % LL_NUM_BUFFERS
-    starts = (torch.cumsum(counts, 0) - counts).tolist() + [tok.numel()]
+    first_of = torch.cumsum(counts, 0) - counts             # each expert's first message
+    starts = first_of.tolist() + [tok.numel()]
     counts_l = counts.tolist()
     half = comm.ll_stride
     payload, meta_off = lay.offset(buf, "payload", half), lay.offset(buf, "meta", half)
@@ -118,7 +119,6 @@ def dispatch_send(comm, *, x, topk_idx, lay: LLLayout, use_fp8, round_scale, buf
 
     M = lay.max_tokens
     # row of each message in its owner's payload: block [le][me], then its place in the run
-    first_of = torch.tensor(starts[:-1], dtype=torch.int64)
     at_row = ((expert % num_local) * R + me) * M + torch.arange(tok.numel()) - first_of[expert]
     meta_bytes = meta.view(torch.uint8).view(-1, 8)
     call_row = signature.low_latency(hidden=hidden, use_fp8=use_fp8, round_scale=round_scale,
