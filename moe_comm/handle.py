@@ -32,6 +32,8 @@ class DispatchHandle:
     num_worst_tokens: int = 0
     call_id: int = 0
     relay: object = None       # host backend across hosts: relay.Routes of a hierarchical call
+    rounds: list = None        # host backend: the token rounds of a relayed call too big for
+                               # the heap in one copy (host/relay_rounds.py), else None
 
     # DeepEP's normal-mode handle is a 6-tuple; these are its entries, in its order
     DEEPEP_FIELDS = ("rank_prefix_matrix", "channel_prefix_matrix",

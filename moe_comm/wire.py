@@ -157,8 +157,9 @@ class HeaderLayout:
     @property
     def row_words(self) -> int:
         # one NOTIFY row, line aligned: R per-rank counts, then (a hierarchical call of the
-        # host backend, moe_comm/host/relay.py) up to R per-host counts and the free heap
-        return round_up(2 * self.num_ranks + 1, LINE_WORDS)
+        # host backend, moe_comm/host/relay.py) up to R per-host counts, the free heap and
+        # the rank's token count (the rounds of a call too big for it, relay_rounds.py)
+        return round_up(2 * self.num_ranks + 2, LINE_WORDS)
 
     @property
     def mask_words(self) -> int:           # words of one MASK row (32 rank bits per word)

@@ -160,7 +160,10 @@ class HostComm:
         self._deadline = time.monotonic() + self.timeout_s
         if self.transport is not None:
             # staging mirrors are about to be rewritten: earlier puts must have left them
-            lost = self.transport.flush(raise_on_timeout=not self.elastic)
+            # (not those to masked ranks: no call reads what they get, and a rank a
+            # controller masked may have closed its end)
+            live = [r for r in self.transport.remote_ranks if self.active[r]]
+            lost = self.transport.flush(live, raise_on_timeout=not self.elastic)
             if lost:
                 self.mask(lost, "transport flush")
 

@@ -60,8 +60,9 @@ def grant(comm, epoch: int, nbytes: int, what: str, senders, refuse=None):
             error = BufferTooSmallError(
                 what + f" (while {comm.heap.bytes_in_use} bytes are held by received tensors "
                 "still alive)", nbytes + comm.heap.bytes_in_use, comm.heap.capacity)
-    comm.signal_each(senders, comm.layout.grant(comm.rank), epoch,
-                     [GRANT_FAILED, 0] if page is None else [page, pages])
+    # (masked senders send nothing: a relay call on a handle may still name one)
+    comm.signal_each([s for s in senders if comm.active[s]], comm.layout.grant(comm.rank),
+                     epoch, [GRANT_FAILED, 0] if page is None else [page, pages])
     return page, error
 
 
@@ -134,8 +135,10 @@ def signature_check(comm, epoch, op, calls, call_row):
 
 
 def done_words(comm, sources) -> dict:
-    """The DONE slots of ``sources`` in this rank's header."""
-    return {s: comm.slot(comm.rank, comm.layout.done(s)) for s in sources}
+    """The DONE slots of the active ``sources`` in this rank's header, taken right after the
+    grant: a rank masked before it was granted nothing (grant) and writes nothing, so its
+    silence quarantines nothing (quarantine_if_late)."""
+    return {s: comm.slot(comm.rank, comm.layout.done(s)) for s in sources if comm.active[s]}
 
 
 def settle(comm, epoch, op, *, pages, own_error, dones, failed, short, calls=None,

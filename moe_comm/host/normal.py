@@ -37,7 +37,7 @@ from ..errors import BufferTooSmallError
 from ..handle import DispatchHandle
 from ..layout import tokens_per_host
 from ..wire import PAGE, SlabLayout, stream_chunk_rows
-from . import eager, relay
+from . import eager, relay, relay_rounds
 from .exchange import (ReceiverFailed, done_words, exchange_counts, grant, keeps_in_step,
                        put_rows, release_on_error, send_when_granted, settle,
                        signature_check)
@@ -136,13 +136,19 @@ def _exchange(comm, epoch, op, *, page, own_error, dests, sources, write, need, 
 
 
 def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, layout,
-             handle, num_experts, num_worst_tokens, buffer_key):
+             handle, num_experts, num_worst_tokens, buffer_key, in_round=False):
     """Run one normal dispatch. ``x_bytes`` is x as uint8 ``[T, row_bytes]``; ``layout``
     (moe_comm/layout.py DispatchLayout) where fresh routing sends it, None with a ``handle``.
+    ``in_round``: this call is one round of a bigger one (relay_rounds.py), not split again.
 
     Returns ``(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, handle)``."""
     me, R = comm.rank, comm.num_ranks
     given = handle                    # the caller's handle (a cached dispatch), or None
+    args = dict(x_bytes=x_bytes, dtype=dtype, hidden=hidden, scales=scales, topk_idx=topk_idx,
+                topk_weights=topk_weights, num_experts=num_experts,
+                num_worst_tokens=num_worst_tokens, buffer_key=buffer_key)
+    if handle is not None and handle.rounds is not None:
+        return _cached_rounds(comm, handle, args)
     comm.start_call()
     parity, epoch = comm.next_normal_parity(), comm.next_epoch()
     call_row = signature.of_dispatch(
@@ -178,11 +184,12 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
         row[~comm.active] = 0
         send_ids = [is_token_in_rank[:, d].nonzero().flatten() for d in range(R)]
         send_eagerly(row, lambda d: send_ids[d])
-        if _relays(comm) is not None:     # hierarchical: tokens per host, free heap too
+        if _relays(comm) is not None:     # hierarchical: tokens per host, free heap, tokens
             row = np.concatenate([row, tokens_per_host(is_token_in_rank, comm.host_of).numpy(),
-                                  [comm.heap.free_bytes // PAGE]])
+                                  [comm.heap.free_bytes // PAGE, num_tokens]])
         counts = exchange_counts(comm, epoch, row, call_row)
-        matrix, host_counts, free_pages = counts[:, :R], counts[:, R:-1], counts[:, -1]
+        matrix, host_counts = counts[:, :R], counts[:, R:-2]
+        free_pages, tokens = counts[:, -2], counts[:, -1]
         if comm.elastic:
             comm.agree("dispatch/notify")
         if not comm.active.all():                  # nothing goes to masked ranks
@@ -214,10 +221,16 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
     if refuse is None and num_worst_tokens and num_recv > num_worst_tokens:
         refuse = ValueError(f"num_worst_tokens={num_worst_tokens} is smaller than the "
                             f"{num_recv} tokens rank {me} receives")
+    rounds = None
     if layout is not None and _relays(comm) is not None:
-        routes = relay.Routes(_relays(comm).among(comm.active), matrix, host_counts)
+        relays = _relays(comm).among(comm.active)
+        routes = relay.Routes(relays, matrix, host_counts)
         if relay.fits(routes, R, rows_at, row_bytes, scale_cols, topk, free_pages * PAGE):
-            handle.relay = routes          # else flat: it streams what does not fit
+            handle.relay = routes
+        elif not in_round and not (num_worst_tokens and recv_rows.max() > num_worst_tokens):
+            # too big for one copy: token rounds of relayed calls (else flat, streamed)
+            rounds = relay_rounds.plan(relays, matrix, host_counts, tokens, row_bytes,
+                                       scale_cols, topk, free_pages * PAGE)
 
     def write_round(r):
         def write(dst, dst_page):
@@ -231,6 +244,8 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
     widths = [(row_bytes, 1, torch.uint8), (scale_cols, 4, scale_dtype),
               (topk, 8, torch.int64), (topk, 4, torch.float32)]
     wanted = [True, scales is not None, topk > 0, topk > 0]
+    if rounds is not None:
+        return _rounds(comm, handle, args, layout, widths, wanted, rows_at[me], *rounds)
     mine, streamed = slab(me), plan.streams(me)
     if streamed:                      # the rows pass through the heap: outputs of their own
         recv = [torch.empty(rows_at[me], w, dtype=dt) if want else None
@@ -305,6 +320,64 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
             eager.copy_out(comm, parity, s, SlabLayout(int(matrix[s, me]), row_bytes,
                                                        scale_cols, topk),
                            recv, int(plan.row0[s, me]), widths)
+    return _finish(comm, handle, recv, num_worst_tokens, dtype)
+
+
+def _rounds(comm, handle, args, layout, widths, wanted, rows_out, chunk, count):
+    """A fresh relayed dispatch too big for the heap, as ``count`` token rounds of ``chunk``
+    tokens (relay_rounds.py); ``handle`` is the whole call's."""
+    def one_round(lo, hi, r):
+        if r:
+            comm.refresh_deadline()
+        return dispatch(comm, **_sliced(args, lo, hi), layout=relay_rounds.round_layout(
+            layout.in_rank[lo:hi]), handle=None, in_round=True)
+
+    recv, rounds = relay_rounds.dispatch(
+        comm, one_round, handle.count_matrix[:, comm.rank], rows_out, widths, wanted,
+        handle.num_tokens, relay_rounds.spans_of(chunk, count, handle.num_tokens))
+    return _finish(comm, relay_rounds.with_rounds(handle, rounds), recv,
+                   args["num_worst_tokens"], args["dtype"])
+
+
+def _cached_rounds(comm, handle, args):
+    """A cached dispatch on a handle of token rounds: one cached dispatch per round."""
+    me = comm.rank
+    rows_out = max(int(handle.count_matrix[:, me].sum()), args["num_worst_tokens"])
+    scales, topk_idx = args["scales"], args["topk_idx"]
+    widths = [(args["x_bytes"].shape[1], 1, torch.uint8),
+              (0 if scales is None else scales.shape[1], 4,
+               torch.float32 if scales is None else scales.dtype),
+              (0 if topk_idx is None else topk_idx.shape[1], 8, torch.int64),
+              (0 if topk_idx is None else topk_idx.shape[1], 4, torch.float32)]
+    wanted = [True, scales is not None, topk_idx is not None, topk_idx is not None]
+
+    def one_round(lo, hi, r):
+        if r:
+            comm.refresh_deadline()
+        return dispatch(comm, **_sliced(args, lo, hi), layout=None,
+                        handle=handle.rounds[r].handle, in_round=True)
+
+    recv, rounds = relay_rounds.dispatch(
+        comm, one_round, handle.count_matrix[:, me], rows_out, widths, wanted,
+        handle.num_tokens, [(rd.lo, rd.hi) for rd in handle.rounds])
+    return _finish(comm, relay_rounds.with_rounds(handle, rounds), recv,
+                   args["num_worst_tokens"], args["dtype"])
+
+
+def _sliced(args: dict, lo: int, hi: int) -> dict:
+    """A dispatch's arguments for its tokens ``[lo, hi)`` (one round of token rounds)."""
+    out = dict(args, num_worst_tokens=0)
+    for key in ("x_bytes", "scales", "topk_idx", "topk_weights"):
+        if out[key] is not None:
+            out[key] = out[key][lo:hi]
+    return out
+
+
+def _finish(comm, handle, recv, num_worst_tokens, dtype):
+    """A dispatch's results from its received rows ``recv`` (by source, then token): rows of
+    sources masked during the call dropped, num_worst_tokens padding rows cleared."""
+    me = comm.rank
+    matrix, num_recv = handle.count_matrix, handle.num_recv_tokens
     survivors = handle.without_inactive(comm.active, me)
     if survivors is not handle:       # ranks masked during the payload: drop what they sent
         keep = _rows_of(matrix[:, me], comm.active)
@@ -312,6 +385,9 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
         if num_worst_tokens:
             recv = [None if t is None else torch.cat([t, t.new_empty(
                 num_worst_tokens - t.shape[0], t.shape[1])]) for t in recv]
+        if handle.rounds is not None:
+            survivors.rounds = relay_rounds.survivors(handle.rounds, matrix[:, me],
+                                                      comm.active, me)
         handle, num_recv = survivors, survivors.num_recv_tokens
     recv_x, recv_scales, recv_idx, recv_w = recv
     recv_x = recv_x.view(dtype)
@@ -335,6 +411,10 @@ def combine(comm, *, x, handle, topk_weights, bias):
     order. Returns ``(combined_x [T, H], combined_topk_weights or None)``; rows of ranks that
     are (or become) inactive are left out of the sums."""
     me, R = comm.rank, comm.num_ranks
+    if handle.rounds is not None:     # a relayed call in token rounds: a combine per round
+        return relay_rounds.combine(
+            lambda x_r, h, w, b: combine(comm, x=x_r, handle=h, topk_weights=w, bias=b),
+            x=x, handle=handle, topk_weights=topk_weights, bias=bias)
     comm.start_call()
     parity, epoch = comm.next_normal_parity(), comm.next_epoch()
     call_row = signature.of_combine(x=x, topk_weights=topk_weights, handle=handle)

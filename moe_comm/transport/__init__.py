@@ -7,7 +7,7 @@ Interface (one object per rank, created collectively over a process group)::
                        depth=1024)
     t.put(dst_rank, dst_offset, src)          # queue: write src's bytes at dst_offset
     t.signal(dst_rank, word_offset_bytes, v)  # queue: store int64 v, after earlier puts
-    failed = t.flush(dst_rank=None, raise_on_timeout=True)
+    failed = t.flush(dst_rank=None, raise_on_timeout=True)   # a rank, a list or all
     t.lost_ranks()                            # {rank: why} of peers whose link failed
     t.close()
 

@@ -128,11 +128,13 @@ class ProxyTransport:
             raise CommTimeoutError("transport/queue", [dst], self.timeout_s) from None
 
     def flush(self, dst_rank=None, raise_on_timeout: bool = True) -> set:
-        """Wait until every command queued before this call (to ``dst_rank``, or to every
-        remote rank) was handed to the wire and its source may be reused. Returns the set of
-        ranks that did not get there (lost peers, or still pending at the deadline) when
-        ``raise_on_timeout`` is False; else raises :class:`CommTimeoutError` naming them."""
-        dsts = self.remote_ranks if dst_rank is None else [dst_rank]
+        """Wait until every command queued before this call (to ``dst_rank``: a rank, a list
+        of ranks, or None for every remote rank) was handed to the wire and its source may be
+        reused. Returns the set of ranks that did not get there (lost peers, or still pending
+        at the deadline) when ``raise_on_timeout`` is False; else raises
+        :class:`CommTimeoutError` naming them."""
+        dsts = self.remote_ranks if dst_rank is None else \
+            [dst_rank] if isinstance(dst_rank, int) else list(dst_rank)
         for d in dsts:
             self._ring(d)
         failed = self._flush(dsts, self.timeout_s)

@@ -1,0 +1,131 @@
+"""Token rounds on the host backend: a hierarchical call too big for the heap, by relays still.
+
+A relayed call (relay.py) holds every rank's output and staging regions in its heap at once;
+when they do not fit, normal.py used to stream the call flat, crossing the host links once
+per destination rank. Instead the call now runs as token rounds (moe_comm/token_rounds.py):
+round r is a relayed dispatch of its own (notify, stage, forward) over tokens
+``[r * chunk, (r + 1) * chunk)`` of every rank, its rows moved out of the heap into the whole
+call's output at the rows a one-copy call would have used, so the heap holds one round at a
+time and each token crosses to each other host once. The whole call's handle keeps the
+rounds: a combine runs one relayed combine per round (a round's rows gathered from the
+expert output; its result is that round's tokens'), a cached dispatch one cached dispatch per
+round.
+
+A round is a complete call: it has its own deadline and agreement, a round that loses a relay
+is redone flat on its own (relay.RelayLost), and the rows of a source masked by the end are
+dropped from the whole output as the one-copy call drops them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from ..handle import DispatchHandle
+from ..layout import DispatchLayout
+from ..token_rounds import RowPlacer, capped, largest_chunk, num_rounds, token_span
+from . import relay
+
+
+@dataclass(eq=False)
+class Round:
+    """One round of a whole call, as this rank sees it: its tokens ``[lo, hi)``, the round's
+    own handle, and the rows of the whole call's output its received rows went to."""
+
+    lo: int
+    hi: int
+    handle: DispatchHandle
+    rows: torch.Tensor
+
+
+def plan(relays, matrix, host_counts, tokens, row_bytes, scale_cols, topk, free_bytes):
+    """``(chunk, rounds)`` of a call whose relayed regions do not fit in one copy: the most
+    tokens per rank a round can carry so that any round's dispatch and its combine fit every
+    active rank's free heap (relay.fits on the counts capped at the chunk), or None when not
+    even one token does. Only from what the notify told every rank: the same everywhere."""
+    R = len(matrix)
+
+    def fits(c):
+        m = capped(matrix, c)
+        routes = relay.Routes(relays, m, capped(host_counts, c))
+        return relay.fits(routes, R, [int(n) for n in m.sum(0)], row_bytes, scale_cols, topk,
+                          free_bytes) and routes.combine_fits
+
+    live = np.asarray(tokens)[relays.active]
+    chunk = largest_chunk(fits, int(live.max()) if len(live) else 0)
+    return (chunk, num_rounds(live, chunk)) if chunk else None
+
+
+def dispatch(comm, one_round, counts_in, rows_out: int, widths, wanted, num_tokens: int,
+             spans):
+    """Run the rounds: ``one_round(lo, hi, r)`` dispatches tokens ``[lo, hi)`` and returns
+    ``(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, handle)`` of that round;
+    ``spans``: the rounds' token spans. Returns the whole output (``rows_out`` rows, by
+    source then token as ``counts_in[s]`` rows of each source fix it) and the rounds."""
+    me = comm.rank
+    placer = RowPlacer(counts_in)
+    recv = [torch.empty(rows_out, w, dtype=dt) if want else None
+            for (w, _, dt), want in zip(widths, wanted)]
+    rounds = []
+    for r, (lo, hi) in enumerate(spans):
+        *got, sub = one_round(lo, hi, r)
+        rows = placer.next_round(sub.count_matrix[:, me])
+        for out, part in zip(recv, got):
+            if out is not None:
+                out[rows] = part[:len(rows)].view(out.dtype).view(len(rows), out.shape[1])
+        got = part = None           # the round's heap region goes back before the next
+        rounds.append(Round(lo, hi, sub, rows))
+    if not placer.complete(comm.active):
+        raise RuntimeError(f"dispatch: token rounds brought rank {me} "
+                           f"{placer.done.tolist()} rows by source, the notify counted "
+                           f"{placer.total.tolist()}")
+    return recv, rounds
+
+
+def spans_of(chunk: int, rounds: int, num_tokens: int) -> list:
+    return [token_span(r, chunk, num_tokens) for r in range(rounds)]
+
+
+def round_layout(in_rank: torch.Tensor) -> DispatchLayout:
+    """The layout of one round's tokens (their rows of the whole call's ``in_rank``)."""
+    return DispatchLayout(per_rank=in_rank.sum(0, dtype=torch.int32), per_expert=None,
+                          in_rank=in_rank)
+
+
+def survivors(rounds: list, counts_in: np.ndarray, active, me: int) -> list:
+    """The rounds once the rows of sources masked during the call are dropped from the whole
+    output (normal.py's ``_rows_of``): each round's handle without them, its rows renumbered."""
+    active = np.asarray(active, bool)
+    bounds = np.concatenate([[0], np.cumsum(counts_in)])
+    new_row = np.full(int(bounds[-1]), -1, np.int64)
+    kept = np.concatenate([np.arange(bounds[s], bounds[s + 1]) for s in range(len(counts_in))
+                           if active[s]] + [np.zeros(0, np.int64)])
+    new_row[kept] = np.arange(len(kept))
+    out = []
+    for rd in rounds:
+        rows = torch.from_numpy(new_row)[rd.rows]
+        out.append(Round(rd.lo, rd.hi, rd.handle.without_inactive(active, me), rows[rows >= 0]))
+    return out
+
+
+def combine(one_round, *, x, handle, topk_weights, bias):
+    """Combine on a handle of token rounds: ``one_round(x, handle, topk_weights, bias)`` is
+    one combine (normal.combine). Each round's rows are gathered from ``x`` and combined with
+    the round's handle; the result is the round's tokens' rows of the whole result."""
+    T, hidden = handle.num_tokens, x.shape[1]
+    out = torch.empty(T, hidden, dtype=x.dtype)
+    out_w = None if topk_weights is None else torch.zeros(T, topk_weights.shape[1],
+                                                          dtype=torch.float32)
+    for rd in handle.rounds:             # (bias: Buffer's tuple of float32 [T, H] tensors)
+        got, got_w = one_round(x[rd.rows], rd.handle,
+                               None if topk_weights is None else topk_weights[rd.rows],
+                               tuple(b[rd.lo:rd.hi] for b in bias))
+        out[rd.lo:rd.hi] = got
+        if out_w is not None:
+            out_w[rd.lo:rd.hi] = got_w
+    return out, out_w
+
+
+def with_rounds(handle: DispatchHandle, rounds: list) -> DispatchHandle:
+    return replace(handle, relay=None, rounds=rounds)
