@@ -188,8 +188,9 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
             row = np.concatenate([row, tokens_per_host(is_token_in_rank, comm.host_of).numpy(),
                                   [comm.heap.free_bytes // PAGE, num_tokens]])
         counts = exchange_counts(comm, epoch, row, call_row)
-        matrix, host_counts = counts[:, :R], counts[:, R:-2]
-        free_pages, tokens = counts[:, -2], counts[:, -1]
+        matrix = counts[:, :R]
+        if _relays(comm) is not None:
+            host_counts, free_pages, tokens = counts[:, R:-2], counts[:, -2], counts[:, -1]
         if comm.elastic:
             comm.agree("dispatch/notify")
         if not comm.active.all():                  # nothing goes to masked ranks
