@@ -23,6 +23,10 @@ and their rows and columns of the count matrix are zero. In elastic mode a rank 
 deadline becomes inactive mid-call; the survivors agree on the mask (after notify, so their
 count matrices match before any offset is computed, and at the end of the call) and drop
 whatever the newly masked ranks sent, so the result equals the reference over the survivors.
+
+Across hosts a call goes by relays (relay.py): in one copy, or, too big for the heap, as token
+rounds of relayed calls (relay_rounds.py); only calls not even one token of which fits stream
+flat (RoundPlan).
 """
 from __future__ import annotations
 
@@ -404,7 +408,8 @@ def _rows_of(counts: np.ndarray, active: np.ndarray) -> torch.Tensor:
     """Indices of the rows (grouped by source, ``counts[s]`` each) of active sources."""
     bounds = np.concatenate([[0], np.cumsum(counts)])
     return torch.cat([torch.arange(int(bounds[s]), int(bounds[s + 1]))
-                      for s in range(len(counts)) if active[s]] + [torch.zeros(0, dtype=torch.long)])
+                      for s in range(len(counts)) if active[s]] +
+                     [torch.zeros(0, dtype=torch.long)])
 
 
 def combine(comm, *, x, handle, topk_weights, bias):

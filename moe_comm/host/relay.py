@@ -26,8 +26,10 @@ combine mirrors it
   3. relay    - a relay sums, per relayed token, the rows of its host (float32, cast to the
                 payload dtype: DeepEP's scheme), and writes one row per token across. DONE.
   4. reduce   - the owner sums its host's rows and one partial row per other host.
-Results, ordering and handles equal the flat protocol's (normal.py). It serves groups spread
-over hosts whose regions fit the heap each rank has free; other calls go flat.
+Results, ordering and handles equal the flat protocol's (normal.py). One call serves groups
+spread over hosts whose regions fit the heap each rank has free; a call too big for that runs
+as token rounds of such calls (relay_rounds.py), and only a call not even one token of which
+fits goes flat.
 
 Masked ranks (elastic, or a controller's set_active_ranks): the relays of a call are picked
 among the ranks the notify agreement kept (``Relays.among``; a host with no active rank gets
