@@ -11,6 +11,8 @@ issue's bound of the ideal; a controller's mask between a dispatch in rounds and
 from __future__ import annotations
 
 import io
+import os
+import signal
 
 import numpy as np
 import pytest
@@ -22,6 +24,7 @@ from checks import assert_same_bits, check_normal
 from moe_comm.host import relay_rounds
 from moe_comm.testing import netns
 from moe_comm.token_rounds import RowPlacer, capped, largest_chunk, num_rounds, token_span
+from test_elastic import _check_survivors, _inputs, _normal_step, _route
 from test_normal_mode import _run_cases
 from test_streaming import LARGE_HEAP, SMALL_HEAP
 from test_streaming import _cases as streaming_cases
@@ -201,3 +204,50 @@ def test_a_mask_between_a_dispatch_in_rounds_and_its_combine():
                 hit = (dest == d).any(1)
                 expect[hit] += (got["x"][hit].float() * (d + 1)).bfloat16().float()
         torch.testing.assert_close(got["comb"].float(), expect, rtol=2e-2, atol=5e-2)
+
+
+# an elastic group loses a relay between two rounds of a dispatch: 3 hosts x 2 ranks, rank 2
+# (host 1, local index 0) relays the tokens of ranks 0 and 4 onto host 1
+ROUNDS_VICTIM, ROUNDS_TIMEOUT, TINY_HEAP = 2, 3.0, 16 << 10
+
+
+def _relay_dies_between_rounds(rank, n):
+    """test_elastic's step (dispatch, identity experts weighted by the routing weights,
+    combine) on a heap so small that its dispatch runs in token rounds; the victim is
+    SIGKILLed before its second round. The survivors' step, then one over re-placed experts."""
+    real = relay_rounds.dispatch
+
+    def dying(comm, one_round, *args):
+        def round_or_die(lo, hi, r):
+            if r == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return one_round(lo, hi, r)
+        return real(comm, round_or_die, *args)
+
+    if rank == ROUNDS_VICTIM:
+        relay_rounds.dispatch = dying
+    buf = moe_comm.Buffer(None, TINY_HEAP, timeout_s=ROUNDS_TIMEOUT, elastic=True)
+    x, idx, w = _inputs(rank)
+    phy, pw = _route(idx, w, n)
+    handles = []
+    out = _normal_step(buf, x, phy, pw, handles=handles)[1]
+    mask = buf.active_ranks
+    second = _normal_step(buf, x, *_route(idx, w, n, active=mask), handles=handles)[1]
+    buf.destroy()
+    return {"mask": mask, "out": out, "phy": phy, "second_out": second,
+            "rounds": [0 if h.rounds is None else len(h.rounds) for h in handles]}
+
+
+@on_hosts
+def test_an_elastic_relay_killed_between_rounds_leaves_survivors_exact():
+    """The rounds after the victim's death go by relays among the survivors, and its rows of
+    the rounds before are dropped: the first step sums what the surviving experts served, the
+    second serves everything."""
+    with netns.Hosts(HOSTS) as hosts:
+        results = hosts.run(_relay_dies_between_rounds, PER_HOST,
+                            expect_exit_ranks={ROUNDS_VICTIM}, timeout=120, env=TCP)
+    assert results[ROUNDS_VICTIM] is None, "the victim was to die between two rounds"
+    mask = torch.tensor([int(r != ROUNDS_VICTIM) for r in range(N)], dtype=torch.int32)
+    _check_survivors(results, N, mask, "between rounds")
+    assert all(results[r]["rounds"][0] >= 2 for r in range(N) if mask[r]), \
+        [results[r]["rounds"] for r in range(N)]

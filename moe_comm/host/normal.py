@@ -230,12 +230,14 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
     if layout is not None and _relays(comm) is not None:
         relays = _relays(comm).among(comm.active)
         routes = relay.Routes(relays, matrix, host_counts)
-        if relay.fits(routes, R, rows_at, row_bytes, scale_cols, topk, free_pages * PAGE):
-            handle.relay = routes
-        elif not in_round and not (num_worst_tokens and recv_rows.max() > num_worst_tokens):
-            # too big for one copy: token rounds of relayed calls (else flat, streamed)
+        fits = relay.fits(routes, R, rows_at, row_bytes, scale_cols, topk, free_pages * PAGE)
+        if not (fits and routes.combine_fits) and not in_round and not (
+                num_worst_tokens and recv_rows.max() > num_worst_tokens):
+            # too big for one copy (its combine included): token rounds of relayed calls
             rounds = relay_rounds.plan(relays, matrix, host_counts, tokens, row_bytes,
                                        scale_cols, topk, free_pages * PAGE)
+        if fits and rounds is None:
+            handle.relay = routes     # (else flat: it streams what does not fit)
 
     def write_round(r):
         def write(dst, dst_page):
