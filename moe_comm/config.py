@@ -44,7 +44,10 @@ def normal_buffer_size_hint(num_max_tokens_per_rank: int, hidden_bytes: int, num
     every rank comes to one rank), for ``keep_alive`` received results held at once plus the
     combine staging region. A smaller heap still runs any batch: what does not fit streams
     through half the heap in rounds (moe_comm/host/normal.py RoundPlan), at the cost of one
-    more copy; it needs at least two rows' worth (``2 * SlabLayout(1, ...).nbytes``)."""
+    more copy; it needs at least two rows' worth (``2 * SlabLayout(1, ...).nbytes``). Across
+    hosts the relayed one copy also holds the staging rows of the senders a rank relays for
+    (at most their tokens); a call that does not fit runs as token rounds of relayed calls
+    (moe_comm/host/relay_rounds.py), each a slice of every rank's tokens."""
     rows = num_max_tokens_per_rank * num_ranks
     recv = SlabLayout(rows, hidden_bytes, scale_bytes // 4, topk).nbytes
     staging = SlabLayout(num_max_tokens_per_rank * num_ranks, hidden_bytes, 0, topk).nbytes
