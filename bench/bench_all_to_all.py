@@ -324,10 +324,11 @@ def case_problem(case):
 
 
 def build_cases(modes, ranks, tokens=None, hidden=(7168,), topk=(8,), experts=(64,),
-                dtypes=None):
+                dtypes=None, buffer_bytes=None):
     """The cross product per mode, in table order. ``tokens``/``dtypes`` None: each mode's
-    default (normal 1024 tokens bf16, ll 128 tokens fp8). Returns every combination, runnable
-    or not (see case_problem)."""
+    default (normal 1024 tokens bf16, ll 128 tokens fp8). ``buffer_bytes``: normal mode's
+    num_nvl_bytes (None: the size hint for one copy). Returns every combination, runnable or
+    not (see case_problem)."""
     cases = []
     for mode in modes:
         for n, t, h, k, e, dt in itertools.product(
@@ -336,8 +337,9 @@ def build_cases(modes, ranks, tokens=None, hidden=(7168,), topk=(8,), experts=(6
             case = dict(mode=mode, ranks=n, tokens=t, hidden=h, topk=k, experts=e, dtype=dt)
             if mode == "normal":
                 elem = 1 if dt == "fp8" else 4 if dt == "float32" else 2
-                case["nvl_bytes"] = moe_comm.Buffer.get_normal_buffer_size_hint(
+                hint = moe_comm.Buffer.get_normal_buffer_size_hint(
                     t, h, n, k, elem_size=elem, fp8=dt == "fp8", keep_alive=2)
+                case["nvl_bytes"] = buffer_bytes or hint
             cases.append(case)
     return cases
 
@@ -691,6 +693,10 @@ def build_parser():
                    help="with --hosts: the host proxy's engine between the hosts: tcp, or "
                         "nixl (NIXL's UCX backend over TCP on the veth links; needs "
                         "moe_comm[nixl]) (default: tcp)")
+    p.add_argument("--buffer-mb", type=float, default=None, metavar="MB",
+                   help="normal mode's buffer (num_nvl_bytes) in MiB (default: the size hint "
+                        "for one copy of the batch); a smaller one streams the batch through "
+                        "it, across hosts in token rounds of relayed calls")
     p.add_argument("--no-mpi", action="store_true",
                    help="leave out the MPI baseline even when mpi4py is installed: the ranks "
                         "are then forked, as without MPI")
@@ -739,6 +745,7 @@ def _run_record(argv, args, backend, rows, launcher, no_mpi):
     info = run_info(None if no_mpi else mpi_ranks.versions(), mpi_library)
     med, lo, hi, n = copy_summary(rows)
     return dict(info, backend=backend, iters=args.iters, repeats=REPEATS,
+                buffer_mb=args.buffer_mb,
                 argv=list(sys.argv[1:] if argv is None else argv),
                 mpi_baselines=None if no_mpi else MPI_BASELINE, no_mpi_reason=no_mpi,
                 copy_gbps=dict(median=med, min=lo, max=hi, samples=n))
@@ -755,8 +762,11 @@ def main(argv=None):
         p.error(str(e))
     if args.plot:
         _check_matplotlib()                     # fail before the sweep, not after it
+    if args.buffer_mb is not None and args.buffer_mb <= 0:
+        p.error("--buffer-mb must be positive")
     cases = build_cases(args.mode, args.ranks, args.tokens, args.hidden, args.topk,
-                        args.experts, args.dtype)
+                        args.experts, args.dtype,
+                        None if args.buffer_mb is None else int(args.buffer_mb * (1 << 20)))
     runnable = [c for c in cases if case_problem(c) is None]
     skipped = [c for c in cases if case_problem(c) is not None]
     if not runnable:

@@ -99,6 +99,9 @@ def test_build_cases_cross_product_and_problems():
     defaults = bench.build_cases(["normal", "ll"], [4])
     assert [(c["mode"], c["tokens"], c["hidden"], c["dtype"]) for c in defaults] == [
         ("normal", 1024, 7168, "bfloat16"), ("ll", 128, 7168, "fp8")]
+    # --buffer-mb: normal mode's buffer, else the hint for one copy of the batch
+    small = bench.build_cases(["normal"], [4], buffer_bytes=1 << 20)
+    assert small[0]["nvl_bytes"] == 1 << 20 < defaults[0]["nvl_bytes"]
 
 
 def _row(mode, tokens, speed_d, speed_c, share):
@@ -178,6 +181,8 @@ def test_bad_lists_are_rejected(capsys):
     assert code == 2 and "invalid choice 'int8'" in err
     code, err, _ = _error(capsys, "--ranks", "4", "--experts", "6")
     assert code == 2 and "no case can run" in err
+    code, err, _ = _error(capsys, "--buffer-mb", "0")
+    assert code == 2 and "--buffer-mb must be positive" in err
 
 
 def test_plot_without_matplotlib_says_how_to_install(tmp_path, capsys, monkeypatch):
