@@ -230,12 +230,15 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
     if layout is not None and _relays(comm) is not None:
         relays = _relays(comm).among(comm.active)
         routes = relay.Routes(relays, matrix, host_counts)
-        fits = relay.fits(routes, R, rows_at, row_bytes, scale_cols, topk, free_pages * PAGE)
+        # (a round's output leaves the heap before its combine: relay_rounds.py)
+        fits = relay.fits(routes, R, rows_at, row_bytes, scale_cols, topk, free_pages * PAGE,
+                          _combine_row_bytes(row_bytes, hidden), output_held=not in_round)
         if not (fits and routes.combine_fits) and not in_round and not (
                 num_worst_tokens and recv_rows.max() > num_worst_tokens):
             # too big for one copy (its combine included): token rounds of relayed calls
             rounds = relay_rounds.plan(relays, matrix, host_counts, tokens, row_bytes,
-                                       scale_cols, topk, free_pages * PAGE)
+                                       scale_cols, topk, free_pages * PAGE,
+                                       _combine_row_bytes(row_bytes, hidden))
         if fits and rounds is None:
             handle.relay = routes     # (else flat: it streams what does not fit)
 
@@ -406,6 +409,13 @@ def _finish(comm, handle, recv, num_worst_tokens, dtype):
     return recv_x, recv_scales, recv_idx, recv_w, handle
 
 
+def _combine_row_bytes(row_bytes: int, hidden: int) -> int:
+    """The width a dispatch expects its combine's rows to have: at least bf16 (an fp8
+    dispatch comes back in bf16), else as wide as its own (float32 stays float32). A combine
+    of other rows decides again (relay.Routes.combine_fits_for)."""
+    return max(row_bytes, 2 * hidden)
+
+
 def _rows_of(counts: np.ndarray, active: np.ndarray) -> torch.Tensor:
     """Indices of the rows (grouped by source, ``counts[s]`` each) of active sources."""
     bounds = np.concatenate([[0], np.cumsum(counts)])
@@ -478,7 +488,8 @@ def combine(comm, *, x, handle, topk_weights, bias):
     # (by the handle's relays even when this rank knows one of them masked since: whether a
     # call goes by relays must not depend on masks, which may differ between ranks until
     # the call's agreement; relay.RelayLost then sends every survivor flat alike)
-    if handle.relay is not None and handle.relay.combine_fits and _relays(comm) is not None:
+    if handle.relay is not None and _relays(comm) is not None and \
+            handle.relay.combine_fits_for(row_bytes, topk):
         try:
             return relay.combine(comm, epoch, handle, x=x, topk_weights=topk_weights,
                                  bias=bias, calls=calls, call_row=call_row)

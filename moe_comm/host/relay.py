@@ -90,7 +90,8 @@ class Routes:
         host_counts[:, [h for h, ranks in enumerate(relays.active_on) if not ranks]] = 0
         self.relays, self.matrix, self.host_counts = relays, matrix, host_counts
         self.masks = {}
-        self.combine_fits = False        # set by fits()
+        self.combine_fits = False        # set by fits(), for its combine_row_bytes
+        self._combine_budget = None      # per rank: heap its combine regions may take
         self._rows_to_host = relays.rows_per_host(matrix)
 
     # -- dispatch ------------------------------------------------------------------------
@@ -130,26 +131,39 @@ class Routes:
         return int(sum(self.host_counts[o, h] for h in range(self.relays.num_hosts)
                        if h != mine))
 
+    def combine_fits_for(self, row_bytes: int, topk: int) -> bool:
+        """Whether a combine of rows of ``row_bytes`` (its x's width, which may differ from
+        the dispatch's: fp8 in, bf16 back) with ``topk`` weight columns goes by relays: both
+        its regions fit the heap fits() left it on every active rank. Every rank holds the
+        same routes, so all answer the same."""
+        if self._combine_budget is None:
+            return False
+        return all(SlabLayout(self.back_rows(f), row_bytes, 0, topk).nbytes +
+                   SlabLayout(self.partial_rows(f), row_bytes, 0, topk).nbytes <= budget
+                   for f, budget in self._combine_budget.items())
+
     def partial_row0(self, o: int, host: int) -> int:
         mine = self.relays.host_of[o]
         return int(sum(self.host_counts[o, h] for h in range(host) if h != mine))
 
 
 def fits(routes: Routes, R: int, final_rows: list, row_bytes, scale_cols, topk,
-         free_bytes) -> bool:
+         free_bytes, combine_row_bytes, output_held=True) -> bool:
     """Whether a dispatch goes by relays: every active rank's output and staging regions fit
     the heap it had free at the call's start (``free_bytes[f]``, told in the count rows, so
-    every rank answers the same). Also records on ``routes`` whether combine will: its two
-    regions fit what stays free once the dispatch's output is held (the caller holds it at
-    combine; whatever else it holds by then makes that combine fail as a flat one could)."""
+    every rank answers the same). Also records on ``routes`` how much heap its combine may
+    take (:meth:`Routes.combine_fits_for`): what stays free once the dispatch's output is
+    held (the caller holds it at combine; whatever else it holds by then makes that combine
+    fail as a flat one could) - or, ``output_held`` False, the whole free heap (token rounds
+    move each round's output out of the heap, relay_rounds.py) - and whether a combine of
+    rows of ``combine_row_bytes`` fits it (``routes.combine_fits``)."""
     mc = routes.relays.mask_cols
     final = [SlabLayout(final_rows[f], row_bytes, scale_cols, topk).nbytes for f in range(R)]
     stage = [SlabLayout(routes.stage_rows(f), row_bytes, scale_cols, topk, mc).nbytes
              for f in range(R)]
-    back = [SlabLayout(routes.back_rows(f), row_bytes, 0, topk).nbytes +
-            SlabLayout(routes.partial_rows(f), row_bytes, 0, topk).nbytes for f in range(R)]
     live = np.flatnonzero(routes.relays.active).tolist()
-    routes.combine_fits = all(final[f] + back[f] <= free_bytes[f] for f in live)
+    routes._combine_budget = {f: int(free_bytes[f]) - final[f] * output_held for f in live}
+    routes.combine_fits = routes.combine_fits_for(combine_row_bytes, topk)
     return all(final[f] + stage[f] <= free_bytes[f] for f in live)
 
 

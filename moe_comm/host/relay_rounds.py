@@ -39,7 +39,8 @@ class Round:
     rows: torch.Tensor
 
 
-def plan(relays, matrix, host_counts, tokens, row_bytes, scale_cols, topk, free_bytes):
+def plan(relays, matrix, host_counts, tokens, row_bytes, scale_cols, topk, free_bytes,
+         combine_row_bytes):
     """``(chunk, rounds)`` of a call whose relayed regions do not fit in one copy: the most
     tokens per rank a round can carry so that any round's dispatch and its combine fit every
     active rank's free heap (relay.fits on the counts capped at the chunk), or None when not
@@ -50,7 +51,8 @@ def plan(relays, matrix, host_counts, tokens, row_bytes, scale_cols, topk, free_
         m = capped(matrix, c)
         routes = relay.Routes(relays, m, capped(host_counts, c))
         return relay.fits(routes, R, [int(n) for n in m.sum(0)], row_bytes, scale_cols, topk,
-                          free_bytes) and routes.combine_fits
+                          free_bytes, combine_row_bytes, output_held=False) and \
+            routes.combine_fits
 
     live = np.asarray(tokens)[relays.active]
     chunk = largest_chunk(fits, int(live.max()) if len(live) else 0)
