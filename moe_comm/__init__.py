@@ -4,7 +4,7 @@ import torch
 from .buffer import Buffer
 from .config import Config
 from .errors import (BufferTooSmallError, CallMismatchError, CommTimeoutError, LayoutLockedError,
-                     RankMaskedError)
+                     RankMaskedError, RoundFailed)
 from .event import EventOverlap
 from .handle import DispatchHandle
 from .logs import apply_env_level
@@ -17,6 +17,7 @@ topk_idx_t = torch.int64
 
 __all__ = ["Buffer", "topk_idx_t", "Config", "EventOverlap", "DispatchHandle",
            "CommTimeoutError", "RankMaskedError", "BufferTooSmallError", "CallMismatchError",
+           "RoundFailed",
            "LayoutLockedError",
            "reference_dispatch", "reference_combine", "MoELayer", "replace_moe_blocks"]
 __version__ = "0.1.0"

@@ -73,6 +73,13 @@ class LayoutLockedError(CallMismatchError):
                      "a new Buffer",)
 
 
+class RoundFailed(RuntimeError):
+    """A call that ran in token rounds (a relayed call bigger than the buffer) stopped because
+    a round failed on some rank (its own error, e.g. BufferTooSmallError, is raised there):
+    every rank raises in the next round, before anything of it moves, and the buffer serves
+    the next call."""
+
+
 class RankMaskedError(RuntimeError):
     """This rank was masked out of an elastic Buffer (by ``set_active_ranks``, or by its peers
     when it missed their deadline); it takes no further part: a new Buffer is needed to

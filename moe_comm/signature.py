@@ -20,7 +20,12 @@ import torch
 from .errors import CallMismatchError, LayoutLockedError
 from .wire import CALL_WORDS, NORMAL_CALL_FIELDS
 
-CALLS = {1: "dispatch", 2: "cached dispatch", 3: "combine", 4: "low-latency dispatch"}
+# "dispatch round": one round of a dispatch in token rounds (host/relay_rounds.py), its handle
+# word the round's index + 1, so a rank left behind in a round never pairs with its peers'
+# next call; "round after a failed one": what a rank whose round failed signs for the next
+# round, so that every rank raises there together (relay_rounds.RoundFailed)
+CALLS = {1: "dispatch", 2: "cached dispatch", 3: "combine", 4: "low-latency dispatch",
+         5: "dispatch round", 6: "round after a failed one"}
 CALL_CODE = {name: code for code, name in CALLS.items()}
 DTYPES = {1: torch.bfloat16, 2: torch.float16, 3: torch.float32, 4: torch.float8_e4m3fn}
 DTYPE_CODE = {dtype: code for code, dtype in DTYPES.items()}
@@ -54,20 +59,25 @@ def scale_word(scales) -> int:
 
 
 def of_dispatch(*, hidden, dtype, scales, topk_idx, num_experts, num_worst_tokens,
-                handle) -> np.ndarray:
-    """A normal dispatch's signature from the arguments the backends' dispatch takes."""
-    if handle is not None:
-        return normal("cached dispatch", hidden=hidden, dtype=dtype,
-                      scale_cols=scale_word(scales), topk=0, num_experts=0,
-                      num_worst_tokens=num_worst_tokens, handle_id=handle.call_id)
-    return normal("dispatch", hidden=hidden, dtype=dtype, scale_cols=scale_word(scales),
-                  topk=0 if topk_idx is None else topk_idx.shape[1], num_experts=num_experts,
-                  num_worst_tokens=num_worst_tokens, handle_id=0)
+                handle, round_index=None, aborted=False) -> np.ndarray:
+    """A normal dispatch's signature from the arguments the backends' dispatch takes;
+    ``round_index``: a fresh dispatch that is that round of a dispatch in token rounds;
+    ``aborted``: this rank's previous round failed (see CALLS)."""
+    call = "cached dispatch" if handle is not None else \
+        "dispatch" if round_index is None else "dispatch round"
+    handle_id = handle.call_id if handle is not None else \
+        0 if round_index is None else round_index + 1
+    return normal("round after a failed one" if aborted else call, hidden=hidden, dtype=dtype,
+                  scale_cols=scale_word(scales),
+                  topk=0 if handle is not None or topk_idx is None else topk_idx.shape[1],
+                  num_experts=0 if handle is not None else num_experts,
+                  num_worst_tokens=num_worst_tokens, handle_id=handle_id)
 
 
-def of_combine(*, x, topk_weights, handle) -> np.ndarray:
+def of_combine(*, x, topk_weights, handle, aborted=False) -> np.ndarray:
     """A normal combine's signature from the arguments the backends' combine takes."""
-    return normal("combine", hidden=x.shape[1], dtype=x.dtype, scale_cols=0,
+    return normal("round after a failed one" if aborted else "combine", hidden=x.shape[1],
+                  dtype=x.dtype, scale_cols=0,
                   topk=0 if topk_weights is None else topk_weights.shape[1], num_experts=0,
                   num_worst_tokens=handle.num_worst_tokens, handle_id=handle.call_id)
 

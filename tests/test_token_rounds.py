@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -61,8 +62,8 @@ def _cases_blob(rank, n, cases, heap):
     seen, real = [], relay_rounds.dispatch
 
     def spy(comm, one_round, *args):
-        def round_seen(lo, hi, r):
-            got = one_round(lo, hi, r)
+        def round_seen(lo, hi, r, aborted):
+            got = one_round(lo, hi, r, aborted)
             seen[-1].append(got[-1].relay is not None)
             return got
         seen.append([])
@@ -218,10 +219,10 @@ def _relay_dies_between_rounds(rank, n):
     real = relay_rounds.dispatch
 
     def dying(comm, one_round, *args):
-        def round_or_die(lo, hi, r):
+        def round_or_die(lo, hi, r, aborted):
             if r == 1:
                 os.kill(os.getpid(), signal.SIGKILL)
-            return one_round(lo, hi, r)
+            return one_round(lo, hi, r, aborted)
         return real(comm, round_or_die, *args)
 
     if rank == ROUNDS_VICTIM:
@@ -240,9 +241,10 @@ def _relay_dies_between_rounds(rank, n):
 
 @on_hosts
 def test_an_elastic_relay_killed_between_rounds_leaves_survivors_exact():
-    """The rounds after the victim's death go by relays among the survivors, and its rows of
-    the rounds before are dropped: the first step sums what the surviving experts served, the
-    second serves everything."""
+    """The rounds after the victim's death go on among the survivors (by relays picked among
+    them, or flat where the plan's bound, made with the victim's relays, no longer holds),
+    and its rows of the rounds before are dropped: the first step sums what the surviving
+    experts served, the second serves everything."""
     with netns.Hosts(HOSTS) as hosts:
         results = hosts.run(_relay_dies_between_rounds, PER_HOST,
                             expect_exit_ranks={ROUNDS_VICTIM}, timeout=120, env=TCP)
@@ -251,3 +253,50 @@ def test_an_elastic_relay_killed_between_rounds_leaves_survivors_exact():
     _check_survivors(results, N, mask, "between rounds")
     assert all(results[r]["rounds"][0] >= 2 for r in range(N) if mask[r]), \
         [results[r]["rounds"] for r in range(N)]
+
+
+FAIL_TIMEOUT = 10.0
+
+
+def _combine_round_fails_here(rank, n):
+    """A dispatch in token rounds, then rank 1 takes nearly all its heap (another micro-batch's
+    output, say) and the combine on the rounds' handle fails in its first round there and at
+    the ranks writing to it: every rank raises at once (the others in the next round), then,
+    the heap given back, the same combine works on every rank."""
+    buf = moe_comm.Buffer(None, 1 << 20, timeout_s=FAIL_TIMEOUT)
+    g = torch.Generator().manual_seed(rank)
+    tokens = 1000
+    x = torch.randn(tokens, 256, generator=g).bfloat16()
+    idx = torch.stack([torch.randperm(16, generator=g)[:4] for _ in range(tokens)])
+    ntr, _, nte, itr, _ = buf.get_dispatch_layout(idx, 16)
+    rx, _, rw, _, handle, _ = buf.dispatch(x, topk_idx=idx, num_tokens_per_rank=ntr,
+                                           is_token_in_rank=itr, num_tokens_per_expert=nte)
+    heap = buf._comm.heap
+    held = heap.alloc(heap.free_bytes // 4096 - 2) if rank == 1 else None
+    start = time.monotonic()
+    try:
+        buf.combine(rx, handle)
+        outcome = "no error"
+    except Exception as e:          # noqa: BLE001 - which error each rank gets is the point
+        outcome = type(e).__name__
+    took = time.monotonic() - start
+    if held is not None:
+        heap.free(held)
+    out, _, _ = buf.combine(rx, handle)
+    buf.destroy()
+    return len(handle.rounds), outcome, took, out, x, idx
+
+
+@on_hosts
+def test_a_round_failing_on_some_ranks_fails_the_call_on_every_rank():
+    results = netns.run_on_hosts(_combine_round_fails_here, 2, 2, timeout=120, env=TCP)
+    outcomes = [r[1] for r in results]
+    assert outcomes[1] == "BufferTooSmallError", outcomes
+    assert all(o in ("ReceiverFailed", "RoundFailed") for i, o in enumerate(outcomes)
+               if i != 1), outcomes
+    for rounds, _, took, out, x, idx in results:
+        assert rounds >= 2
+        assert took < FAIL_TIMEOUT / 2, took          # nobody waited out a deadline
+        # identity experts: each token comes back once per destination rank it went to
+        copies = torch.zeros(len(idx), 4).scatter_(1, idx // 4, 1.0).sum(1, keepdim=True)
+        torch.testing.assert_close(out.float(), x.float() * copies, rtol=2e-2, atol=2e-2)

@@ -140,14 +140,17 @@ def _exchange(comm, epoch, op, *, page, own_error, dests, sources, write, need, 
 
 
 def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, layout,
-             handle, num_experts, num_worst_tokens, buffer_key, in_round=False):
+             handle, num_experts, num_worst_tokens, buffer_key, round_index=None,
+             aborted=False):
     """Run one normal dispatch. ``x_bytes`` is x as uint8 ``[T, row_bytes]``; ``layout``
     (moe_comm/layout.py DispatchLayout) where fresh routing sends it, None with a ``handle``.
-    ``in_round``: this call is one round of a bigger one (relay_rounds.py), not split again.
+    ``round_index``: this call is that round of a bigger one (relay_rounds.py), not split
+    again; ``aborted``: this rank's previous round failed (relay_rounds.in_step).
 
     Returns ``(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, handle)``."""
     me, R = comm.rank, comm.num_ranks
     given = handle                    # the caller's handle (a cached dispatch), or None
+    in_round = round_index is not None
     args = dict(x_bytes=x_bytes, dtype=dtype, hidden=hidden, scales=scales, topk_idx=topk_idx,
                 topk_weights=topk_weights, num_experts=num_experts,
                 num_worst_tokens=num_worst_tokens, buffer_key=buffer_key)
@@ -157,7 +160,8 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
     parity, epoch = comm.next_normal_parity(), comm.next_epoch()
     call_row = signature.of_dispatch(
         hidden=hidden, dtype=dtype, scales=scales, topk_idx=topk_idx, num_experts=num_experts,
-        num_worst_tokens=num_worst_tokens, handle=handle)
+        num_worst_tokens=num_worst_tokens, handle=handle, round_index=round_index,
+        aborted=aborted)
     num_tokens, row_bytes = x_bytes.shape
     scale_cols = 0 if scales is None else scales.shape[1]
     topk = 0 if topk_idx is None else topk_idx.shape[1]
@@ -336,11 +340,9 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
 def _rounds(comm, handle, args, layout, widths, wanted, rows_out, chunk, count):
     """A fresh relayed dispatch too big for the heap, as ``count`` token rounds of ``chunk``
     tokens (relay_rounds.py); ``handle`` is the whole call's."""
-    def one_round(lo, hi, r):
-        if r:
-            comm.refresh_deadline()
+    def one_round(lo, hi, r, aborted):
         return dispatch(comm, **_sliced(args, lo, hi), layout=relay_rounds.round_layout(
-            layout.in_rank[lo:hi]), handle=None, in_round=True)
+            layout.in_rank[lo:hi]), handle=None, round_index=r, aborted=aborted)
 
     recv, rounds = relay_rounds.dispatch(
         comm, one_round, handle.count_matrix[:, comm.rank], rows_out, widths, wanted,
@@ -361,11 +363,9 @@ def _cached_rounds(comm, handle, args):
               (0 if topk_idx is None else topk_idx.shape[1], 4, torch.float32)]
     wanted = [True, scales is not None, topk_idx is not None, topk_idx is not None]
 
-    def one_round(lo, hi, r):
-        if r:
-            comm.refresh_deadline()
+    def one_round(lo, hi, r, aborted):
         return dispatch(comm, **_sliced(args, lo, hi), layout=None,
-                        handle=handle.rounds[r].handle, in_round=True)
+                        handle=handle.rounds[r].handle, round_index=r, aborted=aborted)
 
     recv, rounds = relay_rounds.dispatch(
         comm, one_round, handle.count_matrix[:, me], rows_out, widths, wanted,
@@ -424,18 +424,21 @@ def _rows_of(counts: np.ndarray, active: np.ndarray) -> torch.Tensor:
                      [torch.zeros(0, dtype=torch.long)])
 
 
-def combine(comm, *, x, handle, topk_weights, bias):
+def combine(comm, *, x, handle, topk_weights, bias, aborted=False):
     """Run one normal combine. ``x`` [rows, H] holds this rank's expert outputs in received
     order. Returns ``(combined_x [T, H], combined_topk_weights or None)``; rows of ranks that
-    are (or become) inactive are left out of the sums."""
+    are (or become) inactive are left out of the sums. ``aborted``: this call is a round of
+    a combine in token rounds whose previous round failed here (relay_rounds.in_step)."""
     me, R = comm.rank, comm.num_ranks
     if handle.rounds is not None:     # a relayed call in token rounds: a combine per round
         return relay_rounds.combine(
-            lambda x_r, h, w, b: combine(comm, x=x_r, handle=h, topk_weights=w, bias=b),
+            lambda x_r, h, w, b, aborted: combine(comm, x=x_r, handle=h, topk_weights=w,
+                                                  bias=b, aborted=aborted),
             x=x, handle=handle, topk_weights=topk_weights, bias=bias)
     comm.start_call()
     parity, epoch = comm.next_normal_parity(), comm.next_epoch()
-    call_row = signature.of_combine(x=x, topk_weights=topk_weights, handle=handle)
+    call_row = signature.of_combine(x=x, topk_weights=topk_weights, handle=handle,
+                                    aborted=aborted)
     matrix, send_ids = handle.count_matrix, handle.send_token_ids
     hidden, dtype = x.shape[1], x.dtype
     x_bytes = x.view(torch.uint8)

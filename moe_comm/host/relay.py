@@ -138,7 +138,7 @@ class Routes:
         same routes, so all answer the same."""
         if self._combine_budget is None:
             return False
-        return all(SlabLayout(self.back_rows(f), row_bytes, 0, topk).nbytes +
+        return all(max(PAGE, SlabLayout(self.back_rows(f), row_bytes, 0, topk).nbytes) +
                    SlabLayout(self.partial_rows(f), row_bytes, 0, topk).nbytes <= budget
                    for f, budget in self._combine_budget.items())
 
@@ -158,7 +158,9 @@ def fits(routes: Routes, R: int, final_rows: list, row_bytes, scale_cols, topk,
     move each round's output out of the heap, relay_rounds.py) - and whether a combine of
     rows of ``combine_row_bytes`` fits it (``routes.combine_fits``)."""
     mc = routes.relays.mask_cols
-    final = [SlabLayout(final_rows[f], row_bytes, scale_cols, topk).nbytes for f in range(R)]
+    # (a rank's own region is granted even when empty: a page at least, exchange.grant)
+    final = [max(PAGE, SlabLayout(final_rows[f], row_bytes, scale_cols, topk).nbytes)
+             for f in range(R)]
     stage = [SlabLayout(routes.stage_rows(f), row_bytes, scale_cols, topk, mc).nbytes
              for f in range(R)]
     live = np.flatnonzero(routes.relays.active).tolist()

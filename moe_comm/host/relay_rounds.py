@@ -22,10 +22,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from ..errors import CallMismatchError, RoundFailed
 from ..handle import DispatchHandle
 from ..layout import DispatchLayout
 from ..token_rounds import RowPlacer, capped, largest_chunk, num_rounds, token_span
 from . import relay
+from .exchange import keeps_in_step
 
 
 @dataclass(eq=False)
@@ -61,7 +63,8 @@ def plan(relays, matrix, host_counts, tokens, row_bytes, scale_cols, topk, free_
 
 def dispatch(comm, one_round, counts_in, rows_out: int, widths, wanted, num_tokens: int,
              spans):
-    """Run the rounds: ``one_round(lo, hi, r)`` dispatches tokens ``[lo, hi)`` and returns
+    """Run the rounds (:func:`in_step`): ``one_round(lo, hi, r, aborted)`` dispatches tokens
+    ``[lo, hi)`` and returns
     ``(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, handle)`` of that round;
     ``spans``: the rounds' token spans. Returns the whole output (``rows_out`` rows, by
     source then token as ``counts_in[s]`` rows of each source fix it) and the rounds."""
@@ -70,19 +73,49 @@ def dispatch(comm, one_round, counts_in, rows_out: int, widths, wanted, num_toke
     recv = [torch.empty(rows_out, w, dtype=dt) if want else None
             for (w, _, dt), want in zip(widths, wanted)]
     rounds = []
-    for r, (lo, hi) in enumerate(spans):
-        *got, sub = one_round(lo, hi, r)
+
+    def place(r, got):
+        *got, sub = got
         rows = placer.next_round(sub.count_matrix[:, me])
         for out, part in zip(recv, got):
             if out is not None:
                 out[rows] = part[:len(rows)].view(out.dtype).view(len(rows), out.shape[1])
-        got = part = None           # the round's heap region goes back before the next
-        rounds.append(Round(lo, hi, sub, rows))
+        rounds.append(Round(*spans[r], sub, rows))
+
+    in_step(len(spans), "dispatch", lambda r, aborted: one_round(*spans[r], r, aborted), place)
     if not placer.complete(comm.active):
         raise RuntimeError(f"dispatch: token rounds brought rank {me} "
                            f"{placer.done.tolist()} rows by source, the notify counted "
                            f"{placer.total.tolist()}")
     return recv, rounds
+
+
+def in_step(count: int, op: str, one_round, use) -> None:
+    """Run rounds ``r = 0..count-1``, ``use(r, one_round(r, aborted))``, in step with every
+    rank: a round that fails on some ranks only (a capacity or consistency outcome,
+    exchange.keeps_in_step) must not leave the others in the next round alone. So a rank
+    whose round failed runs the next one ``aborted`` (signature.CALLS "round after a failed
+    one"): its signature differs, every rank raises there before any payload moves - it its
+    own error, the others RoundFailed - and the group stays in step. A failure in the last
+    round ends the call as a one-round call's would. Deadlines and masks end it at once."""
+    failure = None
+    for r in range(count):
+        try:
+            got = one_round(r, failure is not None)
+        except CallMismatchError as e:
+            if failure is not None:
+                raise failure from None
+            raise RoundFailed(f"{op}: a round of token rounds failed on another rank ({e}); "
+                              "nothing of the next one moved") from e
+        except Exception as e:
+            if failure is not None or not keeps_in_step(e) or r == count - 1:
+                raise
+            failure = e
+            continue
+        if failure is not None:            # every rank's round before failed: all raise
+            raise failure
+        use(r, got)
+        got = None              # the round's heap region goes back before the next round
 
 
 def spans_of(chunk: int, rounds: int, num_tokens: int) -> list:
@@ -112,20 +145,29 @@ def survivors(rounds: list, counts_in: np.ndarray, active, me: int) -> list:
 
 
 def combine(one_round, *, x, handle, topk_weights, bias):
-    """Combine on a handle of token rounds: ``one_round(x, handle, topk_weights, bias)`` is
-    one combine (normal.combine). Each round's rows are gathered from ``x`` and combined with
-    the round's handle; the result is the round's tokens' rows of the whole result."""
+    """Combine on a handle of token rounds: ``one_round(x, handle, topk_weights, bias,
+    aborted)`` is one combine (normal.combine). Each round's rows are gathered from ``x`` and
+    combined with the round's handle; the result is the round's tokens' rows of the whole
+    result."""
     T, hidden = handle.num_tokens, x.shape[1]
     out = torch.empty(T, hidden, dtype=x.dtype)
     out_w = None if topk_weights is None else torch.zeros(T, topk_weights.shape[1],
                                                           dtype=torch.float32)
-    for rd in handle.rounds:             # (bias: Buffer's tuple of float32 [T, H] tensors)
-        got, got_w = one_round(x[rd.rows], rd.handle,
-                               None if topk_weights is None else topk_weights[rd.rows],
-                               tuple(b[rd.lo:rd.hi] for b in bias))
-        out[rd.lo:rd.hi] = got
+    rounds = handle.rounds
+
+    def combine_round(r, aborted):        # (bias: Buffer's tuple of float32 [T, H] tensors)
+        rd = rounds[r]
+        return one_round(x[rd.rows], rd.handle,
+                         None if topk_weights is None else topk_weights[rd.rows],
+                         tuple(b[rd.lo:rd.hi] for b in bias), aborted)
+
+    def use(r, got):
+        rd = rounds[r]
+        out[rd.lo:rd.hi] = got[0]
         if out_w is not None:
-            out_w[rd.lo:rd.hi] = got_w
+            out_w[rd.lo:rd.hi] = got[1]
+
+    in_step(len(rounds), "combine", combine_round, use)
     return out, out_w
 
 
