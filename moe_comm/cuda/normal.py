@@ -28,7 +28,13 @@ crosses to each other host once, and its combine (when it fits too) has each hos
 token summed by the owner's relay there; copy-out and the reduce are the ones below. The same
 outputs and handles. Relays are picked among the active ranks; an elastic call that loses a
 rank the relays were picked among is redone flat over the survivors (relay.py).
-MOE_COMM_RELAY=0 and streamed calls go flat.
+A relayed call whose one copy does not fit (dispatch, or its combine at the dispatch's row
+size, at least bf16) goes in token rounds (moe_comm/cuda/rounds.py): after the whole call's
+notify, which then also carries each rank's token count, rounds of relayed calls over token
+chunks, each with its own notify, their rows placed at the one-copy call's rows; the handle
+is the whole call's and keeps the rounds for its combine and cached dispatches.
+MOE_COMM_RELAY=0 goes flat, and so does every num_worst_tokens call (the host never reads
+its counts, and DeepEP refuses num_worst_tokens across hosts): it streams when it must.
 
 With ``num_worst_tokens`` the host never synchronises: every slab has exactly that many rows;
 a receiver that would get more reports an overflow (raised as CudaCommError at the next call).

@@ -16,7 +16,9 @@ When a call goes by relays (:func:`wanted`, then :func:`dispatch_fits` /
 (``comm.host_of``), ``MOE_COMM_RELAY`` is not ``0``, the dispatch has no num_worst_tokens
 (its geometry must be known on the host), and every rank's output slab plus its staging slab
 (dispatch), or its flat combine slab plus its gather slab (combine), fit its data region in
-one copy. Anything else goes flat, as before (a streamed call included).
+one copy. A dispatch that does not fit goes in token rounds of relayed calls that do
+(rounds.py); one that does not fit even one token a round, MOE_COMM_RELAY=0 and
+num_worst_tokens calls go flat (streamed where they must).
 
 Masked ranks and elastic groups (the host backend's design, moe_comm/host/relay.py): a call's
 relays are picked among the active ranks (``Relays.among``), from the mask the host reads
