@@ -27,6 +27,7 @@ from moe_comm.wire import SlabLayout
 from checks import check_normal
 from inputs import expert_fn, make_inputs
 from test_elastic import VICTIM, _check_survivors, _inputs, _normal_step, _route, _slots
+from test_hierarchical import _kill_self_in_cuda_relay
 
 WHY_NOT = netns.available()
 CUDA_ENV = {"MOE_COMM_TRANSPORT": "tcp", "MOE_COMM_CPU_BACKEND": "emulator"}
@@ -149,6 +150,21 @@ def test_emulated_cuda_call_larger_than_the_buffer_goes_in_relayed_rounds():
 
 
 MASK_HEAP = 20 << 10
+ELASTIC_HEAP = 48 << 10
+REPEAT = 4                  # test_elastic's inputs, repeated: a batch several times the buffer
+
+
+def _relayed(handle) -> list:
+    """Per round of a handle in rounds, whether the round's handle (still) has relays."""
+    return [rd.handle.relay is not None for rd in handle.rounds.rounds] if handle.rounds \
+        else []
+
+
+def _first_copy(result: dict) -> dict:
+    """A result of repeated inputs as _check_survivors reads it: the rows of the first copy
+    (a token's copies are routed and combined alike)."""
+    cut = len(result["phy"]) // REPEAT
+    return {**result, **{k: result[k][:cut] for k in ("phy", "out", "second_out")}}
 
 
 def _controller_masks_rounds(rank, n, heap):
@@ -156,9 +172,7 @@ def _controller_masks_rounds(rank, n, heap):
     rounds and its combine; the victim leaves. Each round's combine goes flat (its relays
     were picked with the victim in); the next step goes in rounds by relays among the rest."""
     buf = moe_comm.Buffer(None, heap, timeout_s=20)
-    x, idx, w = _inputs(rank)
-    x = x.repeat(4, 1)          # a batch several times the buffer (ragged, one rank empty)
-    idx, w = idx.repeat(4, 1), w.repeat(4, 1)
+    x, idx, w = (t.repeat(REPEAT, 1) for t in _inputs(rank))   # ragged, one rank empty
     phy, pw = _route(idx, w, n)
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(phy, _slots(n))
     rx, ri, rw, _, handle, _ = buf.dispatch(x, topk_idx=phy, topk_weights=pw,
@@ -176,11 +190,8 @@ def _controller_masks_rounds(rank, n, heap):
     second = _normal_step(buf, x, *_route(idx, w, n, active=mask), handles=handles)[1]
     active = buf.active_ranks
     buf.destroy()
-
-    def relayed(h):
-        return [rd.handle.relay is not None for rd in h.rounds.rounds] if h.rounds else []
-    return {"mask": active, "out": out, "phy": phy, "second_out": second,
-            "relayed": [relayed(h) for h in handles]}
+    return _first_copy({"mask": active, "out": out, "phy": phy, "second_out": second,
+                        "relayed": [_relayed(h) for h in handles]})
 
 
 def test_emulated_cuda_controller_mask_between_rounds_dispatch_and_combine():
@@ -193,17 +204,53 @@ def test_emulated_cuda_controller_mask_between_rounds_dispatch_and_combine():
     results = netns.run_on_hosts(_controller_masks_rounds, 2, 2, MASK_HEAP, timeout=180,
                                  env=CUDA_ENV)
     mask = torch.tensor([int(r != VICTIM) for r in range(n)], dtype=torch.int32)
-    # _check_survivors rebuilds each rank's inputs: the same, repeated
-    for r in range(n):
-        if results[r] is not None:
-            results[r]["phy"] = results[r]["phy"][:len(results[r]["phy"]) // 4]
-            results[r]["out"] = results[r]["out"][:len(results[r]["out"]) // 4]
-            results[r]["second_out"] = results[r]["second_out"][:len(results[r]["out"])]
     _check_survivors(results, n, mask, "controller mask, token rounds")
     for r in range(n):
         if mask[r]:
             first, second = results[r]["relayed"]
             assert len(first) >= 2 and not any(first), (r, first)    # lost their relays
+            assert len(second) >= 2 and all(second), (r, second)
+
+
+ELASTIC_TIMEOUT = 2.0       # 6 emulated ranks + proxies on 2 loaded cores
+
+
+def _relay_dies_in_a_round(rank, n, heap):
+    """An elastic group of 3 hosts x 2 emulated CUDA ranks, a batch in rounds: VICTIM (the
+    relay of ranks 0 and 4 on host 1) is SIGKILLed in the second round's dispatch, after the
+    rows it relays were staged at it, before it forwards any. The survivors redo that round
+    flat, relay the later rounds among themselves and pad the victim's rows they never got;
+    then a step over experts re-placed on the survivors."""
+    buf = moe_comm.Buffer(None, heap, timeout_s=ELASTIC_TIMEOUT, elastic=True)
+    x, idx, w = (t.repeat(REPEAT, 1) for t in _inputs(rank))
+    phy, pw = _route(idx, w, n)
+    dist.barrier()                      # every rank is up before one goes
+    if rank == VICTIM:
+        _kill_self_in_cuda_relay(3)     # a relay waits twice a round: round 1's first wait
+    handles = []
+    out = _normal_step(buf, x, phy, pw, handles=handles)[1]
+    mask = buf.active_ranks
+    second = _normal_step(buf, x, *_route(idx, w, n, active=mask), handles=handles)[1]
+    buf.destroy()
+    return _first_copy({"mask": mask, "out": out, "phy": phy, "second_out": second,
+                        "relayed": [_relayed(h) for h in handles]})
+
+
+def test_emulated_cuda_elastic_relay_lost_in_a_round():
+    """The round that lost its relay is redone flat, the rounds after it go by relays among
+    the survivors, and the survivors' results are exact (over the experts that survived for
+    the first step, over all of them re-placed for the second)."""
+    n = 6
+    _emulated(n)
+    with netns.Hosts(3) as hosts:
+        results = hosts.run(_relay_dies_in_a_round, 2, ELASTIC_HEAP,
+                            expect_exit_ranks={VICTIM}, timeout=180, env=CUDA_ENV)
+    mask = torch.tensor([int(r != VICTIM) for r in range(n)], dtype=torch.int32)
+    _check_survivors(results, n, mask, "relay lost in a token round")
+    for r in range(n):
+        if mask[r]:
+            first, second = results[r]["relayed"]
+            assert len(first) >= 3 and not first[1] and all(first[2:]), (r, first)
             assert len(second) >= 2 and all(second), (r, second)
 
 

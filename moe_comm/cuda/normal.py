@@ -306,19 +306,19 @@ def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_w
         rows_out = int(region_rows[me])
     if relaying and not cached:
         host_tokens = host_matrix.cpu().numpy().astype(np.int64)  # [R, H] tokens, [R] tokens
-        chunk = 0 if one_round else rounds.chunk_for(
-            topo, matrix_host, host_tokens[:, :-1], host_tokens[:, -1], comm.heap_bytes,
-            row_bytes, scale_cols, topk, rounds.combine_row_bytes(hidden, dtype))
+        planner = rounds.Planner(comm, matrix_host, host_tokens[:, :-1], host_tokens[:, -1],
+                                 row_bytes, scale_cols, topk,
+                                 rounds.combine_row_bytes(hidden, dtype))
+        chunk = 0 if one_round else planner.chunk(topo, 0)
         if chunk:
-            return _dispatch_in_rounds(comm, args, epoch, chunk, matrix_host,
-                                       host_tokens[:, -1], per_rank, in_rank, send_pos,
-                                       matrix, rows_out)
+            return _dispatch_in_rounds(comm, args, epoch, planner, chunk, per_rank, in_rank,
+                                       send_pos, matrix, rows_out)
     plan = _plan(comm, "dispatch", epoch, region_rows, row_bytes, scale_cols, topk)
     if relaying and not cached:
         routes = relay.Routes(topo, matrix_host, host_tokens[:, :-1], host_pos,
                               relay.first_per_host(topo, send_pos))
     by_relay = routes is not None and not plan.chunk and relay.dispatch_fits(
-        routes, comm.heap_bytes, row_bytes, scale_cols, topk)
+        routes, relay.capacity(comm), row_bytes, scale_cols, topk)
 
     recv_x = torch.empty(rows_out, row_bytes, dtype=torch.uint8, device=dev)
     # the kernels copy scale_cols 4-byte words per row (declared float*): int32 scales
@@ -366,18 +366,17 @@ def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_w
     return recv_x.view(dtype), recv_scales, recv_idx, recv_w, handle
 
 
-def _dispatch_in_rounds(comm: CudaComm, args: dict, epoch: int, chunk: int,
-                        matrix_host: np.ndarray, tokens: np.ndarray, per_rank, in_rank,
-                        send_pos, matrix, rows_out: int):
+def _dispatch_in_rounds(comm: CudaComm, args: dict, epoch: int, planner, chunk: int,
+                        per_rank, in_rank, send_pos, matrix, rows_out: int):
     """A relayed dispatch whose one copy does not fit, after its notify: token rounds of
     relayed calls (rounds.py). The handle is the whole call's, with the rounds on it."""
     whole = {name: args[name] for name in ("x_bytes", "dtype", "hidden", "scales", "topk_idx",
                                            "topk_weights", "num_experts", "buffer_key",
                                            "num_sms")}
     (recv_x, recv_scales, recv_idx, recv_w), expert_counts, plan = rounds.dispatch(
-        dispatch, comm, whole, in_rank, matrix_host, tokens, chunk)
+        dispatch, comm, whole, in_rank, planner, chunk)
     handle = CudaDispatchHandle(
-        args["buffer_key"], args["x_bytes"].shape[0], args["hidden"], matrix_host, in_rank,
+        args["buffer_key"], args["x_bytes"].shape[0], args["hidden"], planner.matrix, in_rank,
         None, rows_out, 0, call_id=epoch, per_rank=per_rank, send_pos=send_pos, matrix=matrix,
         recv_expert_counts=expert_counts, rounds=plan)
     return recv_x, recv_scales, recv_idx, recv_w, handle
@@ -464,7 +463,7 @@ def combine(comm: CudaComm, *, x, handle: CudaDispatchHandle, topk_weights, bias
     _notify(comm, k, epoch, None, None, "combine/notify", call_row)
     plan, rows_back = _combine_plan(comm, handle, epoch, row_bytes, topk)
     by_relay = (routes is not None and relay.wanted(comm, 0) and not plan.chunk
-                and relay.combine_fits(routes, comm.heap_bytes, row_bytes, topk))
+                and relay.combine_fits(routes, relay.capacity(comm), row_bytes, topk))
     # a streamed combine gathers its rows here, off the communication buffer, and reduces
     # them once at the end: the single copy's reduction over the same rows, in the same order
     staged = torch.empty(SlabLayout(rows_back, row_bytes, 0, topk).nbytes, dtype=torch.uint8,

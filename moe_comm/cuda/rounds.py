@@ -9,8 +9,15 @@ and its combine (:func:`chunk_for`). Round r is then a complete relayed dispatch
 (notify included; normal.dispatch with ``one_round``, so it cannot go into rounds itself) over
 tokens [r * chunk, (r + 1) * chunk) of every rank, and its output rows are copied into the whole
 call's outputs at the rows the one-copy call would have used (token_rounds.RowPlacer). A round
-that does not fit after all (a mask changed its relays) goes flat inside normal.dispatch, and a
-round that loses a relay is redone flat there: correct either way.
+that does not fit after all goes flat inside normal.dispatch, and a round that loses a relay is
+redone flat there: correct either way.
+
+Elastic groups: a rank dropped mid-operation costs the slabs it may still write until the
+Buffer is rebuilt (normal.cuh Group floors), and a round fills its data region, so an elastic
+call's rounds use at most half of what is left past the floors (:meth:`Planner.room`); after a
+round whose agreement dropped a rank, every survivor picks the chunk of the rounds left again,
+by relays among the survivors in the room left (:func:`_replan`; the same mask and floors on
+every survivor).
 
 The whole call's handle is the one-copy call's (count matrix, rank prefix matrix, layout: a
 DeepEP-style client sees the same thing) plus :class:`TokenRounds`; a combine or a cached
@@ -47,8 +54,9 @@ class Round:
 
 @dataclass(frozen=True)
 class TokenRounds:
-    """The rounds of one dispatch (on its handle: ``CudaDispatchHandle.rounds``), and the
-    output rows no round placed (sources masked before all their rows arrived: padded)."""
+    """The rounds of one dispatch (on its handle: ``CudaDispatchHandle.rounds``), the chunk
+    of the first, and the output rows no round placed (sources masked before all their rows
+    arrived: padded)."""
 
     chunk: int
     rounds: tuple
@@ -62,29 +70,60 @@ def combine_row_bytes(hidden: int, dtype: torch.dtype) -> int:
     return hidden * max(2, torch.empty(0, dtype=dtype).element_size())
 
 
-def _fits(topo, matrix, host_matrix, heap_bytes, row_bytes, scale_cols, topk, back_row_bytes,
+def _fits(topo, matrix, host_matrix, room, row_bytes, scale_cols, topk, back_row_bytes,
           chunk: int) -> bool:
     """Whether a relayed call whose counts are at most ``chunk`` tokens per rank (every
-    round's, token_rounds.capped) fits the data region in one copy, dispatch and combine."""
+    round's, token_rounds.capped) fits ``room`` (bytes per rank) in one copy, dispatch and
+    combine."""
     routes = relay.Routes(topo, token_rounds.capped(matrix, chunk),
                           token_rounds.capped(host_matrix, chunk), None, None)
-    return (relay.dispatch_fits(routes, heap_bytes, row_bytes, scale_cols, topk) and
-            relay.combine_fits(routes, heap_bytes, back_row_bytes, topk))
+    return (relay.dispatch_fits(routes, room, row_bytes, scale_cols, topk) and
+            relay.combine_fits(routes, room, back_row_bytes, topk))
 
 
-def chunk_for(topo, matrix: np.ndarray, host_matrix: np.ndarray, tokens: np.ndarray,
-              heap_bytes: int, row_bytes: int, scale_cols: int, topk: int,
-              back_row_bytes: int) -> int:
-    """Tokens per rank and round of a relayed call (the same on every rank: only what the
-    notify told everyone): 0 when the one-copy call fits (no rounds), or when not even one
-    token a round does (the call goes flat and streams, as before); else the largest chunk
-    that fits, which is below the most tokens of a rank, so there are at least two rounds."""
-    fits = partial(_fits, topo, matrix, host_matrix, heap_bytes, row_bytes, scale_cols, topk,
+def chunk_for(topo, matrix: np.ndarray, host_matrix: np.ndarray, tokens: np.ndarray, room,
+              row_bytes: int, scale_cols: int, topk: int, back_row_bytes: int) -> int:
+    """Tokens per rank and round of a relayed call whose ranks hold ``tokens`` (the same on
+    every rank: only what the notify told everyone): 0 when the one-copy call fits ``room``
+    (no rounds), or when not even one token a round does; else the largest chunk that fits,
+    which is below the most tokens of a rank, so there are at least two rounds."""
+    fits = partial(_fits, topo, matrix, host_matrix, room, row_bytes, scale_cols, topk,
                    back_row_bytes)
     most = int(np.max(tokens)) if len(tokens) else 0
     if fits(most):           # capped at the most tokens of a rank = the whole call's counts
         return 0
     return token_rounds.largest_chunk(fits, most - 1)
+
+
+class Planner:
+    """What the whole call's notify told every rank (count matrix, tokens per host, tokens
+    per rank) and the row sizes, to pick the chunk alike on every rank: at the start, and
+    again after a round in which an elastic group dropped a rank (other relays, and less
+    room: the dropped rank's slabs stay abandoned, normal.cuh Group floors)."""
+
+    def __init__(self, comm, matrix, host_matrix, tokens, row_bytes, scale_cols, topk,
+                 back_row_bytes):
+        self.comm, self.matrix, self.host_matrix = comm, matrix, host_matrix
+        self.tokens = np.asarray(tokens, np.int64)
+        self.sizes = (row_bytes, scale_cols, topk, back_row_bytes)
+
+    def room(self):
+        """Bytes per rank a round may use: its data region; in an elastic group half of what
+        is left past its floor, so that a rank dropped mid-round, which costs the slabs it may
+        still write (up to the round's whole use), leaves the other half to the rounds after
+        it and to later calls."""
+        room = relay.capacity(self.comm)
+        return room if self.comm.floors is None else room // 2
+
+    def most(self, start: int) -> int:
+        """The most tokens a rank has left from token ``start`` on."""
+        return int(np.clip(self.tokens - start, 0, None).max(initial=0))
+
+    def chunk(self, topo, start: int) -> int:
+        """The chunk of the rounds from token ``start`` on (0: the rest fits one relayed call,
+        or not even one token a round does)."""
+        return chunk_for(topo, self.matrix, self.host_matrix,
+                         np.clip(self.tokens - start, 0, None), self.room(), *self.sizes)
 
 
 def round_layout(in_rank: torch.Tensor, lo: int, hi: int) -> DispatchLayout:
@@ -134,19 +173,18 @@ def _pad(outs: list, rows: torch.Tensor) -> None:
             _bytes(out).index_fill_(0, rows, 0xFF if i == 2 else 0)
 
 
-def dispatch(run, comm, args: dict, in_rank: torch.Tensor, matrix: np.ndarray,
-             tokens: np.ndarray, chunk: int):
-    """The whole call in rounds of ``chunk`` tokens per rank: ``run`` is normal.dispatch,
-    ``args`` its keyword arguments for the whole call (without layout, handle,
-    num_worst_tokens), ``matrix`` the whole call's count matrix after its agreement,
-    ``tokens`` every rank's token count. Returns ``((recv_x, recv_scales, recv_idx, recv_w),
+def dispatch(run, comm, args: dict, in_rank: torch.Tensor, planner: Planner, chunk: int):
+    """The whole call in rounds, ``chunk`` tokens per rank at first: ``run`` is
+    normal.dispatch, ``args`` its keyword arguments for the whole call (without layout,
+    handle, num_worst_tokens). Returns ``((recv_x, recv_scales, recv_idx, recv_w),
     expert_counts, TokenRounds)``, outputs in the one-copy call's row order."""
     me, dev = comm.rank, comm.device
     num_tokens = args["x_bytes"].shape[0]
-    placer = token_rounds.RowPlacer(matrix[:, me])
-    outs, counts, rounds = None, None, []
-    for r in range(token_rounds.num_rounds(tokens, chunk)):
-        lo, hi = token_rounds.token_span(r, chunk, num_tokens)
+    placer = token_rounds.RowPlacer(planner.matrix[:, me])
+    outs, counts, rounds, start, first = None, None, [], 0, chunk
+    mask = relay.current_mask(comm) if comm.elastic else None
+    while start < planner.most(0):
+        lo, hi = min(start, num_tokens), min(start + chunk, num_tokens)
         *got, handle = run(comm, **_round_args(args, lo, hi),
                            layout=round_layout(in_rank, lo, hi), handle=None,
                            num_worst_tokens=0, one_round=True)
@@ -160,9 +198,23 @@ def dispatch(run, comm, args: dict, in_rank: torch.Tensor, matrix: np.ndarray,
                 counts + handle.recv_expert_counts
         rounds.append(Round(lo, hi, handle, rows))
         del got               # this round's received rows: only the whole call's copy stays
+        start += chunk
+        if comm.elastic and start < planner.most(0):
+            chunk, mask = _replan(comm, planner, start, chunk, mask)
     unplaced = placer.unplaced().to(dev)
     _pad(outs, unplaced)
-    return tuple(outs), counts, TokenRounds(chunk, tuple(rounds), unplaced)
+    return tuple(outs), counts, TokenRounds(first, tuple(rounds), unplaced)
+
+
+def _replan(comm, planner: Planner, start: int, chunk: int, mask):
+    """Elastic: after a round that dropped a rank (the agreed mask, the same on every
+    survivor), the chunk of the rounds left, by relays among the survivors in the room left.
+    Returns (chunk, mask)."""
+    now = relay.current_mask(comm)
+    if np.array_equal(now, mask):
+        return chunk, mask
+    # 0: the rest fits one round, or not even a token does (that round then goes flat)
+    return planner.chunk(relay.topology(comm, now), start) or planner.most(start), now
 
 
 def cached_dispatch(run, comm, plan: TokenRounds, args: dict, rows_out: int):
