@@ -14,7 +14,7 @@ redone flat there: correct either way.
 
 Elastic groups: a rank dropped mid-operation costs the slabs it may still write until the
 Buffer is rebuilt (normal.cuh Group floors), and a round fills its data region, so an elastic
-call's rounds use at most half of what is left past the floors (:meth:`Planner.room`); after a
+call's rounds use at most half of what is left past the floors (:meth:`Planner.rooms`); after a
 round whose agreement dropped a rank, every survivor picks the chunk of the rounds left again,
 by relays among the survivors in the room left (:func:`_replan`; the same mask and floors on
 every survivor).
@@ -82,16 +82,18 @@ def _fits(topo, matrix, host_matrix, room, row_bytes, scale_cols, topk, back_row
 
 
 def chunk_for(topo, matrix: np.ndarray, host_matrix: np.ndarray, tokens: np.ndarray, room,
-              row_bytes: int, scale_cols: int, topk: int, back_row_bytes: int) -> int:
+              round_room, row_bytes: int, scale_cols: int, topk: int,
+              back_row_bytes: int) -> int:
     """Tokens per rank and round of a relayed call whose ranks hold ``tokens`` (the same on
     every rank: only what the notify told everyone): 0 when the one-copy call fits ``room``
-    (no rounds), or when not even one token a round does; else the largest chunk that fits,
-    which is below the most tokens of a rank, so there are at least two rounds."""
-    fits = partial(_fits, topo, matrix, host_matrix, room, row_bytes, scale_cols, topk,
-                   back_row_bytes)
+    (no rounds), or when not even one token a round fits ``round_room``; else the largest
+    chunk that does, below the most tokens of a rank (so at least two rounds)."""
+    sizes = (row_bytes, scale_cols, topk, back_row_bytes)
     most = int(np.max(tokens)) if len(tokens) else 0
-    if fits(most):           # capped at the most tokens of a rank = the whole call's counts
+    # capped at the most tokens of a rank = the whole call's counts
+    if _fits(topo, matrix, host_matrix, room, *sizes, most):
         return 0
+    fits = partial(_fits, topo, matrix, host_matrix, round_room, *sizes)
     return token_rounds.largest_chunk(fits, most - 1)
 
 
@@ -107,13 +109,14 @@ class Planner:
         self.tokens = np.asarray(tokens, np.int64)
         self.sizes = (row_bytes, scale_cols, topk, back_row_bytes)
 
-    def room(self):
-        """Bytes per rank a round may use: its data region; in an elastic group half of what
-        is left past its floor, so that a rank dropped mid-round, which costs the slabs it may
-        still write (up to the round's whole use), leaves the other half to the rounds after
-        it and to later calls."""
+    def rooms(self):
+        """(bytes per rank a one-copy call may use, bytes per rank a round may use): the data
+        region (past the floors in an elastic group), and for a round, in an elastic group,
+        half of it, so that a rank dropped mid-round, which costs the slabs it may still
+        write (up to the round's whole use), leaves the other half to the rounds after it
+        and to later calls."""
         room = relay.capacity(self.comm)
-        return room if self.comm.floors is None else room // 2
+        return room, room if self.comm.floors is None else room // 2
 
     def most(self, start: int) -> int:
         """The most tokens a rank has left from token ``start`` on."""
@@ -123,7 +126,7 @@ class Planner:
         """The chunk of the rounds from token ``start`` on (0: the rest fits one relayed call,
         or not even one token a round does)."""
         return chunk_for(topo, self.matrix, self.host_matrix,
-                         np.clip(self.tokens - start, 0, None), self.room(), *self.sizes)
+                         np.clip(self.tokens - start, 0, None), *self.rooms(), *self.sizes)
 
 
 def round_layout(in_rank: torch.Tensor, lo: int, hi: int) -> DispatchLayout:
