@@ -4,11 +4,13 @@ A relayed normal call whose regions do not fit the buffer runs as rounds of rela
 token chunks, so a large batch still crosses to each other host once per token. Emulated CUDA
 ranks (kernels on the CPU emulator) on network-namespace hosts, a buffer several times smaller
 than the call's largest region: dispatch, combine and a cached dispatch exact against the
-reference (receive regions poisoned before each call), the call went through several relayed
-rounds, and the bytes on the host links within WIRE_RATIO_MAX of the ideal. A controller's mask
-between a dispatch in rounds and its combine: each round's combine goes flat, the survivors'
-results are exact, and the next step goes by rounds of relays among them. And the pure
-arithmetic the rounds add to moe_comm/token_rounds.py.
+reference (receive regions poisoned before each call; bf16, and fp8 with scales), the call went
+through several relayed rounds, and the bytes on the host links within WIRE_RATIO_MAX of the
+ideal. A controller's mask between a dispatch in rounds and its combine: each round's combine
+goes flat, the survivors' results are exact, and the next step goes by rounds of relays among
+them. An elastic group whose relay is killed mid-round: that round is redone flat, the rest
+re-planned by relays among the survivors, exact. And the pure arithmetic: the chunk, and the
+rows no round placed.
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ import torch.distributed as dist
 import cuda_cases
 import moe_comm
 from moe_comm import token_rounds
+from moe_comm.cuda import relay, rounds
+from moe_comm.cuda.comm import CudaComm
 from moe_comm.jit import emulator
 from moe_comm.testing import netns
 from moe_comm.wire import SlabLayout
@@ -34,7 +38,7 @@ CUDA_ENV = {"MOE_COMM_TRANSPORT": "tcp", "MOE_COMM_CPU_BACKEND": "emulator"}
 WIRE_RATIO_MAX = 1.10          # issue #16: bytes on the links over the ideal, normal mode
 HOSTS, PER_HOST = 3, 2
 N = HOSTS * PER_HOST
-# rows of 14 KiB (bf16, H = 7168, DeepSeek-V3's) and rounds of about 100 KiB a rank keep the
+# rows of 14 KiB (bf16, H = 7168, DeepSeek-V3's) and rounds that fill a 1 MiB buffer keep the
 # fixed cost of a round (its notifies and DONE signals: about 37 KiB per host over TCP) small
 # beside the payload; the buffer is sized so the largest receive region is over 4x its data
 # region (about 11 rounds)
@@ -252,6 +256,40 @@ def test_emulated_cuda_elastic_relay_lost_in_a_round():
             first, second = results[r]["relayed"]
             assert len(first) >= 3 and not first[1] and all(first[2:]), (r, first)
             assert len(second) >= 2 and all(second), (r, second)
+
+
+def _topology(num_ranks: int, num_hosts: int):
+    """The relay Topology of rank 0 of a group of ``num_ranks`` on ``num_hosts`` hosts (a
+    CudaComm on the CPU with no memory behind it: only the host tables are read)."""
+    comm = CudaComm(rank=0, num_ranks=num_ranks, device="cpu", pointers=[0] * num_ranks,
+                    heap_bytes=1 << 20, ll_bytes=0, timeout_s=1.0, own_allocation=False,
+                    opened=[], host_of=[r * num_hosts // num_ranks for r in range(num_ranks)])
+    return relay.Topology(comm)
+
+
+def test_chunk_is_the_largest_whose_capped_relayed_call_fits():
+    """rounds.chunk_for: 0 when the whole call fits in one copy; else the largest chunk whose
+    capped counts fit (dispatch and combine) the room of a round, below the most tokens."""
+    R, H, row, topk = 6, 3, 4096, 8
+    topo = _topology(R, H)
+    gen = np.random.default_rng(0)
+    tokens = np.array([72 - 4 * r for r in range(R)])
+    matrix = (tokens[:, None] * gen.uniform(0.6, 0.9, (R, R))).astype(np.int64)
+    host_matrix = (tokens[:, None] * gen.uniform(0.8, 1.0, (R, H))).astype(np.int64)
+    sizes = (row, 0, topk, row)
+
+    def fits(c, room):
+        return rounds._fits(topo, matrix, host_matrix, room, *sizes, c)
+
+    assert rounds.chunk_for(topo, matrix, host_matrix, tokens, 8 << 20, 8 << 20, *sizes) == 0
+    for room in (1 << 20, 512 << 10):
+        c = rounds.chunk_for(topo, matrix, host_matrix, tokens, room, room, *sizes)
+        assert 0 < c < tokens.max() and fits(c, room) and not fits(c + 1, room), (room, c)
+    # a round's room smaller than the whole call's (elastic: half of it), a smaller chunk
+    half = rounds.chunk_for(topo, matrix, host_matrix, tokens, 1 << 20, 512 << 10, *sizes)
+    assert half == rounds.chunk_for(topo, matrix, host_matrix, tokens, 512 << 10, 512 << 10,
+                                    *sizes)
+    assert rounds.chunk_for(topo, matrix, host_matrix, tokens, 1 << 20, 4096, *sizes) == 0
 
 
 def test_unplaced_rows_are_those_of_sources_cut_short():
