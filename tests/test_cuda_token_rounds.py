@@ -15,6 +15,7 @@ rows no round placed.
 from __future__ import annotations
 
 import io
+
 import numpy as np
 import pytest
 import torch
