@@ -15,6 +15,7 @@ rows no round placed.
 from __future__ import annotations
 
 import io
+import os
 
 import numpy as np
 import pytest
@@ -82,19 +83,25 @@ def _warm_up(buf, hidden, topk, experts):
 def _rounds_rank(rank, n, per_host, cases):
     """Each (case, heap) on a Buffer of its own: one dispatch + combine between two barriers
     (local rank 0 of each host reads its link's counter around them), then a cached dispatch;
-    every call on a poisoned buffer. Returns (results by case, facts by case), saved by
-    torch.save (fp8 tensors do not pickle)."""
+    every call on a poisoned buffer. Then the first case again without relays
+    (MOE_COMM_RELAY=0, read per Buffer: flat, streamed). Returns (results by case, facts by
+    case, the flat call's facts), saved by torch.save (fp8 tensors do not pickle)."""
     outs, infos = [], []
     for case, heap in cases:
         out, info = _rounds_case(rank, per_host, case, heap)
         outs.append(out)
         infos.append(info)
+    os.environ["MOE_COMM_RELAY"] = "0"
+    try:
+        flat = _rounds_case(rank, per_host, *cases[0], cached=False)[1]
+    finally:
+        del os.environ["MOE_COMM_RELAY"]
     blob = io.BytesIO()
-    torch.save((outs, infos), blob)
+    torch.save((outs, infos, flat), blob)
     return blob.getvalue()
 
 
-def _rounds_case(rank, per_host, case, heap):
+def _rounds_case(rank, per_host, case, heap, cached=True):
     buf = moe_comm.Buffer(None, heap, timeout_s=30)
     comm = buf._comm
     x, idx, w, bias = make_inputs(case, rank)
@@ -113,7 +120,8 @@ def _rounds_case(rank, per_host, case, heap):
     dist.barrier()
     sent = netns.link_tx_bytes() - before if first else None
     comm.poison_free_heap()
-    rx2, ri2, _, counts2, handle2, _ = buf.dispatch(x, handle=handle)
+    rx2, ri2, _, counts2, handle2, _ = buf.dispatch(x, handle=handle) if cached else \
+        (None,) * 6
     my_host = rank // per_host
     row = case["hidden"] * (1 if case["dtype"] == "fp8" else 2)
     ideal = row * 2 * sum(int(c) for h, c in enumerate(tokens_per_host) if h != my_host)
@@ -135,23 +143,32 @@ def test_emulated_cuda_call_larger_than_the_buffer_goes_in_relayed_rounds():
     rows, and fp8 rows with scales and -1 routing slots): each call runs as several rounds,
     each by relays; dispatch, combine and a cached dispatch match the reference; the handle
     reads as the one-copy call's (rank prefix matrix); and for the bf16 call the links carry
-    within WIRE_RATIO_MAX of the ideal bytes (each token once per other host, out and back)."""
+    within WIRE_RATIO_MAX of the ideal bytes (each token once per other host, out and back),
+    far above it flat (MOE_COMM_RELAY=0: streamed, a token crosses once per rank)."""
     _emulated(N)
     cases = [(CASE, HEAP), (FP8_CASE, FP8_HEAP)]
     blobs = netns.run_on_hosts(_rounds_rank, HOSTS, PER_HOST, PER_HOST, cases,
                                timeout=300, env=CUDA_ENV)
     results = [torch.load(io.BytesIO(b), weights_only=False) for b in blobs]
-    infos = [info[0] for _, info in results]
+    infos = [info[0] for _, info, _ in results]
     assert all(i["oversize"] >= MIN_OVERSIZE for i in infos), [i["oversize"] for i in infos]
     for c, (case, _) in enumerate(cases):
         assert all(info[c]["rounds"] >= 2 and info[c]["relayed"] and info[c]["prefix"]
-                   for _, info in results), [info[c] for _, info in results]
-        check_normal(N, [case], [[out[c]] for out, _ in results])
-    sent = sum(s for s, _ in (i["wire"] for i in infos) if s is not None)
-    ratio = sent / sum(ideal for _, ideal in (i["wire"] for i in infos))
-    print(f"CUDA wire ratio in {infos[0]['rounds']} token rounds: {ratio:.3f} "
-          f"(fp8: {results[0][1][1]['rounds']} rounds)")
+                   for _, info, _ in results), [info[c] for _, info, _ in results]
+        check_normal(N, [case], [[out[c]] for out, _, _ in results])
+    flats = [flat for _, _, flat in results]
+    assert not any(f["rounds"] for f in flats)
+    ratio, flat_ratio = _ratio(infos), _ratio(flats)
+    print(f"CUDA wire ratio in {infos[0]['rounds']} token rounds: {ratio:.3f}, flat "
+          f"(streamed): {flat_ratio:.3f} (fp8: {results[0][1][1]['rounds']} rounds)")
     assert ratio <= WIRE_RATIO_MAX, ratio
+    assert flat_ratio > 1.5 * WIRE_RATIO_MAX, flat_ratio
+
+
+def _ratio(infos) -> float:
+    """Bytes the host links carried over the ideal bytes, every host's."""
+    sent = sum(s for s, _ in (i["wire"] for i in infos) if s is not None)
+    return sent / sum(ideal for _, ideal in (i["wire"] for i in infos))
 
 
 MASK_HEAP = 20 << 10
