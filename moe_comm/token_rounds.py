@@ -77,6 +77,14 @@ class RowPlacer:
         self.done += round_counts_in
         return torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64))
 
+    def unplaced(self) -> torch.Tensor:
+        """The output rows no round placed (int64, ascending): the rows of sources that were
+        masked before all their rows arrived, which a backend pads or drops as its one-copy
+        call does."""
+        parts = [np.arange(a + d, a + t) for a, d, t in zip(self.row0, self.done, self.total)
+                 if t > d]
+        return torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64))
+
     def complete(self, active=None) -> bool:
         """Whether every (active) source's rows were all placed."""
         keep = slice(None) if active is None else np.asarray(active, bool)

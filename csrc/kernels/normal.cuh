@@ -106,7 +106,9 @@ struct Group {
 // payload moves) and reads rank p's row of counts.
 // counts: int32 [R] or null (zeros: a pure barrier). matrix: int32 [R, R] out, or null.
 // host_counts: int32 [num_hosts] (a hierarchical dispatch, relay.cuh; num_hosts 0 otherwise):
-// the row carries them after the R counts, read into host_matrix int32 [R, num_hosts].
+// the row carries them after the R counts, read into host_matrix int32 [R, num_hosts]. The
+// CUDA backend's relayed dispatch sends its token count per host, then its token count (the
+// rounds of a call in token rounds, moe_comm/cuda/rounds.py): num_hosts = H + 1 <= R + 1.
 // A rank that has failed still writes its row, of kFailedValue words, and waits for nothing:
 // its peers fail at once instead of waiting for it until their deadline. A fresh dispatch's
 // matrix is zeros then, so its copy-out moves nothing; calls with a handle keep the handle's
@@ -136,7 +138,7 @@ __device__ void notify_body(const Group g, const ErrorSink err, u64 notify_off, 
             t.signal(p, notify_off + (u64)(g.rank * row_words + d) * 8, tag(epoch, c));
         }
         // a hierarchical dispatch (relay.cuh): the row goes on with this rank's token count
-        // per host (row_words >= 2R + 1 leaves room for up to R of them)
+        // per host and its token count (row_words >= 2R + 1 leaves room for up to R + 1)
         for (int h = 0; h < num_hosts; ++h) {
             const u32 c = failed ? kFailedValue : (u32)host_counts[h];
             t.signal(p, notify_off + (u64)(g.rank * row_words + R + h) * 8, tag(epoch, c));

@@ -28,7 +28,13 @@ crosses to each other host once, and its combine (when it fits too) has each hos
 token summed by the owner's relay there; copy-out and the reduce are the ones below. The same
 outputs and handles. Relays are picked among the active ranks; an elastic call that loses a
 rank the relays were picked among is redone flat over the survivors (relay.py).
-MOE_COMM_RELAY=0 and streamed calls go flat.
+A relayed call whose one copy does not fit (dispatch, or its combine at the dispatch's row
+size, at least bf16) goes in token rounds (moe_comm/cuda/rounds.py): after the whole call's
+notify, which then also carries each rank's token count, rounds of relayed calls over token
+chunks, each with its own notify, their rows placed at the one-copy call's rows; the handle
+is the whole call's and keeps the rounds for its combine and cached dispatches.
+MOE_COMM_RELAY=0 goes flat, and so does every num_worst_tokens call (the host never reads
+its counts, and DeepEP refuses num_worst_tokens across hosts): it streams when it must.
 
 With ``num_worst_tokens`` the host never synchronises: every slab has exactly that many rows;
 a receiver that would get more reports an overflow (raised as CudaCommError at the next call).
@@ -61,7 +67,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import relay
+from . import relay, rounds
 from .. import signature
 from ..errors import BufferTooSmallError
 from ..handle import DispatchHandle
@@ -102,6 +108,9 @@ class CudaDispatchHandle(DispatchHandle):
     # dispatches and the combine; ``relay`` (DispatchHandle's field) is the same object when
     # this dispatch went by relays (then the combine may too), else None
     routes: object = None
+    # a dispatch in token rounds (rounds.py): its rounds, each with its own handle; the
+    # fields above are the whole call's (as the one-copy call's), for DeepEP-style clients
+    rounds: object = None
 
     def rank_prefix_matrix(self) -> torch.Tensor:
         """DeepEP's ``handle[0]`` from the device matrix (no host synchronisation; also with
@@ -206,7 +215,7 @@ def _grid_for_rows(rows: int, num_sms: int) -> int:
 
 def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights,
              layout, handle, num_experts, num_worst_tokens, buffer_key,
-             num_sms: int = DEFAULT_NUM_SMS, flat: bool = False):
+             num_sms: int = DEFAULT_NUM_SMS, flat: bool = False, one_round: bool = False):
     """Run one normal dispatch. ``x_bytes`` is x as uint8 ``[T, row_bytes]`` (CUDA).
 
     ``layout``: the DispatchLayout of ``topk_idx`` with its send positions (the Buffer's, from
@@ -216,12 +225,21 @@ def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_w
     [N, K] or None, recv_topk_weights f32 [N, K] or None, handle)``.
     One copy when every receiver's SlabLayout fits the data region, else streamed in rounds
     (module doc); raises BufferTooSmallError on every rank when one row exceeds half of it.
-    ``flat``: no relays (the redo of a relayed call that lost a relay)."""
+    ``flat``: no relays (the redo of a relayed call that lost a relay). A relayed call whose
+    one copy does not fit goes in token rounds of relayed calls (rounds.py), unless it is
+    itself one such round (``one_round``); num_worst_tokens calls stay flat (never rounds)."""
     comm.begin_call()
+    if handle is not None and handle.rounds is not None:
+        recv_x, recv_scales = rounds.cached_dispatch(
+            dispatch, comm, handle.rounds,
+            dict(x_bytes=x_bytes, dtype=dtype, hidden=hidden, scales=scales, topk_idx=None,
+                 topk_weights=None, num_experts=num_experts, buffer_key=buffer_key,
+                 num_sms=num_sms), handle.num_recv_tokens)
+        return recv_x, recv_scales, None, None, handle
     args = dict(x_bytes=x_bytes, dtype=dtype, hidden=hidden, scales=scales, topk_idx=topk_idx,
                 topk_weights=topk_weights, layout=layout, handle=handle,
                 num_experts=num_experts, num_worst_tokens=num_worst_tokens,
-                buffer_key=buffer_key, num_sms=num_sms)
+                buffer_key=buffer_key, num_sms=num_sms, one_round=one_round)
     me, R, dev = comm.rank, comm.num_ranks, comm.device
     k = comm.kernels(variants.intranode())
     num_tokens, row_bytes = x_bytes.shape
@@ -251,10 +269,15 @@ def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_w
         per_rank, in_rank, send_pos = layout.per_rank, layout.in_rank, layout.send_pos
         matrix = torch.empty(R, R, dtype=torch.int32, device=dev)
         matrix_host = None
-        if relaying:          # the notify also carries this rank's token count per host
-            host_counts, host_pos = relay.host_positions(relay.topology(comm), in_rank)
+        if relaying:
+            # the notify also carries this rank's token count per host, then its token count
+            # (the number of token rounds, if the call needs them: rounds.py); R + H + 1
+            # words fit a NOTIFY row (row_words >= 2R + 1)
             topo = relay.topology(comm)
-            host_matrix = torch.empty(R, topo.num_hosts, dtype=torch.int32, device=dev)
+            host_counts, host_pos = relay.host_positions(topo, in_rank)
+            host_counts = torch.cat([host_counts, torch.tensor(
+                [num_tokens], dtype=torch.int32, device=dev)])
+            host_matrix = torch.empty(R, topo.num_hosts + 1, dtype=torch.int32, device=dev)
     epoch = comm.next_epoch()
     call_row = signature.of_dispatch(hidden=hidden, dtype=dtype, scales=scales,
                                      topk_idx=topk_idx, num_experts=num_experts or 0,
@@ -281,12 +304,21 @@ def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_w
                 topo = relay.topology(comm, relay.current_mask(comm))
         region_rows = matrix_host.sum(0)
         rows_out = int(region_rows[me])
+    if relaying and not cached:
+        host_tokens = host_matrix.cpu().numpy().astype(np.int64)  # [R, H] tokens, [R] tokens
+        planner = rounds.Planner(comm, matrix_host, host_tokens[:, :-1], host_tokens[:, -1],
+                                 row_bytes, scale_cols, topk,
+                                 rounds.combine_row_bytes(hidden, dtype))
+        chunk = 0 if one_round else planner.chunk(topo, 0)
+        if chunk:
+            return _dispatch_in_rounds(comm, args, epoch, planner, chunk, per_rank, in_rank,
+                                       send_pos, matrix, rows_out)
     plan = _plan(comm, "dispatch", epoch, region_rows, row_bytes, scale_cols, topk)
     if relaying and not cached:
-        routes = relay.Routes(topo, matrix_host, host_matrix.cpu().numpy().astype(np.int64),
-                              host_pos, relay.first_per_host(topo, send_pos))
+        routes = relay.Routes(topo, matrix_host, host_tokens[:, :-1], host_pos,
+                              relay.first_per_host(topo, send_pos))
     by_relay = routes is not None and not plan.chunk and relay.dispatch_fits(
-        routes, comm.heap_bytes, row_bytes, scale_cols, topk)
+        routes, relay.capacity(comm), row_bytes, scale_cols, topk)
 
     recv_x = torch.empty(rows_out, row_bytes, dtype=torch.uint8, device=dev)
     # the kernels copy scale_cols 4-byte words per row (declared float*): int32 scales
@@ -332,6 +364,22 @@ def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_w
             matrix=matrix, recv_expert_counts=expert_counts, streamed=bool(plan.chunk),
             routes=routes, relay=routes if by_relay else None)
     return recv_x.view(dtype), recv_scales, recv_idx, recv_w, handle
+
+
+def _dispatch_in_rounds(comm: CudaComm, args: dict, epoch: int, planner, chunk: int,
+                        per_rank, in_rank, send_pos, matrix, rows_out: int):
+    """A relayed dispatch whose one copy does not fit, after its notify: token rounds of
+    relayed calls (rounds.py). The handle is the whole call's, with the rounds on it."""
+    whole = {name: args[name] for name in ("x_bytes", "dtype", "hidden", "scales", "topk_idx",
+                                           "topk_weights", "num_experts", "buffer_key",
+                                           "num_sms")}
+    (recv_x, recv_scales, recv_idx, recv_w), expert_counts, plan = rounds.dispatch(
+        dispatch, comm, whole, in_rank, planner, chunk)
+    handle = CudaDispatchHandle(
+        args["buffer_key"], args["x_bytes"].shape[0], args["hidden"], planner.matrix, in_rank,
+        None, rows_out, 0, call_id=epoch, per_rank=per_rank, send_pos=send_pos, matrix=matrix,
+        recv_expert_counts=expert_counts, rounds=plan)
+    return recv_x, recv_scales, recv_idx, recv_w, handle
 
 
 def _send_window(comm: CudaComm, k, kind: str, plan: Rounds, epoch: int, first: int,
@@ -396,6 +444,9 @@ def combine(comm: CudaComm, *, x, handle: CudaDispatchHandle, topk_weights, bias
     if x.dtype not in REDUCE_KERNEL:
         raise TypeError(f"combine x must be bf16, fp16 or fp32, got {x.dtype}")
     x = x.contiguous()
+    if handle.rounds is not None:       # one combine per round, with the round's handle
+        return rounds.combine(combine, comm, handle.rounds, x=x, topk_weights=topk_weights,
+                              bias=bias, num_tokens=handle.num_tokens, num_sms=num_sms)
     hidden, num_tokens = x.shape[1], handle.num_tokens
     row_bytes = hidden * x.element_size()
     topk = 0 if topk_weights is None else topk_weights.shape[1]
@@ -412,7 +463,7 @@ def combine(comm: CudaComm, *, x, handle: CudaDispatchHandle, topk_weights, bias
     _notify(comm, k, epoch, None, None, "combine/notify", call_row)
     plan, rows_back = _combine_plan(comm, handle, epoch, row_bytes, topk)
     by_relay = (routes is not None and relay.wanted(comm, 0) and not plan.chunk
-                and relay.combine_fits(routes, comm.heap_bytes, row_bytes, topk))
+                and relay.combine_fits(routes, relay.capacity(comm), row_bytes, topk))
     # a streamed combine gathers its rows here, off the communication buffer, and reduces
     # them once at the end: the single copy's reduction over the same rows, in the same order
     staged = torch.empty(SlabLayout(rows_back, row_bytes, 0, topk).nbytes, dtype=torch.uint8,

@@ -16,7 +16,9 @@ When a call goes by relays (:func:`wanted`, then :func:`dispatch_fits` /
 (``comm.host_of``), ``MOE_COMM_RELAY`` is not ``0``, the dispatch has no num_worst_tokens
 (its geometry must be known on the host), and every rank's output slab plus its staging slab
 (dispatch), or its flat combine slab plus its gather slab (combine), fit its data region in
-one copy. Anything else goes flat, as before (a streamed call included).
+one copy. A dispatch that does not fit goes in token rounds of relayed calls that do
+(rounds.py); one that does not fit even one token a round, MOE_COMM_RELAY=0 and
+num_worst_tokens calls go flat (streamed where they must).
 
 Masked ranks and elastic groups (the host backend's design, moe_comm/host/relay.py): a call's
 relays are picked among the active ranks (``Relays.among``), from the mask the host reads
@@ -264,21 +266,44 @@ def stage_nbytes(rows: int, row_bytes: int, scale_cols: int, topk: int, mask_col
     return round_up(round_up(rows * row_bytes, SLAB_ALIGN) + rows * meta, PAGE)
 
 
-def dispatch_fits(routes: Routes, heap_bytes: int, row_bytes: int, scale_cols: int,
+def capacity(comm: CudaComm):
+    """Bytes of each rank's data region a call may use: the whole region (an int), or, in an
+    elastic group, numpy int64 [R] of what lies past each rank's floor once the next notify
+    has settled it (normal.cuh Group: a rank dropped mid-call costs the slabs it may still
+    write, until the Buffer is rebuilt). The same on every survivor; a synchronisation
+    (elastic groups only, where the calls that ask have one anyway)."""
+    if comm.floors is None:
+        return comm.heap_bytes
+    R = comm.num_ranks
+    f = comm.floors.cpu().numpy()
+    floors = f[:R]
+    if f[2 * R]:         # the last agreement dropped a rank: the next notify moves the floors
+        floors = (f[R:2 * R] + PAGE - 1) // PAGE * PAGE
+    return comm.heap_bytes - floors
+
+
+def _per_rank(heap_bytes, num_ranks: int) -> np.ndarray:
+    return np.broadcast_to(np.asarray(heap_bytes, np.int64), (num_ranks,))
+
+
+def dispatch_fits(routes: Routes, heap_bytes, row_bytes: int, scale_cols: int,
                   topk: int) -> bool:
-    """Every rank's output slab and staging slab fit its data region (one copy)."""
+    """Every rank's output slab and staging slab fit its data region (one copy; ``heap_bytes``
+    the same for every rank, or per rank: :func:`capacity`)."""
     m, mc = routes.matrix, routes.topo.mask_cols
-    cols = m.sum(0)
+    cols, room = m.sum(0), _per_rank(heap_bytes, m.shape[0])
     return all(SlabLayout(int(cols[f]), row_bytes, scale_cols, topk).nbytes +
                stage_nbytes(routes.stage_rows(f), row_bytes, scale_cols, topk, mc)
-               <= heap_bytes for f in range(m.shape[0]))
+               <= room[f] for f in range(m.shape[0]))
 
 
-def combine_fits(routes: Routes, heap_bytes: int, row_bytes: int, topk: int) -> bool:
-    """Every rank's flat combine slab and gather slab fit its data region (one copy)."""
+def combine_fits(routes: Routes, heap_bytes, row_bytes: int, topk: int) -> bool:
+    """Every rank's flat combine slab and gather slab fit its data region (one copy;
+    ``heap_bytes`` as for :func:`dispatch_fits`)."""
     back = routes.matrix.sum(1)
+    room = _per_rank(heap_bytes, back.shape[0])
     return all(SlabLayout(int(back[f]), row_bytes, 0, topk).nbytes +
-               SlabLayout(routes.gather_rows(f), row_bytes, 0, topk).nbytes <= heap_bytes
+               SlabLayout(routes.gather_rows(f), row_bytes, 0, topk).nbytes <= room[f]
                for f in range(back.shape[0]))
 
 
