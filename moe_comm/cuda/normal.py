@@ -215,7 +215,7 @@ def _grid_for_rows(rows: int, num_sms: int) -> int:
 
 def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights,
              layout, handle, num_experts, num_worst_tokens, buffer_key,
-             num_sms: int = DEFAULT_NUM_SMS, flat: bool = False, one_round: bool = False):
+             num_sms: int = DEFAULT_NUM_SMS, flat: bool = False, round_index=None):
     """Run one normal dispatch. ``x_bytes`` is x as uint8 ``[T, row_bytes]`` (CUDA).
 
     ``layout``: the DispatchLayout of ``topk_idx`` with its send positions (the Buffer's, from
@@ -227,7 +227,8 @@ def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_w
     (module doc); raises BufferTooSmallError on every rank when one row exceeds half of it.
     ``flat``: no relays (the redo of a relayed call that lost a relay). A relayed call whose
     one copy does not fit goes in token rounds of relayed calls (rounds.py), unless it is
-    itself one such round (``one_round``); num_worst_tokens calls stay flat (never rounds)."""
+    itself round ``round_index`` of one (signed so: a rank left behind in a round never
+    pairs with its peers' next call); num_worst_tokens calls stay flat (never rounds)."""
     comm.begin_call()
     if handle is not None and handle.rounds is not None:
         recv_x, recv_scales = rounds.cached_dispatch(
@@ -239,7 +240,7 @@ def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_w
     args = dict(x_bytes=x_bytes, dtype=dtype, hidden=hidden, scales=scales, topk_idx=topk_idx,
                 topk_weights=topk_weights, layout=layout, handle=handle,
                 num_experts=num_experts, num_worst_tokens=num_worst_tokens,
-                buffer_key=buffer_key, num_sms=num_sms, one_round=one_round)
+                buffer_key=buffer_key, num_sms=num_sms, round_index=round_index)
     me, R, dev = comm.rank, comm.num_ranks, comm.device
     k = comm.kernels(variants.intranode())
     num_tokens, row_bytes = x_bytes.shape
@@ -281,7 +282,8 @@ def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_w
     epoch = comm.next_epoch()
     call_row = signature.of_dispatch(hidden=hidden, dtype=dtype, scales=scales,
                                      topk_idx=topk_idx, num_experts=num_experts or 0,
-                                     num_worst_tokens=num_worst_tokens, handle=handle)
+                                     num_worst_tokens=num_worst_tokens, handle=handle,
+                                     round_index=round_index)
     _notify(comm, k, epoch, per_rank, None if cached else matrix, "dispatch/notify", call_row,
             host_counts, host_matrix)
     if not cached:        # elastic: one mask, and one count matrix, on every survivor
@@ -309,7 +311,7 @@ def dispatch(comm: CudaComm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_w
         planner = rounds.Planner(comm, matrix_host, host_tokens[:, :-1], host_tokens[:, -1],
                                  row_bytes, scale_cols, topk,
                                  rounds.combine_row_bytes(hidden, dtype))
-        chunk = 0 if one_round else planner.chunk(topo, 0)
+        chunk = 0 if round_index is not None else planner.chunk(topo, 0)
         if chunk:
             return _dispatch_in_rounds(comm, args, epoch, planner, chunk, per_rank, in_rank,
                                        send_pos, matrix, rows_out)

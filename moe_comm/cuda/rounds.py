@@ -6,7 +6,7 @@ rank's token count per host and its token count (the relayed notify's last word,
 normal.py), so every rank picks the same ``chunk``: the most tokens per rank whose relayed call
 (counts capped at ``chunk``: token_rounds.capped) fits the data region in one copy, dispatch
 and its combine (:func:`chunk_for`). Round r is then a complete relayed dispatch of its own
-(notify included; normal.dispatch with ``one_round``, so it cannot go into rounds itself) over
+(notify included; normal.dispatch with ``round_index``: it cannot go into rounds itself) over
 tokens [r * chunk, (r + 1) * chunk) of every rank, and its output rows are copied into the whole
 call's outputs at the rows the one-copy call would have used (token_rounds.RowPlacer). A round
 that does not fit after all goes flat inside normal.dispatch, and a round that loses a relay is
@@ -190,7 +190,7 @@ def dispatch(run, comm, args: dict, in_rank: torch.Tensor, planner: Planner, chu
         lo, hi = min(start, num_tokens), min(start + chunk, num_tokens)
         *got, handle = run(comm, **_round_args(args, lo, hi),
                            layout=round_layout(in_rank, lo, hi), handle=None,
-                           num_worst_tokens=0, one_round=True)
+                           num_worst_tokens=0, round_index=len(rounds))
         # raises, rather than place rows wrong, if a round got more than the notify counted
         rows = placer.next_round(handle.count_matrix[:, me]).to(dev)
         if outs is None:
