@@ -187,17 +187,19 @@ def _buffer_inputs(rank):
     return x, idx, w
 
 
-def _buffer_round(rank, n, device=None, want="cuda"):
+def _buffer_round(rank, n, device=None, want="cuda", heap=C.HEAP):
     """Rank body: a Buffer (``device=None``: its own choice, which must be ``want``), one
     normal dispatch/combine and one LL dispatch/combine; CPU copies of what came back.
-    (tests/test_buffer_emulated.py runs it on the CPU kernel emulator, ``want="cpu"``.)"""
+    (tests/test_buffer_emulated.py runs it on the CPU kernel emulator, ``want="cpu"``.)
+    ``heap``: the normal-mode buffer (a small one sends a call across hosts in token
+    rounds)."""
     import moe_comm
     if want == "cuda":
         torch.cuda.set_device(0)
     c = BUF_CASE
     rdma = moe_comm.Buffer.get_low_latency_rdma_size_hint(c["max_tokens"], c["hidden"], n,
                                                           c["experts"])
-    buf = moe_comm.Buffer(None, C.HEAP, rdma, low_latency_mode=True,
+    buf = moe_comm.Buffer(None, heap, rdma, low_latency_mode=True,
                           timeout_s=C.deadline(60.0), device=device)
     assert buf.device.type == want, buf.device
     x, idx, w = (t.to(buf.device) for t in _buffer_inputs(rank))
@@ -209,7 +211,8 @@ def _buffer_round(rank, n, device=None, want="cuda"):
                                                             c["experts"], use_fp8=False)
     ll_out, _, _ = buf.low_latency_combine(recv * (rank + 1), idx, w, ll_handle)
     res = dict(rx=rx.cpu(), ri=ri.cpu(), out=out.cpu(), recv=recv.cpu(), count=count.cpu(),
-               ll_out=ll_out.cpu(), relayed=handle.relay is not None)
+               ll_out=ll_out.cpu(), relayed=handle.relay is not None,
+               rounds=len(getattr(handle.rounds, "rounds", handle.rounds) or ()))
     buf.destroy()
     return res
 
@@ -259,6 +262,22 @@ def test_two_hosts_through_the_kernel_proxy():
     results = netns.run_on_hosts(_buffer_round, 2, 2, "cuda", mode="exec",
                                  timeout=C.outer_timeout(300), env={"MOE_COMM_TRANSPORT": "tcp"})
     assert all(r["relayed"] for r in results)
+    _check_buffer_rounds(results)
+
+
+ROUNDS_HEAP = 16 << 10       # BUF_CASE's largest receive region is several times this
+
+
+def test_two_hosts_in_token_rounds_through_the_kernel_proxy():
+    """The same with a buffer too small for one copy: normal mode goes across the hosts in
+    token rounds of relayed calls (moe_comm/cuda/rounds.py), exact all the same."""
+    why = netns.available()
+    if why:
+        pytest.skip(f"no network namespaces: {why}")
+    results = netns.run_on_hosts(_buffer_round, 2, 2, "cuda", "cuda", ROUNDS_HEAP,
+                                 mode="exec", timeout=C.outer_timeout(300),
+                                 env={"MOE_COMM_TRANSPORT": "tcp"})
+    assert all(r["rounds"] >= 2 for r in results), [r["rounds"] for r in results]
     _check_buffer_rounds(results)
 
 
