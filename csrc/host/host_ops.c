@@ -192,3 +192,146 @@ int moe_copy_rows(const uint8_t *src, int64_t src_stride, const int64_t *src_row
     }
     return 0;
 }
+
+/* ---- Low-latency mode: each phase of a call in one C call (moe_comm/host/ll.py) ----------
+ * A low-latency call moves few bytes; as torch operations its bookkeeping (sorts, index
+ * tensors, one small copy per expert) cost ~1 ms of Python per call, several times the copies
+ * themselves. These functions do a phase's index arithmetic and its copies in one pass. */
+
+/* The sender's sort: its (token, slot) messages ordered by expert, then token, then slot (a
+ * counting sort of topk [T, K]; -1 slots send nothing), what torch's stable sort by expert of
+ * the (token, slot) pairs in row order gives. counts [E]: messages per expert; first [E + 1]:
+ * where each expert's messages start (first[E] = all); tok, slot [T * K]: the messages.
+ * Returns the number of messages, or -1 (tok/slot untouched) for an id outside [-1, E). */
+int64_t moe_ll_route(const int64_t *topk, int64_t T, int64_t K, int64_t E, int64_t *counts,
+                     int64_t *first, int64_t *tok, int64_t *slot) {
+    for (int64_t e = 0; e < E; e++) counts[e] = 0;
+    for (int64_t i = 0; i < T * K; i++) {
+        const int64_t e = topk[i];
+        if (e < -1 || e >= E) return -1;
+        if (e >= 0) counts[e]++;
+    }
+    first[0] = 0;                      /* first[e + 1]: expert e's cursor, then its end */
+    for (int64_t e = 0; e < E; e++) first[e + 1] = e ? first[e] + counts[e - 1] : 0;
+    for (int64_t t = 0; t < T; t++) {
+        for (int64_t k = 0; k < K; k++) {
+            const int64_t e = topk[t * K + k];
+            if (e < 0) continue;
+            const int64_t at = first[e + 1]++;
+            tok[at] = t;
+            slot[at] = k;
+        }
+    }
+    return first[E];
+}
+
+/* The send to one rank: the messages of its experts [e_lo, e_lo + num_local) (tok, slot, first
+ * from moe_ll_route), each message row of msgs (nbytes of it) into the receiver's block
+ * [le][me]: row (le * R + me) * M + its place among the expert's messages, and its meta
+ * (token << 8 | slot) into the same row of meta. Returns -1 (nothing written) when an expert
+ * has more than M messages (they would run into the next block). */
+int moe_ll_send(const uint8_t *msgs, int64_t msg_stride, int64_t nbytes, const int64_t *tok,
+                const int64_t *slot, const int64_t *first, int64_t e_lo, int64_t num_local,
+                int64_t R, int64_t me, int64_t M, uint8_t *payload, int64_t payload_stride,
+                int64_t *meta) {
+    for (int64_t le = 0; le < num_local; le++)
+        if (first[e_lo + le + 1] - first[e_lo + le] > M) return -1;
+    for (int64_t le = 0; le < num_local; le++) {
+        const int64_t lo = first[e_lo + le], hi = first[e_lo + le + 1];
+        const int64_t row0 = (le * R + me) * M;
+        for (int64_t i = lo; i < hi; i++) {
+            memcpy(payload + (row0 + i - lo) * payload_stride, msgs + tok[i] * msg_stride,
+                   (size_t)nbytes);
+            meta[row0 + i - lo] = tok[i] << 8 | slot[i];
+        }
+    }
+    return 0;
+}
+
+/* The receive: each local expert's rows, source by source, from the blocks [le][src] of this
+ * rank's region (payload rows `stride` bytes apart, meta beside) packed into recv_x
+ * [L][R * M] (x_bytes per row), with their scales (scale_bytes at byte scales_at of a message,
+ * into recv_scales rows; none when recv_scales is NULL) and meta (recv_meta [L][R * M], -1
+ * past an expert's rows). counts [R][count_stride]: source src's count for each local expert
+ * (its row as received). Fills ranges [L][R][2] (first packed row, count) and per_expert [L].
+ * Returns -1 (nothing copied) when a count lies outside [0, M]. */
+int moe_ll_recv(const uint8_t *payload, int64_t stride, const int64_t *meta,
+                const int64_t *counts, int64_t count_stride, int64_t L, int64_t R, int64_t M,
+                uint8_t *recv_x, int64_t x_bytes, uint8_t *recv_scales, int64_t scale_bytes,
+                int64_t scales_at, int64_t *recv_meta, int64_t *ranges, int64_t *per_expert) {
+    for (int64_t src = 0; src < R; src++)
+        for (int64_t le = 0; le < L; le++) {
+            const int64_t c = counts[src * count_stride + le];
+            if (c < 0 || c > M) return -1;
+        }
+    for (int64_t le = 0; le < L; le++) {
+        int64_t packed = le * R * M;
+        const int64_t start = packed;
+        for (int64_t src = 0; src < R; src++) {
+            const int64_t c = counts[src * count_stride + le];
+            const int64_t row0 = (le * R + src) * M;
+            ranges[(le * R + src) * 2] = packed - start;
+            ranges[(le * R + src) * 2 + 1] = c;
+            for (int64_t i = 0; i < c; i++, packed++) {
+                const uint8_t *msg = payload + (row0 + i) * stride;
+                memcpy(recv_x + packed * x_bytes, msg, (size_t)x_bytes);
+                if (recv_scales)
+                    memcpy(recv_scales + packed * scale_bytes, msg + scales_at,
+                           (size_t)scale_bytes);
+                recv_meta[packed] = meta[row0 + i];
+            }
+        }
+        per_expert[le] = packed - start;
+        for (; packed < start + R * M; packed++) recv_meta[packed] = -1;
+    }
+    return 0;
+}
+
+/* Runs of rows: for each run i in turn, rows [start[i], start[i] + len[i]) of src (src_count
+ * rows, src_stride bytes apart) to the next len[i] rows of dst (dst_count rows); nbytes each.
+ * The combine's return of an expert rank's rows to one owner. Returns -1 (nothing copied) when
+ * a run leaves src, -2 when dst has too few rows. */
+int moe_copy_runs(const uint8_t *src, int64_t src_stride, int64_t src_count,
+                  const int64_t *start, const int64_t *len, int64_t nruns, uint8_t *dst,
+                  int64_t dst_stride, int64_t dst_count, int64_t nbytes) {
+    int64_t total = 0;
+    for (int64_t i = 0; i < nruns; i++) {
+        if (start[i] < 0 || len[i] < 0 || start[i] + len[i] > src_count) return -1;
+        total += len[i];
+    }
+    if (total > dst_count) return -2;
+    for (int64_t i = 0, at = 0; i < nruns; at += len[i], i++)
+        for (int64_t j = 0; j < len[i]; j++)
+            memcpy(dst + (at + j) * dst_stride, src + (start[i] + j) * src_stride,
+                   (size_t)nbytes);
+    return 0;
+}
+
+/* The combine's sum: out [T, hidden] (out_dt) = per token t, the float32 sum over the rows i
+ * of token tok[i], in row order, of weights[tok[i], slot[i]] * row i (rows: n of `hidden`
+ * bf16, row_stride bytes apart; weights float32 [T, K]): moe_sum_rows's weighted sum, with
+ * the rows found by a stable counting sort by token. `index` int64 [n + T + 1], `w` float32
+ * [n], scratch float32 [2 * hidden]. Returns -1 (nothing written) for a token or slot out of
+ * range. */
+int moe_ll_combine(const uint8_t *rows, int64_t row_stride, const int64_t *tok,
+                   const int64_t *slot, int64_t n, const float *weights, int64_t T, int64_t K,
+                   int64_t hidden, void *out, int out_dt, int64_t *index, float *w,
+                   float *scratch) {
+    int64_t *addr = index, *first = index + n;
+    for (int64_t t = 0; t <= T; t++) first[t] = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (tok[i] < 0 || tok[i] >= T || slot[i] < 0 || slot[i] >= K) return -1;
+        first[tok[i] + 1]++;
+    }
+    for (int64_t t = 0; t < T; t++) first[t + 1] += first[t];
+    /* place row i at its token's cursor (first[t] moves to the token's end, then back) */
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t at = first[tok[i]]++;
+        addr[at] = (int64_t)(intptr_t)(rows + i * row_stride);
+        w[at] = weights[tok[i] * K + slot[i]];
+    }
+    for (int64_t t = T; t > 0; t--) first[t] = first[t - 1];
+    first[0] = 0;
+    moe_sum_rows(addr, w, first, DT_BF16, hidden, T, NULL, 0, out, out_dt, scratch);
+    return 0;
+}

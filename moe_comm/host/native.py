@@ -47,8 +47,15 @@ _SIGNATURES = {
     "moe_fp8_scales": (_P, ctypes.c_int, _I, _I, _I, _P, _P),
     "moe_fp8_cast": (_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P),
     "moe_copy_rows": (_P, _I, _P, _I, _P, _I, _P, _I, _I, _I),
+    "moe_ll_route": (_P, _I, _I, _I, _P, _P, _P, _P),
+    "moe_ll_send": (_P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _I, _P, _I, _P),
+    "moe_ll_recv": (_P, _I, _P, _P, _I, _I, _I, _I, _P, _I, _P, _I, _I, _P, _P, _P),
+    "moe_copy_runs": (_P, _I, _I, _P, _P, _I, _P, _I, _I, _I),
+    "moe_ll_combine": (_P, _I, _P, _P, _I, _P, _I, _I, _I, _P, ctypes.c_int, _P, _P, _P),
 }
-_RETURNS = {"moe_copy_rows": ctypes.c_int}
+_RETURNS = {"moe_copy_rows": ctypes.c_int, "moe_ll_route": _I, "moe_ll_send": ctypes.c_int,
+            "moe_ll_recv": ctypes.c_int, "moe_copy_runs": ctypes.c_int,
+            "moe_ll_combine": ctypes.c_int}
 
 
 def _compiler() -> str | None:
@@ -199,3 +206,111 @@ def copy_rows(src: torch.Tensor, src_rows, dst: torch.Tensor, dst_rows) -> None:
     if err:
         side, rows = ("source", src) if err == -1 else ("destination", dst)
         raise IndexError(f"copy_rows: a {side} row outside [0, {rows.shape[0]})")
+
+
+# -- low-latency mode: one C call per phase (moe_comm/host/ll.py) ------------------------------
+# Each returns None where the C loops cannot run (ll.py then runs its torch code); arguments
+# are the ll.py's own, already checked by moe_comm/validate.py, and the C code checks the
+# indices it is given again before any byte moves (a peer's counts above all).
+
+def ll_route(topk_idx: torch.Tensor, num_experts: int):
+    """This rank's (token, slot) messages sorted by expert, then token, then slot: (tok, slot
+    int64 [n], first int64 [E + 1]: where each expert's messages start), or None."""
+    lib = library()
+    if lib is None:
+        return None
+    idx = topk_idx.contiguous()
+    tokens, topk = idx.shape
+    first = torch.empty(num_experts + 1, dtype=torch.int64)
+    counts = torch.empty(num_experts, dtype=torch.int64)
+    tok = torch.empty(tokens * topk, dtype=torch.int64)
+    slot = torch.empty(tokens * topk, dtype=torch.int64)
+    n = lib.moe_ll_route(idx.data_ptr(), tokens, topk, num_experts, counts.data_ptr(),
+                         first.data_ptr(), tok.data_ptr(), slot.data_ptr())
+    if n < 0:
+        raise ValueError(f"topk_idx holds an expert id outside [-1, {num_experts})")
+    return tok[:n], slot[:n], first
+
+
+def ll_send(msgs: torch.Tensor, tok, slot, first, expert_lo: int, num_local: int,
+            num_ranks: int, me: int, max_tokens: int, payload: torch.Tensor,
+            meta: torch.Tensor) -> None:
+    """Write this rank's messages to experts [expert_lo, expert_lo + num_local) into one
+    receiver's blocks: ``payload`` uint8 [slots, msg bytes] and ``meta`` uint8 [slots * 8] of
+    its region (ll_route's ``tok``, ``slot``, ``first``)."""
+    err = library().moe_ll_send(msgs.data_ptr(), msgs.stride(0), msgs.shape[1], tok.data_ptr(),
+                                slot.data_ptr(), first.data_ptr(), expert_lo, num_local,
+                                num_ranks, me, max_tokens, payload.data_ptr(),
+                                payload.stride(0), meta.data_ptr())
+    if err:
+        raise IndexError(f"low-latency dispatch: more than {max_tokens} messages for one "
+                         "expert")
+
+
+def ll_recv(payload: torch.Tensor, meta: torch.Tensor, counts, max_tokens: int,
+            recv_x: torch.Tensor, row_bytes: int, recv_scales, scales_at: int):
+    """Pack the received rows per local expert: ``payload`` uint8 [slots, msg bytes] and
+    ``meta`` (uint8, 8 per slot) of this rank's region, ``counts`` numpy int64 [R, >= L] (each
+    source's count row); into ``recv_x`` (contiguous, ``row_bytes`` per row) and
+    ``recv_scales`` (contiguous float32, or None). Returns (recv_meta int64 [L, R*M], ranges
+    int64 [L, R, 2], per_expert int64 [L]), or None where the C loops cannot run."""
+    lib = library()
+    if lib is None or not recv_x.is_contiguous() or \
+            (recv_scales is not None and not recv_scales.is_contiguous()):
+        return None
+    num_local = recv_x.shape[0]
+    R = counts.shape[0]
+    recv_meta = torch.empty(num_local, R * max_tokens, dtype=torch.int64)
+    ranges = torch.empty(num_local, R, 2, dtype=torch.int64)
+    per_expert = torch.empty(num_local, dtype=torch.int64)
+    scale_bytes = 0 if recv_scales is None else recv_scales[0, 0].numel() * 4
+    err = lib.moe_ll_recv(payload.data_ptr(), payload.stride(0), meta.data_ptr(),
+                          counts.ctypes.data, counts.strides[0] // 8, num_local, R, max_tokens,
+                          recv_x.data_ptr(), row_bytes,
+                          None if recv_scales is None else recv_scales.data_ptr(),
+                          scale_bytes, scales_at, recv_meta.data_ptr(), ranges.data_ptr(),
+                          per_expert.data_ptr())
+    if err:
+        raise ValueError(f"low-latency dispatch: a source announced more than {max_tokens} "
+                         "rows for one expert (a peer with another layout?)")
+    return recv_meta, ranges, per_expert
+
+
+def copy_runs(src: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
+              dst: torch.Tensor) -> bool:
+    """Rows ``[starts[i], starts[i] + lens[i])`` of ``src`` (uint8 [rows, bytes], rows
+    contiguous), run after run, into the first rows of ``dst``; False (nothing copied) where
+    the C loops cannot run."""
+    lib = library()
+    if lib is None or src.stride(1) != 1 or dst.stride(1) != 1:
+        return False
+    err = lib.moe_copy_runs(src.data_ptr(), src.stride(0), src.shape[0], starts.data_ptr(),
+                            lens.data_ptr(), starts.numel(), dst.data_ptr(), dst.stride(0),
+                            dst.shape[0], src.shape[1])
+    if err:
+        raise IndexError("copy_runs: a run outside the source rows or past the destination's")
+    return True
+
+
+def ll_combine(rows: torch.Tensor, tok, slot, weights: torch.Tensor, out: torch.Tensor) -> bool:
+    """``out`` [T, H] = per token, the float32 sum of ``weights[tok[i], slot[i]] * rows[i]``
+    over its rows in row order (reduce.weighted_sum_rows's bits); False (nothing written)
+    where the C loops cannot run it."""
+    lib = library()
+    if lib is None or rows.dtype != torch.bfloat16 or not _rows_ok(rows) or \
+            weights.dtype != torch.float32 or not weights.is_contiguous() or \
+            not out.is_contiguous() or out.dtype not in DTYPES or \
+            tuple(out.shape) != (weights.shape[0], rows.shape[1]):
+        return False
+    n, hidden = rows.shape
+    tokens, topk = weights.shape
+    index = torch.empty(n + tokens + 1, dtype=torch.int64)
+    w = torch.empty(n, dtype=torch.float32)
+    scratch = torch.empty(2 * max(hidden, 1), dtype=torch.float32)
+    err = lib.moe_ll_combine(rows.data_ptr(), rows.stride(0) * 2, tok.data_ptr(),
+                             slot.data_ptr(), n, weights.data_ptr(), tokens, topk, hidden,
+                             out.data_ptr(), DTYPES[out.dtype], index.data_ptr(), w.data_ptr(),
+                             scratch.data_ptr())
+    if err:
+        raise IndexError("low-latency combine: a (token, slot) outside topk_weights")
+    return True
