@@ -104,7 +104,7 @@ def expert_ids(t, num_experts, num_tokens=None):
     # The value check reads two numbers back: a host synchronisation on a GPU, which CUDA-graph
     # capture forbids; while capturing it is skipped (the ids were checked when warming up).
     if t.numel() and not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
-        lo, hi = int(t.min()), int(t.max())
+        lo, hi = (int(v) for v in torch.aminmax(t))      # one pass, one call
         if lo < -1 or hi >= num_experts:
             bad = lo if lo < -1 else hi
             raise ValueError(f"topk_idx holds expert id {bad} outside [0, {num_experts}) "

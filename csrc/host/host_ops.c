@@ -155,10 +155,11 @@ static inline uint8_t f32_to_e4m3(float v) {
 }
 
 /* out[t, c] = e4m3(clamp(x[t, c] / scales[t, c / 128], -448, 448)); out rows out_stride
- * bytes apart (a message row), x rows x_stride elements apart. */
+ * bytes apart (a message row), x rows x_stride elements apart. With scales_at >= 0 the row's
+ * float32 scales follow at that byte of its out row (a low-latency message: data, scales). */
 MOE_CLONES void moe_fp8_cast(const void *x, int in_dt, int64_t num_tokens, int64_t hidden,
                   int64_t x_stride, const float *scales, uint8_t *out, int64_t out_stride,
-                  float *scratch) {
+                  float *scratch, int64_t scales_at) {
     const int64_t groups = hidden / FP8_BLOCK;
     const size_t elem = in_dt == DT_BF16 ? 2 : 4;
     for (int64_t t = 0; t < num_tokens; t++) {
@@ -175,6 +176,7 @@ MOE_CLONES void moe_fp8_cast(const void *x, int in_dt, int64_t num_tokens, int64
                 o[g * FP8_BLOCK + i] = f32_to_e4m3(q);
             }
         }
+        if (scales_at >= 0) memcpy(o + scales_at, scales + t * groups, (size_t)groups * 4);
     }
 }
 
@@ -291,23 +293,34 @@ int moe_ll_recv(const uint8_t *payload, int64_t stride, const int64_t *meta,
     return 0;
 }
 
-/* Runs of rows: for each run i in turn, rows [start[i], start[i] + len[i]) of src (src_count
- * rows, src_stride bytes apart) to the next len[i] rows of dst (dst_count rows); nbytes each.
- * The combine's return of an expert rank's rows to one owner. Returns -1 (nothing copied) when
- * a run leaves src, -2 when dst has too few rows. */
-int moe_copy_runs(const uint8_t *src, int64_t src_stride, int64_t src_count,
-                  const int64_t *start, const int64_t *len, int64_t nruns, uint8_t *dst,
-                  int64_t dst_stride, int64_t dst_count, int64_t nbytes) {
+/* The combine's return of an expert rank's rows to one owner: for each local expert le in
+ * turn, its rows from that owner, [le * rows_per_expert + first, + count) of src (src_count
+ * rows, src_stride bytes apart; (first, count) = ranges[le][owner], ranges [L][R][2] as
+ * moe_ll_recv filled it), to the next rows of dst (dst_count rows); nbytes each. Returns -1
+ * (nothing copied) when a run leaves src, -2 when dst has too few rows. */
+int moe_ll_return(const uint8_t *src, int64_t src_stride, int64_t src_count,
+                  const int64_t *ranges, int64_t L, int64_t R, int64_t owner,
+                  int64_t rows_per_expert, uint8_t *dst, int64_t dst_stride, int64_t dst_count,
+                  int64_t nbytes) {
     int64_t total = 0;
-    for (int64_t i = 0; i < nruns; i++) {
-        if (start[i] < 0 || len[i] < 0 || start[i] + len[i] > src_count) return -1;
-        total += len[i];
+    for (int64_t le = 0; le < L; le++) {
+        const int64_t first = ranges[(le * R + owner) * 2], c = ranges[(le * R + owner) * 2 + 1];
+        if (first < 0 || c < 0 || first + c > rows_per_expert ||
+            le * rows_per_expert + first + c > src_count) return -1;
+        total += c;
     }
     if (total > dst_count) return -2;
-    for (int64_t i = 0, at = 0; i < nruns; at += len[i], i++)
-        for (int64_t j = 0; j < len[i]; j++)
-            memcpy(dst + (at + j) * dst_stride, src + (start[i] + j) * src_stride,
-                   (size_t)nbytes);
+    for (int64_t le = 0, at = 0; le < L; le++) {
+        const int64_t first = ranges[(le * R + owner) * 2], c = ranges[(le * R + owner) * 2 + 1];
+        const uint8_t *from = src + (le * rows_per_expert + first) * src_stride;
+        if (src_stride == nbytes && dst_stride == nbytes) {      /* one run, one copy */
+            memcpy(dst + at * dst_stride, from, (size_t)(c * nbytes));
+        } else {
+            for (int64_t j = 0; j < c; j++)
+                memcpy(dst + (at + j) * dst_stride, from + j * src_stride, (size_t)nbytes);
+        }
+        at += c;
+    }
     return 0;
 }
 

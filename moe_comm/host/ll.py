@@ -119,11 +119,10 @@ def _messages(x, use_fp8, round_scale, stride):
         return x.view(torch.uint8)
     hidden = x.shape[1]
     msgs = torch.empty(x.shape[0], stride, dtype=torch.uint8)
-    scales = native.quantize_fp8(x, round_scale, msgs)     # the e4m3 bytes in place
-    if scales is None:
+    if native.quantize_fp8(x, round_scale, msgs, scales_at=hidden) is None:
         data, scales = quantize_fp8(x, round_scale)
         msgs[:, :hidden] = data.view(torch.uint8)
-    msgs[:, hidden:hidden + hidden // 32] = scales.view(torch.uint8)
+        msgs[:, hidden:hidden + hidden // 32] = scales.view(torch.uint8)
     return msgs
 
 
@@ -316,8 +315,8 @@ def combine_send(comm, *, x, handle: LowLatencyHandle, lay: LLLayout, use_logfmt
     comb_off = _offsets(comm, lay, buf)["combine"]
 
     bases = handle.return_base.tolist()
-    starts, lens = _return_runs(handle.recv_ranges, x.shape[1])
-    sizes = lens.sum(1).tolist()
+    ranges = handle.recv_ranges
+    sizes = ranges[:, :, 1].sum(0).tolist()                 # rows back to each owner
     x_rows = x.view(-1, hidden)                              # [le * R*M + row, H]
     x_bytes = x_rows.view(torch.uint8)
 
@@ -328,14 +327,14 @@ def combine_send(comm, *, x, handle: LowLatencyHandle, lay: LLLayout, use_logfmt
         if n:
             at = comb_off + bases[owner] * hidden * 2
             if use_logfmt:
-                rows = logfmt.encode(x_rows.index_select(0, _run_rows(starts[owner],
-                                                                      lens[owner], n)))
+                rows = logfmt.encode(x_rows.index_select(
+                    0, _return_rows(ranges, owner, x.shape[1], n)))
                 comm.peer_ll(owner)[at:at + rows.numel()].view(rows.shape).copy_(rows)
                 comm.commit(owner, "ll", at, rows.numel())
             else:
                 dst = comm.peer_ll(owner)[at:at + n * hidden * 2].view(n, hidden * 2)
-                if not native.copy_runs(x_bytes, starts[owner], lens[owner], dst):
-                    copy_rows(x_bytes, _run_rows(starts[owner], lens[owner], n), dst, None)
+                if not native.ll_return(x_bytes, ranges, owner, dst):
+                    copy_rows(x_bytes, _return_rows(ranges, owner, x.shape[1], n), dst, None)
                 comm.commit(owner, "ll", at, n * hidden * 2)
         comm.signal(owner, comm.layout.ll_combine_done(buf, me), seq,
                     n | (LL_DONE_LOGFMT if use_logfmt else 0))
@@ -345,19 +344,13 @@ def combine_send(comm, *, x, handle: LowLatencyHandle, lay: LLLayout, use_logfmt
     return seq, buf
 
 
-def _return_runs(ranges: torch.Tensor, rows_per_expert: int):
-    """For each owner, the runs of rows of the combine input (viewed as [E_local * R*M, H])
-    that go back to it, one per local expert in order: (first row, count) as int64 [R,
-    E_local] each, from ``ranges`` [E_local, R, (start, count)] of the handle."""
-    num_local = ranges.shape[0]
-    first = ranges[:, :, 0] + (torch.arange(num_local) * rows_per_expert).unsqueeze(1)
-    return first.t().contiguous(), ranges[:, :, 1].t().contiguous()
-
-
-def _run_rows(starts: torch.Tensor, lens: torch.Tensor, n: int) -> torch.Tensor:
-    """The row index of every row of the runs (``starts``, ``lens``), run after run."""
-    # row i: first row of its run + its place in that run
-    base = torch.repeat_interleave(starts - (torch.cumsum(lens, 0) - lens), lens,
+def _return_rows(ranges: torch.Tensor, owner: int, rows_per_expert: int, n: int):
+    """The ``n`` rows of the combine input (viewed as [E_local * R*M, H]) that go back to
+    ``owner``, expert by expert: ``ranges`` [E_local, R, (start, count)] of the handle."""
+    first = ranges[:, owner, 0] + torch.arange(ranges.shape[0]) * rows_per_expert
+    counts = ranges[:, owner, 1]
+    # row i: first row of its expert's run + its place in that run
+    base = torch.repeat_interleave(first - (torch.cumsum(counts, 0) - counts), counts,
                                    output_size=n)
     return base + torch.arange(n)
 

@@ -45,16 +45,16 @@ _I = ctypes.c_int64
 _SIGNATURES = {
     "moe_sum_rows": (_P, _P, _P, ctypes.c_int, _I, _I, _P, ctypes.c_int, _P, ctypes.c_int, _P),
     "moe_fp8_scales": (_P, ctypes.c_int, _I, _I, _I, _P, _P),
-    "moe_fp8_cast": (_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P),
+    "moe_fp8_cast": (_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P, _I),
     "moe_copy_rows": (_P, _I, _P, _I, _P, _I, _P, _I, _I, _I),
     "moe_ll_route": (_P, _I, _I, _I, _P, _P, _P, _P),
     "moe_ll_send": (_P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _I, _P, _I, _P),
     "moe_ll_recv": (_P, _I, _P, _P, _I, _I, _I, _I, _P, _I, _P, _I, _I, _P, _P, _P),
-    "moe_copy_runs": (_P, _I, _I, _P, _P, _I, _P, _I, _I, _I),
+    "moe_ll_return": (_P, _I, _I, _P, _I, _I, _I, _I, _P, _I, _I, _I),
     "moe_ll_combine": (_P, _I, _P, _P, _I, _P, _I, _I, _I, _P, ctypes.c_int, _P, _P, _P),
 }
 _RETURNS = {"moe_copy_rows": ctypes.c_int, "moe_ll_route": _I, "moe_ll_send": ctypes.c_int,
-            "moe_ll_recv": ctypes.c_int, "moe_copy_runs": ctypes.c_int,
+            "moe_ll_recv": ctypes.c_int, "moe_ll_return": ctypes.c_int,
             "moe_ll_combine": ctypes.c_int}
 
 
@@ -152,14 +152,19 @@ def sum_rows(segments, ids_per_segment, num_tokens: int, out_dtype, biases=(),
     return out
 
 
-def quantize_fp8(x: torch.Tensor, round_scale: bool, out: torch.Tensor):
+def quantize_fp8(x: torch.Tensor, round_scale: bool, out: torch.Tensor,
+                 scales_at: int | None = None):
     """quant.quantize_fp8 in C, the e4m3 bytes written straight into ``out`` (uint8 rows of
-    at least H bytes: the messages of a low-latency dispatch). Returns the float32 scales
-    [T, H/128], or None (nothing written) where the C loops cannot run it."""
+    at least H bytes: the messages of a low-latency dispatch), and with ``scales_at`` each
+    row's float32 scales after them at that byte. Returns the float32 scales [T, H/128], or
+    None (nothing written) where the C loops cannot run it."""
     lib = library()
     if lib is None or not _rows_ok(x) or out.stride(1) != 1 or out.dtype != torch.uint8:
         return None
     tokens, hidden = x.shape
+    if scales_at is not None and out.shape[1] < scales_at + hidden // 32:
+        raise IndexError(f"quantize_fp8: rows of {out.shape[1]} bytes cannot hold the scales "
+                         f"at byte {scales_at}")
     scales = torch.empty(tokens, hidden // 128, dtype=torch.float32)
     scratch = torch.empty(max(hidden, 1), dtype=torch.float32)
     dt = DTYPES[x.dtype]
@@ -168,7 +173,8 @@ def quantize_fp8(x: torch.Tensor, round_scale: bool, out: torch.Tensor):
     if round_scale:         # torch's own rounding of the (few) scales: quant.py's exactly
         scales = torch.exp2(torch.ceil(torch.log2(scales)))
     lib.moe_fp8_cast(x.data_ptr(), dt, tokens, hidden, x.stride(0), scales.data_ptr(),
-                     out.data_ptr(), out.stride(0), scratch.data_ptr())
+                     out.data_ptr(), out.stride(0), scratch.data_ptr(),
+                     -1 if scales_at is None else scales_at)
     return scales
 
 
@@ -276,19 +282,21 @@ def ll_recv(payload: torch.Tensor, meta: torch.Tensor, counts, max_tokens: int,
     return recv_meta, ranges, per_expert
 
 
-def copy_runs(src: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
-              dst: torch.Tensor) -> bool:
-    """Rows ``[starts[i], starts[i] + lens[i])`` of ``src`` (uint8 [rows, bytes], rows
-    contiguous), run after run, into the first rows of ``dst``; False (nothing copied) where
-    the C loops cannot run."""
+def ll_return(src: torch.Tensor, ranges: torch.Tensor, owner: int, dst: torch.Tensor) -> bool:
+    """The combine's return to ``owner``: for each local expert in turn, its rows from that
+    owner (``ranges`` int64 [L, R, (first, count)] of the handle) of ``src`` (uint8 [L * R*M,
+    bytes], rows contiguous), into the first rows of ``dst``; False (nothing copied) where the
+    C loops cannot run."""
     lib = library()
-    if lib is None or src.stride(1) != 1 or dst.stride(1) != 1:
+    if lib is None or src.stride(1) != 1 or dst.stride(1) != 1 or not ranges.is_contiguous():
         return False
-    err = lib.moe_copy_runs(src.data_ptr(), src.stride(0), src.shape[0], starts.data_ptr(),
-                            lens.data_ptr(), starts.numel(), dst.data_ptr(), dst.stride(0),
-                            dst.shape[0], src.shape[1])
+    num_local, R = ranges.shape[0], ranges.shape[1]
+    err = lib.moe_ll_return(src.data_ptr(), src.stride(0), src.shape[0], ranges.data_ptr(),
+                            num_local, R, owner, src.shape[0] // num_local, dst.data_ptr(),
+                            dst.stride(0), dst.shape[0], src.shape[1])
     if err:
-        raise IndexError("copy_runs: a run outside the source rows or past the destination's")
+        raise IndexError("low-latency combine: a run of rows outside the expert's block or "
+                         "past the destination's rows")
     return True
 
 
