@@ -57,6 +57,17 @@ def _offsets(comm, lay: LLLayout, buf: int) -> dict:
         for part in ("payload", "meta", "counts", "combine")})
 
 
+def _blocks(comm, lay: LLLayout, buf: int, rank: int, stride: int):
+    """Buffer ``buf``'s dispatch blocks in ``rank``'s region: (payload uint8 [slots,
+    stride], meta uint8 [slots * 8]), made once."""
+    def build():
+        off, slots = _offsets(comm, lay, buf), lay.num_local * lay.num_ranks * lay.max_tokens
+        region = comm.peer_ll(rank)
+        return (region[off["payload"]:off["payload"] + slots * stride].view(slots, stride),
+                region[off["meta"]:off["meta"] + slots * 8])
+    return _cached(comm, ("blocks", lay, buf, rank, stride), build)
+
+
 def _header_views(comm, word_of, buf: int, n: int = 1) -> dict:
     """``{rank: n words of this rank's header at word_of(buf, rank)}``, made once."""
     return _cached(comm, (word_of.__name__, buf, n), lambda: {
@@ -160,8 +171,8 @@ def dispatch_send(comm, *, x, topk_idx, lay: LLLayout, use_fp8, round_scale, buf
     off = _offsets(comm, lay, buf)
     payload, meta_off = off["payload"], off["meta"]
     count_off = off["counts"] + me * lay.count_row_words * 8
+    call_word = comm.layout.ll_call(buf, me)
     M = lay.max_tokens
-    slots = num_local * R * M
     call_row = signature.low_latency(hidden=hidden, use_fp8=use_fp8, round_scale=round_scale,
                                      topk=topk_idx.shape[1], num_experts=lay.num_experts,
                                      max_tokens=M,
@@ -175,14 +186,12 @@ def dispatch_send(comm, *, x, topk_idx, lay: LLLayout, use_fp8, round_scale, buf
         sent_to[dst] = True
         # the signature first: a receiver with another layout still finds it (moe_comm/
         # signature.py), and checks it before it trusts the count row
-        comm.signal(dst, comm.layout.ll_call(buf, me), seq, call_row)
-        region = comm.peer_ll(dst)
+        comm.signal(dst, call_word, seq, call_row)
         e_lo = dst * num_local
         counts = [first_l[e + 1] - first_l[e] for e in range(e_lo, e_lo + num_local)]
         if first_l[e_lo + num_local] > first_l[e_lo]:     # each message one row copy
             _write_messages(msgs, tok, slot, first, dst, lay, me,
-                            region[payload:payload + slots * stride].view(slots, stride),
-                            region[meta_off:meta_off + slots * 8])
+                            *_blocks(comm, lay, buf, dst, stride))
             if comm.is_remote(dst):                       # the byte runs a network peer gets
                 for le, c in enumerate(counts):
                     if c:
@@ -254,10 +263,7 @@ def dispatch_recv(comm, handle: LowLatencyHandle, lay: LLLayout, *, recv_x, recv
         comm.agree("low_latency_dispatch")
     rows_in = tag_value(rows_words[:, :num_local + 1])     # a copy, read once
     rows_in[~comm.active] = 0                              # inactive sources sent nothing
-    region = comm.peer_ll(me)
-    slots = num_local * R * M
-    region_rows = region[off["payload"]:off["payload"] + slots * stride].view(slots, stride)
-    meta = region[off["meta"]:off["meta"] + slots * 8]
+    region_rows, meta = _blocks(comm, lay, buf, me, stride)
     row_bytes = hidden if use_fp8 else hidden * 2
     packed = None if use_ue8m0 else native.ll_recv(
         region_rows, meta, rows_in, M, recv_x, row_bytes, recv_scales if use_fp8 else None,
