@@ -74,15 +74,29 @@ def _header_views(comm, word_of, buf: int, n: int = 1) -> dict:
         r: comm.slot(comm.rank, word_of(buf, r), n) for r in range(comm.num_ranks)})
 
 
+def _send_order(comm) -> list:
+    """The ranks in the order this rank sends to them: the next ranks first, itself last.
+    Every rank then starts with a different peer, and the data a rank's own receive waits for
+    from its peers is written while it writes its own share (with itself first, a rank's
+    receive would wait for the share a peer writes last)."""
+    me, R = comm.rank, comm.num_ranks
+    return [(me + 1 + i) % R for i in range(R)]
+
+
 def _wait_free(comm, kind, word_of, buf, seq, op, on_ready):
     """Run ``on_ready(rank)`` for every active rank once its buffer is free for call ``seq``
-    (it pushed ``word_of(buf, rank)`` = seq - 2 into this rank's header); the first two
-    calls after a start or a reset have nothing to wait for."""
+    (it pushed ``word_of(buf, rank)`` = seq - 2 into this rank's header), in
+    :func:`_send_order` where they are free alike; the first two calls after a start or a
+    reset have nothing to wait for."""
     if seq <= comm.ll_base[kind] + LL_NUM_BUFFERS:
-        for r in np.flatnonzero(comm.active).tolist():
-            on_ready(r, None)
+        for r in _send_order(comm):
+            if comm.active[r]:
+                on_ready(r, None)
         return
-    comm.wait(_header_views(comm, word_of, buf), seq - LL_NUM_BUFFERS, op, on_ready)
+    views = _header_views(comm, word_of, buf)
+    waits = _cached(comm, ("send order", word_of.__name__, buf),
+                    lambda: {r: views[r] for r in _send_order(comm)})
+    comm.wait(waits, seq - LL_NUM_BUFFERS, op, on_ready)
 
 
 def _timed_wait(comm, waits, epoch, op, wait_stats, start_ns) -> None:
