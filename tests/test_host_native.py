@@ -11,6 +11,7 @@ import torch
 
 from moe_comm.host import ll, native, reduce
 from moe_comm.quant import quantize_fp8
+from moe_comm.wire import LLLayout
 
 pytestmark = pytest.mark.skipif(native.library() is None,
                                 reason="no C compiler: the host backend uses torch's loops")
@@ -167,6 +168,12 @@ def test_inconsistent_arguments_are_refused_not_read_past(monkeypatch):
                            [torch.arange(4), torch.arange(2)], 4, torch.bfloat16) is None
 
 
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bytes (random message bytes make NaN scales, which never compare equal)."""
+    return a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8),
+                                              b.contiguous().view(torch.uint8))
+
+
 def _routing(tokens=40, topk=6, experts=24, seed=5):
     """topk_idx with -1 slots and a token naming one expert twice."""
     g = torch.Generator().manual_seed(seed)
@@ -230,9 +237,9 @@ def test_low_latency_pack_and_return_match_torch(monkeypatch):
         outs.append((x, scales, recv_meta, ranges, per_expert, back))
     # rows past an expert's count are left alone (recv_x) or -1 (meta) on both paths
     for a, b in zip(outs[0][:5], outs[1][:5]):
-        assert torch.equal(a, b)
+        assert _same(a, b)
     for a, b in zip(outs[0][5], outs[1][5]):
-        assert torch.equal(a, b)
+        assert _same(a, b)
     monkeypatch.setenv(native.ENV, "1")
     x = torch.zeros(num_local, R * M, hidden, dtype=torch.uint8)
     rows_in[2, 1] = M + 1                                   # a peer announcing too many rows
@@ -261,3 +268,35 @@ def test_low_latency_combine_sum_is_torchs_bit_for_bit(monkeypatch):
     monkeypatch.setenv(native.ENV, "1")
     with pytest.raises(IndexError, match="outside topk_weights"):
         native.ll_combine(rows, tok, slot.clamp(max=0) + 6, weights, fast)
+
+
+def test_low_latency_pack_reads_own_messages_in_place(monkeypatch):
+    """A rank's messages to itself stay in its message rows (host/ll.py): the pack that reads
+    them there gives what the pack of a region holding them gives; an own count row that
+    disagrees with the messages is refused."""
+    num_local, R, M, me, hidden = 6, 4, 40, 2, 256
+    stride = hidden + hidden // 32
+    lay = LLLayout(M, hidden, R, num_local * R)
+    idx = _routing(tokens=M, topk=5, experts=num_local * R)
+    tok, slot, first = ll._route(idx, num_local * R)
+    g = torch.Generator().manual_seed(9)
+    msgs = torch.randint(0, 256, (M, stride), generator=g, dtype=torch.uint8)
+    rows, meta, rows_in = _region(num_local, R, M, stride,
+                                  torch.zeros(R, num_local, dtype=torch.long))
+    counts = (first[1:] - first[:-1]).view(R, num_local)   # as if every rank routed alike
+    rows_in[:, :num_local] = counts.numpy()
+    own_region = rows.clone(), meta.clone()
+    ll._write_messages(msgs, tok, slot, first, me, lay, me, *own_region)
+    results = []
+    for own in (None, (me, msgs, tok, slot, first)):
+        x = torch.full((num_local, R * M, hidden), 0xEE, dtype=torch.uint8)
+        scales = torch.full((num_local, R * M, hidden // 128), -1.0)
+        region = own_region if own is None else (rows, meta)
+        packed = native.ll_recv(*region, rows_in, M, x, hidden, scales, hidden, own=own)
+        results.append((x, scales, *packed))
+    for a, b in zip(*results):
+        assert _same(a, b)
+    rows_in[me, 0] += 1
+    with pytest.raises(ValueError, match="own count row"):
+        native.ll_recv(rows, meta, rows_in, M, x, hidden, scales, hidden,
+                       own=(me, msgs, tok, slot, first))

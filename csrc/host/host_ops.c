@@ -305,16 +305,23 @@ static inline void stream_done(void) {
  * into recv_scales rows; none when recv_scales is NULL) and meta (recv_meta [L][R * M], -1
  * past an expert's rows). counts [R][count_stride]: source src's count for each local expert
  * (its row as received). Fills ranges [L][R][2] (first packed row, count) and per_expert [L].
- * Returns -1 (nothing copied) when a count lies outside [0, M]. */
+ * own_msgs (or NULL): the rows this rank sent itself were not copied into its region; they
+ * are read from its own messages instead (own_msgs rows own_stride bytes apart; own_tok,
+ * own_slot its sorted messages, own_first [L + 1] where its messages to each local expert
+ * start: moe_ll_route's, from its first local expert on). Returns -1 (nothing copied) when a
+ * count lies outside [0, M], -2 when this rank's own count row disagrees with own_first. */
 int moe_ll_recv(const uint8_t *payload, int64_t stride, const int64_t *meta,
                 const int64_t *counts, int64_t count_stride, int64_t L, int64_t R, int64_t M,
                 uint8_t *recv_x, int64_t x_bytes, uint8_t *recv_scales, int64_t scale_bytes,
-                int64_t scales_at, int64_t *recv_meta, int64_t *ranges, int64_t *per_expert) {
+                int64_t scales_at, int64_t *recv_meta, int64_t *ranges, int64_t *per_expert,
+                int64_t me, const uint8_t *own_msgs, int64_t own_stride, const int64_t *own_tok,
+                const int64_t *own_slot, const int64_t *own_first) {
     int64_t total = 0;
     for (int64_t src = 0; src < R; src++)
         for (int64_t le = 0; le < L; le++) {
             const int64_t c = counts[src * count_stride + le];
             if (c < 0 || c > M) return -1;
+            if (own_msgs && src == me && c != own_first[le + 1] - own_first[le]) return -2;
             total += c;
         }
     const int stream = total * x_bytes >= STREAM_MIN_BYTES;
@@ -324,10 +331,13 @@ int moe_ll_recv(const uint8_t *payload, int64_t stride, const int64_t *meta,
         for (int64_t src = 0; src < R; src++) {
             const int64_t c = counts[src * count_stride + le];
             const int64_t row0 = (le * R + src) * M;
+            const int own = own_msgs && src == me;
             ranges[(le * R + src) * 2] = packed - start;
             ranges[(le * R + src) * 2 + 1] = c;
             for (int64_t i = 0; i < c; i++, packed++) {
-                const uint8_t *msg = payload + (row0 + i) * stride;
+                const int64_t m = own ? own_first[le] + i : 0;
+                const uint8_t *msg = own ? own_msgs + own_tok[m] * own_stride
+                                         : payload + (row0 + i) * stride;
                 if (stream)
                     copy_stream(recv_x + packed * x_bytes, msg, (size_t)x_bytes);
                 else
@@ -335,7 +345,7 @@ int moe_ll_recv(const uint8_t *payload, int64_t stride, const int64_t *meta,
                 if (recv_scales)
                     memcpy(recv_scales + packed * scale_bytes, msg + scales_at,
                            (size_t)scale_bytes);
-                recv_meta[packed] = meta[row0 + i];
+                recv_meta[packed] = own ? own_tok[m] << 8 | own_slot[m] : meta[row0 + i];
             }
         }
         per_expert[le] = packed - start;

@@ -194,6 +194,11 @@ def dispatch_send(comm, *, x, topk_idx, lay: LLLayout, use_fp8, round_scale, buf
                                          comm, (lay.max_tokens, hidden, lay.num_experts)))
 
     sent_to = np.zeros(R, dtype=bool)
+    # the messages to itself stay in msgs, for its receive to copy once, straight into
+    # recv_x (one copy of 1/R of the payload saved); fp8 only: bf16 messages are the caller's
+    # x, which may change before a hooked receive runs
+    own_rows = (me, msgs, tok, slot, first) if use_fp8 and native.library() is not None \
+        else None
 
     def send(dst, _grant):
         comm.check_fence()             # a rank the survivors masked writes nothing
@@ -203,7 +208,8 @@ def dispatch_send(comm, *, x, topk_idx, lay: LLLayout, use_fp8, round_scale, buf
         comm.signal(dst, call_word, seq, call_row)
         e_lo = dst * num_local
         counts = [first_l[e + 1] - first_l[e] for e in range(e_lo, e_lo + num_local)]
-        if first_l[e_lo + num_local] > first_l[e_lo]:     # each message one row copy
+        if first_l[e_lo + num_local] > first_l[e_lo] and \
+                not (dst == me and own_rows is not None):       # each message one row copy
             _write_messages(msgs, tok, slot, first, dst, lay, me,
                             *_blocks(comm, lay, buf, dst, stride))
             if comm.is_remote(dst):                       # the byte runs a network peer gets
@@ -218,7 +224,8 @@ def dispatch_send(comm, *, x, topk_idx, lay: LLLayout, use_fp8, round_scale, buf
                "low_latency_dispatch/free", send)
     return LowLatencyHandle(buffer_key, seq, buf, lay.max_tokens, hidden, lay.num_experts,
                             num_tokens, topk_idx.shape[1], send_tok=tok, send_slot=slot,
-                            call_row=call_row, return_shift=shift, sent_to=sent_to)
+                            call_row=call_row, return_shift=shift, sent_to=sent_to,
+                            own_rows=own_rows)
 
 
 def _combine_offsets(comm, lay: LLLayout) -> list:
@@ -279,10 +286,13 @@ def dispatch_recv(comm, handle: LowLatencyHandle, lay: LLLayout, *, recv_x, recv
     rows_in[~comm.active] = 0                              # inactive sources sent nothing
     region_rows, meta = _blocks(comm, lay, buf, me, stride)
     row_bytes = hidden if use_fp8 else hidden * 2
+    own, handle.own_rows = handle.own_rows, None
     packed = None if use_ue8m0 else native.ll_recv(
         region_rows, meta, rows_in, M, recv_x, row_bytes, recv_scales if use_fp8 else None,
-        hidden)
+        hidden, own=own)
     if packed is None:
+        if own is not None:     # torch's packing reads every row from the region
+            _write_messages(*own[1:], me, lay, me, region_rows, meta)
         packed = _pack_torch(region_rows, meta, torch.from_numpy(rows_in[:, :num_local]), M,
                              recv_x, row_bytes, recv_scales if use_fp8 else None, hidden,
                              use_ue8m0)

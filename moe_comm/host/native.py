@@ -49,7 +49,8 @@ _SIGNATURES = {
     "moe_copy_rows": (_P, _I, _P, _I, _P, _I, _P, _I, _I, _I),
     "moe_ll_route": (_P, _I, _I, _I, _P, _P, _P, _P),
     "moe_ll_send": (_P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _I, _P, _I, _P),
-    "moe_ll_recv": (_P, _I, _P, _P, _I, _I, _I, _I, _P, _I, _P, _I, _I, _P, _P, _P),
+    "moe_ll_recv": (_P, _I, _P, _P, _I, _I, _I, _I, _P, _I, _P, _I, _I, _P, _P, _P,
+                    _I, _P, _I, _P, _P, _P),
     "moe_ll_return": (_P, _I, _I, _P, _I, _I, _I, _I, _P, _I, _I, _I),
     "moe_ll_combine": (_P, _I, _P, _P, _I, _P, _I, _I, _I, _P, ctypes.c_int, _P, _P, _P),
 }
@@ -254,12 +255,14 @@ def ll_send(msgs: torch.Tensor, tok, slot, first, expert_lo: int, num_local: int
 
 
 def ll_recv(payload: torch.Tensor, meta: torch.Tensor, counts, max_tokens: int,
-            recv_x: torch.Tensor, row_bytes: int, recv_scales, scales_at: int):
+            recv_x: torch.Tensor, row_bytes: int, recv_scales, scales_at: int, own=None):
     """Pack the received rows per local expert: ``payload`` uint8 [slots, msg bytes] and
     ``meta`` (uint8, 8 per slot) of this rank's region, ``counts`` numpy int64 [R, >= L] (each
     source's count row); into ``recv_x`` (contiguous, ``row_bytes`` per row) and
-    ``recv_scales`` (contiguous float32, or None). Returns (recv_meta int64 [L, R*M], ranges
-    int64 [L, R, 2], per_expert int64 [L]), or None where the C loops cannot run."""
+    ``recv_scales`` (contiguous float32, or None). ``own``: (rank, msgs, tok, slot, first)
+    where this rank's messages to itself stayed in ``msgs`` (ll_route's ``tok``, ``slot``,
+    ``first``) rather than in its region. Returns (recv_meta int64 [L, R*M], ranges int64
+    [L, R, 2], per_expert int64 [L]), or None where the C loops cannot run."""
     lib = library()
     if lib is None or not recv_x.is_contiguous() or \
             (recv_scales is not None and not recv_scales.is_contiguous()):
@@ -270,15 +273,22 @@ def ll_recv(payload: torch.Tensor, meta: torch.Tensor, counts, max_tokens: int,
     ranges = torch.empty(num_local, R, 2, dtype=torch.int64)
     per_expert = torch.empty(num_local, dtype=torch.int64)
     scale_bytes = 0 if recv_scales is None else recv_scales[0, 0].numel() * 4
+    me, msgs, tok, slot, first = own if own is not None else (-1, None, None, None, None)
     err = lib.moe_ll_recv(payload.data_ptr(), payload.stride(0), meta.data_ptr(),
                           counts.ctypes.data, counts.strides[0] // 8, num_local, R, max_tokens,
                           recv_x.data_ptr(), row_bytes,
                           None if recv_scales is None else recv_scales.data_ptr(),
                           scale_bytes, scales_at, recv_meta.data_ptr(), ranges.data_ptr(),
-                          per_expert.data_ptr())
-    if err:
+                          per_expert.data_ptr(), me,
+                          *((None, 0, None, None, None) if own is None else
+                            (msgs.data_ptr(), msgs.stride(0), tok.data_ptr(), slot.data_ptr(),
+                             first.data_ptr() + me * num_local * 8)))
+    if err == -1:
         raise ValueError(f"low-latency dispatch: a source announced more than {max_tokens} "
                          "rows for one expert (a peer with another layout?)")
+    if err:
+        raise ValueError("low-latency dispatch: this rank's own count row disagrees with "
+                         "its messages")
     return recv_meta, ranges, per_expert
 
 
