@@ -87,10 +87,8 @@ class HostComm:
         infos = [None] * self.num_ranks
         dist.all_gather_object(infos, info, group=group)
         self.remote_ranks = [r for r in range(self.num_ranks) if infos[r][0] != info[0]]
-        # more ranks than cores here: waits sleep rather than poll, longer the more ranks
-        # share a core (atomics.Backoff); 0 where every rank has a core
-        per_core = (self.num_ranks - len(self.remote_ranks)) / len(os.sched_getaffinity(0))
-        self.crowded = per_core if per_core > 1 else 0
+        # more ranks than cores here: waits sleep rather than poll (atomics.Backoff)
+        self.crowded = self.num_ranks - len(self.remote_ranks) > len(os.sched_getaffinity(0))
         hosts = list(dict.fromkeys(i[0] for i in infos))      # host index: order of first rank
         # int64 [R] host index of every rank; None on one host (layout.tokens_per_host)
         self.host_of = torch.tensor([hosts.index(i[0]) for i in infos]) if len(hosts) > 1 \

@@ -62,29 +62,23 @@ def acquire() -> None:
 
 
 CROWDED_MAX_SLEEP_S = 1e-3
-CROWDED_FULL = 16       # ranks per core from which a crowded wait sleeps up to the maximum
 
 
 class Backoff:
     """Spin briefly, then yield, then sleep: ranks often outnumber cores, and a spinning rank
     must not starve the peer it waits for.
 
-    ``crowded``: this host runs more ranks than it has cores (e.g. 64 ranks on 2): the ranks
-    per core (``True``: as crowded as it gets). Then a wait is as long as the work of many
-    peers sharing the cores, and every poll of a waiting rank takes a slice from a rank with
-    work to do: it yields only briefly, then sleeps, doubling the sleep up to
-    :data:`CROWDED_MAX_SLEEP_S` (a poll costs ~10 us, so polling takes ~1% of a core, and a
-    wait ends at most that much late) at :data:`CROWDED_FULL` ranks per core and more, less
-    below (4 ranks on 2 cores: 125 us; a wait ending a whole millisecond late would double a
-    small low-latency call, while 2 waiting ranks polling every 125 us take ~15% of a core)."""
+    ``crowded``: this host runs more ranks than it has cores (e.g. 64 ranks on 2). Then a
+    wait is as long as the work of many peers sharing the cores, and every poll of a waiting
+    rank takes a slice from a rank with work to do: it yields only briefly, then sleeps,
+    doubling the sleep up to :data:`CROWDED_MAX_SLEEP_S` (a poll costs ~10 us, so polling
+    takes ~1% of a core, and a wait ends at most that much late)."""
 
-    __slots__ = ("spins", "crowded", "sleep_s", "max_sleep_s")
+    __slots__ = ("spins", "crowded", "sleep_s")
 
-    def __init__(self, crowded: float = 0):
+    def __init__(self, crowded: bool = False):
         self.spins = 0
-        self.crowded = bool(crowded)
-        per_core = CROWDED_FULL if crowded is True else float(crowded)
-        self.max_sleep_s = CROWDED_MAX_SLEEP_S * min(1.0, per_core / CROWDED_FULL)
+        self.crowded = crowded
         self.sleep_s = 20e-6
 
     def pause(self) -> None:
@@ -103,7 +97,7 @@ class Backoff:
             os.sched_yield()
             return
         time.sleep(self.sleep_s)
-        self.sleep_s = min(2 * self.sleep_s, max(self.max_sleep_s, 20e-6))
+        self.sleep_s = min(2 * self.sleep_s, CROWDED_MAX_SLEEP_S)
 
 
 def _root(view: np.ndarray) -> np.ndarray:
@@ -192,8 +186,7 @@ def wait_words(waits: dict, epoch: int, deadline: float, op: str, timeout_s: flo
     Returns the set of ranks still silent at ``deadline`` (empty on success) when
     ``raise_on_timeout`` is False; otherwise raises :class:`CommTimeoutError` naming them.
     ``check()`` runs while words are missing and may raise (a rank that learns it was masked
-    stops waiting). ``crowded``: ranks per core on this host where they outnumber the cores,
-    else 0 (:class:`Backoff`).
+    stops waiting). ``crowded``: more ranks than cores on this host (:class:`Backoff`).
     """
     poll = SlotPoll(waits)
     backoff = Backoff(crowded)
