@@ -8,8 +8,13 @@ dispatch call s (buffer b = s % 2):
             rank's tokens routed to it as one message per (token, expert) into block
             [expert][me] (one row copy each, straight into the peer's memory), the
             (token, slot) meta beside them, then release-store the row of counts [me][*].
+            Destinations in turn from the next rank on, itself last; with fp8 its messages
+            to itself stay in its message rows (the receive reads them there).
   receive - wait for every source's count row; pack each expert's rows (source order) into
             recv_x [E_local, R*max_tokens, H]; push LL_DISPATCH_FREE[b][me] to every peer.
+            Each phase is one C call where host/native.py can build one (the sort of the
+            messages, each destination's copies, the pack; the combine's returns and sum),
+            and the header views and offsets it reads are made once per layout.
 combine call c (buffer b = c % 2):
   send    - wait until the owner has read its buffer b from call c-2; copy this rank's rows
             for the owner, expert by expert, as one contiguous run at the owner's base offset
