@@ -108,6 +108,9 @@ class LowLatencyHandle:
     # from (past rows a masked rank may still write), and the ranks its messages went to
     return_shift: int = 0
     sent_to: np.ndarray = None
+    # host backend: (rank, messages, tok, slot, first) when this rank's messages to itself
+    # were left in its own message rows for its receive to read (host/ll.py), until then
+    own_rows: tuple = None
 
     # DeepEP's low-latency handle is a 5-tuple; these are its entries, in its order
     DEEPEP_FIELDS = ("src_info", "layout_range", "num_max_dispatch_tokens_per_rank", "hidden",

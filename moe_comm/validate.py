@@ -104,7 +104,7 @@ def expert_ids(t, num_experts, num_tokens=None):
     # The value check reads two numbers back: a host synchronisation on a GPU, which CUDA-graph
     # capture forbids; while capturing it is skipped (the ids were checked when warming up).
     if t.numel() and not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
-        lo, hi = int(t.min()), int(t.max())
+        lo, hi = (int(v) for v in torch.aminmax(t))      # one pass, one call
         if lo < -1 or hi >= num_experts:
             bad = lo if lo < -1 else hi
             raise ValueError(f"topk_idx holds expert id {bad} outside [0, {num_experts}) "
@@ -118,10 +118,10 @@ def expert_rows(t, num_experts: int, max_tokens: int) -> None:
     can cause. One number read back, skipped while a CUDA graph is captured (expert_ids)."""
     if t.numel() <= max_tokens or (t.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
-    slots = torch.where(t >= 0, t, num_experts).flatten()       # -1 slots: a column of its own
-    per_expert = torch.bincount(slots, minlength=num_experts + 1)[:num_experts]
-    worst = int(per_expert.argmax())
-    if int(per_expert[worst]) > max_tokens:
+    # ids shifted by one: -1 slots count in column 0, which is dropped
+    per_expert = torch.bincount((t + 1).flatten(), minlength=num_experts + 1)[1:]
+    if int(per_expert.max()) > max_tokens:
+        worst = int(per_expert.argmax())
         raise ValueError(f"topk_idx sends {int(per_expert[worst])} rows to expert {worst}, more "
                          f"than num_max_dispatch_tokens_per_rank={max_tokens}: a token names "
                          "that expert more than once")

@@ -5,11 +5,13 @@ neighbours, subnormals, the clamp at 448, zeros, infinities) and ragged routing 
 without rows, empty segments)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from moe_comm.host import native, reduce
+from moe_comm.host import ll, native, reduce
 from moe_comm.quant import quantize_fp8
+from moe_comm.wire import LLLayout
 
 pytestmark = pytest.mark.skipif(native.library() is None,
                                 reason="no C compiler: the host backend uses torch's loops")
@@ -51,6 +53,13 @@ def test_fp8_cast_is_torchs_bit_for_bit(dtype, round_scale):
     assert torch.equal(got, scales)
     assert torch.equal(msgs[:, :x.shape[1]], data.view(torch.uint8))
     assert (msgs[:, x.shape[1]:] == 0xA5).all()
+    # a low-latency message: the scales right after the data, the padding left alone
+    hidden, cols = x.shape[1], x.shape[1] // 32
+    native.quantize_fp8(x, round_scale, msgs, scales_at=hidden)
+    assert torch.equal(msgs[:, hidden:hidden + cols], scales.view(torch.uint8))
+    assert (msgs[:, hidden + cols:] == 0xA5).all()
+    with pytest.raises(IndexError, match="cannot hold the scales"):
+        native.quantize_fp8(x, round_scale, msgs, scales_at=hidden + 90)
 
 
 def test_fp8_cast_of_strided_rows_and_nan():
@@ -157,3 +166,137 @@ def test_inconsistent_arguments_are_refused_not_read_past(monkeypatch):
             reduce.weighted_sum_rows(rows, ids, torch.ones(4), torch.empty(tokens, 128).bfloat16())
     assert native.sum_rows([rows, torch.ones(2, 64).bfloat16()],
                            [torch.arange(4), torch.arange(2)], 4, torch.bfloat16) is None
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bytes (random message bytes make NaN scales, which never compare equal)."""
+    return a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8),
+                                              b.contiguous().view(torch.uint8))
+
+
+def _routing(tokens=40, topk=6, experts=24, seed=5):
+    """topk_idx with -1 slots and a token naming one expert twice."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, experts, (tokens, topk), generator=g)
+    idx[torch.rand(tokens, topk, generator=g) < 0.2] = -1
+    idx[3, :2] = 7
+    return idx
+
+
+def test_low_latency_routing_sorts_like_torch(monkeypatch):
+    """The sender's counting sort in C: by expert, then token, then slot, as torch's stable
+    sort; an id outside [-1, E) is refused before anything is written."""
+    idx = _routing()
+    fast = ll._route(idx, 24)
+    monkeypatch.setenv(native.ENV, "0")
+    slow = ll._route(idx, 24)
+    for a, b in zip(fast, slow):
+        assert torch.equal(a, b)
+    monkeypatch.setenv(native.ENV, "1")
+    idx[0, 0] = 24
+    with pytest.raises(ValueError, match="outside"):
+        native.ll_route(idx, 24)
+
+
+def _region(num_local, R, M, stride, counts, seed=6):
+    """A receiver's dispatch blocks: random message bytes and meta, ``counts`` [src, le]."""
+    g = torch.Generator().manual_seed(seed)
+    slots = num_local * R * M
+    rows = torch.randint(0, 256, (slots, stride), generator=g, dtype=torch.uint8)
+    meta = torch.randint(0, 1 << 20, (slots,), generator=g).view(torch.uint8)
+    rows_in = np.zeros((R, num_local + 1), np.int64)
+    rows_in[:, :num_local] = counts.numpy()
+    return rows, meta, rows_in
+
+
+def test_low_latency_pack_and_return_match_torch(monkeypatch):
+    """The receive's pack (rows, scales, meta, ranges) and the combine's return of one owner's
+    runs give torch's bytes; a count above max_tokens is refused before a byte moves."""
+    num_local, R, M, hidden = 3, 4, 5, 256
+    stride = hidden + hidden // 32 + 8
+    counts = torch.tensor([[0, 5, 2], [1, 0, 3], [5, 5, 0], [2, 1, 4]])
+    rows, meta, rows_in = _region(num_local, R, M, stride, counts)
+    outs = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv(native.ENV, flag)
+        x = torch.full((num_local, R * M, hidden), 0xEE, dtype=torch.uint8)
+        scales = torch.full((num_local, R * M, hidden // 128), -1.0)
+        packed = native.ll_recv(rows, meta, rows_in, M, x, hidden, scales, hidden) \
+            if flag == "1" else ll._pack_torch(rows, meta, counts, M, x, hidden, scales, hidden,
+                                               False)
+        recv_meta, ranges, per_expert = packed
+        y = torch.randint(0, 256, (num_local * R * M, 2 * hidden), dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(7))
+        back = []
+        for owner in range(R):
+            n = int(ranges[:, owner, 1].sum())
+            dst = torch.zeros(n + 2, 2 * hidden, dtype=torch.uint8)
+            if not native.ll_return(y, ranges, owner, dst):
+                native.copy_rows(y, ll._return_rows(ranges, owner, R * M, n), dst, None)
+            back.append(dst)
+        outs.append((x, scales, recv_meta, ranges, per_expert, back))
+    # rows past an expert's count are left alone (recv_x) or -1 (meta) on both paths
+    for a, b in zip(outs[0][:5], outs[1][:5]):
+        assert _same(a, b)
+    for a, b in zip(outs[0][5], outs[1][5]):
+        assert _same(a, b)
+    monkeypatch.setenv(native.ENV, "1")
+    x = torch.zeros(num_local, R * M, hidden, dtype=torch.uint8)
+    rows_in[2, 1] = M + 1                                   # a peer announcing too many rows
+    with pytest.raises(ValueError, match="more than 5 rows"):
+        native.ll_recv(rows, meta, rows_in, M, x, hidden, None, hidden)
+    assert (x == 0).all()
+    ranges = outs[0][3].clone()
+    ranges[1, 2, 1] = R * M                                 # a run past its expert's block
+    with pytest.raises(IndexError, match="outside"):
+        native.ll_return(y, ranges, 2, torch.zeros(100, 2 * hidden, dtype=torch.uint8))
+
+
+def test_low_latency_combine_sum_is_torchs_bit_for_bit(monkeypatch):
+    """The combine's weighted sum of this rank's returned rows (in its message order) gives
+    reduce.weighted_sum_rows's bits on the torch path; tokens without rows get 0."""
+    idx = _routing()
+    tok, slot, _ = ll._route(idx, 24)
+    g = torch.Generator().manual_seed(8)
+    rows = (torch.randn(tok.numel(), 384, generator=g) * 4).bfloat16()
+    weights = torch.rand(idx.shape, generator=g)
+    fast = torch.full((idx.shape[0], 384), float("nan")).bfloat16()
+    assert native.ll_combine(rows, tok, slot, weights, fast)
+    monkeypatch.setenv(native.ENV, "0")
+    slow = reduce.weighted_sum_rows(rows, tok, weights[tok, slot], torch.empty_like(fast))
+    assert torch.equal(fast.view(torch.uint8), slow.view(torch.uint8))
+    monkeypatch.setenv(native.ENV, "1")
+    with pytest.raises(IndexError, match="outside topk_weights"):
+        native.ll_combine(rows, tok, slot.clamp(max=0) + 6, weights, fast)
+
+
+def test_low_latency_pack_reads_own_messages_in_place(monkeypatch):
+    """A rank's messages to itself stay in its message rows (host/ll.py): the pack that reads
+    them there gives what the pack of a region holding them gives; an own count row that
+    disagrees with the messages is refused."""
+    num_local, R, M, me, hidden = 6, 4, 40, 2, 256
+    stride = hidden + hidden // 32
+    lay = LLLayout(M, hidden, R, num_local * R)
+    idx = _routing(tokens=M, topk=5, experts=num_local * R)
+    tok, slot, first = ll._route(idx, num_local * R)
+    g = torch.Generator().manual_seed(9)
+    msgs = torch.randint(0, 256, (M, stride), generator=g, dtype=torch.uint8)
+    rows, meta, rows_in = _region(num_local, R, M, stride,
+                                  torch.zeros(R, num_local, dtype=torch.long))
+    counts = (first[1:] - first[:-1]).view(R, num_local)   # as if every rank routed alike
+    rows_in[:, :num_local] = counts.numpy()
+    own_region = rows.clone(), meta.clone()
+    ll._write_messages(msgs, tok, slot, first, me, lay, me, *own_region)
+    results = []
+    for own in (None, (me, msgs, tok, slot, first)):
+        x = torch.full((num_local, R * M, hidden), 0xEE, dtype=torch.uint8)
+        scales = torch.full((num_local, R * M, hidden // 128), -1.0)
+        region = own_region if own is None else (rows, meta)
+        packed = native.ll_recv(*region, rows_in, M, x, hidden, scales, hidden, own=own)
+        results.append((x, scales, *packed))
+    for a, b in zip(*results):
+        assert _same(a, b)
+    rows_in[me, 0] += 1
+    with pytest.raises(ValueError, match="own count row"):
+        native.ll_recv(rows, meta, rows_in, M, x, hidden, scales, hidden,
+                       own=(me, msgs, tok, slot, first))

@@ -10,14 +10,21 @@
  */
 #include <stdint.h>
 #include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
 
-/* Each exported loop is built twice on x86-64, for AVX2 and for the baseline, and the loader
- * picks the one the CPU runs (GCC's target_clones): the AVX2 build is 2-3x faster (it has
- * vector blends and 8-wide conversions), and both give the same bits (same operations per
- * channel, no FMA). */
-#if defined(__x86_64__) && defined(__GNUC__)
+/* Each exported loop is built several times on x86-64, for AVX-512 (x86-64-v4), AVX2 and the
+ * baseline, and the loader picks the one the CPU runs (GCC's target_clones): the AVX2 build is
+ * 2-3x faster than the baseline (it has vector blends and 8-wide conversions), the AVX-512 one
+ * halves the fp8 cast again (16 lanes, byte packing in one instruction, 32 registers: no
+ * spills); all give the same bits (same operations per channel, no FMA). GCC names the
+ * x86-64-v4 level from version 12 on. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+#define MOE_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#elif defined(__x86_64__) && defined(__GNUC__)
 #define MOE_CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define MOE_CLONES
@@ -151,10 +158,11 @@ static inline uint8_t f32_to_e4m3(float v) {
 }
 
 /* out[t, c] = e4m3(clamp(x[t, c] / scales[t, c / 128], -448, 448)); out rows out_stride
- * bytes apart (a message row), x rows x_stride elements apart. */
+ * bytes apart (a message row), x rows x_stride elements apart. With scales_at >= 0 the row's
+ * float32 scales follow at that byte of its out row (a low-latency message: data, scales). */
 MOE_CLONES void moe_fp8_cast(const void *x, int in_dt, int64_t num_tokens, int64_t hidden,
                   int64_t x_stride, const float *scales, uint8_t *out, int64_t out_stride,
-                  float *scratch) {
+                  float *scratch, int64_t scales_at) {
     const int64_t groups = hidden / FP8_BLOCK;
     const size_t elem = in_dt == DT_BF16 ? 2 : 4;
     for (int64_t t = 0; t < num_tokens; t++) {
@@ -171,6 +179,7 @@ MOE_CLONES void moe_fp8_cast(const void *x, int in_dt, int64_t num_tokens, int64
                 o[g * FP8_BLOCK + i] = f32_to_e4m3(q);
             }
         }
+        if (scales_at >= 0) memcpy(o + scales_at, scales + t * groups, (size_t)groups * 4);
     }
 }
 
@@ -190,5 +199,218 @@ int moe_copy_rows(const uint8_t *src, int64_t src_stride, const int64_t *src_row
         const int64_t s = src_rows ? src_rows[i] : i, d = dst_rows ? dst_rows[i] : i;
         memcpy(dst + d * dst_stride, src + s * src_stride, (size_t)nbytes);
     }
+    return 0;
+}
+
+/* ---- Low-latency mode: each phase of a call in one C call (moe_comm/host/ll.py) ----------
+ * A low-latency call moves few bytes; as torch operations its bookkeeping (sorts, index
+ * tensors, one small copy per expert) cost ~1 ms of Python per call, several times the copies
+ * themselves. These functions do a phase's index arithmetic and its copies in one pass. */
+
+/* The sender's sort: its (token, slot) messages ordered by expert, then token, then slot (a
+ * counting sort of topk [T, K]; -1 slots send nothing), what torch's stable sort by expert of
+ * the (token, slot) pairs in row order gives. counts [E]: messages per expert; first [E + 1]:
+ * where each expert's messages start (first[E] = all); tok, slot [T * K]: the messages.
+ * Returns the number of messages, or -1 (tok/slot untouched) for an id outside [-1, E). */
+int64_t moe_ll_route(const int64_t *topk, int64_t T, int64_t K, int64_t E, int64_t *counts,
+                     int64_t *first, int64_t *tok, int64_t *slot) {
+    for (int64_t e = 0; e < E; e++) counts[e] = 0;
+    for (int64_t i = 0; i < T * K; i++) {
+        const int64_t e = topk[i];
+        if (e < -1 || e >= E) return -1;
+        if (e >= 0) counts[e]++;
+    }
+    first[0] = 0;                      /* first[e + 1]: expert e's cursor, then its end */
+    for (int64_t e = 0; e < E; e++) first[e + 1] = e ? first[e] + counts[e - 1] : 0;
+    for (int64_t t = 0; t < T; t++) {
+        for (int64_t k = 0; k < K; k++) {
+            const int64_t e = topk[t * K + k];
+            if (e < 0) continue;
+            const int64_t at = first[e + 1]++;
+            tok[at] = t;
+            slot[at] = k;
+        }
+    }
+    return first[E];
+}
+
+/* The send to one rank: the messages of its experts [e_lo, e_lo + num_local) (tok, slot, first
+ * from moe_ll_route), each message row of msgs (nbytes of it) into the receiver's block
+ * [le][me]: row (le * R + me) * M + its place among the expert's messages, and its meta
+ * (token << 8 | slot) into the same row of meta. Returns -1 (nothing written) when an expert
+ * has more than M messages (they would run into the next block). */
+int moe_ll_send(const uint8_t *msgs, int64_t msg_stride, int64_t nbytes, const int64_t *tok,
+                const int64_t *slot, const int64_t *first, int64_t e_lo, int64_t num_local,
+                int64_t R, int64_t me, int64_t M, uint8_t *payload, int64_t payload_stride,
+                int64_t *meta) {
+    for (int64_t le = 0; le < num_local; le++)
+        if (first[e_lo + le + 1] - first[e_lo + le] > M) return -1;
+    for (int64_t le = 0; le < num_local; le++) {
+        const int64_t lo = first[e_lo + le], hi = first[e_lo + le + 1];
+        const int64_t row0 = (le * R + me) * M;
+        for (int64_t i = lo; i < hi; i++) {
+            memcpy(payload + (row0 + i - lo) * payload_stride, msgs + tok[i] * msg_stride,
+                   (size_t)nbytes);
+            meta[row0 + i - lo] = tok[i] << 8 | slot[i];
+        }
+    }
+    return 0;
+}
+
+/* A receive that packs at least this many bytes writes them with non-temporal stores (see
+ * copy_stream); smaller ones stay in the cache, where the caller reads them next. */
+#ifndef STREAM_MIN_BYTES
+#define STREAM_MIN_BYTES (2 << 20)
+#endif
+
+/* memcpy for output written once and not read back during the call: non-temporal stores
+ * where the CPU has them (x86-64: SSE2), which skip reading the destination's lines into
+ * the cache first and leave the cache to what the call reads (the peers' messages). 25-30%
+ * faster than memcpy for the rows of a large receive. The caller ends with stream_done(). */
+static inline void copy_stream(uint8_t *d, const uint8_t *s, size_t n) {
+#if defined(__SSE2__)
+    size_t head = (16 - ((uintptr_t)d & 15)) & 15;          /* to a 16-byte boundary */
+    if (head > n) head = n;
+    memcpy(d, s, head);
+    d += head, s += head, n -= head;
+    size_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        const __m128i a = _mm_loadu_si128((const __m128i *)(s + i));
+        const __m128i b = _mm_loadu_si128((const __m128i *)(s + i + 16));
+        const __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32));
+        const __m128i e = _mm_loadu_si128((const __m128i *)(s + i + 48));
+        _mm_stream_si128((__m128i *)(d + i), a);
+        _mm_stream_si128((__m128i *)(d + i + 16), b);
+        _mm_stream_si128((__m128i *)(d + i + 32), c);
+        _mm_stream_si128((__m128i *)(d + i + 48), e);
+    }
+    for (; i + 16 <= n; i += 16)
+        _mm_stream_si128((__m128i *)(d + i), _mm_loadu_si128((const __m128i *)(s + i)));
+    memcpy(d + i, s + i, n - i);
+#else
+    memcpy(d, s, n);
+#endif
+}
+
+/* Non-temporal stores are weakly ordered: fence them before anything that follows. */
+static inline void stream_done(void) {
+#if defined(__SSE2__)
+    _mm_sfence();
+#endif
+}
+
+/* The receive: each local expert's rows, source by source, from the blocks [le][src] of this
+ * rank's region (payload rows `stride` bytes apart, meta beside) packed into recv_x
+ * [L][R * M] (x_bytes per row), with their scales (scale_bytes at byte scales_at of a message,
+ * into recv_scales rows; none when recv_scales is NULL) and meta (recv_meta [L][R * M], -1
+ * past an expert's rows). counts [R][count_stride]: source src's count for each local expert
+ * (its row as received). Fills ranges [L][R][2] (first packed row, count) and per_expert [L].
+ * own_msgs (or NULL): the rows this rank sent itself were not copied into its region; they
+ * are read from its own messages instead (own_msgs rows own_stride bytes apart; own_tok,
+ * own_slot its sorted messages, own_first [L + 1] where its messages to each local expert
+ * start: moe_ll_route's, from its first local expert on). Returns -1 (nothing copied) when a
+ * count lies outside [0, M], -2 when this rank's own count row disagrees with own_first. */
+int moe_ll_recv(const uint8_t *payload, int64_t stride, const int64_t *meta,
+                const int64_t *counts, int64_t count_stride, int64_t L, int64_t R, int64_t M,
+                uint8_t *recv_x, int64_t x_bytes, uint8_t *recv_scales, int64_t scale_bytes,
+                int64_t scales_at, int64_t *recv_meta, int64_t *ranges, int64_t *per_expert,
+                int64_t me, const uint8_t *own_msgs, int64_t own_stride, const int64_t *own_tok,
+                const int64_t *own_slot, const int64_t *own_first) {
+    int64_t total = 0;
+    for (int64_t src = 0; src < R; src++)
+        for (int64_t le = 0; le < L; le++) {
+            const int64_t c = counts[src * count_stride + le];
+            if (c < 0 || c > M) return -1;
+            if (own_msgs && src == me && c != own_first[le + 1] - own_first[le]) return -2;
+            total += c;
+        }
+    const int stream = total * x_bytes >= STREAM_MIN_BYTES;
+    for (int64_t le = 0; le < L; le++) {
+        int64_t packed = le * R * M;
+        const int64_t start = packed;
+        for (int64_t src = 0; src < R; src++) {
+            const int64_t c = counts[src * count_stride + le];
+            const int64_t row0 = (le * R + src) * M;
+            const int own = own_msgs && src == me;
+            ranges[(le * R + src) * 2] = packed - start;
+            ranges[(le * R + src) * 2 + 1] = c;
+            for (int64_t i = 0; i < c; i++, packed++) {
+                const int64_t m = own ? own_first[le] + i : 0;
+                const uint8_t *msg = own ? own_msgs + own_tok[m] * own_stride
+                                         : payload + (row0 + i) * stride;
+                if (stream)
+                    copy_stream(recv_x + packed * x_bytes, msg, (size_t)x_bytes);
+                else
+                    memcpy(recv_x + packed * x_bytes, msg, (size_t)x_bytes);
+                if (recv_scales)
+                    memcpy(recv_scales + packed * scale_bytes, msg + scales_at,
+                           (size_t)scale_bytes);
+                recv_meta[packed] = own ? own_tok[m] << 8 | own_slot[m] : meta[row0 + i];
+            }
+        }
+        per_expert[le] = packed - start;
+        for (; packed < start + R * M; packed++) recv_meta[packed] = -1;
+    }
+    if (stream) stream_done();
+    return 0;
+}
+
+/* The combine's return of an expert rank's rows to one owner: for each local expert le in
+ * turn, its rows from that owner, [le * rows_per_expert + first, + count) of src (src_count
+ * rows, src_stride bytes apart; (first, count) = ranges[le][owner], ranges [L][R][2] as
+ * moe_ll_recv filled it), to the next rows of dst (dst_count rows); nbytes each. Returns -1
+ * (nothing copied) when a run leaves src, -2 when dst has too few rows. */
+int moe_ll_return(const uint8_t *src, int64_t src_stride, int64_t src_count,
+                  const int64_t *ranges, int64_t L, int64_t R, int64_t owner,
+                  int64_t rows_per_expert, uint8_t *dst, int64_t dst_stride, int64_t dst_count,
+                  int64_t nbytes) {
+    int64_t total = 0;
+    for (int64_t le = 0; le < L; le++) {
+        const int64_t first = ranges[(le * R + owner) * 2], c = ranges[(le * R + owner) * 2 + 1];
+        if (first < 0 || c < 0 || first + c > rows_per_expert ||
+            le * rows_per_expert + first + c > src_count) return -1;
+        total += c;
+    }
+    if (total > dst_count) return -2;
+    for (int64_t le = 0, at = 0; le < L; le++) {
+        const int64_t first = ranges[(le * R + owner) * 2], c = ranges[(le * R + owner) * 2 + 1];
+        const uint8_t *from = src + (le * rows_per_expert + first) * src_stride;
+        if (src_stride == nbytes && dst_stride == nbytes) {      /* one run, one copy */
+            memcpy(dst + at * dst_stride, from, (size_t)(c * nbytes));
+        } else {
+            for (int64_t j = 0; j < c; j++)
+                memcpy(dst + (at + j) * dst_stride, from + j * src_stride, (size_t)nbytes);
+        }
+        at += c;
+    }
+    return 0;
+}
+
+/* The combine's sum: out [T, hidden] (out_dt) = per token t, the float32 sum over the rows i
+ * of token tok[i], in row order, of weights[tok[i], slot[i]] * row i (rows: n of `hidden`
+ * bf16, row_stride bytes apart; weights float32 [T, K]): moe_sum_rows's weighted sum, with
+ * the rows found by a stable counting sort by token. `index` int64 [n + T + 1], `w` float32
+ * [n], scratch float32 [2 * hidden]. Returns -1 (nothing written) for a token or slot out of
+ * range. */
+int moe_ll_combine(const uint8_t *rows, int64_t row_stride, const int64_t *tok,
+                   const int64_t *slot, int64_t n, const float *weights, int64_t T, int64_t K,
+                   int64_t hidden, void *out, int out_dt, int64_t *index, float *w,
+                   float *scratch) {
+    int64_t *addr = index, *first = index + n;
+    for (int64_t t = 0; t <= T; t++) first[t] = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (tok[i] < 0 || tok[i] >= T || slot[i] < 0 || slot[i] >= K) return -1;
+        first[tok[i] + 1]++;
+    }
+    for (int64_t t = 0; t < T; t++) first[t + 1] += first[t];
+    /* place row i at its token's cursor (first[t] moves to the token's end, then back) */
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t at = first[tok[i]]++;
+        addr[at] = (int64_t)(intptr_t)(rows + i * row_stride);
+        w[at] = weights[tok[i] * K + slot[i]];
+    }
+    for (int64_t t = T; t > 0; t--) first[t] = first[t - 1];
+    first[0] = 0;
+    moe_sum_rows(addr, w, first, DT_BF16, hidden, T, NULL, 0, out, out_dt, scratch);
     return 0;
 }

@@ -142,6 +142,7 @@ class HostComm:
         self.ll_seq = {"dispatch": 0, "combine": 0}
         self.ll_layout = None            # the low-latency layout in use (signature.py)
         self.ll_base = {"dispatch": 0, "combine": 0}
+        self.ll_cache = {}               # ll.py: header views and offsets, built once
         self._told = self.active.copy()     # whom agreements tell: the last decision
         self.heap = PageHeap(self._own.bytes, self.heap_offset, self.heap_bytes)
         self.late_rows = LateRows(self.gone)     # LL combine rows a masked rank may write
@@ -204,6 +205,10 @@ class HostComm:
     def _remote_signal(self, rank: int, byte_offset: int, words: np.ndarray) -> None:
         for i, w in enumerate(np.atleast_1d(words).tolist()):
             self.transport.signal(rank, byte_offset + 8 * i, w)
+
+    def is_remote(self, rank: int) -> bool:
+        """Whether ``rank`` is on another host (its memory here a staging mirror)."""
+        return self.words[rank] is None
 
     def commit(self, rank: int, region: str, start: int, nbytes: int) -> None:
         """Make ``nbytes`` written at ``start`` of ``rank``'s ``region`` ("heap" or "ll")
@@ -432,6 +437,7 @@ class HostComm:
             self.transport.close()
             self.transport = None
         self._heaps = self._ll = self._ll_words = self.words = self._mem = None
+        self.ll_cache = {}
         self.heap = None
         for s in self.segments:
             if s is not None:

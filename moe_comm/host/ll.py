@@ -8,8 +8,13 @@ dispatch call s (buffer b = s % 2):
             rank's tokens routed to it as one message per (token, expert) into block
             [expert][me] (one row copy each, straight into the peer's memory), the
             (token, slot) meta beside them, then release-store the row of counts [me][*].
+            Destinations in turn from the next rank on, itself last; with fp8 its messages
+            to itself stay in its message rows (the receive reads them there).
   receive - wait for every source's count row; pack each expert's rows (source order) into
             recv_x [E_local, R*max_tokens, H]; push LL_DISPATCH_FREE[b][me] to every peer.
+            Each phase is one C call where host/native.py can build one (the sort of the
+            messages, each destination's copies, the pack; the combine's returns and sum),
+            and the header views and offsets it reads are made once per layout.
 combine call c (buffer b = c % 2):
   send    - wait until the owner has read its buffer b from call c-2; copy this rank's rows
             for the owner, expert by expert, as one contiguous run at the owner's base offset
@@ -40,21 +45,62 @@ from .reduce import weighted_sum_rows
 from ..wire import (CALL_WORDS, LL_CALL_FIELDS, LL_DONE_LOGFMT, LL_MAX_TOPK, LL_NUM_BUFFERS,
                     LLLayout, ll_msg_stride, tag_epoch, tag_value)
 
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """A [rows, bytes] uint8 tensor (any view of one) as int64 words."""
-    return t.view(torch.uint8).view(torch.int64)
+def _cached(comm, key, build):
+    """``build()``, made once per communicator: the header views and region offsets a call
+    reads are the same for every call of a layout and buffer (building them anew cost more
+    Python than a small call's copies)."""
+    got = comm.ll_cache.get(key)
+    if got is None:
+        got = comm.ll_cache[key] = build()
+    return got
 
 
-def _wait_free(comm, kind, slot_of, seq, op, on_ready):
+def _offsets(comm, lay: LLLayout, buf: int) -> dict:
+    """Byte offsets of buffer ``buf``'s parts (``LLLayout.offset``) in this rank's region."""
+    return _cached(comm, ("offsets", lay, buf), lambda: {
+        part: lay.offset(buf, part, comm.ll_stride)
+        for part in ("payload", "meta", "counts", "combine")})
+
+
+def _blocks(comm, lay: LLLayout, buf: int, rank: int, stride: int):
+    """Buffer ``buf``'s dispatch blocks in ``rank``'s region: (payload uint8 [slots,
+    stride], meta uint8 [slots * 8]), made once."""
+    def build():
+        off, slots = _offsets(comm, lay, buf), lay.num_local * lay.num_ranks * lay.max_tokens
+        region = comm.peer_ll(rank)
+        return (region[off["payload"]:off["payload"] + slots * stride].view(slots, stride),
+                region[off["meta"]:off["meta"] + slots * 8])
+    return _cached(comm, ("blocks", lay, buf, rank, stride), build)
+
+
+def _header_views(comm, word_of, buf: int, n: int = 1) -> dict:
+    """``{rank: n words of this rank's header at word_of(buf, rank)}``, made once."""
+    return _cached(comm, (word_of.__name__, buf, n), lambda: {
+        r: comm.slot(comm.rank, word_of(buf, r), n) for r in range(comm.num_ranks)})
+
+
+def _send_order(comm) -> list:
+    """The ranks in the order this rank sends to them: the next ranks first, itself last.
+    Every rank then starts with a different peer, and the data a rank's own receive waits for
+    from its peers is written while it writes its own share (with itself first, a rank's
+    receive would wait for the share a peer writes last)."""
+    me, R = comm.rank, comm.num_ranks
+    return [(me + 1 + i) % R for i in range(R)]
+
+
+def _wait_free(comm, kind, word_of, buf, seq, op, on_ready):
     """Run ``on_ready(rank)`` for every active rank once its buffer is free for call ``seq``
-    (it pushed ``slot_of(rank)`` = seq - 2 into this rank's header); the first two calls
-    after a start or a reset have nothing to wait for."""
-    me = comm.rank
+    (it pushed ``word_of(buf, rank)`` = seq - 2 into this rank's header), in
+    :func:`_send_order` where they are free alike; the first two calls after a start or a
+    reset have nothing to wait for."""
     if seq <= comm.ll_base[kind] + LL_NUM_BUFFERS:
-        for r in np.flatnonzero(comm.active).tolist():
-            on_ready(r, None)
+        for r in _send_order(comm):
+            if comm.active[r]:
+                on_ready(r, None)
         return
-    waits = {r: comm.slot(me, slot_of(r)) for r in range(comm.num_ranks)}
+    views = _header_views(comm, word_of, buf)
+    waits = _cached(comm, ("send order", word_of.__name__, buf),
+                    lambda: {r: views[r] for r in _send_order(comm)})
     comm.wait(waits, seq - LL_NUM_BUFFERS, op, on_ready)
 
 
@@ -81,46 +127,71 @@ def _publish_free(comm, slot, seq):
     comm.signal_each(np.flatnonzero(comm.active), slot, seq, 0)
 
 
+def _route(topk_idx: torch.Tensor, num_experts: int):
+    """This rank's messages, one per (token, slot) with an expert, sorted by expert, then
+    token, then slot: (tok, slot int64 [n], first int64 [E + 1]: where each expert's messages
+    start; first[E] = n). One C pass where it can run, else torch's stable sort."""
+    routed = native.ll_route(topk_idx, num_experts)
+    if routed is not None:
+        return routed
+    tok, slot = (topk_idx >= 0).nonzero(as_tuple=True)     # sorted by token, then slot
+    expert = topk_idx[tok, slot]
+    order = torch.sort(expert, stable=True).indices         # by expert, then token
+    first = torch.zeros(num_experts + 1, dtype=torch.int64)
+    torch.cumsum(torch.bincount(expert, minlength=num_experts), 0, out=first[1:])
+    return tok[order], slot[order], first
+
+
+def _messages(x, use_fp8, round_scale, stride):
+    """The message row of every token: fp8 bytes then float32 scales (cast once per token,
+    in C where it can run), or the bf16 token itself."""
+    if not use_fp8:
+        return x.view(torch.uint8)
+    hidden = x.shape[1]
+    msgs = torch.empty(x.shape[0], stride, dtype=torch.uint8)
+    if native.quantize_fp8(x, round_scale, msgs, scales_at=hidden) is None:
+        data, scales = quantize_fp8(x, round_scale)
+        msgs[:, :hidden] = data.view(torch.uint8)
+        msgs[:, hidden:hidden + hidden // 32] = scales.view(torch.uint8)
+    return msgs
+
+
+def _write_messages(msgs, tok, slot, first, dst, lay: LLLayout, me, rows, meta) -> None:
+    """This rank's messages to ``dst``'s experts into its blocks [le][me]: ``rows`` uint8
+    [slots, stride] and ``meta`` uint8 [slots * 8] of its region; one C call, or a row copy
+    per message (torch's indexing where the C loops cannot run)."""
+    L, R, M = lay.num_local, lay.num_ranks, lay.max_tokens
+    if native.library() is not None:
+        native.ll_send(msgs, tok, slot, first, dst * L, L, R, me, M, rows, meta)
+        return
+    lo, hi = int(first[dst * L]), int(first[(dst + 1) * L])
+    counts = first[dst * L + 1:(dst + 1) * L + 1] - first[dst * L:(dst + 1) * L]
+    le = torch.repeat_interleave(torch.arange(L), counts, output_size=hi - lo)
+    # the row of each message: block [le][me], then its place among le's messages
+    at_row = (le * R + me) * M + torch.arange(lo, hi) - first[dst * L:(dst + 1) * L][le]
+    copy_rows(msgs, tok[lo:hi], rows, at_row)
+    meta_bytes = ((tok[lo:hi] << 8) | slot[lo:hi]).view(torch.uint8).view(-1, 8)
+    copy_rows(meta_bytes, None, meta.view(-1, 8), at_row)
+
+
 def dispatch_send(comm, *, x, topk_idx, lay: LLLayout, use_fp8, round_scale, buffer_key):
     """Post this rank's messages. Returns the handle (completed by :func:`dispatch_recv`)."""
     comm.start_call()
     me, R, num_local = comm.rank, comm.num_ranks, lay.num_local
     num_tokens, hidden = x.shape
     stride = ll_msg_stride(hidden, use_fp8)
-    if use_fp8:
-        msgs = torch.empty(num_tokens, stride, dtype=torch.uint8)
-        scales = native.quantize_fp8(x, round_scale, msgs)     # the e4m3 bytes in place
-        if scales is None:
-            data, scales = quantize_fp8(x, round_scale)
-            msgs[:, :hidden] = data.view(torch.uint8)
-        msgs[:, hidden:hidden + hidden // 32] = scales.view(torch.uint8)
-    else:
-        msgs = x.view(torch.uint8)
-    valid = topk_idx >= 0
-    tok, slot = valid.nonzero(as_tuple=True)               # sorted by token, then slot
-    expert = topk_idx[tok, slot]
-    order = torch.sort(expert, stable=True).indices         # by expert, then token
-    tok, slot, expert = tok[order], slot[order], expert[order]
-    meta = (tok << 8) | slot
-    counts = torch.bincount(expert, minlength=lay.num_experts)
+    msgs = _messages(x, use_fp8, round_scale, stride)
+    tok, slot, first = _route(topk_idx, lay.num_experts)
     shift = _place_return_rows(comm, lay, tok.numel(), hidden)    # before anything moves
     comm.ll_seq["dispatch"] += 1
     seq = comm.ll_seq["dispatch"]
     buf = seq % LL_NUM_BUFFERS
-    first_of = torch.cumsum(counts, 0) - counts             # each expert's first message
-    starts = first_of.tolist() + [tok.numel()]
-    counts_l = counts.tolist()
-    half = comm.ll_stride
-    payload, meta_off = lay.offset(buf, "payload", half), lay.offset(buf, "meta", half)
-    count_off = lay.offset(buf, "counts", half) + me * lay.count_row_words * 8
-    slots = num_local * R * lay.max_tokens
-    # this rank's messages to expert e land in rows [(le*R + me)*M, +count) of its owner
-    bounds = [starts[d * num_local] if d < R else tok.numel() for d in range(R + 1)]
-
+    first_l = first.tolist()
+    off = _offsets(comm, lay, buf)
+    payload, meta_off = off["payload"], off["meta"]
+    count_off = off["counts"] + me * lay.count_row_words * 8
+    call_word = comm.layout.ll_call(buf, me)
     M = lay.max_tokens
-    # row of each message in its owner's payload: block [le][me], then its place in the run
-    at_row = ((expert % num_local) * R + me) * M + torch.arange(tok.numel()) - first_of[expert]
-    meta_bytes = meta.view(torch.uint8).view(-1, 8)
     call_row = signature.low_latency(hidden=hidden, use_fp8=use_fp8, round_scale=round_scale,
                                      topk=topk_idx.shape[1], num_experts=lay.num_experts,
                                      max_tokens=M,
@@ -128,39 +199,43 @@ def dispatch_send(comm, *, x, topk_idx, lay: LLLayout, use_fp8, round_scale, buf
                                          comm, (lay.max_tokens, hidden, lay.num_experts)))
 
     sent_to = np.zeros(R, dtype=bool)
+    # the messages to itself stay in msgs, for its receive to copy once, straight into
+    # recv_x (one copy of 1/R of the payload saved); fp8 only: bf16 messages are the caller's
+    # x, which may change before a hooked receive runs
+    own_rows = (me, msgs, tok, slot, first) if use_fp8 and native.library() is not None \
+        else None
 
     def send(dst, _grant):
         comm.check_fence()             # a rank the survivors masked writes nothing
         sent_to[dst] = True
         # the signature first: a receiver with another layout still finds it (moe_comm/
         # signature.py), and checks it before it trusts the count row
-        comm.signal(dst, comm.layout.ll_call(buf, me), seq, call_row)
-        region = comm.peer_ll(dst)
-        lo, hi = bounds[dst], bounds[dst + 1]
-        if hi > lo:            # each message one copy straight into the peer's block
-            copy_rows(msgs, tok[lo:hi], region[payload:payload + slots * stride].view(
-                slots, stride), at_row[lo:hi])
-            copy_rows(meta_bytes[lo:hi], None, region[meta_off:meta_off + slots * 8].view(
-                slots, 8), at_row[lo:hi])
-            for le in range(num_local):          # the byte runs a network peer gets
-                e = dst * num_local + le
-                if counts_l[e]:
-                    at = (le * R + me) * M
-                    comm.commit(dst, "ll", payload + at * stride, counts_l[e] * stride)
-                    comm.commit(dst, "ll", meta_off + at * 8, counts_l[e] * 8)
-        comm.ll_signal(dst, count_off, seq,
-                       counts_l[dst * num_local:(dst + 1) * num_local] + [bounds[dst] + shift])
+        comm.signal(dst, call_word, seq, call_row)
+        e_lo = dst * num_local
+        counts = [first_l[e + 1] - first_l[e] for e in range(e_lo, e_lo + num_local)]
+        if first_l[e_lo + num_local] > first_l[e_lo] and \
+                not (dst == me and own_rows is not None):       # each message one row copy
+            _write_messages(msgs, tok, slot, first, dst, lay, me,
+                            *_blocks(comm, lay, buf, dst, stride))
+            if comm.is_remote(dst):                       # the byte runs a network peer gets
+                for le, c in enumerate(counts):
+                    if c:
+                        at = (le * R + me) * M
+                        comm.commit(dst, "ll", payload + at * stride, c * stride)
+                        comm.commit(dst, "ll", meta_off + at * 8, c * 8)
+        comm.ll_signal(dst, count_off, seq, counts + [first_l[e_lo] + shift])
 
-    _wait_free(comm, "dispatch", lambda r: comm.layout.ll_dispatch_free(buf, r), seq,
+    _wait_free(comm, "dispatch", comm.layout.ll_dispatch_free, buf, seq,
                "low_latency_dispatch/free", send)
     return LowLatencyHandle(buffer_key, seq, buf, lay.max_tokens, hidden, lay.num_experts,
                             num_tokens, topk_idx.shape[1], send_tok=tok, send_slot=slot,
-                            call_row=call_row, return_shift=shift, sent_to=sent_to)
+                            call_row=call_row, return_shift=shift, sent_to=sent_to,
+                            own_rows=own_rows)
 
 
 def _combine_offsets(comm, lay: LLLayout) -> list:
     """Where each buffer's combine rows start in this rank's low-latency region."""
-    return [lay.offset(b, "combine", comm.ll_stride) for b in range(LL_NUM_BUFFERS)]
+    return [_offsets(comm, lay, b)["combine"] for b in range(LL_NUM_BUFFERS)]
 
 
 def _place_return_rows(comm, lay: LLLayout, rows: int, hidden: int) -> int:
@@ -184,8 +259,7 @@ def _check_signatures(comm, handle) -> None:
     rank's; else every rank raises CallMismatchError here, before reading what a source with
     another layout wrote, and frees the buffer so the next agreeing calls go on."""
     me, buf = comm.rank, handle.buf
-    waits = {s: comm.slot(me, comm.layout.ll_call(buf, s), CALL_WORDS)
-             for s in range(comm.num_ranks)}
+    waits = _header_views(comm, comm.layout.ll_call, buf, CALL_WORDS)
     comm.wait(waits, handle.seq, "low_latency_dispatch/signature")
     try:
         signature.check("low_latency_dispatch", {s: tag_value(waits[s]) for s in
@@ -203,22 +277,45 @@ def dispatch_recv(comm, handle: LowLatencyHandle, lay: LLLayout, *, recv_x, recv
     me, R, num_local, buf = comm.rank, comm.num_ranks, lay.num_local, handle.buf
     hidden, M = handle.hidden, lay.max_tokens
     stride = ll_msg_stride(hidden, use_fp8)
-    count_off = lay.offset(buf, "counts", comm.ll_stride)
+    off = _offsets(comm, lay, buf)
     comm.start_call()
     start_ns = time.monotonic_ns()
     _check_signatures(comm, handle)
-    waits = {s: comm.ll_slot(me, count_off + s * lay.count_row_words * 8, num_local + 1)
-             for s in range(R)}
+    # every source's count row, one block of this rank's region: [src, count_row_words]
+    rows_words = comm.ll_slot(me, off["counts"], R * lay.count_row_words).reshape(R, -1)
+    waits = {s: rows_words[s, :num_local + 1] for s in range(R)}
     _timed_wait(comm, waits, handle.seq, "low_latency_dispatch/recv", wait_stats, start_ns)
     if comm.elastic:
         comm.agree("low_latency_dispatch")
-    zeros = np.zeros(num_local + 1, np.int64)        # inactive sources sent nothing
-    rows_in = torch.from_numpy(np.stack([tag_value(waits[s]) if comm.active[s] else zeros
-                                         for s in range(R)]).astype(np.int64))
-    counts, return_base = rows_in[:, :num_local], rows_in[:, num_local]   # [src, le], [src]
-    region = comm.peer_ll(me)
-    payload = lay.offset(buf, "payload", comm.ll_stride)
-    meta_off = lay.offset(buf, "meta", comm.ll_stride)
+    rows_in = tag_value(rows_words[:, :num_local + 1])     # a copy, read once
+    rows_in[~comm.active] = 0                              # inactive sources sent nothing
+    region_rows, meta = _blocks(comm, lay, buf, me, stride)
+    row_bytes = hidden if use_fp8 else hidden * 2
+    own, handle.own_rows = handle.own_rows, None
+    packed = None if use_ue8m0 else native.ll_recv(
+        region_rows, meta, rows_in, M, recv_x, row_bytes, recv_scales if use_fp8 else None,
+        hidden, own=own)
+    if packed is None:
+        if own is not None:     # torch's packing reads every row from the region
+            _write_messages(*own[1:], me, lay, me, region_rows, meta)
+        packed = _pack_torch(region_rows, meta, torch.from_numpy(rows_in[:, :num_local]), M,
+                             recv_x, row_bytes, recv_scales if use_fp8 else None, hidden,
+                             use_ue8m0)
+    recv_meta, ranges, per_expert = packed
+    recv_count.copy_(per_expert)
+    if stats is not None:
+        stats += per_expert.to(stats.dtype)
+    handle.recv_meta, handle.recv_ranges, handle.received = recv_meta, ranges, True
+    handle.return_base = torch.from_numpy(rows_in[:, num_local])
+    _publish_free(comm, comm.layout.ll_dispatch_free(buf, me), handle.seq)
+
+
+def _pack_torch(region_rows, meta, counts, M, recv_x, row_bytes, recv_scales, hidden,
+                use_ue8m0):
+    """dispatch_recv's packing with torch's indexing (no C loops, or UE8M0 scales):
+    ``counts`` int64 [src, local expert]; returns (recv_meta, ranges, per_expert) as
+    native.ll_recv does."""
+    R, num_local = counts.shape
     slots = num_local * R * M
     by_expert = counts.t().contiguous()                     # [local expert, src]
     flat = by_expert.flatten()
@@ -227,26 +324,17 @@ def dispatch_recv(comm, handle: LowLatencyHandle, lay: LLLayout, *, recv_x, recv
     src_row = block * M + i                                 # where src wrote it
     packed = (torch.cumsum(by_expert, 1) - by_expert).flatten()[block] + i
     dst_row = (block // R) * (R * M) + packed               # where recv_x wants it
-    region_rows = region[payload:payload + slots * stride].view(slots, stride)
-    row_bytes = hidden if use_fp8 else hidden * 2
-    copy_rows(region_rows[:, :row_bytes], src_row, recv_x.view(torch.uint8).view(slots, row_bytes),
-              dst_row)
-    if use_fp8:
+    copy_rows(region_rows[:, :row_bytes], src_row,
+              recv_x.view(torch.uint8).view(slots, row_bytes), dst_row)
+    if recv_scales is not None:
         s = region_rows[:, hidden:hidden + hidden // 32].index_select(0, src_row)
         s = s.view(torch.float32)
         s = pack_ue8m0(s) if use_ue8m0 else s
         recv_scales.view(slots, -1).index_copy_(0, dst_row, s)
     recv_meta = torch.full((num_local, R * M), -1, dtype=torch.int64)
-    recv_meta.view(-1).index_copy_(0, dst_row, region[meta_off:meta_off + slots * 8].view(
-        torch.int64).index_select(0, src_row))
+    recv_meta.view(-1).index_copy_(0, dst_row, meta.view(torch.int64).index_select(0, src_row))
     ranges = torch.stack([torch.cumsum(by_expert, 1) - by_expert, by_expert], -1)
-    per_expert = by_expert.sum(1)
-    recv_count.copy_(per_expert.to(torch.int32))
-    if stats is not None:
-        stats += per_expert.to(stats.dtype)
-    handle.recv_meta, handle.recv_ranges, handle.received = recv_meta, ranges, True
-    handle.return_base = return_base
-    _publish_free(comm, comm.layout.ll_dispatch_free(buf, me), handle.seq)
+    return recv_meta, ranges, by_expert.sum(1)
 
 
 def combine_send(comm, *, x, handle: LowLatencyHandle, lay: LLLayout, use_logfmt=False):
@@ -259,50 +347,47 @@ def combine_send(comm, *, x, handle: LowLatencyHandle, lay: LLLayout, use_logfmt
     buf = seq % LL_NUM_BUFFERS
     me = comm.rank
     hidden = x.shape[-1]
-    ranges = handle.recv_ranges
-    comb_off = lay.offset(buf, "combine", comm.ll_stride)
+    comb_off = _offsets(comm, lay, buf)["combine"]
 
     bases = handle.return_base.tolist()
-    rows_of = _return_rows(ranges, x.shape[1])
-    x_bytes = x.view(-1, hidden).view(torch.uint8)          # [le * R*M + row, 2H]
+    ranges = handle.recv_ranges
+    sizes = ranges[:, :, 1].sum(0).tolist()                 # rows back to each owner
+    x_rows = x.view(-1, hidden)                              # [le * R*M + row, H]
+    x_bytes = x_rows.view(torch.uint8)
 
     def send(owner, _grant):
         # this rank's rows for `owner`, expert by expert, are one run of the owner's messages
-        idx = rows_of[owner]
-        n = idx.numel()
+        n = sizes[owner]
         comm.check_fence()             # a rank the survivors masked writes nothing
         if n:
             at = comb_off + bases[owner] * hidden * 2
             if use_logfmt:
-                rows = logfmt.encode(x.view(-1, hidden).index_select(0, idx))
+                rows = logfmt.encode(x_rows.index_select(
+                    0, _return_rows(ranges, owner, x.shape[1], n)))
                 comm.peer_ll(owner)[at:at + rows.numel()].view(rows.shape).copy_(rows)
                 comm.commit(owner, "ll", at, rows.numel())
             else:
-                copy_rows(x_bytes, idx, comm.peer_ll(owner)[at:at + n * hidden * 2].view(
-                    n, hidden * 2), None)
+                dst = comm.peer_ll(owner)[at:at + n * hidden * 2].view(n, hidden * 2)
+                if not native.ll_return(x_bytes, ranges, owner, dst):
+                    copy_rows(x_bytes, _return_rows(ranges, owner, x.shape[1], n), dst, None)
                 comm.commit(owner, "ll", at, n * hidden * 2)
         comm.signal(owner, comm.layout.ll_combine_done(buf, me), seq,
                     n | (LL_DONE_LOGFMT if use_logfmt else 0))
 
-    _wait_free(comm, "combine", lambda r: comm.layout.ll_combine_free(buf, r), seq,
+    _wait_free(comm, "combine", comm.layout.ll_combine_free, buf, seq,
                "low_latency_combine/free", send)
     return seq, buf
 
 
-def _return_rows(ranges: torch.Tensor, rows_per_expert: int) -> list:
-    """For each owner, the rows of the combine input (viewed as [E_local * R*M, H]) that go
-    back to it, expert by expert: ``ranges`` [E_local, R, (start, count)] of the handle."""
-    num_local, R = ranges.shape[0], ranges.shape[1]
-    first = ranges[:, :, 0] + (torch.arange(num_local) * rows_per_expert).unsqueeze(1)
-    out = []
-    for owner in range(R):
-        counts = ranges[:, owner, 1]
-        n = int(counts.sum())
-        # row i of the run: first row of its expert's block + its place in that block
-        base = torch.repeat_interleave(first[:, owner] - (torch.cumsum(counts, 0) - counts),
-                                       counts, output_size=n)
-        out.append(base + torch.arange(n))
-    return out
+def _return_rows(ranges: torch.Tensor, owner: int, rows_per_expert: int, n: int):
+    """The ``n`` rows of the combine input (viewed as [E_local * R*M, H]) that go back to
+    ``owner``, expert by expert: ``ranges`` [E_local, R, (start, count)] of the handle."""
+    first = ranges[:, owner, 0] + torch.arange(ranges.shape[0]) * rows_per_expert
+    counts = ranges[:, owner, 1]
+    # row i: first row of its expert's run + its place in that run
+    base = torch.repeat_interleave(first - (torch.cumsum(counts, 0) - counts), counts,
+                                   output_size=n)
+    return base + torch.arange(n)
 
 
 def combine_recv(comm, seq, buf, lay: LLLayout, *, handle, topk_idx, topk_weights, out,
@@ -311,14 +396,13 @@ def combine_recv(comm, seq, buf, lay: LLLayout, *, handle, topk_idx, topk_weight
     ``wait_stats``: int64 [R] or None, adds the ns waited for each rank's rows."""
     me, R = comm.rank, comm.num_ranks
     comm.start_call()
-    waits = {s: comm.slot(me, comm.layout.ll_combine_done(buf, s)) for s in range(R)}
+    waits = _header_views(comm, comm.layout.ll_combine_done, buf)
     _timed_wait(comm, waits, seq, "low_latency_combine/recv", wait_stats,
                 time.monotonic_ns())
     if comm.elastic:
         comm.agree("low_latency_combine")
-    num_tokens, topk = topk_idx.shape
     hidden = out.shape[1]
-    comb_off = lay.offset(buf, "combine", comm.ll_stride)
+    comb_off = _offsets(comm, lay, buf)["combine"]
     tok, slot = handle.send_tok, handle.send_slot          # my messages, in return order
     n = tok.numel()
     at = comb_off + handle.return_shift * hidden * 2
@@ -329,15 +413,16 @@ def combine_recv(comm, seq, buf, lay: LLLayout, *, handle, topk_idx, topk_weight
         _publish_free(comm, comm.layout.ll_combine_free(buf, me), seq)
         raise CallMismatchError("low_latency_combine", {"use_logfmt": {
             **encoded, me: bool(use_logfmt)}})
-    owner = topk_idx[tok, slot] // lay.num_local
+    everyone = comm.active.all()
+    owner = None if everyone and not use_logfmt else topk_idx[tok, slot] // lay.num_local
     rows = _decoded(region, owner, hidden, R) if use_logfmt else \
         region.view(torch.bfloat16).view(n, hidden)
-    if not comm.active.all():       # rows of inactive expert ranks never came (or are void)
+    if not everyone:                # rows of inactive expert ranks never came (or are void)
         _hold_late_rows(comm, handle, seq, owner, at, hidden, waits)
         keep = torch.from_numpy(comm.active)[owner]
         tok, slot, rows = tok[keep], slot[keep], rows[keep]
-        n = tok.numel()
-    weighted_sum_rows(rows, tok, topk_weights[tok, slot].float(), out)
+    if not native.ll_combine(rows, tok, slot, topk_weights, out):
+        weighted_sum_rows(rows, tok, topk_weights[tok, slot].float(), out)
     _publish_free(comm, comm.layout.ll_combine_free(buf, me), seq)
     return out
 

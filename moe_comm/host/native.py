@@ -45,10 +45,18 @@ _I = ctypes.c_int64
 _SIGNATURES = {
     "moe_sum_rows": (_P, _P, _P, ctypes.c_int, _I, _I, _P, ctypes.c_int, _P, ctypes.c_int, _P),
     "moe_fp8_scales": (_P, ctypes.c_int, _I, _I, _I, _P, _P),
-    "moe_fp8_cast": (_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P),
+    "moe_fp8_cast": (_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P, _I),
     "moe_copy_rows": (_P, _I, _P, _I, _P, _I, _P, _I, _I, _I),
+    "moe_ll_route": (_P, _I, _I, _I, _P, _P, _P, _P),
+    "moe_ll_send": (_P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _I, _P, _I, _P),
+    "moe_ll_recv": (_P, _I, _P, _P, _I, _I, _I, _I, _P, _I, _P, _I, _I, _P, _P, _P,
+                    _I, _P, _I, _P, _P, _P),
+    "moe_ll_return": (_P, _I, _I, _P, _I, _I, _I, _I, _P, _I, _I, _I),
+    "moe_ll_combine": (_P, _I, _P, _P, _I, _P, _I, _I, _I, _P, ctypes.c_int, _P, _P, _P),
 }
-_RETURNS = {"moe_copy_rows": ctypes.c_int}
+_RETURNS = {"moe_copy_rows": ctypes.c_int, "moe_ll_route": _I, "moe_ll_send": ctypes.c_int,
+            "moe_ll_recv": ctypes.c_int, "moe_ll_return": ctypes.c_int,
+            "moe_ll_combine": ctypes.c_int}
 
 
 def _compiler() -> str | None:
@@ -145,14 +153,19 @@ def sum_rows(segments, ids_per_segment, num_tokens: int, out_dtype, biases=(),
     return out
 
 
-def quantize_fp8(x: torch.Tensor, round_scale: bool, out: torch.Tensor):
+def quantize_fp8(x: torch.Tensor, round_scale: bool, out: torch.Tensor,
+                 scales_at: int | None = None):
     """quant.quantize_fp8 in C, the e4m3 bytes written straight into ``out`` (uint8 rows of
-    at least H bytes: the messages of a low-latency dispatch). Returns the float32 scales
-    [T, H/128], or None (nothing written) where the C loops cannot run it."""
+    at least H bytes: the messages of a low-latency dispatch), and with ``scales_at`` each
+    row's float32 scales after them at that byte. Returns the float32 scales [T, H/128], or
+    None (nothing written) where the C loops cannot run it."""
     lib = library()
     if lib is None or not _rows_ok(x) or out.stride(1) != 1 or out.dtype != torch.uint8:
         return None
     tokens, hidden = x.shape
+    if scales_at is not None and out.shape[1] < scales_at + hidden // 32:
+        raise IndexError(f"quantize_fp8: rows of {out.shape[1]} bytes cannot hold the scales "
+                         f"at byte {scales_at}")
     scales = torch.empty(tokens, hidden // 128, dtype=torch.float32)
     scratch = torch.empty(max(hidden, 1), dtype=torch.float32)
     dt = DTYPES[x.dtype]
@@ -161,7 +174,8 @@ def quantize_fp8(x: torch.Tensor, round_scale: bool, out: torch.Tensor):
     if round_scale:         # torch's own rounding of the (few) scales: quant.py's exactly
         scales = torch.exp2(torch.ceil(torch.log2(scales)))
     lib.moe_fp8_cast(x.data_ptr(), dt, tokens, hidden, x.stride(0), scales.data_ptr(),
-                     out.data_ptr(), out.stride(0), scratch.data_ptr())
+                     out.data_ptr(), out.stride(0), scratch.data_ptr(),
+                     -1 if scales_at is None else scales_at)
     return scales
 
 
@@ -199,3 +213,122 @@ def copy_rows(src: torch.Tensor, src_rows, dst: torch.Tensor, dst_rows) -> None:
     if err:
         side, rows = ("source", src) if err == -1 else ("destination", dst)
         raise IndexError(f"copy_rows: a {side} row outside [0, {rows.shape[0]})")
+
+
+# -- low-latency mode: one C call per phase (moe_comm/host/ll.py) ------------------------------
+# Each returns None where the C loops cannot run (ll.py then runs its torch code); arguments
+# are the ll.py's own, already checked by moe_comm/validate.py, and the C code checks the
+# indices it is given again before any byte moves (a peer's counts above all).
+
+def ll_route(topk_idx: torch.Tensor, num_experts: int):
+    """This rank's (token, slot) messages sorted by expert, then token, then slot: (tok, slot
+    int64 [n], first int64 [E + 1]: where each expert's messages start), or None."""
+    lib = library()
+    if lib is None:
+        return None
+    idx = topk_idx.contiguous()
+    tokens, topk = idx.shape
+    first = torch.empty(num_experts + 1, dtype=torch.int64)
+    counts = torch.empty(num_experts, dtype=torch.int64)
+    tok = torch.empty(tokens * topk, dtype=torch.int64)
+    slot = torch.empty(tokens * topk, dtype=torch.int64)
+    n = lib.moe_ll_route(idx.data_ptr(), tokens, topk, num_experts, counts.data_ptr(),
+                         first.data_ptr(), tok.data_ptr(), slot.data_ptr())
+    if n < 0:
+        raise ValueError(f"topk_idx holds an expert id outside [-1, {num_experts})")
+    return tok[:n], slot[:n], first
+
+
+def ll_send(msgs: torch.Tensor, tok, slot, first, expert_lo: int, num_local: int,
+            num_ranks: int, me: int, max_tokens: int, payload: torch.Tensor,
+            meta: torch.Tensor) -> None:
+    """Write this rank's messages to experts [expert_lo, expert_lo + num_local) into one
+    receiver's blocks: ``payload`` uint8 [slots, msg bytes] and ``meta`` uint8 [slots * 8] of
+    its region (ll_route's ``tok``, ``slot``, ``first``)."""
+    err = library().moe_ll_send(msgs.data_ptr(), msgs.stride(0), msgs.shape[1], tok.data_ptr(),
+                                slot.data_ptr(), first.data_ptr(), expert_lo, num_local,
+                                num_ranks, me, max_tokens, payload.data_ptr(),
+                                payload.stride(0), meta.data_ptr())
+    if err:
+        raise IndexError(f"low-latency dispatch: more than {max_tokens} messages for one "
+                         "expert")
+
+
+def ll_recv(payload: torch.Tensor, meta: torch.Tensor, counts, max_tokens: int,
+            recv_x: torch.Tensor, row_bytes: int, recv_scales, scales_at: int, own=None):
+    """Pack the received rows per local expert: ``payload`` uint8 [slots, msg bytes] and
+    ``meta`` (uint8, 8 per slot) of this rank's region, ``counts`` numpy int64 [R, >= L] (each
+    source's count row); into ``recv_x`` (contiguous, ``row_bytes`` per row) and
+    ``recv_scales`` (contiguous float32, or None). ``own``: (rank, msgs, tok, slot, first)
+    where this rank's messages to itself stayed in ``msgs`` (ll_route's ``tok``, ``slot``,
+    ``first``) rather than in its region. Returns (recv_meta int64 [L, R*M], ranges int64
+    [L, R, 2], per_expert int64 [L]), or None where the C loops cannot run."""
+    lib = library()
+    if lib is None or not recv_x.is_contiguous() or \
+            (recv_scales is not None and not recv_scales.is_contiguous()):
+        return None
+    num_local = recv_x.shape[0]
+    R = counts.shape[0]
+    recv_meta = torch.empty(num_local, R * max_tokens, dtype=torch.int64)
+    ranges = torch.empty(num_local, R, 2, dtype=torch.int64)
+    per_expert = torch.empty(num_local, dtype=torch.int64)
+    scale_bytes = 0 if recv_scales is None else recv_scales[0, 0].numel() * 4
+    me, msgs, tok, slot, first = own if own is not None else (-1, None, None, None, None)
+    err = lib.moe_ll_recv(payload.data_ptr(), payload.stride(0), meta.data_ptr(),
+                          counts.ctypes.data, counts.strides[0] // 8, num_local, R, max_tokens,
+                          recv_x.data_ptr(), row_bytes,
+                          None if recv_scales is None else recv_scales.data_ptr(),
+                          scale_bytes, scales_at, recv_meta.data_ptr(), ranges.data_ptr(),
+                          per_expert.data_ptr(), me,
+                          *((None, 0, None, None, None) if own is None else
+                            (msgs.data_ptr(), msgs.stride(0), tok.data_ptr(), slot.data_ptr(),
+                             first.data_ptr() + me * num_local * 8)))
+    if err == -1:
+        raise ValueError(f"low-latency dispatch: a source announced more than {max_tokens} "
+                         "rows for one expert (a peer with another layout?)")
+    if err:
+        raise ValueError("low-latency dispatch: this rank's own count row disagrees with "
+                         "its messages")
+    return recv_meta, ranges, per_expert
+
+
+def ll_return(src: torch.Tensor, ranges: torch.Tensor, owner: int, dst: torch.Tensor) -> bool:
+    """The combine's return to ``owner``: for each local expert in turn, its rows from that
+    owner (``ranges`` int64 [L, R, (first, count)] of the handle) of ``src`` (uint8 [L * R*M,
+    bytes], rows contiguous), into the first rows of ``dst``; False (nothing copied) where the
+    C loops cannot run."""
+    lib = library()
+    if lib is None or src.stride(1) != 1 or dst.stride(1) != 1 or not ranges.is_contiguous():
+        return False
+    num_local, R = ranges.shape[0], ranges.shape[1]
+    err = lib.moe_ll_return(src.data_ptr(), src.stride(0), src.shape[0], ranges.data_ptr(),
+                            num_local, R, owner, src.shape[0] // num_local, dst.data_ptr(),
+                            dst.stride(0), dst.shape[0], src.shape[1])
+    if err:
+        raise IndexError("low-latency combine: a run of rows outside the expert's block or "
+                         "past the destination's rows")
+    return True
+
+
+def ll_combine(rows: torch.Tensor, tok, slot, weights: torch.Tensor, out: torch.Tensor) -> bool:
+    """``out`` [T, H] = per token, the float32 sum of ``weights[tok[i], slot[i]] * rows[i]``
+    over its rows in row order (reduce.weighted_sum_rows's bits); False (nothing written)
+    where the C loops cannot run it."""
+    lib = library()
+    if lib is None or rows.dtype != torch.bfloat16 or not _rows_ok(rows) or \
+            weights.dtype != torch.float32 or not weights.is_contiguous() or \
+            not out.is_contiguous() or out.dtype not in DTYPES or \
+            tuple(out.shape) != (weights.shape[0], rows.shape[1]):
+        return False
+    n, hidden = rows.shape
+    tokens, topk = weights.shape
+    index = torch.empty(n + tokens + 1, dtype=torch.int64)
+    w = torch.empty(n, dtype=torch.float32)
+    scratch = torch.empty(2 * max(hidden, 1), dtype=torch.float32)
+    err = lib.moe_ll_combine(rows.data_ptr(), rows.stride(0) * 2, tok.data_ptr(),
+                             slot.data_ptr(), n, weights.data_ptr(), tokens, topk, hidden,
+                             out.data_ptr(), DTYPES[out.dtype], index.data_ptr(), w.data_ptr(),
+                             scratch.data_ptr())
+    if err:
+        raise IndexError("low-latency combine: a (token, slot) outside topk_weights")
+    return True

@@ -149,20 +149,30 @@ class SlotPoll:
         if not self.ranks:
             return []
         if self._gather is None:
-            loaded = [v.copy() for v in self._views]
-            ready = np.array([(tag_epoch(w) == epoch).all() for w in loaded], dtype=bool)
-        else:
-            words, index = self._gather
-            loaded = words[index]                     # one load of every pending slot
-            ready = (tag_epoch(loaded) == epoch).all(1)
+            return self._take_few(epoch)
+        words, index = self._gather
+        loaded = words[index]                     # one load of every pending slot
+        ready = (tag_epoch(loaded) == epoch).all(1)
         if not ready.any():
             return []
         taken = [(self.ranks[i], loaded[i]) for i in np.flatnonzero(ready)]
         keep = np.flatnonzero(~ready)
         self.ranks = [self.ranks[i] for i in keep]
         self._views = [self._views[i] for i in keep]
-        if self._gather is not None:
-            self._gather = (self._gather[0], self._gather[1][keep])
+        self._gather = (words, index[keep])
+        return taken
+
+
+    def _take_few(self, epoch: int) -> list:
+        """:meth:`take` of slots read one by one: Python ints and lists, faster than numpy
+        calls on arrays of a few words (a low-latency call waits 3-4 times)."""
+        loaded = [v.copy() for v in self._views]
+        ready = [all(tag_epoch(w) == epoch for w in words.tolist()) for words in loaded]
+        if not any(ready):
+            return []
+        taken = [(r, words) for r, words, ok in zip(self.ranks, loaded, ready) if ok]
+        self.ranks = [r for r, ok in zip(self.ranks, ready) if not ok]
+        self._views = [v for v, ok in zip(self._views, ready) if not ok]
         return taken
 
 
