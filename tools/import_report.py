@@ -22,7 +22,7 @@ PKG = "moe_comm"
 LAYERS = [
     ("format and pure helpers", ["wire", "errors", "config", "quant", "logfmt", "layout",
                                  "event", "handle", "signature", "reference", "deps", "logs",
-                                 "relay_map"]),
+                                 "relay_map", "token_rounds"]),
     ("shared memory", ["shm"]),
     ("transport, kernel builds", ["transport", "jit"]),
     ("IBGDA host side", ["ibgda"]),
