@@ -32,8 +32,8 @@ from moe_comm.testing import netns
 from moe_comm.wire import SlabLayout
 from checks import check_normal
 from inputs import expert_fn, make_inputs
-from test_elastic import VICTIM, _check_survivors, _inputs, _normal_step, _route, _slots
-from test_hierarchical import _kill_self_in_cuda_relay
+from test_elastic import VICTIM, _check_survivors, _inputs, _normal_step, _route
+from test_hierarchical import _controller_masks, _kill_self_in_cuda_relay
 
 WHY_NOT = netns.available()
 CUDA_ENV = {"MOE_COMM_TRANSPORT": "tcp", "MOE_COMM_CPU_BACKEND": "emulator"}
@@ -190,30 +190,12 @@ def _first_copy(result: dict) -> dict:
 
 
 def _controller_masks_rounds(rank, n, heap):
-    """No elastic mode: a controller masks VICTIM (a relay on host 1) between a dispatch in
-    rounds and its combine; the victim leaves. Each round's combine goes flat (its relays
-    were picked with the victim in); the next step goes in rounds by relays among the rest."""
-    buf = moe_comm.Buffer(None, heap, timeout_s=20)
-    x, idx, w = (t.repeat(REPEAT, 1) for t in _inputs(rank))   # ragged, one rank empty
-    phy, pw = _route(idx, w, n)
-    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(phy, _slots(n))
-    rx, ri, rw, _, handle, _ = buf.dispatch(x, topk_idx=phy, topk_weights=pw,
-                                            num_tokens_per_rank=per_rank,
-                                            is_token_in_rank=in_rank,
-                                            num_tokens_per_expert=per_expert)
-    mask = torch.tensor([int(r != VICTIM) for r in range(n)], dtype=torch.int32)
-    buf.set_active_ranks(mask)
-    if rank == VICTIM:
-        buf.destroy()
-        return None
-    y = (rx.float() * torch.where(ri >= 0, rw, 0).sum(1, keepdim=True)).bfloat16()
-    out = buf.combine(y, handle)[0]
-    handles = [handle]
-    second = _normal_step(buf, x, *_route(idx, w, n, active=mask), handles=handles)[1]
-    active = buf.active_ranks
-    buf.destroy()
-    return _first_copy({"mask": active, "out": out, "phy": phy, "second_out": second,
-                        "relayed": [_relayed(h) for h in handles]})
+    """test_hierarchical's controller mask (VICTIM, a relay on host 1, masked between a
+    dispatch and its combine) on repeated inputs and a small buffer: a dispatch in rounds,
+    each round's combine flat (its relays were picked with the victim in), the next step in
+    rounds by relays among the rest."""
+    result = _controller_masks(rank, n, heap, REPEAT, _relayed)
+    return None if result is None else _first_copy(result)
 
 
 def test_emulated_cuda_controller_mask_between_rounds_dispatch_and_combine():

@@ -54,17 +54,18 @@ WIRE_RATIO_MAX = 1.10          # issue #16: bytes on the links over the ideal, n
 
 
 def _wire(rank, n, ranks_per_host=PER_HOST, tokens=WIRE_TOKENS, hidden=WIRE_HIDDEN,
-          calls=WIRE_CALLS):
+          calls=WIRE_CALLS, heap=64 << 20, experts_per_rank=8, topk=WIRE_TOPK,
+          how=lambda handle: handle.relay is not None):
     """``calls`` dispatch + combine pairs between two barriers; local rank 0 of each host
     reads its link's counter around them. Returns (bytes sent by this host or None, the
-    ideal bytes this rank's tokens need, whether the calls went by relays)."""
-    buf = moe_comm.Buffer(None, 64 << 20, timeout_s=60)
+    ideal bytes this rank's tokens need, ``how`` the calls went: by default whether by
+    relays, from the first call's handle)."""
+    buf = moe_comm.Buffer(None, heap, timeout_s=60)
     g = torch.Generator().manual_seed(rank)
-    experts = 8 * n
+    experts = experts_per_rank * n
     x = torch.randn(tokens, hidden, generator=g).bfloat16()
-    idx = torch.stack([torch.randperm(experts, generator=g)[:WIRE_TOPK]
-                       for _ in range(tokens)])
-    w = torch.rand(tokens, WIRE_TOPK, generator=g)
+    idx = torch.stack([torch.randperm(experts, generator=g)[:topk] for _ in range(tokens)])
+    w = torch.rand(tokens, topk, generator=g)
     ntr, per_host, nte, itr, _ = buf.get_dispatch_layout(idx, experts)
 
     def step():
@@ -74,7 +75,7 @@ def _wire(rank, n, ranks_per_host=PER_HOST, tokens=WIRE_TOKENS, hidden=WIRE_HIDD
         buf.combine(rx, handle, topk_weights=rw)
         return handle
 
-    relayed = step().relay is not None           # and the transport's connections are up
+    relayed = how(step())                        # and the transport's connections are up
     first = rank % ranks_per_host == 0
     dist.barrier()
     before = netns.link_tx_bytes() if first else None
@@ -393,13 +394,16 @@ def test_a_frozen_relay_that_resumes_is_fenced(tmp_path):
     assert results[mate]["quarantined"], results[mate]
 
 
-def _controller_masks(rank, n):
+def _controller_masks(rank, n, heap=8 << 20, repeat=1,
+                      relayed=lambda handle: handle.relay is not None):
     """No elastic mode: a controller masks rank 2 (the relay of rank 0's tokens on host 1)
     between a dispatch and its combine (set_active_ranks, on every rank; rank 2 stays away).
     The combine goes flat (its relays were picked with rank 2 in) and its handle loses its
-    relays; the next step goes by relays among the others."""
-    buf = moe_comm.Buffer(None, 8 << 20, timeout_s=20)
-    x, idx, w = _inputs(rank)
+    relays; the next step goes by relays among the others. ``repeat``: copies of the inputs
+    (with a small ``heap``, a call in token rounds: tests/test_cuda_token_rounds.py);
+    ``relayed(handle)``: what "relayed" reports of each step's handle."""
+    buf = moe_comm.Buffer(None, heap, timeout_s=20)
+    x, idx, w = (t.repeat(repeat, 1) for t in _inputs(rank))
     phy, pw = _route(idx, w, n)
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(phy, _slots(n))
     rx, ri, rw, _, handle, _ = buf.dispatch(x, topk_idx=phy, topk_weights=pw,
@@ -418,7 +422,7 @@ def _controller_masks(rank, n):
     active = buf.active_ranks
     buf.destroy()
     return {"mask": active, "out": out, "phy": phy,
-            "second_out": second, "relayed": [h.relay is not None for h in handles]}
+            "second_out": second, "relayed": [relayed(h) for h in handles]}
 
 
 def test_ranks_a_controller_masks_take_no_part_in_relays():

@@ -18,7 +18,6 @@ import time
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 import moe_comm
 from checks import assert_same_bits, check_normal
@@ -26,6 +25,7 @@ from moe_comm.host import relay_rounds
 from moe_comm.testing import netns
 from moe_comm.token_rounds import RowPlacer, capped, largest_chunk, num_rounds, token_span
 from test_elastic import _check_survivors, _inputs, _normal_step, _route
+from test_hierarchical import _wire
 from test_normal_mode import _run_cases
 from test_streaming import LARGE_HEAP, SMALL_HEAP
 from test_streaming import _cases as streaming_cases
@@ -99,52 +99,27 @@ def test_a_relayed_batch_larger_than_the_heap_goes_in_token_rounds():
 WIRE_TOKENS, WIRE_HIDDEN, WIRE_TOPK, WIRE_HEAP = 384, 2048, 4, 1 << 20
 
 
+def _rounds_of(handle) -> tuple:
+    """Whether the call's rows came to >= 4x the heap, and whether each of its rounds went by
+    relays."""
+    big = handle.num_recv_tokens * WIRE_HIDDEN * 2 >= 4 * WIRE_HEAP
+    return big, [rd.handle.relay is not None for rd in handle.rounds or ()]
+
+
 def _wire_in_rounds(rank, n):
-    """Two dispatch + combine pairs in token rounds between barriers; local rank 0 of each
-    host reads its link's counter. Returns (bytes this host sent or None, the ideal bytes of
-    this rank's tokens, the rounds of the last dispatch)."""
-    buf = moe_comm.Buffer(None, WIRE_HEAP, timeout_s=60)
-    g = torch.Generator().manual_seed(rank)
-    experts = 4 * n
-    x = torch.randn(WIRE_TOKENS, WIRE_HIDDEN, generator=g).bfloat16()
-    idx = torch.stack([torch.randperm(experts, generator=g)[:WIRE_TOPK]
-                       for _ in range(WIRE_TOKENS)])
-    w = torch.rand(WIRE_TOKENS, WIRE_TOPK, generator=g)
-    ntr, per_host, nte, itr, _ = buf.get_dispatch_layout(idx, experts)
-
-    def step():
-        rx, _, rw, _, handle, _ = buf.dispatch(
-            x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=ntr, is_token_in_rank=itr,
-            num_tokens_per_expert=nte)
-        assert rx.shape[0] * WIRE_HIDDEN * 2 >= 4 * WIRE_HEAP      # 4x the buffer at least
-        buf.combine(rx, handle, topk_weights=rw)
-        return handle
-
-    step()                                       # the transport's connections are up
-    first = rank % PER_HOST == 0
-    dist.barrier()
-    before = netns.link_tx_bytes() if first else None
-    calls = 2
-    for _ in range(calls):
-        handle = step()
-    dist.barrier()
-    sent = netns.link_tx_bytes() - before if first else None
-    mine = rank // PER_HOST
-    ideal = 2 * calls * WIRE_HIDDEN * 2 * sum(int(c) for h, c in enumerate(per_host)
-                                              if h != mine)
-    rounds = [] if handle.rounds is None else [rd.handle.relay is not None
-                                               for rd in handle.rounds]
-    buf.destroy()
-    return sent, ideal, rounds
+    """test_hierarchical's wire check (two dispatch + combine pairs between barriers, a host's
+    link counter around them) on a heap the calls are >= 4x larger than."""
+    return _wire(rank, n, PER_HOST, WIRE_TOKENS, WIRE_HIDDEN, 2, WIRE_HEAP, 4, WIRE_TOPK,
+                 _rounds_of)
 
 
 @on_hosts
 def test_token_rounds_cross_each_host_link_once():
     wires = netns.run_on_hosts(_wire_in_rounds, HOSTS, PER_HOST, timeout=300, env=TCP)
-    for _, _, rounds in wires:
-        assert len(rounds) >= 4 and all(rounds), rounds
+    for _, _, (big, rounds) in wires:
+        assert big and len(rounds) >= 4 and all(rounds), (big, rounds)
     ratio = sum(s for s, _, _ in wires if s is not None) / sum(i for _, i, _ in wires)
-    print(f"wire ratio in token rounds: {ratio:.3f} ({len(wires[0][2])} rounds)")
+    print(f"wire ratio in token rounds: {ratio:.3f} ({len(wires[0][2][1])} rounds)")
     assert ratio <= WIRE_RATIO_MAX, ratio
 
 
