@@ -243,8 +243,6 @@ def _elastic_relay_dies(rank, n, point):
     forward, no DONE), or in combine, once its host's rows for the owners it relays for came
     and before it sums them. The survivors' first step, then one over re-placed experts."""
     buf = moe_comm.Buffer(None, 8 << 20, timeout_s=RELAY_TIMEOUT, elastic=True)
-    x, idx, w = _inputs(rank)
-    phy, pw = _route(idx, w, n)
     if rank == RELAY_VICTIM:
         if point == "stage":        # after the notify, before its first stage write
             _kill_self_at("send_when_granted")
@@ -252,13 +250,21 @@ def _elastic_relay_dies(rank, n, point):
             _kill_self_at("put_rows", after=2, rank=rank)
         else:
             _kill_self_at("_relay_sums")
+    return _two_steps(buf, rank, n, lambda handles: {
+        "relayed": [h.relay is not None for h in handles]})
+
+
+def _two_steps(buf, rank, n, report):
+    """test_elastic's step, then one over the experts re-placed on the survivors, and the
+    Buffer destroyed: what _check_survivors reads, plus ``report(the steps' handles)``."""
+    x, idx, w = _inputs(rank)
+    phy, pw = _route(idx, w, n)
     handles = []
     out = _normal_step(buf, x, phy, pw, handles=handles)[1]
     mask = buf.active_ranks
     second = _normal_step(buf, x, *_route(idx, w, n, active=mask), handles=handles)[1]
     buf.destroy()
-    return {"mask": mask, "out": out, "phy": phy, "second_out": second,
-            "relayed": [h.relay is not None for h in handles]}
+    return {"mask": mask, "out": out, "phy": phy, "second_out": second, **report(handles)}
 
 
 @pytest.mark.parametrize("point", ["stage", "forward", "combine"])

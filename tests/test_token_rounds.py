@@ -24,8 +24,8 @@ from checks import assert_same_bits, check_normal
 from moe_comm.host import relay_rounds
 from moe_comm.testing import netns
 from moe_comm.token_rounds import RowPlacer, capped, largest_chunk, num_rounds, token_span
-from test_elastic import _check_survivors, _inputs, _normal_step, _route
-from test_hierarchical import _wire
+from test_elastic import _check_survivors
+from test_hierarchical import _two_steps, _wire
 from test_normal_mode import _run_cases
 from test_streaming import LARGE_HEAP, SMALL_HEAP
 from test_streaming import _cases as streaming_cases
@@ -203,15 +203,8 @@ def _relay_dies_between_rounds(rank, n):
     if rank == ROUNDS_VICTIM:
         relay_rounds.dispatch = dying
     buf = moe_comm.Buffer(None, TINY_HEAP, timeout_s=ROUNDS_TIMEOUT, elastic=True)
-    x, idx, w = _inputs(rank)
-    phy, pw = _route(idx, w, n)
-    handles = []
-    out = _normal_step(buf, x, phy, pw, handles=handles)[1]
-    mask = buf.active_ranks
-    second = _normal_step(buf, x, *_route(idx, w, n, active=mask), handles=handles)[1]
-    buf.destroy()
-    return {"mask": mask, "out": out, "phy": phy, "second_out": second,
-            "rounds": [0 if h.rounds is None else len(h.rounds) for h in handles]}
+    return _two_steps(buf, rank, n, lambda handles: {
+        "rounds": [0 if h.rounds is None else len(h.rounds) for h in handles]})
 
 
 @on_hosts
