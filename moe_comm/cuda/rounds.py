@@ -54,11 +54,9 @@ class Round:
 
 @dataclass(frozen=True)
 class TokenRounds:
-    """The rounds of one dispatch (on its handle: ``CudaDispatchHandle.rounds``), the chunk
-    of the first, and the output rows no round placed (sources masked before all their rows
-    arrived: padded)."""
+    """The rounds of one dispatch (on its handle: ``CudaDispatchHandle.rounds``) and the
+    output rows no round placed (sources masked before all their rows arrived: padded)."""
 
-    chunk: int
     rounds: tuple
     unplaced: torch.Tensor
 
@@ -184,7 +182,7 @@ def dispatch(run, comm, args: dict, in_rank: torch.Tensor, planner: Planner, chu
     me, dev = comm.rank, comm.device
     num_tokens = args["x_bytes"].shape[0]
     placer = token_rounds.RowPlacer(planner.matrix[:, me])
-    outs, counts, rounds, start, first = None, None, [], 0, chunk
+    outs, counts, rounds, start = None, None, [], 0
     mask = relay.current_mask(comm) if comm.elastic else None
     while start < planner.most(0):
         lo, hi = min(start, num_tokens), min(start + chunk, num_tokens)
@@ -206,7 +204,7 @@ def dispatch(run, comm, args: dict, in_rank: torch.Tensor, planner: Planner, chu
             chunk, mask = _replan(comm, planner, start, chunk, mask)
     unplaced = placer.unplaced().to(dev)
     _pad(outs, unplaced)
-    return tuple(outs), counts, TokenRounds(first, tuple(rounds), unplaced)
+    return tuple(outs), counts, TokenRounds(tuple(rounds), unplaced)
 
 
 def _replan(comm, planner: Planner, start: int, chunk: int, mask):

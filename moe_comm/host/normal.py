@@ -234,15 +234,15 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
     if layout is not None and _relays(comm) is not None:
         relays = _relays(comm).among(comm.active)
         routes = relay.Routes(relays, matrix, host_counts)
+        back_bytes = _combine_row_bytes(row_bytes, hidden)
         # (a round's output leaves the heap before its combine: relay_rounds.py)
         fits = relay.fits(routes, R, rows_at, row_bytes, scale_cols, topk, free_pages * PAGE,
-                          _combine_row_bytes(row_bytes, hidden), output_held=not in_round)
+                          back_bytes, output_held=not in_round)
         if not (fits and routes.combine_fits) and not in_round and not (
                 num_worst_tokens and recv_rows.max() > num_worst_tokens):
             # too big for one copy (its combine included): token rounds of relayed calls
             rounds = relay_rounds.plan(relays, matrix, host_counts, tokens, row_bytes,
-                                       scale_cols, topk, free_pages * PAGE,
-                                       _combine_row_bytes(row_bytes, hidden))
+                                       scale_cols, topk, free_pages * PAGE, back_bytes)
         if fits and rounds is None:
             handle.relay = routes     # (else flat: it streams what does not fit)
 
@@ -253,11 +253,7 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
             put(dst, dst_page * PAGE, slab(dst), local, send_ids[dst][at:at + last - first])
         return write
 
-    # scales are 4-byte columns of the caller's dtype (float32, or int32 UE8M0 packed)
-    scale_dtype = torch.float32 if scales is None else scales.dtype
-    widths = [(row_bytes, 1, torch.uint8), (scale_cols, 4, scale_dtype),
-              (topk, 8, torch.int64), (topk, 4, torch.float32)]
-    wanted = [True, scales is not None, topk > 0, topk > 0]
+    widths, wanted = _widths(row_bytes, scales, topk)
     if rounds is not None:
         return _rounds(comm, handle, args, layout, widths, wanted, rows_at[me], *rounds)
     mine, streamed = slab(me), plan.streams(me)
@@ -353,15 +349,10 @@ def _rounds(comm, handle, args, layout, widths, wanted, rows_out, chunk, count):
 
 def _cached_rounds(comm, handle, args):
     """A cached dispatch on a handle of token rounds: one cached dispatch per round."""
-    me = comm.rank
+    me, topk_idx = comm.rank, args["topk_idx"]
     rows_out = max(int(handle.count_matrix[:, me].sum()), args["num_worst_tokens"])
-    scales, topk_idx = args["scales"], args["topk_idx"]
-    widths = [(args["x_bytes"].shape[1], 1, torch.uint8),
-              (0 if scales is None else scales.shape[1], 4,
-               torch.float32 if scales is None else scales.dtype),
-              (0 if topk_idx is None else topk_idx.shape[1], 8, torch.int64),
-              (0 if topk_idx is None else topk_idx.shape[1], 4, torch.float32)]
-    wanted = [True, scales is not None, topk_idx is not None, topk_idx is not None]
+    widths, wanted = _widths(args["x_bytes"].shape[1], args["scales"],
+                             0 if topk_idx is None else topk_idx.shape[1])
 
     def one_round(lo, hi, r, aborted):
         return dispatch(comm, **_sliced(args, lo, hi), layout=None,
@@ -372,6 +363,17 @@ def _cached_rounds(comm, handle, args):
         handle.num_tokens, [(rd.lo, rd.hi) for rd in handle.rounds])
     return _finish(comm, relay_rounds.with_rounds(handle, rounds), recv,
                    args["num_worst_tokens"], args["dtype"])
+
+
+def _widths(row_bytes: int, scales, topk: int):
+    """A dispatch's received sub-arrays (payload, scales, top-k ids, weights): their
+    ``(columns, element bytes, dtype)``, and which of them the call returns. Scales are
+    4-byte columns of the caller's dtype (float32, or int32 UE8M0 packed)."""
+    scale_cols = 0 if scales is None else scales.shape[1]
+    scale_dtype = torch.float32 if scales is None else scales.dtype
+    return ([(row_bytes, 1, torch.uint8), (scale_cols, 4, scale_dtype),
+             (topk, 8, torch.int64), (topk, 4, torch.float32)],
+            [True, scales is not None, topk > 0, topk > 0])
 
 
 def _sliced(args: dict, lo: int, hi: int) -> dict:
@@ -396,8 +398,9 @@ def _finish(comm, handle, recv, num_worst_tokens, dtype):
             recv = [None if t is None else torch.cat([t, t.new_empty(
                 num_worst_tokens - t.shape[0], t.shape[1])]) for t in recv]
         if handle.rounds is not None:
-            survivors.rounds = relay_rounds.survivors(handle.rounds, matrix[:, me],
-                                                      comm.active, me)
+            survivors.rounds = relay_rounds.survivors(handle.rounds, keep,
+                                                      int(matrix[:, me].sum()), comm.active,
+                                                      me)
         handle, num_recv = survivors, survivors.num_recv_tokens
     recv_x, recv_scales, recv_idx, recv_w = recv
     recv_x = recv_x.view(dtype)

@@ -128,18 +128,15 @@ def round_layout(in_rank: torch.Tensor) -> DispatchLayout:
                           in_rank=in_rank)
 
 
-def survivors(rounds: list, counts_in: np.ndarray, active, me: int) -> list:
-    """The rounds once the rows of sources masked during the call are dropped from the whole
-    output (normal.py's ``_rows_of``): each round's handle without them, its rows renumbered."""
-    active = np.asarray(active, bool)
-    bounds = np.concatenate([[0], np.cumsum(counts_in)])
-    new_row = np.full(int(bounds[-1]), -1, np.int64)
-    kept = np.concatenate([np.arange(bounds[s], bounds[s + 1]) for s in range(len(counts_in))
-                           if active[s]] + [np.zeros(0, np.int64)])
-    new_row[kept] = np.arange(len(kept))
+def survivors(rounds: list, kept: torch.Tensor, total: int, active, me: int) -> list:
+    """The rounds once the whole output keeps only its rows ``kept`` (of ``total``: those of
+    sources still active, normal.py's ``_rows_of``): each round's handle without the masked
+    sources, its rows renumbered."""
+    new_row = torch.full((total,), -1, dtype=torch.long)
+    new_row[kept] = torch.arange(len(kept))
     out = []
     for rd in rounds:
-        rows = torch.from_numpy(new_row)[rd.rows]
+        rows = new_row[rd.rows]
         out.append(Round(rd.lo, rd.hi, rd.handle.without_inactive(active, me), rows[rows >= 0]))
     return out
 
