@@ -67,6 +67,8 @@ class DispatchHandle:
         """This handle with the rows and columns of inactive ranks dropped: nothing is sent
         to or expected from them. ``self`` when every rank it involves is active."""
         gone = ~np.asarray(active, dtype=bool)
+        if not gone.any():
+            return self
         m = self.count_matrix
         if not (m[gone].any() or m[:, gone].any() or
                 any(len(self.send_token_ids[d]) for d in np.flatnonzero(gone))):

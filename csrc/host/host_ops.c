@@ -414,3 +414,298 @@ int moe_ll_combine(const uint8_t *rows, int64_t row_stride, const int64_t *tok,
     moe_sum_rows(addr, w, first, DT_BF16, hidden, T, NULL, 0, out, out_dt, scratch);
     return 0;
 }
+
+/* ---- Small normal-mode calls: every pair's rows in an eager slot (moe_comm/host/small.py) --
+ * A normal call of a few tokens moves a few KB per pair; as Python its per-destination steps
+ * (index tensors, slab views, signal words, waits, copies out) cost ~0.6 ms a call, several
+ * times MPI's whole exchange. These functions do the steps of such a call over all peers in
+ * one C call each: the same bytes at the same places as the Python protocol (moe_comm/host/
+ * eager.py, exchange.py), so a rank on either path pairs with a rank on the other. */
+
+#include <sched.h>
+#include <time.h>
+
+static inline int64_t round_up_i64(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+/* wire.SlabLayout(rows, row_bytes, scale_cols, topk) (no mask columns): offs[4] of its
+ * payload, scales, top-k ids and weights; returns its nbytes. */
+static int64_t slab_layout(int64_t rows, int64_t row_bytes, int64_t scale_cols, int64_t topk,
+                           int64_t align, int64_t page, int64_t *offs) {
+    const int64_t sizes[4] = {rows * row_bytes, rows * scale_cols * 4, rows * topk * 8,
+                              rows * topk * 4};
+    int64_t at = 0;
+    for (int i = 0; i < 4; i++) { offs[i] = at; at = round_up_i64(at + sizes[i], align); }
+    return round_up_i64(at, page);     /* the empty mask sub-array starts at `at` */
+}
+
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);        /* Python's time.monotonic() clock */
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static inline void pause_ns(int64_t ns) {
+    struct timespec ts = {0, ns};
+    nanosleep(&ts, NULL);
+}
+
+/* Spin, yield, then sleep (moe_comm/shm/atomics.py Backoff's steps): a spinning rank must not
+ * starve the peer it waits for when ranks share cores. */
+static void backoff(int64_t spins, int crowded) {
+    if (spins < 32) {
+#if defined(__x86_64__)
+        __builtin_ia32_pause();
+#endif
+        return;
+    }
+    if (crowded) {
+        if (spins < 64) sched_yield();
+        else pause_ns(spins < 256 ? 20000 : spins < 1024 ? 200000 : 1000000);
+    } else if (spins < 1024) {
+        sched_yield();
+    } else {
+        pause_ns(spins < 4096 ? 20000 : 200000);
+    }
+}
+
+/* Token ids each rank gets: in_rank bool [T, R] (strides in elements) -> ids, grouped by rank
+ * and ascending within it, and first [R + 1] (rank d's ids are ids[first[d]:first[d+1]]). */
+void moe_small_ids(const uint8_t *in_rank, int64_t T, int64_t R, int64_t st, int64_t sr,
+                   int64_t *ids, int64_t *first) {
+    for (int64_t d = 0; d <= R; d++) first[d] = 0;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t d = 0; d < R; d++) first[d + 1] += in_rank[t * st + d * sr] != 0;
+    for (int64_t d = 0; d < R; d++) first[d + 1] += first[d];
+    for (int64_t d = 0; d < R; d++) {
+        int64_t at = first[d];
+        for (int64_t t = 0; t < T; t++) if (in_rank[t * st + d * sr]) ids[at++] = t;
+    }
+}
+
+/* What a dispatch writes for one destination (exchange.put_rows): the rows of tokens ids[0..n)
+ * as a SlabLayout of n rows at `base` - payload, scales (4-byte elements, any strides),
+ * top-k ids made local to the destination (lo = its first expert; -1 elsewhere) and their
+ * weights (0 where -1, or all 0 without weights). Returns the slab's nbytes. */
+static int64_t put_dispatch_rows(uint8_t *base, const int64_t *ids, int64_t n,
+                                 const uint8_t *x, int64_t x_stride, int64_t row_bytes,
+                                 const uint8_t *scales, int64_t s_row, int64_t s_col,
+                                 int64_t scale_cols, const int64_t *topk_idx,
+                                 const float *topk_w, int64_t K, int64_t lo, int64_t num_local,
+                                 int64_t align, int64_t page) {
+    int64_t offs[4];
+    const int64_t nbytes = slab_layout(n, row_bytes, scale_cols, K, align, page, offs);
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t t = ids[i];
+        memcpy(base + offs[0] + i * row_bytes, x + t * x_stride, (size_t)row_bytes);
+        for (int64_t c = 0; c < scale_cols; c++)
+            memcpy(base + offs[1] + (i * scale_cols + c) * 4, scales + t * s_row + c * s_col, 4);
+        int64_t *li = (int64_t *)(base + offs[2]) + i * K;
+        float *lw = (float *)(base + offs[3]) + i * K;
+        for (int64_t k = 0; k < K; k++) {
+            const int64_t e = topk_idx[t * K + k], local = e - lo;
+            const int mine = e >= 0 && local >= 0 && local < num_local;
+            li[k] = mine ? local : -1;
+            lw[k] = mine && topk_w ? topk_w[t * K + k] : 0.0f;
+        }
+    }
+    return nbytes;
+}
+
+/* Signal words: `values` tagged with `epoch` into `words`, after every earlier write. */
+static inline void publish(int64_t *words, int64_t epoch, const int64_t *values, int64_t n) {
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+    for (int64_t i = 0; i < n; i++)
+        __atomic_store_n(&words[i], (epoch << 32) | values[i], __ATOMIC_RELAXED);
+}
+
+/* A dispatch's eager sends (eager.send), in the order of `dests` (nd ranks): rank d's rows
+ * (ids[first[d]:first[d+1]]) into its slot of this rank at slot[d] (a byte address), then
+ * the slot's flag at flag[d]: DONE_WRITTEN and the bytes written. */
+void moe_small_dispatch_send(int64_t nd, const int64_t *dests, const int64_t *slot,
+                             const int64_t *flag, const int64_t *ids, const int64_t *first,
+                             int64_t epoch, const uint8_t *x, int64_t x_stride,
+                             int64_t row_bytes, const uint8_t *scales, int64_t s_row,
+                             int64_t s_col, int64_t scale_cols, const int64_t *topk_idx,
+                             const float *topk_w, int64_t K, int64_t num_local, int64_t align,
+                             int64_t page, int64_t done_written) {
+    for (int64_t j = 0; j < nd; j++) {
+        const int64_t d = dests[j];
+        const int64_t nbytes = put_dispatch_rows(
+            (uint8_t *)(intptr_t)slot[d], ids + first[d], first[d + 1] - first[d], x, x_stride,
+            row_bytes, scales, s_row, s_col, scale_cols, topk_idx, topk_w, K, d * num_local,
+            num_local, align, page);
+        const int64_t words[2] = {done_written, nbytes};
+        publish((int64_t *)(intptr_t)flag[d], epoch, words, 2);
+    }
+}
+
+/* A combine's eager sends: to owner o (in the order of `owners`), this rank's received rows
+ * [start[o], start[o] + count[o]) of x and their weights (float32 [*, K], or none), as a
+ * SlabLayout of count[o] rows (scales none, top-k ids left unwritten: a combine sends
+ * none) at slot[o], then the flag. */
+void moe_small_combine_send(int64_t no, const int64_t *owners, const int64_t *slot,
+                            const int64_t *flag, const int64_t *start, const int64_t *count,
+                            int64_t epoch, const uint8_t *x, int64_t row_bytes,
+                            const float *topk_w, int64_t K, int64_t align, int64_t page,
+                            int64_t done_written) {
+    for (int64_t j = 0; j < no; j++) {
+        const int64_t o = owners[j], n = count[o];
+        int64_t offs[4];
+        const int64_t nbytes = slab_layout(n, row_bytes, 0, K, align, page, offs);
+        uint8_t *base = (uint8_t *)(intptr_t)slot[o];
+        memcpy(base + offs[0], x + start[o] * row_bytes, (size_t)(n * row_bytes));
+        if (K && topk_w) memcpy(base + offs[3], topk_w + start[o] * K, (size_t)(n * K * 4));
+        const int64_t words[2] = {done_written, nbytes};
+        publish((int64_t *)(intptr_t)flag[o], epoch, words, 2);
+    }
+}
+
+/* The same tagged `values` (n words) into the slot at words[j] of each of nr ranks (one
+ * release fence for all: HostComm.signal_each). */
+void moe_small_signal(int64_t nr, const int64_t *words, int64_t epoch, const int64_t *values,
+                      int64_t n) {
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+    for (int64_t j = 0; j < nr; j++) {
+        int64_t *w = (int64_t *)(intptr_t)words[j];
+        for (int64_t i = 0; i < n; i++)
+            __atomic_store_n(&w[i], (epoch << 32) | values[i], __ATOMIC_RELAXED);
+    }
+}
+
+/* Wait until each of the n slots (words[j]: the address of nwords[j] signal words) carries
+ * `epoch` in every word, until deadline_ns (CLOCK_MONOTONIC) or until this rank's FENCE word
+ * (*fence) is set. ready[j] = 1 for the slots that came. Returns how many did not (0: all
+ * came; the caller then reads them after this function's acquire fence). */
+int64_t moe_small_wait(int64_t n, const int64_t *words, const int64_t *nwords, int64_t epoch,
+                       int64_t deadline_ns, const int64_t *fence, int crowded, uint8_t *ready) {
+    int64_t missing = 0;
+    for (int64_t j = 0; j < n; j++) { ready[j] = 0; missing++; }
+    for (int64_t spins = 0; missing; spins++) {
+        for (int64_t j = 0; j < n; j++) {
+            if (ready[j]) continue;
+            const int64_t *w = (const int64_t *)(intptr_t)words[j];
+            int all = 1;
+            for (int64_t i = 0; i < nwords[j] && all; i++)
+                all = (__atomic_load_n(&w[i], __ATOMIC_RELAXED) >> 32) == epoch;
+            if (all) { ready[j] = 1; missing--; }
+        }
+        if (!missing) break;
+        if (__atomic_load_n(fence, __ATOMIC_RELAXED) || now_ns() > deadline_ns) break;
+        backoff(spins, crowded);
+    }
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    return missing;
+}
+
+/* A dispatch's receive from the eager slots (eager.copy_out of every source): source s's
+ * count[s] rows, a SlabLayout at slot[s], to rows [row0[s], row0[s] + count[s]) of the
+ * outputs (payload [*, row_bytes]; scales [*, scale_cols] 4-byte; ids int64 and weights
+ * float32 [*, K], each NULL when not returned), in source order. Each slot's flag (flag[s]:
+ * two words) must say the bytes that layout spans; returns -(s + 1) for the first source
+ * whose does not (nothing copied), else 0. local_counts [num_local] (or NULL): how many
+ * received ids name each local expert. */
+int64_t moe_small_dispatch_recv(int64_t R, const int64_t *slot, const int64_t *flag,
+                                const int64_t *count, const int64_t *row0, int64_t row_bytes,
+                                int64_t scale_cols, int64_t K, int64_t align, int64_t page,
+                                uint8_t *out_x, uint8_t *out_s, int64_t *out_i, float *out_w,
+                                int64_t num_local, int64_t *local_counts) {
+    int64_t offs[4];
+    for (int64_t s = 0; s < R; s++) {
+        if (!count[s]) continue;
+        const int64_t nbytes = slab_layout(count[s], row_bytes, scale_cols, K, align, page, offs);
+        const int64_t said = ((const int64_t *)(intptr_t)flag[s])[1] & 0xFFFFFFFFll;
+        if (said != nbytes) return -(s + 1);
+    }
+    if (local_counts) for (int64_t e = 0; e < num_local; e++) local_counts[e] = 0;
+    for (int64_t s = 0; s < R; s++) {
+        const int64_t n = count[s], r = row0[s];
+        if (!n) continue;
+        slab_layout(n, row_bytes, scale_cols, K, align, page, offs);
+        const uint8_t *base = (const uint8_t *)(intptr_t)slot[s];
+        memcpy(out_x + r * row_bytes, base + offs[0], (size_t)(n * row_bytes));
+        if (out_s) memcpy(out_s + r * scale_cols * 4, base + offs[1], (size_t)(n * scale_cols * 4));
+        if (out_i) {
+            const int64_t *ids = (const int64_t *)(base + offs[2]);
+            memcpy(out_i + r * K, ids, (size_t)(n * K * 8));
+            if (local_counts)
+                for (int64_t i = 0; i < n * K; i++)
+                    if (ids[i] >= 0 && ids[i] < num_local) local_counts[ids[i]]++;
+        }
+        if (out_w) memcpy(out_w + r * K, base + offs[3], (size_t)(n * K * 4));
+    }
+    return 0;
+}
+
+/* A combine's receive: the rows each expert rank d sent back (count[d] rows of `hidden`
+ * channels of in_dt, a SlabLayout at slot[d]; with K, weights float32 [count[d], K] after
+ * them) summed per token as normal.py's _reduce does - token ids[first[d] + i] for row i
+ * of d; out [T, hidden] (out_dt) = 0 + the rows in rank order + each bias (moe_sum_rows);
+ * out_w [T, K] = 0 + the weights in rank order (index_add_). Flags checked as in
+ * moe_small_dispatch_recv (returns -(d + 1)). index: int64 [T + 1 + sum(count)];
+ * scratch float32 [2 * hidden]. */
+int64_t moe_small_combine_recv(int64_t R, const int64_t *slot, const int64_t *flag,
+                               const int64_t *count, const int64_t *ids, const int64_t *first,
+                               int in_dt, int64_t hidden, int64_t K, int64_t align,
+                               int64_t page, int64_t T, const int64_t *bias_addr, int num_bias,
+                               void *out, int out_dt, float *out_w, int64_t *index,
+                               float *scratch) {
+    const int64_t row_bytes = hidden * (in_dt == DT_BF16 ? 2 : 4);
+    int64_t offs[4], total = 0;
+    for (int64_t d = 0; d < R; d++) {
+        if (!count[d]) continue;
+        const int64_t nbytes = slab_layout(count[d], row_bytes, 0, K, align, page, offs);
+        const int64_t said = ((const int64_t *)(intptr_t)flag[d])[1] & 0xFFFFFFFFll;
+        if (said != nbytes) return -(d + 1);
+        if (count[d] != first[d + 1] - first[d]) return -(d + 1);
+        total += count[d];
+    }
+    int64_t *tfirst = index, *addr = index + T + 1;
+    for (int64_t t = 0; t <= T; t++) tfirst[t] = 0;
+    for (int64_t d = 0; d < R; d++)
+        for (int64_t i = 0; i < count[d]; i++) tfirst[ids[first[d] + i] + 1]++;
+    for (int64_t t = 0; t < T; t++) tfirst[t + 1] += tfirst[t];
+    if (K) for (int64_t i = 0; i < T * K; i++) out_w[i] = 0.0f;
+    for (int64_t d = 0; d < R; d++) {            /* rank order: each token's rows in it */
+        if (!count[d]) continue;
+        slab_layout(count[d], row_bytes, 0, K, align, page, offs);
+        const uint8_t *base = (const uint8_t *)(intptr_t)slot[d];
+        for (int64_t i = 0; i < count[d]; i++) {
+            const int64_t t = ids[first[d] + i];
+            addr[tfirst[t]++] = (int64_t)(intptr_t)(base + offs[0] + i * row_bytes);
+            if (K) {
+                const float *w = (const float *)(base + offs[3]) + i * K;
+                for (int64_t k = 0; k < K; k++) out_w[t * K + k] += w[k];
+            }
+        }
+    }
+    for (int64_t t = T; t > 0; t--) tfirst[t] = tfirst[t - 1];   /* cursors back to starts */
+    tfirst[0] = 0;
+    (void)total;
+    moe_sum_rows(addr, NULL, tfirst, in_dt, hidden, T, bias_addr, num_bias, out, out_dt,
+                 scratch);
+    return 0;
+}
+
+/* layout.dispatch_layout of topk [T, K] (E experts over R ranks, E / R each): per_rank [R]
+ * tokens with an expert on each rank (once per token), per_expert [E] (token, slot) pairs,
+ * in_rank bool [T, R]. Returns -1 (nothing counted) for an id outside [-1, E). */
+int moe_dispatch_layout(const int64_t *topk, int64_t T, int64_t K, int64_t E, int64_t R,
+                        int32_t *per_rank, int32_t *per_expert, uint8_t *in_rank) {
+    const int64_t num_local = E / R;
+    for (int64_t i = 0; i < T * K; i++)
+        if (topk[i] < -1 || topk[i] >= E) return -1;
+    memset(per_rank, 0, (size_t)R * 4);
+    memset(per_expert, 0, (size_t)E * 4);
+    memset(in_rank, 0, (size_t)(T * R));
+    for (int64_t t = 0; t < T; t++) {
+        uint8_t *row = in_rank + t * R;
+        for (int64_t k = 0; k < K; k++) {
+            const int64_t e = topk[t * K + k];
+            if (e < 0) continue;
+            per_expert[e]++;
+            const int64_t r = e / num_local;
+            if (r < R && !row[r]) { row[r] = 1; per_rank[r]++; }
+        }
+    }
+    return 0;
+}

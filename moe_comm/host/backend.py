@@ -25,7 +25,8 @@ class HostBackend:
         self._pool = OutputPool()
 
     def layout(self, topk_idx, num_experts, num_ranks) -> DispatchLayout:
-        per_rank, per_expert, in_rank = dispatch_layout(topk_idx, num_experts, num_ranks)
+        per_rank, per_expert, in_rank = native.dispatch_layout(
+            topk_idx, num_experts, num_ranks) or dispatch_layout(topk_idx, num_experts, num_ranks)
         return DispatchLayout(*self.masked(per_rank, per_expert, in_rank))
 
     def masked(self, per_rank, per_expert, in_rank):
@@ -51,6 +52,9 @@ class HostBackend:
                        "active_ranks argument")
 
     def expert_counts(self, recv_idx, handle, num_local, alignment) -> list:
+        counted = getattr(handle, "recv_expert_counts", None)     # host/small.py counted them
+        if counted is not None:
+            return [(int(c) + alignment - 1) // alignment * alignment for c in counted]
         return aligned_expert_counts(recv_idx, num_local, alignment)
 
     def empty(self, key, shape, dtype) -> torch.Tensor:

@@ -142,7 +142,7 @@ class HostComm:
         self.ll_seq = {"dispatch": 0, "combine": 0}
         self.ll_layout = None            # the low-latency layout in use (signature.py)
         self.ll_base = {"dispatch": 0, "combine": 0}
-        self.ll_cache = {}               # ll.py: header views and offsets, built once
+        self.ll_cache = {}               # ll.py, small.py: views and addresses, built once
         self._told = self.active.copy()     # whom agreements tell: the last decision
         self.heap = PageHeap(self._own.bytes, self.heap_offset, self.heap_bytes)
         self.late_rows = LateRows(self.gone)     # LL combine rows a masked rank may write
@@ -216,6 +216,11 @@ class HostComm:
         if self.words[rank] is None and nbytes > 0:
             at = (self.heap_offset if region == "heap" else self.ll_offset) + start
             self.transport.put(rank, at, self._mem[rank][at:at + nbytes])
+
+    @property
+    def deadline(self) -> float:
+        """When the call in progress times out (``time.monotonic()`` seconds)."""
+        return self._deadline
 
     def refresh_deadline(self) -> None:
         """A fresh deadline for the next round of a call that streams through the heap in

@@ -53,10 +53,24 @@ _SIGNATURES = {
                     _I, _P, _I, _P, _P, _P),
     "moe_ll_return": (_P, _I, _I, _P, _I, _I, _I, _I, _P, _I, _I, _I),
     "moe_ll_combine": (_P, _I, _P, _P, _I, _P, _I, _I, _I, _P, ctypes.c_int, _P, _P, _P),
+    # small normal calls (host/small.py): addresses travel as int64, every one checked there
+    "moe_small_ids": (_P, _I, _I, _I, _I, _P, _P),
+    "moe_dispatch_layout": (_P, _I, _I, _I, _I, _P, _P, _P),
+    "moe_small_dispatch_send": (_I, _P, _P, _P, _P, _P, _I, _P, _I, _I, _P, _I, _I, _I, _P, _P,
+                                _I, _I, _I, _I, _I),
+    "moe_small_combine_send": (_I, _P, _P, _P, _P, _P, _I, _P, _I, _P, _I, _I, _I, _I),
+    "moe_small_signal": (_I, _P, _I, _P, _I),
+    "moe_small_wait": (_I, _P, _P, _I, _I, _P, ctypes.c_int, _P),
+    "moe_small_dispatch_recv": (_I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _I,
+                                _P),
+    "moe_small_combine_recv": (_I, _P, _P, _P, _P, _P, ctypes.c_int, _I, _I, _I, _I, _I, _P,
+                               ctypes.c_int, _P, ctypes.c_int, _P, _P, _P),
 }
 _RETURNS = {"moe_copy_rows": ctypes.c_int, "moe_ll_route": _I, "moe_ll_send": ctypes.c_int,
             "moe_ll_recv": ctypes.c_int, "moe_ll_return": ctypes.c_int,
-            "moe_ll_combine": ctypes.c_int}
+            "moe_ll_combine": ctypes.c_int, "moe_small_wait": _I,
+            "moe_small_dispatch_recv": _I, "moe_small_combine_recv": _I,
+            "moe_dispatch_layout": ctypes.c_int}
 
 
 def _compiler() -> str | None:
@@ -151,6 +165,25 @@ def sum_rows(segments, ids_per_segment, num_tokens: int, out_dtype, biases=(),
                      DTYPES[segments[0].dtype], hidden, num_tokens, bias_addr.data_ptr(),
                      len(biases), out.data_ptr(), DTYPES[out_dtype], scratch.data_ptr())
     return out
+
+
+def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
+    """layout.dispatch_layout in one C pass (the same three tensors), or None where the C
+    loops cannot run it (or an id is out of range: the torch code then says which)."""
+    lib = library()
+    if lib is None or topk_idx.device.type != "cpu" or topk_idx.dtype != torch.int64 or \
+            topk_idx.dim() != 2 or num_experts % num_ranks:
+        return None
+    topk_idx = topk_idx.contiguous()
+    T, K = topk_idx.shape
+    per_rank = torch.empty(num_ranks, dtype=torch.int32)
+    per_expert = torch.empty(num_experts, dtype=torch.int32)
+    in_rank = torch.empty(T, num_ranks, dtype=torch.bool)
+    if lib.moe_dispatch_layout(topk_idx.data_ptr(), T, K, num_experts, num_ranks,
+                               per_rank.data_ptr(), per_expert.data_ptr(),
+                               in_rank.data_ptr()) < 0:
+        return None
+    return per_rank, per_expert, in_rank
 
 
 def quantize_fp8(x: torch.Tensor, round_scale: bool, out: torch.Tensor,

@@ -41,7 +41,7 @@ from ..errors import BufferTooSmallError
 from ..handle import DispatchHandle
 from ..layout import tokens_per_host
 from ..wire import PAGE, SlabLayout, stream_chunk_rows
-from . import eager, relay, relay_rounds
+from . import eager, relay, relay_rounds, small
 from .exchange import (ReceiverFailed, done_words, exchange_counts, grant, keeps_in_step,
                        put_rows, release_on_error, send_when_granted, settle,
                        signature_check)
@@ -181,11 +181,28 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
             return lay.nbytes
         eager.send(comm, epoch, parity, dests, write)
 
+    rows = dict(x_bytes=x_bytes, scales=scales, topk_idx=topk_idx, topk_weights=topk_weights,
+                num_local=num_local)
+    small_ok = round_index is None and not aborted and small.usable(comm)   # small.py
     calls = None
     if handle is not None:           # no count exchange: checked along the payload phase
         cached = handle.without_inactive(comm.active, me)
-        send_eagerly(cached.count_matrix[me], lambda d: cached.send_token_ids[d])
-        calls = comm.post_call(epoch, call_row)
+        own = cached.count_matrix[me]
+        if small_ok and small.fits(comm, own, row_bytes, scale_cols, topk):
+            small.send_dispatch(comm, epoch, parity, own, *small.handle_ids(cached), **rows)
+            calls = small.call_views(comm, small.post_call(comm, epoch, call_row))
+        else:
+            send_eagerly(own, lambda d: cached.send_token_ids[d])
+            calls = comm.post_call(epoch, call_row)
+    elif small_ok and small.fits(comm, layout.per_rank.numpy(), row_bytes, scale_cols, topk):
+        row = layout.per_rank.numpy().astype(np.int64)
+        ids, first = small.ids_by_rank(comm, layout.in_rank)
+        small.send_dispatch(comm, epoch, parity, row, ids, first, **rows)
+        matrix = small.exchange_counts(comm, epoch, row, call_row)
+        handle = DispatchHandle(buffer_key, num_tokens, hidden, matrix, layout.in_rank,
+                                list(ids.split(np.diff(first).tolist())),
+                                int(matrix[:, me].sum()), num_worst_tokens, call_id=epoch)
+        handle._small_ids = ids, first          # (small.handle_ids)
     else:
         row = layout.per_rank.numpy().astype(np.int64)
         is_token_in_rank = layout.in_rank
@@ -230,6 +247,14 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
     if refuse is None and num_worst_tokens and num_recv > num_worst_tokens:
         refuse = ValueError(f"num_worst_tokens={num_worst_tokens} is smaller than the "
                             f"{num_recv} tokens rank {me} receives")
+    if small_ok and refuse is None and len(epochs) == 1 and not num_worst_tokens and \
+            eagerly.sum() == np.count_nonzero(matrix):      # every pair went eagerly
+        recv_x, recv_s, recv_i, recv_w, local = small.receive_dispatch(
+            comm, epoch, parity, matrix, row_bytes=row_bytes, scales=scales, topk=topk,
+            num_local=num_local, call_row=call_row,
+            call_parity=None if calls is None else (comm.call_seq - 1) % 2)
+        handle.recv_expert_counts = local      # (HostBackend.expert_counts)
+        return _finish(comm, handle, [recv_x, recv_s, recv_i, recv_w], 0, dtype)
     rounds = None
     if layout is not None and _relays(comm) is not None:
         relays = _relays(comm).among(comm.active)
@@ -488,9 +513,19 @@ def combine(comm, *, x, handle, topk_weights, bias, aborted=False):
         put_back(o, base, lay, 0, int(matrix[:o, me].sum()), int(matrix[o, me]))
         return lay.nbytes
 
-    eager.send(comm, epoch, parity, [o for o in _rotation(me, R)
-                                     if eagerly[me, o] and comm.active[o]], write_eagerly)
-    calls = comm.post_call(epoch, call_row)     # checked along the payload phase
+    small_ok = not aborted and small.usable(comm)       # small.py
+    if small_ok and small.send_combine(comm, epoch, parity, matrix, x, topk_weights):
+        calls = small.call_views(comm, small.post_call(comm, epoch, call_row))
+    else:
+        eager.send(comm, epoch, parity, [o for o in _rotation(me, R)
+                                         if eagerly[me, o] and comm.active[o]], write_eagerly)
+        calls = comm.post_call(epoch, call_row)     # checked along the payload phase
+    if small_ok and refuse is None and len(epochs) == 1 and dtype in small.SUM_DTYPES and \
+            eagerly.sum() == np.count_nonzero(matrix) and \
+            all(b.dtype == torch.float32 and b.is_contiguous() for b in bias):
+        return small.receive_combine(comm, epoch, parity, handle, dtype=dtype, hidden=hidden,
+                                     topk=topk, biases=bias,
+                                     call_parity=(comm.call_seq - 1) % 2, call_row=call_row)
     # (by the handle's relays even when this rank knows one of them masked since: whether a
     # call goes by relays must not depend on masks, which may differ between ranks until
     # the call's agreement; relay.RelayLost then sends every survivor flat alike)

@@ -1,0 +1,300 @@
+"""Small normal-mode calls in a few C calls: every pair's rows in an eager slot.
+
+A call of a few tokens per rank (64 tokens of H=1024) moves a few KB per pair, and its cost
+was the protocol's Python: per destination an index tensor, slab views, a signal, per source
+a wait and the copies out (~0.6 ms of CPU a call, several times MPI's whole exchange). Here
+each step runs over all peers in one C call (csrc/host/host_ops.c, "Small normal-mode
+calls"): the eager sends, the signature and count words, the waits, the copies out or the
+per-token sum.
+
+The bytes and words are those of the Python protocol (eager.py, exchange.py), written in the
+same order, with the same epochs and parities: whether a rank takes this path is its own
+choice, and a rank on it pairs with a rank on the other. It is taken where it can be, and
+the Python protocol does the rest:
+
+- the Buffer: every peer on this host (no transport), not elastic, every rank active, flat
+  (no relays), eager slots on, the C library loaded (``usable``);
+- sends: a dispatch whose every count of this rank fits a slot, a combine of bf16 or float32
+  rows whose every owner's rows fit one;
+- receives: a call whose every pair went eagerly (the count matrix says so on every rank):
+  no grant anywhere, so nothing is left but to wait for the slots and read them. A dispatch
+  with ``num_worst_tokens`` reads them in Python.
+
+A wait that does not end (a deadline, this rank fenced) hands over to ``HostComm.wait`` on
+the same words, which raises as in any call.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..wire import CALL_WORDS, PAGE, SLAB_ALIGN, VALUE_MASK
+from . import eager, native
+from .exchange import DONE_WRITTEN
+
+# dtype codes of host_ops.c (native.DTYPES): the rows a combine's C sum reads and writes
+SUM_DTYPES = native.DTYPES
+
+
+def usable(comm) -> bool:
+    """Whether this Buffer's calls may take this path now (see the module docstring)."""
+    return (comm.eager_slot > 0 and comm.relays is None and not comm.elastic and
+            comm.transport is None and bool(comm.active.all()) and
+            addresses(comm).lib is not None)
+
+
+class Addresses:
+    """Byte addresses one rank's small calls use, per parity: its slot and flag in every
+    peer's heap (where it writes) and every source's in its own (where it reads); its call
+    and count words in every peer's header, and every source's in its own. Built once per
+    Buffer (HostComm.ll_cache["small"])."""
+
+    def __init__(self, comm):
+        me, R, lay = comm.rank, comm.num_ranks, comm.layout
+        heaps = np.array([comm.peer_heap(r).data_ptr() for r in range(R)], dtype=np.int64)
+        words = np.array([comm.words[r].ctypes.data for r in range(R)], dtype=np.int64)
+        own = comm.peer_heap(me).data_ptr()
+        self.out_slot, self.out_flag, self.in_slot, self.in_flag = [], [], [], []
+        self.call_out, self.call_in, self.count_out, self.count_in = [], [], [], []
+        for p in range(2):
+            self.out_slot.append(heaps + eager.rows_at(comm, p, me))
+            self.out_flag.append(heaps + eager.flag_at(comm, p, me))
+            self.in_slot.append(np.array([own + eager.rows_at(comm, p, s) for s in range(R)],
+                                         dtype=np.int64))
+            self.in_flag.append(np.array([own + eager.flag_at(comm, p, s) for s in range(R)],
+                                         dtype=np.int64))
+            self.call_out.append(words + 8 * lay.call(p, me))
+            self.call_in.append(words[me] + 8 * np.array([lay.call(p, s) for s in range(R)],
+                                                         dtype=np.int64))
+            self.count_out.append(words + 8 * lay.notify(p, me))
+            self.count_in.append(words[me] + 8 * np.array([lay.notify(p, s) for s in range(R)],
+                                                          dtype=np.int64))
+        self.lib = native.library()          # read once: the C library, or None
+        # this rank's header words, to read what came (int64, tags included), and the
+        # index of every source's call and count words in it
+        self.words = comm.words[me]
+        base = self.words.ctypes.data
+        self.call_words = [(c - base)[:, None] // 8 + np.arange(CALL_WORDS)
+                           for c in self.call_in]
+        self.count_words = [(c - base)[:, None] // 8 + np.arange(R) for c in self.count_in]
+        self.nwords = {n: np.full(R, n, dtype=np.int64) for n in (2, R, CALL_WORDS)}
+        self.rotation = np.array([(me + 1 + i) % R for i in range(R)], dtype=np.int64)
+        self.fence = int(words[me] + 8 * lay.fence)
+        self.max_rows = {}
+
+
+def addresses(comm) -> Addresses:
+    found = comm.ll_cache.get("small")
+    if found is None:
+        found = comm.ll_cache["small"] = Addresses(comm)
+    return found
+
+
+def fits(comm, counts: np.ndarray, row_bytes: int, scale_cols: int, topk: int) -> bool:
+    """Whether every count (of a row or a matrix) fits an eager slot (eager.pairs)."""
+    key = (row_bytes, scale_cols, topk)
+    cache = addresses(comm).max_rows
+    if key not in cache:
+        cache[key] = eager.max_rows(comm.eager_slot - PAGE, row_bytes, scale_cols, topk)
+    return int(counts.max(initial=0)) <= cache[key]
+
+
+def _ptr(t) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _wait(comm, epoch: int, op: str, where: np.ndarray, nwords: np.ndarray, views) -> None:
+    """Wait for the slots at ``where`` (addresses, ``nwords`` words each) to carry ``epoch``;
+    if one does not come in time, HostComm.wait on ``views()`` (the same slots) raises."""
+    a = addresses(comm)
+    ready = np.empty(len(where), dtype=np.uint8)
+    if a.lib.moe_small_wait(len(where), where.ctypes.data, nwords.ctypes.data, epoch,
+                            int(comm.deadline * 1e9), a.fence, int(comm.crowded),
+                            ready.ctypes.data):
+        comm.wait(views(), epoch, op)
+
+
+def _views(comm, index: np.ndarray) -> dict:
+    """Views of this rank's header words ``index[s]`` (one row of word indices per source)
+    for HostComm.wait / verify_call."""
+    return {s: comm.slot(comm.rank, int(w[0]), len(w)) for s, w in enumerate(index)}
+
+
+def post_call(comm, epoch: int, call_row: np.ndarray) -> int:
+    """HostComm.post_call: this call's signature to every rank; returns its parity."""
+    parity = comm.call_seq % 2
+    comm.call_seq += 1
+    a = addresses(comm)
+    out = a.call_out[parity]
+    a.lib.moe_small_signal(len(out), out.ctypes.data, epoch, call_row.ctypes.data,
+                           len(call_row))
+    return parity
+
+
+def call_views(comm, parity: int) -> dict:
+    """What HostComm.post_call returns for the signatures posted at ``parity``: the views
+    the Python protocol checks them on (HostComm.verify_call)."""
+    return _views(comm, addresses(comm).call_words[parity])
+
+
+def wait_calls(comm, epoch: int, op: str, parity: int, call_row: np.ndarray) -> None:
+    """HostComm.verify_call of the signatures posted with :func:`post_call` at ``parity``:
+    CallMismatchError on every rank if any two differ."""
+    a = addresses(comm)
+    _wait(comm, epoch, op + "/notify", a.call_in[parity], a.nwords[CALL_WORDS],
+          lambda: call_views(comm, parity))
+    if ((a.words[a.call_words[parity]] & VALUE_MASK) != call_row).any():
+        comm.verify_call(call_views(comm, parity), epoch, op)     # raises, naming them
+
+
+def ids_by_rank(comm, in_rank: torch.Tensor):
+    """``(ids, first)``: the tokens each rank gets, grouped by rank, ascending (``ids[first[d]:
+    first[d + 1]]``; int64 tensor and numpy array)."""
+    T, R = in_rank.shape
+    ids, first = torch.empty(int(in_rank.sum()), dtype=torch.int64), np.empty(R + 1, np.int64)
+    addresses(comm).lib.moe_small_ids(in_rank.data_ptr(), T, R, in_rank.stride(0),
+                                      in_rank.stride(1), ids.data_ptr(), first.ctypes.data)
+    return ids, first
+
+
+def send_dispatch(comm, epoch: int, parity: int, counts: np.ndarray, ids, first, *, x_bytes,
+                  scales, topk_idx, topk_weights, num_local) -> None:
+    """eager.send of a dispatch to every rank ``counts`` names (each count fits a slot), in
+    rotation order."""
+    a = addresses(comm)
+    dests = a.rotation[counts[a.rotation] > 0]
+    K = 0 if topk_idx is None else topk_idx.shape[1]
+    s_row, s_col = (0, 0) if scales is None else (4 * scales.stride(0), 4 * scales.stride(1))
+    comm.check_fence()                # a rank the survivors masked writes nothing
+    a.lib.moe_small_dispatch_send(
+        len(dests), dests.ctypes.data, a.out_slot[parity].ctypes.data,
+        a.out_flag[parity].ctypes.data, ids.data_ptr(), first.ctypes.data, epoch,
+        x_bytes.data_ptr(), x_bytes.stride(0), x_bytes.shape[1], _ptr(scales), s_row, s_col,
+        0 if scales is None else scales.shape[1], _ptr(topk_idx), _ptr(topk_weights), K,
+        num_local, SLAB_ALIGN, PAGE, DONE_WRITTEN)
+
+
+def exchange_counts(comm, epoch: int, row: np.ndarray, call_row: np.ndarray) -> np.ndarray:
+    """exchange.exchange_counts (a flat call, every rank active): the signature and this
+    rank's counts (int64 [R]) to every rank, the signatures checked, every rank's counts
+    read: ``m[s, d]`` = tokens s sends d."""
+    a, R = addresses(comm), comm.num_ranks
+    parity = comm.notify_seq % 2
+    comm.notify_seq += 1
+    call_parity = post_call(comm, epoch, call_row)
+    out = a.count_out[parity]
+    a.lib.moe_small_signal(R, out.ctypes.data, epoch, row.ctypes.data, R)
+    wait_calls(comm, epoch, "dispatch", call_parity, call_row)
+    index = a.count_words[parity]
+    _wait(comm, epoch, "dispatch/notify", a.count_in[parity], a.nwords[R],
+          lambda: _views(comm, index))
+    return a.words[index] & VALUE_MASK
+
+
+def _wait_flags(comm, epoch: int, op: str, parity: int, sources: np.ndarray) -> None:
+    a = addresses(comm)
+    where = a.in_flag[parity][sources]
+    _wait(comm, epoch, op + "/payload", where, a.nwords[2][:len(where)],
+          lambda: eager.flags(comm, parity, sources.tolist()))
+
+
+def _size_error(op: str, source: int) -> RuntimeError:
+    """exchange.settle's error for a source whose slot holds another size than expected."""
+    return RuntimeError(f"{op}: rows larger than the granted region (sender and receiver "
+                        f"computed other sizes): nothing written to rank(s) [], nothing "
+                        f"received from rank(s) [{source}]")
+
+
+def receive_dispatch(comm, epoch: int, parity: int, matrix: np.ndarray, *, row_bytes,
+                     scales, topk, num_local, call_parity=None, call_row=None):
+    """The rest of a dispatch every pair of which went eagerly: wait for the slots of the
+    ranks sending this rank rows, check the signatures (a cached dispatch, ``call_parity``),
+    and read the rows into new tensors in source order. Returns ``(recv_x, recv_scales,
+    recv_idx, recv_weights, local_counts)``: uint8 rows, and the per-local-expert counts of
+    the received ids (numpy int64)."""
+    me = comm.rank
+    counts = np.ascontiguousarray(matrix[:, me])
+    _wait_flags(comm, epoch, "dispatch", parity, np.flatnonzero(counts))
+    if call_parity is not None:
+        wait_calls(comm, epoch, "dispatch", call_parity, call_row)
+    n = int(counts.sum())
+    scale_cols = 0 if scales is None else scales.shape[1]
+    recv_x = torch.empty(n, row_bytes, dtype=torch.uint8)
+    recv_s = None if scales is None else torch.empty(n, scale_cols, dtype=scales.dtype)
+    recv_i = torch.empty(n, topk, dtype=torch.int64) if topk else None
+    recv_w = torch.empty(n, topk, dtype=torch.float32) if topk else None
+    local = np.zeros(max(num_local, 1), dtype=np.int64)
+    row0 = np.cumsum(counts) - counts
+    a = addresses(comm)
+    rc = addresses(comm).lib.moe_small_dispatch_recv(
+        len(counts), a.in_slot[parity].ctypes.data, a.in_flag[parity].ctypes.data,
+        counts.ctypes.data, row0.ctypes.data, row_bytes, scale_cols, topk, SLAB_ALIGN, PAGE,
+        recv_x.data_ptr(), _ptr(recv_s), _ptr(recv_i), _ptr(recv_w), num_local,
+        local.ctypes.data if topk else 0)
+    if rc < 0:
+        raise _size_error("dispatch", -rc - 1)
+    return recv_x, recv_s, recv_i, recv_w, local[:num_local]
+
+
+def send_combine(comm, epoch: int, parity: int, matrix: np.ndarray, x: torch.Tensor,
+                 topk_weights) -> bool:
+    """eager.send of a combine: each owner's rows of ``x`` (received order) back into its
+    slot, when every owner's fit one and the rows are bf16 or float32 (False: nothing sent,
+    the caller sends). ``x`` and ``topk_weights`` contiguous."""
+    if x.dtype not in SUM_DTYPES:
+        return False
+    me, a = comm.rank, addresses(comm)
+    K = 0 if topk_weights is None else topk_weights.shape[1]
+    row_bytes = x.shape[1] * x.element_size()
+    count = np.ascontiguousarray(matrix[:, me])     # rows each owner sent this rank
+    if not fits(comm, count, row_bytes, 0, K):
+        return False
+    start = np.cumsum(count) - count
+    owners = a.rotation[count[a.rotation] > 0]
+    comm.check_fence()
+    addresses(comm).lib.moe_small_combine_send(
+        len(owners), owners.ctypes.data, a.out_slot[parity].ctypes.data,
+        a.out_flag[parity].ctypes.data, start.ctypes.data, count.ctypes.data, epoch,
+        x.data_ptr(), row_bytes, _ptr(topk_weights), K, SLAB_ALIGN, PAGE, DONE_WRITTEN)
+    return True
+
+
+def receive_combine(comm, epoch: int, parity: int, handle, *, dtype, hidden, topk,
+                    biases, call_parity, call_row):
+    """The rest of a combine every pair of which went eagerly: wait for the slots of the
+    ranks returning rows to this rank and the signatures, then sum per token in C straight
+    from the slots (normal._reduce's sums, bit for bit). Returns ``(combined_x,
+    combined_weights or None)``."""
+    me, R = comm.rank, comm.num_ranks
+    counts = np.ascontiguousarray(handle.count_matrix[me])   # rows rank d returns to me
+    _wait_flags(comm, epoch, "combine", parity, np.flatnonzero(counts))
+    wait_calls(comm, epoch, "combine", call_parity, call_row)
+    T = handle.num_tokens
+    ids, first = handle_ids(handle)
+    out = torch.empty(T, hidden, dtype=dtype)
+    out_w = torch.empty(T, topk, dtype=torch.float32) if topk else None
+    bias_addr = np.array([b.data_ptr() for b in biases] or [0], dtype=np.int64)
+    index = np.empty(T + 1 + int(counts.sum()), dtype=np.int64)
+    scratch = torch.empty(2 * max(hidden, 1), dtype=torch.float32)
+    a = addresses(comm)
+    rc = addresses(comm).lib.moe_small_combine_recv(
+        R, a.in_slot[parity].ctypes.data, a.in_flag[parity].ctypes.data, counts.ctypes.data,
+        ids.data_ptr(), first.ctypes.data, SUM_DTYPES[dtype], hidden, topk, SLAB_ALIGN, PAGE,
+        T, bias_addr.ctypes.data, len(biases), out.data_ptr(), SUM_DTYPES[dtype],
+        _ptr(out_w), index.ctypes.data, scratch.data_ptr())
+    if rc < 0:
+        raise _size_error("combine", -rc - 1)
+    return out, out_w
+
+
+def handle_ids(handle):
+    """A handle's send_token_ids as one int64 tensor and its ``first`` offsets (numpy), kept
+    on the handle: every combine of it reads them."""
+    found = getattr(handle, "_small_ids", None)
+    if found is None:
+        first = np.zeros(len(handle.send_token_ids) + 1, dtype=np.int64)
+        np.cumsum([len(t) for t in handle.send_token_ids], out=first[1:])
+        ids = torch.cat(list(handle.send_token_ids)).to(torch.int64).contiguous() \
+            if len(handle.send_token_ids) else torch.zeros(0, dtype=torch.int64)
+        found = handle._small_ids = (ids, first)
+    return found
