@@ -420,8 +420,9 @@ class Buffer:
             active_ranks: int32 [R] or None, read and updated in place (see the class).
         Returns:
             recv_x: [N, H] (or (fp8 [N, H], scales [N, S] of x[1]'s dtype, row-major)), rows
-                ordered by source rank then source token index; it lives in the buffer's
-                memory until you drop it. Masked ranks send and receive nothing;
+                ordered by source rank then source token index; on the host backend it
+                lives in the buffer's memory until you drop it (except a small call's:
+                moe_comm/host/small.py). Masked ranks send and receive nothing;
             recv_topk_idx: int64 [N, K] local expert ids (-1 = not on this rank), or None
                 without topk_idx;
             recv_topk_weights: float32 [N, K] (0 where the id is -1) or None;

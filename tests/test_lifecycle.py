@@ -50,6 +50,7 @@ def test_silent_peer_raises_comm_timeout_naming_it():
 
 
 def _destroy(rank, n):
+    os.environ["MOE_COMM_SMALL"] = "0"      # rx in the heap (small calls' are not)
     buf = moe_comm.Buffer(None, 4 << 20, timeout_s=20)
     assert _our_segments() == [] or all(str(os.getpid()) not in s for s in _our_segments())
     idx = torch.randint(0, 2 * n, (8, 1))
@@ -125,6 +126,7 @@ def _refuse_then_go_on(rank, n, eager):
     import torch
     import torch.distributed as dist
     os.environ["MOE_COMM_EAGER"] = eager
+    os.environ["MOE_COMM_SMALL"] = "0"      # results held in the heap (small calls' are not)
     import moe_comm
     from moe_comm.host.normal import ReceiverFailed
     buf = moe_comm.Buffer(None, 1 << 20, timeout_s=20)

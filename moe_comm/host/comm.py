@@ -143,6 +143,7 @@ class HostComm:
         self.ll_layout = None            # the low-latency layout in use (signature.py)
         self.ll_base = {"dispatch": 0, "combine": 0}
         self.ll_cache = {}               # ll.py, small.py: views and addresses, built once
+        self.poison = None               # tests: the byte fresh outputs start as (small.py)
         self._told = self.active.copy()     # whom agreements tell: the last decision
         self.heap = PageHeap(self._own.bytes, self.heap_offset, self.heap_bytes)
         self.late_rows = LateRows(self.gone)     # LL combine rows a masked rank may write
@@ -432,7 +433,9 @@ class HostComm:
         self.ll_base = dict(self.ll_seq)
 
     def poison_free_heap(self, byte: int = 0xFF) -> None:
-        """Fill every free heap page with ``byte`` (tests: unwritten output rows show up)."""
+        """Fill every free heap page with ``byte``, and from now on the outputs small calls
+        allocate outside the heap (small.py) too (tests: unwritten output rows show up)."""
+        self.poison = byte
         self.heap._drain()
         for start, length in self.heap._free:
             self.heap.view(start, length * PAGE)[:] = byte

@@ -190,7 +190,12 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
         own = cached.count_matrix[me]
         if small_ok and small.fits(comm, own, row_bytes, scale_cols, topk):
             small.send_dispatch(comm, epoch, parity, own, *small.handle_ids(cached), **rows)
-            calls = small.call_views(comm, small.post_call(comm, epoch, call_row))
+            call_parity = small.post_call(comm, epoch, call_row)
+            if not num_worst_tokens and small.dispatch_in_slots(
+                    comm, cached.count_matrix, row_bytes, scale_cols, topk):
+                return _small_finish(comm, epoch, parity, cached, dtype, rows, call_row,
+                                     call_parity)
+            calls = small.call_views(comm, call_parity)
         else:
             send_eagerly(own, lambda d: cached.send_token_ids[d])
             calls = comm.post_call(epoch, call_row)
@@ -203,6 +208,9 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
                                 list(ids.split(np.diff(first).tolist())),
                                 int(matrix[:, me].sum()), num_worst_tokens, call_id=epoch)
         handle._small_ids = ids, first          # (small.handle_ids)
+        if not num_worst_tokens and small.dispatch_in_slots(comm, matrix, row_bytes,
+                                                            scale_cols, topk):
+            return _small_finish(comm, epoch, parity, handle, dtype, rows, call_row, None)
     else:
         row = layout.per_rank.numpy().astype(np.int64)
         is_token_in_rank = layout.in_rank
@@ -247,14 +255,6 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
     if refuse is None and num_worst_tokens and num_recv > num_worst_tokens:
         refuse = ValueError(f"num_worst_tokens={num_worst_tokens} is smaller than the "
                             f"{num_recv} tokens rank {me} receives")
-    if small_ok and refuse is None and len(epochs) == 1 and not num_worst_tokens and \
-            eagerly.sum() == np.count_nonzero(matrix):      # every pair went eagerly
-        recv_x, recv_s, recv_i, recv_w, local = small.receive_dispatch(
-            comm, epoch, parity, matrix, row_bytes=row_bytes, scales=scales, topk=topk,
-            num_local=num_local, call_row=call_row,
-            call_parity=None if calls is None else (comm.call_seq - 1) % 2)
-        handle.recv_expert_counts = local      # (HostBackend.expert_counts)
-        return _finish(comm, handle, [recv_x, recv_s, recv_i, recv_w], 0, dtype)
     rounds = None
     if layout is not None and _relays(comm) is not None:
         relays = _relays(comm).among(comm.active)
@@ -356,6 +356,19 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
                                                        scale_cols, topk),
                            recv, int(plan.row0[s, me]), widths)
     return _finish(comm, handle, recv, num_worst_tokens, dtype)
+
+
+def _small_finish(comm, epoch, parity, handle, dtype, rows, call_row, call_parity):
+    """A small dispatch every pair of which went eagerly (small.py): its receive; a cached
+    one (``call_parity``) checks the signatures there."""
+    scales, topk_idx = rows["scales"], rows["topk_idx"]
+    recv_x, recv_s, recv_i, recv_w, local = small.receive_dispatch(
+        comm, epoch, parity, handle.count_matrix, row_bytes=rows["x_bytes"].shape[1],
+        scales=scales, topk=0 if topk_idx is None else topk_idx.shape[1],
+        num_local=rows["num_local"], call_row=call_row, call_parity=call_parity)
+    if call_parity is None:                  # a fresh dispatch's (HostBackend.expert_counts)
+        handle.recv_expert_counts = local
+    return recv_x.view(dtype), recv_s, recv_i, recv_w, handle
 
 
 def _rounds(comm, handle, args, layout, widths, wanted, rows_out, chunk, count):
@@ -472,6 +485,15 @@ def combine(comm, *, x, handle, topk_weights, bias, aborted=False):
     x_bytes = x.view(torch.uint8)
     row_bytes = x_bytes.shape[1]
     topk = 0 if topk_weights is None else topk_weights.shape[1]
+    # a small combine (small.py): every pair in an eager slot, in C; else what it sent stands
+    small_sent = not aborted and small.usable(comm) and small.send_combine(
+        comm, epoch, parity, matrix, x, topk_weights)
+    if small_sent:
+        call_parity = small.post_call(comm, epoch, call_row)
+        if small.combine_in_slots(comm, matrix, dtype, row_bytes, topk, bias):
+            return small.receive_combine(comm, epoch, parity, handle, dtype=dtype, hidden=hidden,
+                                         topk=topk, biases=bias, call_parity=call_parity,
+                                         call_row=call_row)
     sent_rows = matrix.sum(1)
     # the rows come back to their owners: expert rank d sends owner o matrix[o, d] rows
     plan = RoundPlan(matrix.T, [int(n) for n in sent_rows], [stream_chunk_rows(
@@ -513,19 +535,12 @@ def combine(comm, *, x, handle, topk_weights, bias, aborted=False):
         put_back(o, base, lay, 0, int(matrix[:o, me].sum()), int(matrix[o, me]))
         return lay.nbytes
 
-    small_ok = not aborted and small.usable(comm)       # small.py
-    if small_ok and small.send_combine(comm, epoch, parity, matrix, x, topk_weights):
-        calls = small.call_views(comm, small.post_call(comm, epoch, call_row))
+    if small_sent:
+        calls = small.call_views(comm, call_parity)
     else:
         eager.send(comm, epoch, parity, [o for o in _rotation(me, R)
                                          if eagerly[me, o] and comm.active[o]], write_eagerly)
         calls = comm.post_call(epoch, call_row)     # checked along the payload phase
-    if small_ok and refuse is None and len(epochs) == 1 and dtype in small.SUM_DTYPES and \
-            eagerly.sum() == np.count_nonzero(matrix) and \
-            all(b.dtype == torch.float32 and b.is_contiguous() for b in bias):
-        return small.receive_combine(comm, epoch, parity, handle, dtype=dtype, hidden=hidden,
-                                     topk=topk, biases=bias,
-                                     call_parity=(comm.call_seq - 1) % 2, call_row=call_row)
     # (by the handle's relays even when this rank knows one of them masked since: whether a
     # call goes by relays must not depend on masks, which may differ between ranks until
     # the call's agreement; relay.RelayLost then sends every survivor flat alike)

@@ -13,17 +13,23 @@ choice, and a rank on it pairs with a rank on the other. It is taken where it ca
 the Python protocol does the rest:
 
 - the Buffer: every peer on this host (no transport), not elastic, every rank active, flat
-  (no relays), eager slots on, the C library loaded (``usable``);
+  (no relays), eager slots on, the C library loaded, ``MOE_COMM_SMALL`` not "0" (``usable``);
 - sends: a dispatch whose every count of this rank fits a slot, a combine of bf16 or float32
   rows whose every owner's rows fit one;
 - receives: a call whose every pair went eagerly (the count matrix says so on every rank):
   no grant anywhere, so nothing is left but to wait for the slots and read them. A dispatch
   with ``num_worst_tokens`` reads them in Python.
 
+The rows a small dispatch receives come in new tensors, not in the heap: a small call needs
+no heap, and results a caller holds do not fill it (only a call that is granted a region
+receives into the heap, as the Buffer's docstring says).
+
 A wait that does not end (a deadline, this rank fenced) hands over to ``HostComm.wait`` on
 the same words, which raises as in any call.
 """
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import torch
@@ -34,6 +40,9 @@ from .exchange import DONE_WRITTEN
 
 # dtype codes of host_ops.c (native.DTYPES): the rows a combine's C sum reads and writes
 SUM_DTYPES = native.DTYPES
+
+
+ENV = "MOE_COMM_SMALL"       # "0": every call takes the Python protocol (tests, A/B timing)
 
 
 def usable(comm) -> bool:
@@ -69,7 +78,8 @@ class Addresses:
             self.count_out.append(words + 8 * lay.notify(p, me))
             self.count_in.append(words[me] + 8 * np.array([lay.notify(p, s) for s in range(R)],
                                                           dtype=np.int64))
-        self.lib = native.library()          # read once: the C library, or None
+        # read once a Buffer: the C library, or None (none, or MOE_COMM_SMALL=0)
+        self.lib = native.library() if os.environ.get(ENV, "1") != "0" else None
         # this rank's header words, to read what came (int64, tags included), and the
         # index of every source's call and count words in it
         self.words = comm.words[me]
@@ -90,17 +100,57 @@ def addresses(comm) -> Addresses:
     return found
 
 
-def fits(comm, counts: np.ndarray, row_bytes: int, scale_cols: int, topk: int) -> bool:
-    """Whether every count (of a row or a matrix) fits an eager slot (eager.pairs)."""
+def _max_rows(comm, row_bytes: int, scale_cols: int, topk: int):
+    """The most rows of that shape an eager slot holds, and a region of the whole heap."""
     key = (row_bytes, scale_cols, topk)
     cache = addresses(comm).max_rows
     if key not in cache:
-        cache[key] = eager.max_rows(comm.eager_slot - PAGE, row_bytes, scale_cols, topk)
-    return int(counts.max(initial=0)) <= cache[key]
+        cache[key] = (eager.max_rows(comm.eager_slot - PAGE, row_bytes, scale_cols, topk),
+                      eager.max_rows(comm.heap_bytes, row_bytes, scale_cols, topk))
+    return cache[key]
+
+
+def fits(comm, counts: np.ndarray, row_bytes: int, scale_cols: int, topk: int) -> bool:
+    """Whether every count (of a row or a matrix) fits an eager slot (eager.pairs)."""
+    return int(counts.max(initial=0)) <= _max_rows(comm, row_bytes, scale_cols, topk)[0]
+
+
+def _in_slots(comm, matrix: np.ndarray, received: np.ndarray, row_bytes: int,
+              scale_cols: int, topk: int) -> bool:
+    """Whether the Python protocol would grant nothing anywhere for this call: every pair
+    of ``matrix`` fits a slot (eager.pairs), and every rank's ``received`` rows fit its heap
+    in one region (normal.RoundPlan: one round, nothing refused, no more epochs taken).
+    The same on every rank."""
+    slot_rows, heap_rows = _max_rows(comm, row_bytes, scale_cols, topk)
+    return int(matrix.max(initial=0)) <= slot_rows and \
+        int(received.max(initial=0)) <= heap_rows
+
+
+def dispatch_in_slots(comm, matrix: np.ndarray, row_bytes: int, scale_cols: int,
+                      topk: int) -> bool:
+    """Whether a dispatch of count matrix ``matrix`` goes all in eager slots (_in_slots)."""
+    return _in_slots(comm, matrix, matrix.sum(0), row_bytes, scale_cols, topk)
+
+
+def combine_in_slots(comm, matrix: np.ndarray, dtype, row_bytes: int, topk: int,
+                     biases) -> bool:
+    """Whether a combine on a dispatch of ``matrix`` goes all in eager slots (_in_slots:
+    owner o gets back the ``matrix[o].sum()`` rows it sent) and its sum runs in C (bf16 or
+    float32 rows, contiguous float32 biases)."""
+    return dtype in SUM_DTYPES and _in_slots(comm, matrix, matrix.sum(1), row_bytes, 0, topk) \
+        and all(b.dtype == torch.float32 and b.is_contiguous() for b in biases)
 
 
 def _ptr(t) -> int:
     return 0 if t is None else t.data_ptr()
+
+
+def _empty(comm, *shape, dtype) -> torch.Tensor:
+    """A new output tensor; filled with ``comm.poison`` where a test asked for it."""
+    t = torch.empty(*shape, dtype=dtype)
+    if comm.poison is not None:
+        t.view(torch.uint8).fill_(comm.poison)
+    return t
 
 
 def _wait(comm, epoch: int, op: str, where: np.ndarray, nwords: np.ndarray, views) -> None:
@@ -219,10 +269,10 @@ def receive_dispatch(comm, epoch: int, parity: int, matrix: np.ndarray, *, row_b
         wait_calls(comm, epoch, "dispatch", call_parity, call_row)
     n = int(counts.sum())
     scale_cols = 0 if scales is None else scales.shape[1]
-    recv_x = torch.empty(n, row_bytes, dtype=torch.uint8)
-    recv_s = None if scales is None else torch.empty(n, scale_cols, dtype=scales.dtype)
-    recv_i = torch.empty(n, topk, dtype=torch.int64) if topk else None
-    recv_w = torch.empty(n, topk, dtype=torch.float32) if topk else None
+    recv_x = _empty(comm, n, row_bytes, dtype=torch.uint8)
+    recv_s = None if scales is None else _empty(comm, n, scale_cols, dtype=scales.dtype)
+    recv_i = _empty(comm, n, topk, dtype=torch.int64) if topk else None
+    recv_w = _empty(comm, n, topk, dtype=torch.float32) if topk else None
     local = np.zeros(max(num_local, 1), dtype=np.int64)
     row0 = np.cumsum(counts) - counts
     a = addresses(comm)
@@ -271,8 +321,8 @@ def receive_combine(comm, epoch: int, parity: int, handle, *, dtype, hidden, top
     wait_calls(comm, epoch, "combine", call_parity, call_row)
     T = handle.num_tokens
     ids, first = handle_ids(handle)
-    out = torch.empty(T, hidden, dtype=dtype)
-    out_w = torch.empty(T, topk, dtype=torch.float32) if topk else None
+    out = _empty(comm, T, hidden, dtype=dtype)
+    out_w = _empty(comm, T, topk, dtype=torch.float32) if topk else None
     bias_addr = np.array([b.data_ptr() for b in biases] or [0], dtype=np.int64)
     index = np.empty(T + 1 + int(counts.sum()), dtype=np.int64)
     scratch = torch.empty(2 * max(hidden, 1), dtype=torch.float32)
