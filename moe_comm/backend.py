@@ -73,6 +73,12 @@ class Backend(Protocol):
                num_ranks: int) -> DispatchLayout:
         """The dispatch layout of ``topk_idx`` under the current rank mask."""
 
+    def given_layout(self, topk_idx: torch.Tensor, num_experts: int, per_rank, per_expert,
+                     in_rank) -> DispatchLayout | None:
+        """The caller's layout (get_dispatch_layout's outputs) as the dispatch layout, where a
+        cheap check shows it is ``topk_idx``'s under the current mask; None where it does not
+        (the Buffer then computes :meth:`layout` and says what differs)."""
+
     def masked(self, per_rank, per_expert, in_rank) -> tuple:
         """Layout tensors (any may be None) with the masked ranks' share zeroed."""
 

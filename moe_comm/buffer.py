@@ -508,6 +508,10 @@ class Buffer:
         handed to the backend): ``topk_idx``'s under the current mask, after checking that
         what the caller passed agrees with it (masked the same way, so a layout made before
         a rank was masked still passes)."""
+        lay = self._be.given_layout(topk_idx, num_experts, num_tokens_per_rank,
+                                    num_tokens_per_expert, is_token_in_rank)
+        if lay is not None:
+            return lay
         lay = self._be.layout(topk_idx, num_experts, self.group_size)
         given = self._be.masked(num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)
         validate.layout_matches(

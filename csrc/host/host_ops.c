@@ -520,7 +520,8 @@ static inline void publish(int64_t *words, int64_t epoch, const int64_t *values,
 
 /* A dispatch's eager sends (eager.send), in the order of `dests` (nd ranks): rank d's rows
  * (ids[first[d]:first[d+1]]) into its slot of this rank at slot[d] (a byte address), then
- * the slot's flag at flag[d]: DONE_WRITTEN and the bytes written. */
+ * the slot's flag at flag[d]: DONE_WRITTEN and the bytes written. Ranks without rows are
+ * skipped. */
 void moe_small_dispatch_send(int64_t nd, const int64_t *dests, const int64_t *slot,
                              const int64_t *flag, const int64_t *ids, const int64_t *first,
                              int64_t epoch, const uint8_t *x, int64_t x_stride,
@@ -530,6 +531,7 @@ void moe_small_dispatch_send(int64_t nd, const int64_t *dests, const int64_t *sl
                              int64_t page, int64_t done_written) {
     for (int64_t j = 0; j < nd; j++) {
         const int64_t d = dests[j];
+        if (first[d + 1] == first[d]) continue;
         const int64_t nbytes = put_dispatch_rows(
             (uint8_t *)(intptr_t)slot[d], ids + first[d], first[d + 1] - first[d], x, x_stride,
             row_bytes, scales, s_row, s_col, scale_cols, topk_idx, topk_w, K, d * num_local,
@@ -539,17 +541,21 @@ void moe_small_dispatch_send(int64_t nd, const int64_t *dests, const int64_t *sl
     }
 }
 
-/* A combine's eager sends: to owner o (in the order of `owners`), this rank's received rows
- * [start[o], start[o] + count[o]) of x and their weights (float32 [*, K], or none), as a
- * SlabLayout of count[o] rows (scales none, top-k ids left unwritten: a combine sends
- * none) at slot[o], then the flag. */
+/* A combine's eager sends: to each owner o (the no = R ranks in the order of `owners`; none
+ * without rows) this rank's count[o] received rows from it (those after the rows of the
+ * owners before o) of x and their weights (float32 [*, K], or none), as a SlabLayout of
+ * count[o] rows (scales none, top-k ids left unwritten: a combine sends none) at slot[o],
+ * then the flag. */
 void moe_small_combine_send(int64_t no, const int64_t *owners, const int64_t *slot,
-                            const int64_t *flag, const int64_t *start, const int64_t *count,
+                            const int64_t *flag, const int64_t *count,
                             int64_t epoch, const uint8_t *x, int64_t row_bytes,
                             const float *topk_w, int64_t K, int64_t align, int64_t page,
                             int64_t done_written) {
+    int64_t start[no];                /* owner o's rows start after those of the ranks before */
+    for (int64_t o = 0, at = 0; o < no; at += count[o], o++) start[o] = at;
     for (int64_t j = 0; j < no; j++) {
         const int64_t o = owners[j], n = count[o];
+        if (!n) continue;
         int64_t offs[4];
         const int64_t nbytes = slab_layout(n, row_bytes, 0, K, align, page, offs);
         uint8_t *base = (uint8_t *)(intptr_t)slot[o];
@@ -574,12 +580,17 @@ void moe_small_signal(int64_t nr, const int64_t *words, int64_t epoch, const int
 
 /* Wait until each of the n slots (words[j]: the address of nwords[j] signal words) carries
  * `epoch` in every word, until deadline_ns (CLOCK_MONOTONIC) or until this rank's FENCE word
- * (*fence) is set. ready[j] = 1 for the slots that came. Returns how many did not (0: all
- * came; the caller then reads them after this function's acquire fence). */
-int64_t moe_small_wait(int64_t n, const int64_t *words, const int64_t *nwords, int64_t epoch,
-                       int64_t deadline_ns, const int64_t *fence, int crowded, uint8_t *ready) {
+ * (*fence) is set; with `need`, only the slots j with need[j] != 0. ready[j] = 1 for the
+ * slots that came (or were not waited for). Returns how many did not (0: all came; the
+ * caller then reads them after this function's acquire fence). */
+int64_t moe_small_wait(int64_t n, const int64_t *words, const int64_t *nwords,
+                       const int64_t *need, int64_t epoch, int64_t deadline_ns,
+                       const int64_t *fence, int crowded, uint8_t *ready) {
     int64_t missing = 0;
-    for (int64_t j = 0; j < n; j++) { ready[j] = 0; missing++; }
+    for (int64_t j = 0; j < n; j++) {
+        ready[j] = need && !need[j];
+        missing += !ready[j];
+    }
     for (int64_t spins = 0; missing; spins++) {
         for (int64_t j = 0; j < n; j++) {
             if (ready[j]) continue;
@@ -600,12 +611,13 @@ int64_t moe_small_wait(int64_t n, const int64_t *words, const int64_t *nwords, i
 /* A dispatch's receive from the eager slots (eager.copy_out of every source): source s's
  * count[s] rows, a SlabLayout at slot[s], to rows [row0[s], row0[s] + count[s]) of the
  * outputs (payload [*, row_bytes]; scales [*, scale_cols] 4-byte; ids int64 and weights
- * float32 [*, K], each NULL when not returned), in source order. Each slot's flag (flag[s]:
+ * float32 [*, K], each NULL when not returned), in source order (row0[s]: the rows of the
+ * sources before s). Each slot's flag (flag[s]:
  * two words) must say the bytes that layout spans; returns -(s + 1) for the first source
  * whose does not (nothing copied), else 0. local_counts [num_local] (or NULL): how many
  * received ids name each local expert. */
 int64_t moe_small_dispatch_recv(int64_t R, const int64_t *slot, const int64_t *flag,
-                                const int64_t *count, const int64_t *row0, int64_t row_bytes,
+                                const int64_t *count, int64_t row_bytes,
                                 int64_t scale_cols, int64_t K, int64_t align, int64_t page,
                                 uint8_t *out_x, uint8_t *out_s, int64_t *out_i, float *out_w,
                                 int64_t num_local, int64_t *local_counts) {
@@ -617,8 +629,8 @@ int64_t moe_small_dispatch_recv(int64_t R, const int64_t *slot, const int64_t *f
         if (said != nbytes) return -(s + 1);
     }
     if (local_counts) for (int64_t e = 0; e < num_local; e++) local_counts[e] = 0;
-    for (int64_t s = 0; s < R; s++) {
-        const int64_t n = count[s], r = row0[s];
+    for (int64_t s = 0, r = 0; s < R; r += count[s], s++) {
+        const int64_t n = count[s];
         if (!n) continue;
         slab_layout(n, row_bytes, scale_cols, K, align, page, offs);
         const uint8_t *base = (const uint8_t *)(intptr_t)slot[s];
@@ -708,4 +720,36 @@ int moe_dispatch_layout(const int64_t *topk, int64_t T, int64_t K, int64_t E, in
         }
     }
     return 0;
+}
+
+/* Whether a caller's layout (per_rank int32 [R], per_expert int32 [E], in_rank bool [T, R],
+ * contiguous) is what moe_dispatch_layout gives for topk [T, K]: 1 if so, 0 if not or an id
+ * is outside [-1, E). Checked in one pass with nothing allocated but two counters on the
+ * stack (a dispatch that passes get_dispatch_layout's outputs, as DeepEP's callers do, pays
+ * for a check, not a second layout). */
+int moe_layout_matches(const int64_t *topk, int64_t T, int64_t K, int64_t E, int64_t R,
+                       const int32_t *per_rank, const int32_t *per_expert,
+                       const uint8_t *in_rank) {
+    const int64_t num_local = E / R;
+    int32_t ranks[R], experts[E];
+    uint8_t row[R];
+    memset(ranks, 0, sizeof ranks);
+    memset(experts, 0, sizeof experts);
+    for (int64_t t = 0; t < T; t++) {
+        memset(row, 0, sizeof row);
+        for (int64_t k = 0; k < K; k++) {
+            const int64_t e = topk[t * K + k];
+            if (e < -1 || e >= E) return 0;
+            if (e < 0) continue;
+            experts[e]++;
+            row[e / num_local] = 1;
+        }
+        for (int64_t r = 0; r < R; r++) {
+            if ((in_rank[t * R + r] != 0) != row[r]) return 0;
+            ranks[r] += row[r];
+        }
+    }
+    for (int64_t r = 0; r < R; r++) if (ranks[r] != per_rank[r]) return 0;
+    for (int64_t e = 0; e < E; e++) if (experts[e] != per_expert[e]) return 0;
+    return 1;
 }

@@ -23,6 +23,9 @@ class CudaBackend:
                                       device=device, elastic=elastic, transport=transport)
         self.job = secrets.token_hex(8)
 
+    def given_layout(self, topk_idx, num_experts, per_rank, per_expert, in_rank):
+        return None           # the layout kernel computes send_pos too: it runs anyway
+
     def layout(self, topk_idx, num_experts, num_ranks) -> DispatchLayout:
         """One layout kernel: counts, membership and the send positions dispatch needs."""
         lay = self.normal.dispatch_layout(topk_idx, num_experts, num_ranks)

@@ -18,11 +18,19 @@ class HostBackend:
                  transport):
         self.normal, self.ll = normal, ll
         self.device = torch.device("cpu")
-        native.library()     # built (once, cached) now, not inside the first call's deadline
+        # built (once, cached) now, not inside the first call's deadline; read once a Buffer
+        # where a call's Python costs count (given_layout)
+        self._lib = native.library()
         self.comm = HostComm(group, num_nvl_bytes, num_rdma_bytes, timeout_s,
                              elastic=elastic, transport=transport)
         self.job = self.comm.job
         self._pool = OutputPool()
+
+    def given_layout(self, topk_idx, num_experts, per_rank, per_expert, in_rank):
+        if self.comm.active.all() and native.layout_matches(
+                self._lib, topk_idx, num_experts, per_rank, per_expert, in_rank):
+            return DispatchLayout(per_rank, per_expert, in_rank)
+        return None
 
     def layout(self, topk_idx, num_experts, num_ranks) -> DispatchLayout:
         per_rank, per_expert, in_rank = native.dispatch_layout(

@@ -56,13 +56,13 @@ _SIGNATURES = {
     # small normal calls (host/small.py): addresses travel as int64, every one checked there
     "moe_small_ids": (_P, _I, _I, _I, _I, _P, _P),
     "moe_dispatch_layout": (_P, _I, _I, _I, _I, _P, _P, _P),
+    "moe_layout_matches": (_P, _I, _I, _I, _I, _P, _P, _P),
     "moe_small_dispatch_send": (_I, _P, _P, _P, _P, _P, _I, _P, _I, _I, _P, _I, _I, _I, _P, _P,
                                 _I, _I, _I, _I, _I),
-    "moe_small_combine_send": (_I, _P, _P, _P, _P, _P, _I, _P, _I, _P, _I, _I, _I, _I),
+    "moe_small_combine_send": (_I, _P, _P, _P, _P, _I, _P, _I, _P, _I, _I, _I, _I),
     "moe_small_signal": (_I, _P, _I, _P, _I),
-    "moe_small_wait": (_I, _P, _P, _I, _I, _P, ctypes.c_int, _P),
-    "moe_small_dispatch_recv": (_I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _I,
-                                _P),
+    "moe_small_wait": (_I, _P, _P, _P, _I, _I, _P, ctypes.c_int, _P),
+    "moe_small_dispatch_recv": (_I, _P, _P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _I, _P),
     "moe_small_combine_recv": (_I, _P, _P, _P, _P, _P, ctypes.c_int, _I, _I, _I, _I, _I, _P,
                                ctypes.c_int, _P, ctypes.c_int, _P, _P, _P),
 }
@@ -70,7 +70,7 @@ _RETURNS = {"moe_copy_rows": ctypes.c_int, "moe_ll_route": _I, "moe_ll_send": ct
             "moe_ll_recv": ctypes.c_int, "moe_ll_return": ctypes.c_int,
             "moe_ll_combine": ctypes.c_int, "moe_small_wait": _I,
             "moe_small_dispatch_recv": _I, "moe_small_combine_recv": _I,
-            "moe_dispatch_layout": ctypes.c_int}
+            "moe_dispatch_layout": ctypes.c_int, "moe_layout_matches": ctypes.c_int}
 
 
 def _compiler() -> str | None:
@@ -184,6 +184,24 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
                                in_rank.data_ptr()) < 0:
         return None
     return per_rank, per_expert, in_rank
+
+
+def layout_matches(lib, topk_idx, num_experts, per_rank, per_expert, in_rank) -> bool:
+    """Whether the caller's layout is exactly what ``topk_idx`` gives (layout.py's
+    dispatch_layout), checked in one C pass with ``lib`` (the library); False also where it
+    cannot be checked so (then the torch code decides, and says what differs)."""
+    if lib is None or any(t is None or t.device.type != "cpu" or not t.is_contiguous()
+                          for t in (topk_idx, per_rank, per_expert, in_rank)):
+        return False
+    T, R = in_rank.shape
+    if topk_idx.dtype != torch.int64 or topk_idx.dim() != 2 or topk_idx.shape[0] != T or \
+            per_rank.dtype != torch.int32 or tuple(per_rank.shape) != (R,) or \
+            per_expert.dtype != torch.int32 or tuple(per_expert.shape) != (num_experts,) or \
+            in_rank.dtype != torch.bool or not R or num_experts % R:
+        return False
+    return bool(lib.moe_layout_matches(topk_idx.data_ptr(), T, topk_idx.shape[1], num_experts,
+                                       R, per_rank.data_ptr(), per_expert.data_ptr(),
+                                       in_rank.data_ptr()))
 
 
 def quantize_fp8(x: torch.Tensor, round_scale: bool, out: torch.Tensor,

@@ -189,7 +189,7 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
         cached = handle.without_inactive(comm.active, me)
         own = cached.count_matrix[me]
         if small_ok and small.fits(comm, own, row_bytes, scale_cols, topk):
-            small.send_dispatch(comm, epoch, parity, own, *small.handle_ids(cached), **rows)
+            small.send_dispatch(comm, epoch, parity, *small.handle_ids(cached), **rows)
             call_parity = small.post_call(comm, epoch, call_row)
             if not num_worst_tokens and small.dispatch_in_slots(
                     comm, cached.count_matrix, row_bytes, scale_cols, topk):
@@ -202,10 +202,10 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
     elif small_ok and small.fits(comm, layout.per_rank.numpy(), row_bytes, scale_cols, topk):
         row = layout.per_rank.numpy().astype(np.int64)
         ids, first = small.ids_by_rank(comm, layout.in_rank)
-        small.send_dispatch(comm, epoch, parity, row, ids, first, **rows)
+        small.send_dispatch(comm, epoch, parity, ids, first, **rows)
         matrix = small.exchange_counts(comm, epoch, row, call_row)
         handle = DispatchHandle(buffer_key, num_tokens, hidden, matrix, layout.in_rank,
-                                list(ids.split(np.diff(first).tolist())),
+                                small.split_ids(ids, first),
                                 int(matrix[:, me].sum()), num_worst_tokens, call_id=epoch)
         handle._small_ids = ids, first          # (small.handle_ids)
         if not num_worst_tokens and small.dispatch_in_slots(comm, matrix, row_bytes,

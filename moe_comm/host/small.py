@@ -56,39 +56,48 @@ class Addresses:
     """Byte addresses one rank's small calls use, per parity: its slot and flag in every
     peer's heap (where it writes) and every source's in its own (where it reads); its call
     and count words in every peer's header, and every source's in its own. Built once per
-    Buffer (HostComm.ll_cache["small"])."""
+    Buffer (HostComm.ll_cache["small"]). Arrays of them, and (``p_*``) the address of each
+    array, which the C functions take: a numpy array's address costs a microsecond to
+    find, and a small call passes a dozen."""
 
     def __init__(self, comm):
         me, R, lay = comm.rank, comm.num_ranks, comm.layout
         heaps = np.array([comm.peer_heap(r).data_ptr() for r in range(R)], dtype=np.int64)
         words = np.array([comm.words[r].ctypes.data for r in range(R)], dtype=np.int64)
-        own = comm.peer_heap(me).data_ptr()
-        self.out_slot, self.out_flag, self.in_slot, self.in_flag = [], [], [], []
-        self.call_out, self.call_in, self.count_out, self.count_in = [], [], [], []
-        for p in range(2):
-            self.out_slot.append(heaps + eager.rows_at(comm, p, me))
-            self.out_flag.append(heaps + eager.flag_at(comm, p, me))
-            self.in_slot.append(np.array([own + eager.rows_at(comm, p, s) for s in range(R)],
-                                         dtype=np.int64))
-            self.in_flag.append(np.array([own + eager.flag_at(comm, p, s) for s in range(R)],
-                                         dtype=np.int64))
-            self.call_out.append(words + 8 * lay.call(p, me))
-            self.call_in.append(words[me] + 8 * np.array([lay.call(p, s) for s in range(R)],
-                                                         dtype=np.int64))
-            self.count_out.append(words + 8 * lay.notify(p, me))
-            self.count_in.append(words[me] + 8 * np.array([lay.notify(p, s) for s in range(R)],
-                                                          dtype=np.int64))
+        own, sources = heaps[me], range(R)
+
+        def at_each(base, offsets):
+            return base + np.array(list(offsets), dtype=np.int64)
+
+        self.arrays = {}            # name -> [parity 0, parity 1]: the arrays, kept alive
+        for name, per_parity in {
+                "out_slot": lambda p: heaps + eager.rows_at(comm, p, me),
+                "out_flag": lambda p: heaps + eager.flag_at(comm, p, me),
+                "in_slot": lambda p: at_each(own, (eager.rows_at(comm, p, s) for s in sources)),
+                "in_flag": lambda p: at_each(own, (eager.flag_at(comm, p, s) for s in sources)),
+                "call_out": lambda p: words + 8 * lay.call(p, me),
+                "call_in": lambda p: at_each(words[me], (8 * lay.call(p, s) for s in sources)),
+                "count_out": lambda p: words + 8 * lay.notify(p, me),
+                "count_in": lambda p: at_each(words[me], (8 * lay.notify(p, s)
+                                                          for s in sources))}.items():
+            self.arrays[name] = [per_parity(0), per_parity(1)]
+            setattr(self, "p_" + name, [a.ctypes.data for a in self.arrays[name]])
         # read once a Buffer: the C library, or None (none, or MOE_COMM_SMALL=0)
         self.lib = native.library() if os.environ.get(ENV, "1") != "0" else None
-        # this rank's header words, to read what came (int64, tags included), and the
-        # index of every source's call and count words in it
+        # this rank's header words, to read what came (int64, tags included), and the index
+        # of every source's call and count words in it
         self.words = comm.words[me]
         base = self.words.ctypes.data
         self.call_words = [(c - base)[:, None] // 8 + np.arange(CALL_WORDS)
-                           for c in self.call_in]
-        self.count_words = [(c - base)[:, None] // 8 + np.arange(R) for c in self.count_in]
+                           for c in self.arrays["call_in"]]
+        self.count_words = [(c - base)[:, None] // 8 + np.arange(R)
+                            for c in self.arrays["count_in"]]
         self.nwords = {n: np.full(R, n, dtype=np.int64) for n in (2, R, CALL_WORDS)}
+        self.p_nwords = {n: a.ctypes.data for n, a in self.nwords.items()}
         self.rotation = np.array([(me + 1 + i) % R for i in range(R)], dtype=np.int64)
+        self.p_rotation = self.rotation.ctypes.data
+        self.ready = np.empty(R, dtype=np.uint8)
+        self.p_ready = self.ready.ctypes.data
         self.fence = int(words[me] + 8 * lay.fence)
         self.max_rows = {}
 
@@ -153,21 +162,23 @@ def _empty(comm, *shape, dtype) -> torch.Tensor:
     return t
 
 
-def _wait(comm, epoch: int, op: str, where: np.ndarray, nwords: np.ndarray, views) -> None:
-    """Wait for the slots at ``where`` (addresses, ``nwords`` words each) to carry ``epoch``;
-    if one does not come in time, HostComm.wait on ``views()`` (the same slots) raises."""
+def _wait(comm, epoch: int, op: str, where: int, nwords: int, views, need=None) -> None:
+    """Wait for the R slots whose addresses are at ``where`` (``nwords``: the address of
+    their word counts; ``need``: int64 [R], only the slots of nonzero entries) to carry
+    ``epoch``; if one does not come in time, HostComm.wait on ``views()`` (the same slots)
+    raises."""
     a = addresses(comm)
-    ready = np.empty(len(where), dtype=np.uint8)
-    if a.lib.moe_small_wait(len(where), where.ctypes.data, nwords.ctypes.data, epoch,
-                            int(comm.deadline * 1e9), a.fence, int(comm.crowded),
-                            ready.ctypes.data):
+    if a.lib.moe_small_wait(comm.num_ranks, where, nwords, 0 if need is None else
+                            need.ctypes.data, epoch, int(comm.deadline * 1e9), a.fence,
+                            int(comm.crowded), a.p_ready):
         comm.wait(views(), epoch, op)
 
 
-def _views(comm, index: np.ndarray) -> dict:
+def _views(comm, index: np.ndarray, sources=None) -> dict:
     """Views of this rank's header words ``index[s]`` (one row of word indices per source)
     for HostComm.wait / verify_call."""
-    return {s: comm.slot(comm.rank, int(w[0]), len(w)) for s, w in enumerate(index)}
+    return {s: comm.slot(comm.rank, int(w[0]), len(w)) for s, w in enumerate(index)
+            if sources is None or s in sources}
 
 
 def post_call(comm, epoch: int, call_row: np.ndarray) -> int:
@@ -175,9 +186,8 @@ def post_call(comm, epoch: int, call_row: np.ndarray) -> int:
     parity = comm.call_seq % 2
     comm.call_seq += 1
     a = addresses(comm)
-    out = a.call_out[parity]
-    a.lib.moe_small_signal(len(out), out.ctypes.data, epoch, call_row.ctypes.data,
-                           len(call_row))
+    a.lib.moe_small_signal(comm.num_ranks, a.p_call_out[parity], epoch,
+                           call_row.ctypes.data, CALL_WORDS)
     return parity
 
 
@@ -191,7 +201,7 @@ def wait_calls(comm, epoch: int, op: str, parity: int, call_row: np.ndarray) -> 
     """HostComm.verify_call of the signatures posted with :func:`post_call` at ``parity``:
     CallMismatchError on every rank if any two differ."""
     a = addresses(comm)
-    _wait(comm, epoch, op + "/notify", a.call_in[parity], a.nwords[CALL_WORDS],
+    _wait(comm, epoch, op + "/notify", a.p_call_in[parity], a.p_nwords[CALL_WORDS],
           lambda: call_views(comm, parity))
     if ((a.words[a.call_words[parity]] & VALUE_MASK) != call_row).any():
         comm.verify_call(call_views(comm, parity), epoch, op)     # raises, naming them
@@ -201,27 +211,25 @@ def ids_by_rank(comm, in_rank: torch.Tensor):
     """``(ids, first)``: the tokens each rank gets, grouped by rank, ascending (``ids[first[d]:
     first[d + 1]]``; int64 tensor and numpy array)."""
     T, R = in_rank.shape
-    ids, first = torch.empty(int(in_rank.sum()), dtype=torch.int64), np.empty(R + 1, np.int64)
+    ids, first = torch.empty(T * R, dtype=torch.int64), np.empty(R + 1, np.int64)
     addresses(comm).lib.moe_small_ids(in_rank.data_ptr(), T, R, in_rank.stride(0),
                                       in_rank.stride(1), ids.data_ptr(), first.ctypes.data)
-    return ids, first
+    return ids[:int(first[R])], first
 
 
-def send_dispatch(comm, epoch: int, parity: int, counts: np.ndarray, ids, first, *, x_bytes,
-                  scales, topk_idx, topk_weights, num_local) -> None:
-    """eager.send of a dispatch to every rank ``counts`` names (each count fits a slot), in
-    rotation order."""
+def send_dispatch(comm, epoch: int, parity: int, ids, first, *, x_bytes, scales, topk_idx,
+                  topk_weights, num_local) -> None:
+    """eager.send of a dispatch: to every rank, in rotation order, its rows
+    ``ids[first[d]:first[d + 1]]`` (each rank's fit a slot; none to a rank without)."""
     a = addresses(comm)
-    dests = a.rotation[counts[a.rotation] > 0]
     K = 0 if topk_idx is None else topk_idx.shape[1]
     s_row, s_col = (0, 0) if scales is None else (4 * scales.stride(0), 4 * scales.stride(1))
     comm.check_fence()                # a rank the survivors masked writes nothing
     a.lib.moe_small_dispatch_send(
-        len(dests), dests.ctypes.data, a.out_slot[parity].ctypes.data,
-        a.out_flag[parity].ctypes.data, ids.data_ptr(), first.ctypes.data, epoch,
-        x_bytes.data_ptr(), x_bytes.stride(0), x_bytes.shape[1], _ptr(scales), s_row, s_col,
-        0 if scales is None else scales.shape[1], _ptr(topk_idx), _ptr(topk_weights), K,
-        num_local, SLAB_ALIGN, PAGE, DONE_WRITTEN)
+        comm.num_ranks, a.p_rotation, a.p_out_slot[parity], a.p_out_flag[parity],
+        ids.data_ptr(), first.ctypes.data, epoch, x_bytes.data_ptr(), x_bytes.stride(0),
+        x_bytes.shape[1], _ptr(scales), s_row, s_col, 0 if scales is None else scales.shape[1],
+        _ptr(topk_idx), _ptr(topk_weights), K, num_local, SLAB_ALIGN, PAGE, DONE_WRITTEN)
 
 
 def exchange_counts(comm, epoch: int, row: np.ndarray, call_row: np.ndarray) -> np.ndarray:
@@ -232,20 +240,19 @@ def exchange_counts(comm, epoch: int, row: np.ndarray, call_row: np.ndarray) -> 
     parity = comm.notify_seq % 2
     comm.notify_seq += 1
     call_parity = post_call(comm, epoch, call_row)
-    out = a.count_out[parity]
-    a.lib.moe_small_signal(R, out.ctypes.data, epoch, row.ctypes.data, R)
+    a.lib.moe_small_signal(R, a.p_count_out[parity], epoch, row.ctypes.data, R)
     wait_calls(comm, epoch, "dispatch", call_parity, call_row)
     index = a.count_words[parity]
-    _wait(comm, epoch, "dispatch/notify", a.count_in[parity], a.nwords[R],
+    _wait(comm, epoch, "dispatch/notify", a.p_count_in[parity], a.p_nwords[R],
           lambda: _views(comm, index))
     return a.words[index] & VALUE_MASK
 
 
-def _wait_flags(comm, epoch: int, op: str, parity: int, sources: np.ndarray) -> None:
+def _wait_flags(comm, epoch: int, op: str, parity: int, counts: np.ndarray) -> None:
+    """Wait for the eager flags of the sources with ``counts`` (int64 [R]) rows."""
     a = addresses(comm)
-    where = a.in_flag[parity][sources]
-    _wait(comm, epoch, op + "/payload", where, a.nwords[2][:len(where)],
-          lambda: eager.flags(comm, parity, sources.tolist()))
+    _wait(comm, epoch, op + "/payload", a.p_in_flag[parity], a.p_nwords[2],
+          lambda: eager.flags(comm, parity, np.flatnonzero(counts).tolist()), need=counts)
 
 
 def _size_error(op: str, source: int) -> RuntimeError:
@@ -260,11 +267,11 @@ def receive_dispatch(comm, epoch: int, parity: int, matrix: np.ndarray, *, row_b
     """The rest of a dispatch every pair of which went eagerly: wait for the slots of the
     ranks sending this rank rows, check the signatures (a cached dispatch, ``call_parity``),
     and read the rows into new tensors in source order. Returns ``(recv_x, recv_scales,
-    recv_idx, recv_weights, local_counts)``: uint8 rows, and the per-local-expert counts of
-    the received ids (numpy int64)."""
-    me = comm.rank
+    recv_idx, recv_weights, local_counts)``: uint8 rows, and how many received ids name each
+    local expert (a list; None without top-k)."""
+    a, me = addresses(comm), comm.rank
     counts = np.ascontiguousarray(matrix[:, me])
-    _wait_flags(comm, epoch, "dispatch", parity, np.flatnonzero(counts))
+    _wait_flags(comm, epoch, "dispatch", parity, counts)
     if call_parity is not None:
         wait_calls(comm, epoch, "dispatch", call_parity, call_row)
     n = int(counts.sum())
@@ -273,17 +280,14 @@ def receive_dispatch(comm, epoch: int, parity: int, matrix: np.ndarray, *, row_b
     recv_s = None if scales is None else _empty(comm, n, scale_cols, dtype=scales.dtype)
     recv_i = _empty(comm, n, topk, dtype=torch.int64) if topk else None
     recv_w = _empty(comm, n, topk, dtype=torch.float32) if topk else None
-    local = np.zeros(max(num_local, 1), dtype=np.int64)
-    row0 = np.cumsum(counts) - counts
-    a = addresses(comm)
-    rc = addresses(comm).lib.moe_small_dispatch_recv(
-        len(counts), a.in_slot[parity].ctypes.data, a.in_flag[parity].ctypes.data,
-        counts.ctypes.data, row0.ctypes.data, row_bytes, scale_cols, topk, SLAB_ALIGN, PAGE,
-        recv_x.data_ptr(), _ptr(recv_s), _ptr(recv_i), _ptr(recv_w), num_local,
-        local.ctypes.data if topk else 0)
+    local = torch.empty(max(num_local, 1), dtype=torch.int64)
+    rc = a.lib.moe_small_dispatch_recv(
+        comm.num_ranks, a.p_in_slot[parity], a.p_in_flag[parity], counts.ctypes.data,
+        row_bytes, scale_cols, topk, SLAB_ALIGN, PAGE, recv_x.data_ptr(), _ptr(recv_s),
+        _ptr(recv_i), _ptr(recv_w), num_local, local.data_ptr() if topk else 0)
     if rc < 0:
         raise _size_error("dispatch", -rc - 1)
-    return recv_x, recv_s, recv_i, recv_w, local[:num_local]
+    return recv_x, recv_s, recv_i, recv_w, local[:num_local].tolist() if topk else None
 
 
 def send_combine(comm, epoch: int, parity: int, matrix: np.ndarray, x: torch.Tensor,
@@ -293,19 +297,17 @@ def send_combine(comm, epoch: int, parity: int, matrix: np.ndarray, x: torch.Ten
     the caller sends). ``x`` and ``topk_weights`` contiguous."""
     if x.dtype not in SUM_DTYPES:
         return False
-    me, a = comm.rank, addresses(comm)
+    a = addresses(comm)
     K = 0 if topk_weights is None else topk_weights.shape[1]
     row_bytes = x.shape[1] * x.element_size()
-    count = np.ascontiguousarray(matrix[:, me])     # rows each owner sent this rank
+    count = np.ascontiguousarray(matrix[:, comm.rank])     # rows each owner sent this rank
     if not fits(comm, count, row_bytes, 0, K):
         return False
-    start = np.cumsum(count) - count
-    owners = a.rotation[count[a.rotation] > 0]
     comm.check_fence()
-    addresses(comm).lib.moe_small_combine_send(
-        len(owners), owners.ctypes.data, a.out_slot[parity].ctypes.data,
-        a.out_flag[parity].ctypes.data, start.ctypes.data, count.ctypes.data, epoch,
-        x.data_ptr(), row_bytes, _ptr(topk_weights), K, SLAB_ALIGN, PAGE, DONE_WRITTEN)
+    a.lib.moe_small_combine_send(
+        comm.num_ranks, a.p_rotation, a.p_out_slot[parity], a.p_out_flag[parity],
+        count.ctypes.data, epoch, x.data_ptr(), row_bytes, _ptr(topk_weights), K, SLAB_ALIGN,
+        PAGE, DONE_WRITTEN)
     return True
 
 
@@ -315,26 +317,32 @@ def receive_combine(comm, epoch: int, parity: int, handle, *, dtype, hidden, top
     ranks returning rows to this rank and the signatures, then sum per token in C straight
     from the slots (normal._reduce's sums, bit for bit). Returns ``(combined_x,
     combined_weights or None)``."""
-    me, R = comm.rank, comm.num_ranks
-    counts = np.ascontiguousarray(handle.count_matrix[me])   # rows rank d returns to me
-    _wait_flags(comm, epoch, "combine", parity, np.flatnonzero(counts))
+    a, R = addresses(comm), comm.num_ranks
+    counts = np.ascontiguousarray(handle.count_matrix[comm.rank])   # rows d returns to me
+    _wait_flags(comm, epoch, "combine", parity, counts)
     wait_calls(comm, epoch, "combine", call_parity, call_row)
     T = handle.num_tokens
     ids, first = handle_ids(handle)
     out = _empty(comm, T, hidden, dtype=dtype)
     out_w = _empty(comm, T, topk, dtype=torch.float32) if topk else None
     bias_addr = np.array([b.data_ptr() for b in biases] or [0], dtype=np.int64)
-    index = np.empty(T + 1 + int(counts.sum()), dtype=np.int64)
+    index = torch.empty(T + 1 + int(counts.sum()), dtype=torch.int64)
     scratch = torch.empty(2 * max(hidden, 1), dtype=torch.float32)
-    a = addresses(comm)
-    rc = addresses(comm).lib.moe_small_combine_recv(
-        R, a.in_slot[parity].ctypes.data, a.in_flag[parity].ctypes.data, counts.ctypes.data,
-        ids.data_ptr(), first.ctypes.data, SUM_DTYPES[dtype], hidden, topk, SLAB_ALIGN, PAGE,
-        T, bias_addr.ctypes.data, len(biases), out.data_ptr(), SUM_DTYPES[dtype],
-        _ptr(out_w), index.ctypes.data, scratch.data_ptr())
+    rc = a.lib.moe_small_combine_recv(
+        R, a.p_in_slot[parity], a.p_in_flag[parity], counts.ctypes.data, ids.data_ptr(),
+        first.ctypes.data, SUM_DTYPES[dtype], hidden, topk, SLAB_ALIGN, PAGE, T,
+        bias_addr.ctypes.data, len(biases), out.data_ptr(), SUM_DTYPES[dtype], _ptr(out_w),
+        index.data_ptr(), scratch.data_ptr())
     if rc < 0:
         raise _size_error("combine", -rc - 1)
     return out, out_w
+
+
+def split_ids(ids: torch.Tensor, first: np.ndarray) -> list:
+    """``ids`` as one view per rank (a handle's send_token_ids); slicing, not torch.split,
+    whose Python wrapper costs more than the rest of a small call's handle."""
+    at = first.tolist()
+    return [ids[at[d]:at[d + 1]] for d in range(len(at) - 1)]
 
 
 def handle_ids(handle):
