@@ -14,6 +14,8 @@ disagree.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -44,11 +46,16 @@ def _row(values) -> np.ndarray:
     return row
 
 
+@functools.lru_cache(maxsize=4096)
 def normal(call: str, *, hidden: int, dtype, scale_cols: int, topk: int, num_experts: int,
            num_worst_tokens: int, handle_id: int) -> np.ndarray:
-    """The signature of a normal-mode ``call`` ("dispatch", "cached dispatch", "combine")."""
-    return _row((CALL_CODE[call], hidden, DTYPE_CODE[dtype], scale_cols, topk, num_experts,
-                 num_worst_tokens, handle_id))
+    """The signature of a normal-mode ``call`` ("dispatch", "cached dispatch", "combine").
+    Read-only and kept: a model's calls repeat a few signatures, and a small call's whole
+    Python budget is a few dozen microseconds."""
+    row = _row((CALL_CODE[call], hidden, DTYPE_CODE[dtype], scale_cols, topk, num_experts,
+                num_worst_tokens, handle_id))
+    row.flags.writeable = False
+    return row
 
 
 def scale_word(scales) -> int:

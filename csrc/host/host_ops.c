@@ -582,10 +582,12 @@ void moe_small_signal(int64_t nr, const int64_t *words, int64_t epoch, const int
  * `epoch` in every word, until deadline_ns (CLOCK_MONOTONIC) or until this rank's FENCE word
  * (*fence) is set; with `need`, only the slots j with need[j] != 0. ready[j] = 1 for the
  * slots that came (or were not waited for). Returns how many did not (0: all came; the
- * caller then reads them after this function's acquire fence). */
+ * caller then reads them after this function's acquire fence), or, with `expect`, -1 when
+ * all came but a slot's values (the words' low 32 bits) are not expect[0..nwords[j]). */
 int64_t moe_small_wait(int64_t n, const int64_t *words, const int64_t *nwords,
-                       const int64_t *need, int64_t epoch, int64_t deadline_ns,
-                       const int64_t *fence, int crowded, uint8_t *ready) {
+                       const int64_t *need, const int64_t *expect, int64_t epoch,
+                       int64_t deadline_ns, const int64_t *fence, int crowded,
+                       uint8_t *ready) {
     int64_t missing = 0;
     for (int64_t j = 0; j < n; j++) {
         ready[j] = need && !need[j];
@@ -605,7 +607,13 @@ int64_t moe_small_wait(int64_t n, const int64_t *words, const int64_t *nwords,
         backoff(spins, crowded);
     }
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
-    return missing;
+    if (missing || !expect) return missing;
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t *w = (const int64_t *)(intptr_t)words[j];
+        for (int64_t i = 0; i < nwords[j]; i++)
+            if ((w[i] & 0xFFFFFFFFll) != expect[i]) return -1;
+    }
+    return 0;
 }
 
 /* A dispatch's receive from the eager slots (eager.copy_out of every source): source s's

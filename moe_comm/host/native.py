@@ -61,7 +61,7 @@ _SIGNATURES = {
                                 _I, _I, _I, _I, _I),
     "moe_small_combine_send": (_I, _P, _P, _P, _P, _I, _P, _I, _P, _I, _I, _I, _I),
     "moe_small_signal": (_I, _P, _I, _P, _I),
-    "moe_small_wait": (_I, _P, _P, _P, _I, _I, _P, ctypes.c_int, _P),
+    "moe_small_wait": (_I, _P, _P, _P, _P, _I, _I, _P, ctypes.c_int, _P),
     "moe_small_dispatch_recv": (_I, _P, _P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _I, _P),
     "moe_small_combine_recv": (_I, _P, _P, _P, _P, _P, ctypes.c_int, _I, _I, _I, _I, _I, _P,
                                ctypes.c_int, _P, ctypes.c_int, _P, _P, _P),

@@ -162,16 +162,20 @@ def _empty(comm, *shape, dtype) -> torch.Tensor:
     return t
 
 
-def _wait(comm, epoch: int, op: str, where: int, nwords: int, views, need=None) -> None:
+def _wait(comm, epoch: int, op: str, where: int, nwords: int, views, need=None,
+          expect=None) -> bool:
     """Wait for the R slots whose addresses are at ``where`` (``nwords``: the address of
     their word counts; ``need``: int64 [R], only the slots of nonzero entries) to carry
     ``epoch``; if one does not come in time, HostComm.wait on ``views()`` (the same slots)
-    raises."""
+    raises. Returns whether every slot holds ``expect`` (int64 values; True without)."""
     a = addresses(comm)
-    if a.lib.moe_small_wait(comm.num_ranks, where, nwords, 0 if need is None else
-                            need.ctypes.data, epoch, int(comm.deadline * 1e9), a.fence,
-                            int(comm.crowded), a.p_ready):
+    missing = a.lib.moe_small_wait(
+        comm.num_ranks, where, nwords, 0 if need is None else need.ctypes.data,
+        0 if expect is None else expect.ctypes.data, epoch, int(comm.deadline * 1e9), a.fence,
+        int(comm.crowded), a.p_ready)
+    if missing > 0:
         comm.wait(views(), epoch, op)
+    return missing == 0
 
 
 def _views(comm, index: np.ndarray, sources=None) -> dict:
@@ -201,9 +205,8 @@ def wait_calls(comm, epoch: int, op: str, parity: int, call_row: np.ndarray) -> 
     """HostComm.verify_call of the signatures posted with :func:`post_call` at ``parity``:
     CallMismatchError on every rank if any two differ."""
     a = addresses(comm)
-    _wait(comm, epoch, op + "/notify", a.p_call_in[parity], a.p_nwords[CALL_WORDS],
-          lambda: call_views(comm, parity))
-    if ((a.words[a.call_words[parity]] & VALUE_MASK) != call_row).any():
+    if not _wait(comm, epoch, op + "/notify", a.p_call_in[parity], a.p_nwords[CALL_WORDS],
+                 lambda: call_views(comm, parity), expect=call_row):
         comm.verify_call(call_views(comm, parity), epoch, op)     # raises, naming them
 
 
