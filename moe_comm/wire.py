@@ -101,6 +101,7 @@ LL_CALL_FIELDS = ("call", "hidden", "use_fp8", "round_scale", "topk", "num_exper
                   "num_max_dispatch_tokens_per_rank", "layout_refused")
 CALL_WORDS = LINE_WORDS
 FENCE_WORD = 4                       # header word a masked rank finds set (HeaderLayout.fence)
+DOORBELL_WORD = 5    # header word set while its rank sleeps in a C wait (host_ops.c "Doorbells")
 SLAB_ALIGN = 64                      # bytes: each sub-array of a SlabLayout starts on a line
 
 

@@ -422,8 +422,12 @@ int moe_ll_combine(const uint8_t *rows, int64_t row_stride, const int64_t *tok,
  * one C call each: the same bytes at the same places as the Python protocol (moe_comm/host/
  * eager.py, exchange.py), so a rank on either path pairs with a rank on the other. */
 
+#include <limits.h>
+#include <linux/futex.h>
 #include <sched.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
 
 static inline int64_t round_up_i64(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
@@ -444,28 +448,44 @@ static inline int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-static inline void pause_ns(int64_t ns) {
-    struct timespec ts = {0, ns};
-    nanosleep(&ts, NULL);
-}
-
 /* Spin, yield, then sleep (moe_comm/shm/atomics.py Backoff's steps): a spinning rank must not
- * starve the peer it waits for when ranks share cores. */
-static void backoff(int64_t spins, int crowded) {
+ * starve the peer it waits for when ranks share cores. Pauses or yields, or returns how long
+ * to sleep (ns; 0: none). */
+static int64_t backoff(int64_t spins, int crowded) {
     if (spins < 32) {
 #if defined(__x86_64__)
         __builtin_ia32_pause();
 #endif
-        return;
+        return 0;
     }
     if (crowded) {
-        if (spins < 64) sched_yield();
-        else pause_ns(spins < 256 ? 20000 : spins < 1024 ? 200000 : 1000000);
-    } else if (spins < 1024) {
-        sched_yield();
-    } else {
-        pause_ns(spins < 4096 ? 20000 : 200000);
+        if (spins < 64) { sched_yield(); return 0; }
+        return spins < 256 ? 20000 : spins < 1024 ? 200000 : 1000000;
     }
+    if (spins < 1024) { sched_yield(); return 0; }
+    return spins < 4096 ? 20000 : 200000;
+}
+
+/* Doorbells (wire.DOORBELL_WORD, one header word a rank): a rank about to sleep in a wait sets
+ * its own to 1 and sleeps on it (a futex in shared memory) for at most its backoff's time; a
+ * writer that published words for a rank and finds its doorbell set clears it and wakes it,
+ * so the sleeper goes on when its words come, not when its sleep ends (ranks that outnumber
+ * the cores sleep in most waits). The Python protocol's writers do not ring: their reader
+ * sleeps its time out, as it would without doorbells. The store of the doorbell and the
+ * reader's second look at its slots, like the writer's stores and its look at the doorbell,
+ * are ordered by full fences, so one of them sees the other's. */
+static inline uint32_t *bell_at(int64_t addr) { return (uint32_t *)(intptr_t)addr; }
+
+static void ring(int64_t bell_addr) {
+    uint32_t *bell = bell_at(bell_addr);
+    if (__atomic_load_n(bell, __ATOMIC_RELAXED) && __atomic_exchange_n(bell, 0, __ATOMIC_SEQ_CST))
+        syscall(SYS_futex, bell, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+static void sleep_on(int64_t bell_addr, int64_t ns) {
+    struct timespec ts = {ns / 1000000000, ns % 1000000000};
+    syscall(SYS_futex, bell_at(bell_addr), FUTEX_WAIT, 1, &ts, NULL, 0);
+    __atomic_store_n(bell_at(bell_addr), 0, __ATOMIC_RELAXED);
 }
 
 /* Token ids each rank gets: in_rank bool [T, R] (strides in elements) -> ids, grouped by rank
@@ -511,19 +531,23 @@ static int64_t put_dispatch_rows(uint8_t *base, const int64_t *ids, int64_t n,
     return nbytes;
 }
 
-/* Signal words: `values` tagged with `epoch` into `words`, after every earlier write. */
-static inline void publish(int64_t *words, int64_t epoch, const int64_t *values, int64_t n) {
+/* Signal words: `values` tagged with `epoch` into `words`, after every earlier write; then
+ * the reader's doorbell rung. */
+static inline void publish(int64_t *words, int64_t bell, int64_t epoch, const int64_t *values,
+                           int64_t n) {
     __atomic_thread_fence(__ATOMIC_RELEASE);
     for (int64_t i = 0; i < n; i++)
         __atomic_store_n(&words[i], (epoch << 32) | values[i], __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    ring(bell);
 }
 
 /* A dispatch's eager sends (eager.send), in the order of `dests` (nd ranks): rank d's rows
  * (ids[first[d]:first[d+1]]) into its slot of this rank at slot[d] (a byte address), then
- * the slot's flag at flag[d]: DONE_WRITTEN and the bytes written. Ranks without rows are
- * skipped. */
+ * the slot's flag at flag[d]: DONE_WRITTEN and the bytes written; then its doorbell rung
+ * (bells[d]). Ranks without rows are skipped. */
 void moe_small_dispatch_send(int64_t nd, const int64_t *dests, const int64_t *slot,
-                             const int64_t *flag, const int64_t *ids, const int64_t *first,
+                             const int64_t *flag, const int64_t *bells, const int64_t *ids, const int64_t *first,
                              int64_t epoch, const uint8_t *x, int64_t x_stride,
                              int64_t row_bytes, const uint8_t *scales, int64_t s_row,
                              int64_t s_col, int64_t scale_cols, const int64_t *topk_idx,
@@ -537,7 +561,7 @@ void moe_small_dispatch_send(int64_t nd, const int64_t *dests, const int64_t *sl
             row_bytes, scales, s_row, s_col, scale_cols, topk_idx, topk_w, K, d * num_local,
             num_local, align, page);
         const int64_t words[2] = {done_written, nbytes};
-        publish((int64_t *)(intptr_t)flag[d], epoch, words, 2);
+        publish((int64_t *)(intptr_t)flag[d], bells[d], epoch, words, 2);
     }
 }
 
@@ -545,9 +569,9 @@ void moe_small_dispatch_send(int64_t nd, const int64_t *dests, const int64_t *sl
  * without rows) this rank's count[o] received rows from it (those after the rows of the
  * owners before o) of x and their weights (float32 [*, K], or none), as a SlabLayout of
  * count[o] rows (scales none, top-k ids left unwritten: a combine sends none) at slot[o],
- * then the flag. */
+ * then the flag, and its doorbell rung (bells[o]). */
 void moe_small_combine_send(int64_t no, const int64_t *owners, const int64_t *slot,
-                            const int64_t *flag, const int64_t *count,
+                            const int64_t *flag, const int64_t *bells, const int64_t *count,
                             int64_t epoch, const uint8_t *x, int64_t row_bytes,
                             const float *topk_w, int64_t K, int64_t align, int64_t page,
                             int64_t done_written) {
@@ -562,31 +586,47 @@ void moe_small_combine_send(int64_t no, const int64_t *owners, const int64_t *sl
         memcpy(base + offs[0], x + start[o] * row_bytes, (size_t)(n * row_bytes));
         if (K && topk_w) memcpy(base + offs[3], topk_w + start[o] * K, (size_t)(n * K * 4));
         const int64_t words[2] = {done_written, nbytes};
-        publish((int64_t *)(intptr_t)flag[o], epoch, words, 2);
+        publish((int64_t *)(intptr_t)flag[o], bells[o], epoch, words, 2);
     }
 }
 
 /* The same tagged `values` (n words) into the slot at words[j] of each of nr ranks (one
- * release fence for all: HostComm.signal_each). */
-void moe_small_signal(int64_t nr, const int64_t *words, int64_t epoch, const int64_t *values,
-                      int64_t n) {
+ * release fence for all: HostComm.signal_each), then their doorbells rung (bells[j]). */
+void moe_small_signal(int64_t nr, const int64_t *words, const int64_t *bells, int64_t epoch,
+                      const int64_t *values, int64_t n) {
     __atomic_thread_fence(__ATOMIC_RELEASE);
     for (int64_t j = 0; j < nr; j++) {
         int64_t *w = (int64_t *)(intptr_t)words[j];
         for (int64_t i = 0; i < n; i++)
             __atomic_store_n(&w[i], (epoch << 32) | values[i], __ATOMIC_RELAXED);
     }
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    for (int64_t j = 0; j < nr; j++) ring(bells[j]);
 }
 
 /* Wait until each of the n slots (words[j]: the address of nwords[j] signal words) carries
  * `epoch` in every word, until deadline_ns (CLOCK_MONOTONIC) or until this rank's FENCE word
- * (*fence) is set; with `need`, only the slots j with need[j] != 0. ready[j] = 1 for the
+ * (*fence) is set, sleeping on this rank's doorbell (`bell`) when it sleeps; with `need`,
+ * only the slots j with need[j] != 0. ready[j] = 1 for the
  * slots that came (or were not waited for). Returns how many did not (0: all came; the
  * caller then reads them after this function's acquire fence), or, with `expect`, -1 when
  * all came but a slot's values (the words' low 32 bits) are not expect[0..nwords[j]). */
+static int64_t still_missing(int64_t n, const int64_t *words, const int64_t *nwords,
+                             int64_t epoch, uint8_t *ready, int64_t missing) {
+    for (int64_t j = 0; j < n && missing; j++) {
+        if (ready[j]) continue;
+        const int64_t *w = (const int64_t *)(intptr_t)words[j];
+        int all = 1;
+        for (int64_t i = 0; i < nwords[j] && all; i++)
+            all = (__atomic_load_n(&w[i], __ATOMIC_RELAXED) >> 32) == epoch;
+        if (all) { ready[j] = 1; missing--; }
+    }
+    return missing;
+}
+
 int64_t moe_small_wait(int64_t n, const int64_t *words, const int64_t *nwords,
                        const int64_t *need, const int64_t *expect, int64_t epoch,
-                       int64_t deadline_ns, const int64_t *fence, int crowded,
+                       int64_t deadline_ns, const int64_t *fence, int64_t bell, int crowded,
                        uint8_t *ready) {
     int64_t missing = 0;
     for (int64_t j = 0; j < n; j++) {
@@ -594,17 +634,15 @@ int64_t moe_small_wait(int64_t n, const int64_t *words, const int64_t *nwords,
         missing += !ready[j];
     }
     for (int64_t spins = 0; missing; spins++) {
-        for (int64_t j = 0; j < n; j++) {
-            if (ready[j]) continue;
-            const int64_t *w = (const int64_t *)(intptr_t)words[j];
-            int all = 1;
-            for (int64_t i = 0; i < nwords[j] && all; i++)
-                all = (__atomic_load_n(&w[i], __ATOMIC_RELAXED) >> 32) == epoch;
-            if (all) { ready[j] = 1; missing--; }
-        }
+        missing = still_missing(n, words, nwords, epoch, ready, missing);
         if (!missing) break;
         if (__atomic_load_n(fence, __ATOMIC_RELAXED) || now_ns() > deadline_ns) break;
-        backoff(spins, crowded);
+        const int64_t ns = backoff(spins, crowded);
+        if (!ns) continue;
+        __atomic_store_n(bell_at(bell), 1, __ATOMIC_SEQ_CST);      /* then a second look */
+        missing = still_missing(n, words, nwords, epoch, ready, missing);
+        if (missing) sleep_on(bell, ns);
+        else __atomic_store_n(bell_at(bell), 0, __ATOMIC_RELAXED);
     }
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
     if (missing || !expect) return missing;

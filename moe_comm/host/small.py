@@ -34,7 +34,7 @@ import os
 import numpy as np
 import torch
 
-from ..wire import CALL_WORDS, PAGE, SLAB_ALIGN, VALUE_MASK
+from ..wire import CALL_WORDS, DOORBELL_WORD, PAGE, SLAB_ALIGN, VALUE_MASK
 from . import eager, native
 from .exchange import DONE_WRITTEN
 
@@ -99,6 +99,10 @@ class Addresses:
         self.ready = np.empty(R, dtype=np.uint8)
         self.p_ready = self.ready.ctypes.data
         self.fence = int(words[me] + 8 * lay.fence)
+        # every rank's doorbell (wire.DOORBELL_WORD): rung after writing for it, and ours
+        self.bells = words + 8 * DOORBELL_WORD
+        self.p_bells = self.bells.ctypes.data
+        self.bell = int(self.bells[me])
         self.max_rows = {}
 
 
@@ -172,7 +176,7 @@ def _wait(comm, epoch: int, op: str, where: int, nwords: int, views, need=None,
     missing = a.lib.moe_small_wait(
         comm.num_ranks, where, nwords, 0 if need is None else need.ctypes.data,
         0 if expect is None else expect.ctypes.data, epoch, int(comm.deadline * 1e9), a.fence,
-        int(comm.crowded), a.p_ready)
+        a.bell, int(comm.crowded), a.p_ready)
     if missing > 0:
         comm.wait(views(), epoch, op)
     return missing == 0
@@ -190,7 +194,7 @@ def post_call(comm, epoch: int, call_row: np.ndarray) -> int:
     parity = comm.call_seq % 2
     comm.call_seq += 1
     a = addresses(comm)
-    a.lib.moe_small_signal(comm.num_ranks, a.p_call_out[parity], epoch,
+    a.lib.moe_small_signal(comm.num_ranks, a.p_call_out[parity], a.p_bells, epoch,
                            call_row.ctypes.data, CALL_WORDS)
     return parity
 
@@ -229,7 +233,7 @@ def send_dispatch(comm, epoch: int, parity: int, ids, first, *, x_bytes, scales,
     s_row, s_col = (0, 0) if scales is None else (4 * scales.stride(0), 4 * scales.stride(1))
     comm.check_fence()                # a rank the survivors masked writes nothing
     a.lib.moe_small_dispatch_send(
-        comm.num_ranks, a.p_rotation, a.p_out_slot[parity], a.p_out_flag[parity],
+        comm.num_ranks, a.p_rotation, a.p_out_slot[parity], a.p_out_flag[parity], a.p_bells,
         ids.data_ptr(), first.ctypes.data, epoch, x_bytes.data_ptr(), x_bytes.stride(0),
         x_bytes.shape[1], _ptr(scales), s_row, s_col, 0 if scales is None else scales.shape[1],
         _ptr(topk_idx), _ptr(topk_weights), K, num_local, SLAB_ALIGN, PAGE, DONE_WRITTEN)
@@ -243,7 +247,7 @@ def exchange_counts(comm, epoch: int, row: np.ndarray, call_row: np.ndarray) -> 
     parity = comm.notify_seq % 2
     comm.notify_seq += 1
     call_parity = post_call(comm, epoch, call_row)
-    a.lib.moe_small_signal(R, a.p_count_out[parity], epoch, row.ctypes.data, R)
+    a.lib.moe_small_signal(R, a.p_count_out[parity], a.p_bells, epoch, row.ctypes.data, R)
     wait_calls(comm, epoch, "dispatch", call_parity, call_row)
     index = a.count_words[parity]
     _wait(comm, epoch, "dispatch/notify", a.p_count_in[parity], a.p_nwords[R],
@@ -308,7 +312,7 @@ def send_combine(comm, epoch: int, parity: int, matrix: np.ndarray, x: torch.Ten
         return False
     comm.check_fence()
     a.lib.moe_small_combine_send(
-        comm.num_ranks, a.p_rotation, a.p_out_slot[parity], a.p_out_flag[parity],
+        comm.num_ranks, a.p_rotation, a.p_out_slot[parity], a.p_out_flag[parity], a.p_bells,
         count.ctypes.data, epoch, x.data_ptr(), row_bytes, _ptr(topk_weights), K, SLAB_ALIGN,
         PAGE, DONE_WRITTEN)
     return True
