@@ -490,8 +490,8 @@ static void sleep_on(int64_t bell_addr, int64_t ns) {
 
 /* Token ids each rank gets: in_rank bool [T, R] (strides in elements) -> ids, grouped by rank
  * and ascending within it, and first [R + 1] (rank d's ids are ids[first[d]:first[d+1]]). */
-void moe_small_ids(const uint8_t *in_rank, int64_t T, int64_t R, int64_t st, int64_t sr,
-                   int64_t *ids, int64_t *first) {
+static void small_ids(const uint8_t *in_rank, int64_t T, int64_t R, int64_t st, int64_t sr,
+                      int64_t *ids, int64_t *first) {
     for (int64_t d = 0; d <= R; d++) first[d] = 0;
     for (int64_t t = 0; t < T; t++)
         for (int64_t d = 0; d < R; d++) first[d + 1] += in_rank[t * st + d * sr] != 0;
@@ -546,13 +546,14 @@ static inline void publish(int64_t *words, int64_t bell, int64_t epoch, const in
  * (ids[first[d]:first[d+1]]) into its slot of this rank at slot[d] (a byte address), then
  * the slot's flag at flag[d]: DONE_WRITTEN and the bytes written; then its doorbell rung
  * (bells[d]). Ranks without rows are skipped. */
-void moe_small_dispatch_send(int64_t nd, const int64_t *dests, const int64_t *slot,
-                             const int64_t *flag, const int64_t *bells, const int64_t *ids, const int64_t *first,
-                             int64_t epoch, const uint8_t *x, int64_t x_stride,
-                             int64_t row_bytes, const uint8_t *scales, int64_t s_row,
-                             int64_t s_col, int64_t scale_cols, const int64_t *topk_idx,
-                             const float *topk_w, int64_t K, int64_t num_local, int64_t align,
-                             int64_t page, int64_t done_written) {
+static void small_dispatch_send(int64_t nd, const int64_t *dests, const int64_t *slot,
+                                const int64_t *flag, const int64_t *bells, const int64_t *ids,
+                                const int64_t *first,
+                                int64_t epoch, const uint8_t *x, int64_t x_stride,
+                                int64_t row_bytes, const uint8_t *scales, int64_t s_row,
+                                int64_t s_col, int64_t scale_cols, const int64_t *topk_idx,
+                                const float *topk_w, int64_t K, int64_t num_local, int64_t align,
+                                int64_t page, int64_t done_written) {
     for (int64_t j = 0; j < nd; j++) {
         const int64_t d = dests[j];
         if (first[d + 1] == first[d]) continue;
@@ -570,11 +571,11 @@ void moe_small_dispatch_send(int64_t nd, const int64_t *dests, const int64_t *sl
  * owners before o) of x and their weights (float32 [*, K], or none), as a SlabLayout of
  * count[o] rows (scales none, top-k ids left unwritten: a combine sends none) at slot[o],
  * then the flag, and its doorbell rung (bells[o]). */
-void moe_small_combine_send(int64_t no, const int64_t *owners, const int64_t *slot,
-                            const int64_t *flag, const int64_t *bells, const int64_t *count,
-                            int64_t epoch, const uint8_t *x, int64_t row_bytes,
-                            const float *topk_w, int64_t K, int64_t align, int64_t page,
-                            int64_t done_written) {
+static void small_combine_send(int64_t no, const int64_t *owners, const int64_t *slot,
+                               const int64_t *flag, const int64_t *bells, const int64_t *count,
+                               int64_t epoch, const uint8_t *x, int64_t row_bytes,
+                               const float *topk_w, int64_t K, int64_t align, int64_t page,
+                               int64_t done_written) {
     int64_t start[no];                /* owner o's rows start after those of the ranks before */
     for (int64_t o = 0, at = 0; o < no; at += count[o], o++) start[o] = at;
     for (int64_t j = 0; j < no; j++) {
@@ -592,8 +593,8 @@ void moe_small_combine_send(int64_t no, const int64_t *owners, const int64_t *sl
 
 /* The same tagged `values` (n words) into the slot at words[j] of each of nr ranks (one
  * release fence for all: HostComm.signal_each), then their doorbells rung (bells[j]). */
-void moe_small_signal(int64_t nr, const int64_t *words, const int64_t *bells, int64_t epoch,
-                      const int64_t *values, int64_t n) {
+static void small_signal(int64_t nr, const int64_t *words, const int64_t *bells, int64_t epoch,
+                         const int64_t *values, int64_t n) {
     __atomic_thread_fence(__ATOMIC_RELEASE);
     for (int64_t j = 0; j < nr; j++) {
         int64_t *w = (int64_t *)(intptr_t)words[j];
@@ -624,10 +625,10 @@ static int64_t still_missing(int64_t n, const int64_t *words, const int64_t *nwo
     return missing;
 }
 
-int64_t moe_small_wait(int64_t n, const int64_t *words, const int64_t *nwords,
-                       const int64_t *need, const int64_t *expect, int64_t epoch,
-                       int64_t deadline_ns, const int64_t *fence, int64_t bell, int crowded,
-                       uint8_t *ready) {
+static int64_t small_wait(int64_t n, const int64_t *words, const int64_t *nwords,
+                          const int64_t *need, const int64_t *expect, int64_t epoch,
+                          int64_t deadline_ns, const int64_t *fence, int64_t bell, int crowded,
+                          uint8_t *ready) {
     int64_t missing = 0;
     for (int64_t j = 0; j < n; j++) {
         ready[j] = need && !need[j];
@@ -662,11 +663,11 @@ int64_t moe_small_wait(int64_t n, const int64_t *words, const int64_t *nwords,
  * two words) must say the bytes that layout spans; returns -(s + 1) for the first source
  * whose does not (nothing copied), else 0. local_counts [num_local] (or NULL): how many
  * received ids name each local expert. */
-int64_t moe_small_dispatch_recv(int64_t R, const int64_t *slot, const int64_t *flag,
-                                const int64_t *count, int64_t row_bytes,
-                                int64_t scale_cols, int64_t K, int64_t align, int64_t page,
-                                uint8_t *out_x, uint8_t *out_s, int64_t *out_i, float *out_w,
-                                int64_t num_local, int64_t *local_counts) {
+static int64_t small_dispatch_recv(int64_t R, const int64_t *slot, const int64_t *flag,
+                                   const int64_t *count, int64_t row_bytes,
+                                   int64_t scale_cols, int64_t K, int64_t align, int64_t page,
+                                   uint8_t *out_x, uint8_t *out_s, int64_t *out_i, float *out_w,
+                                   int64_t num_local, int64_t *local_counts) {
     int64_t offs[4];
     for (int64_t s = 0; s < R; s++) {
         if (!count[s]) continue;
@@ -699,14 +700,14 @@ int64_t moe_small_dispatch_recv(int64_t R, const int64_t *slot, const int64_t *f
  * them) summed per token as normal.py's _reduce does - token ids[first[d] + i] for row i
  * of d; out [T, hidden] (out_dt) = 0 + the rows in rank order + each bias (moe_sum_rows);
  * out_w [T, K] = 0 + the weights in rank order (index_add_). Flags checked as in
- * moe_small_dispatch_recv (returns -(d + 1)). index: int64 [T + 1 + sum(count)];
+ * small_dispatch_recv (returns -(d + 1)). index: int64 [T + 1 + sum(count)];
  * scratch float32 [2 * hidden]. */
-int64_t moe_small_combine_recv(int64_t R, const int64_t *slot, const int64_t *flag,
-                               const int64_t *count, const int64_t *ids, const int64_t *first,
-                               int in_dt, int64_t hidden, int64_t K, int64_t align,
-                               int64_t page, int64_t T, const int64_t *bias_addr, int num_bias,
-                               void *out, int out_dt, float *out_w, int64_t *index,
-                               float *scratch) {
+static int64_t small_combine_recv(int64_t R, const int64_t *slot, const int64_t *flag,
+                                  const int64_t *count, const int64_t *ids, const int64_t *first,
+                                  int in_dt, int64_t hidden, int64_t K, int64_t align,
+                                  int64_t page, int64_t T, const int64_t *bias_addr, int num_bias,
+                                  void *out, int out_dt, float *out_w, int64_t *index,
+                                  float *scratch) {
     const int64_t row_bytes = hidden * (in_dt == DT_BF16 ? 2 : 4);
     int64_t offs[4], total = 0;
     for (int64_t d = 0; d < R; d++) {
@@ -742,6 +743,147 @@ int64_t moe_small_combine_recv(int64_t R, const int64_t *slot, const int64_t *fl
     moe_sum_rows(addr, NULL, tfirst, in_dt, hidden, T, bias_addr, num_bias, out, out_dt,
                  scratch);
     return 0;
+}
+
+/* The phases of a small call, each one C call (host/small.py). `cx`: the addresses a Buffer's
+ * small calls use (small.Addresses.context, built once), int64 words in this order: */
+enum {
+    CX_R, CX_CROWDED, CX_FENCE, CX_BELL, CX_READY, CX_ROTATION, CX_BELLS, CX_NW_CALL,
+    CX_NW_COUNT, CX_NW_FLAG, CX_ALIGN, CX_PAGE, CX_DONE_WRITTEN, CX_CALL_WORDS, CX_DIFFER,
+    /* then two (parities 0 and 1) of each: */
+    CX_OUT_SLOT, CX_OUT_FLAG = CX_OUT_SLOT + 2, CX_IN_SLOT = CX_OUT_FLAG + 2,
+    CX_IN_FLAG = CX_IN_SLOT + 2, CX_CALL_OUT = CX_IN_FLAG + 2, CX_CALL_IN = CX_CALL_OUT + 2,
+    CX_COUNT_OUT = CX_CALL_IN + 2, CX_COUNT_IN = CX_COUNT_OUT + 2, CX_WORDS = CX_COUNT_IN + 2
+};
+
+/* What a phase returns when it cannot finish (small.py raises through the Python waits, or
+ * names the source). Signatures that differ do not stop a phase: it sets the word at
+ * cx[CX_DIFFER] and goes on (sizes are still checked before any copy), and small.py checks
+ * the signatures first, as the Python protocol does. */
+enum { SMALL_OK = 0, SMALL_LATE_CALLS = 1, SMALL_LATE_COUNTS = 2, SMALL_LATE_FLAGS = 3 };
+
+#define CX_PTR(cx, i) ((const int64_t *)(intptr_t)(cx)[i])
+
+int64_t moe_small_context_words(void) { return CX_WORDS; }
+
+/* Wait for the R slots at where[] (nwords[] words each; only those need[j] != 0 with `need`)
+ * and, with `expect`, compare their values with it: small_wait with the context's rest. */
+static int64_t cx_wait(const int64_t *cx, const int64_t *where, const int64_t *nwords,
+                       const int64_t *need, const int64_t *expect, int64_t epoch,
+                       int64_t deadline_ns) {
+    return small_wait(cx[CX_R], where, nwords, need, expect, epoch, deadline_ns,
+                      CX_PTR(cx, CX_FENCE), cx[CX_BELL], (int)cx[CX_CROWDED],
+                      (uint8_t *)(intptr_t)cx[CX_READY]);
+}
+
+/* The signature (call_row) to every rank, at call parity cp. */
+static void cx_post_call(const int64_t *cx, int64_t cp, int64_t epoch, const int64_t *call_row) {
+    small_signal(cx[CX_R], CX_PTR(cx, CX_CALL_OUT + cp), CX_PTR(cx, CX_BELLS), epoch, call_row,
+                 cx[CX_CALL_WORDS]);
+}
+
+/* Every rank's signature at call parity cp, compared with call_row (the word at cx[CX_DIFFER]
+ * set if any differs). */
+static int64_t cx_check_calls(const int64_t *cx, int64_t cp, int64_t epoch,
+                              int64_t deadline_ns, const int64_t *call_row) {
+    const int64_t w = cx_wait(cx, CX_PTR(cx, CX_CALL_IN + cp), CX_PTR(cx, CX_NW_CALL), NULL,
+                              call_row, epoch, deadline_ns);
+    if (w < 0) *(int64_t *)(intptr_t)cx[CX_DIFFER] = 1;
+    return w > 0 ? SMALL_LATE_CALLS : SMALL_OK;
+}
+
+/* A small dispatch up to its count matrix. A fresh dispatch (count parity np >= 0): each
+ * rank's tokens from in_rank into ids / first (small_ids); the rows into every destination's
+ * slot at eager parity ep (small_dispatch_send); the signature (call parity cp); this rank's
+ * counts (at np); every rank's signature compared and every rank's counts read into matrix
+ * [R, R] (values). A cached dispatch (np < 0): ids / first are the handle's, and the phase
+ * ends with the signature sent. Returns SMALL_OK or what stopped it. (in_rank is NULL for
+ * a dispatch of no tokens: torch gives empty tensors no storage.) */
+int64_t moe_small_dispatch_start(const int64_t *cx, int64_t ep, int64_t cp, int64_t np,
+                                 int64_t epoch, int64_t deadline_ns, const uint8_t *in_rank,
+                                 int64_t T, int64_t st, int64_t sr, int64_t *ids,
+                                 int64_t *first, const uint8_t *x, int64_t x_stride,
+                                 int64_t row_bytes, const uint8_t *scales, int64_t s_row,
+                                 int64_t s_col, int64_t scale_cols, const int64_t *topk_idx,
+                                 const float *topk_w, int64_t K, int64_t num_local,
+                                 const int64_t *call_row, int64_t *matrix) {
+    const int64_t R = cx[CX_R];
+    *(int64_t *)(intptr_t)cx[CX_DIFFER] = 0;
+    if (np >= 0) small_ids(in_rank, T, R, st, sr, ids, first);
+    small_dispatch_send(R, CX_PTR(cx, CX_ROTATION), CX_PTR(cx, CX_OUT_SLOT + ep),
+                        CX_PTR(cx, CX_OUT_FLAG + ep), CX_PTR(cx, CX_BELLS), ids, first, epoch,
+                        x, x_stride, row_bytes, scales, s_row, s_col, scale_cols, topk_idx,
+                        topk_w, K, num_local, cx[CX_ALIGN], cx[CX_PAGE], cx[CX_DONE_WRITTEN]);
+    cx_post_call(cx, cp, epoch, call_row);
+    if (np < 0) return SMALL_OK;
+    int64_t counts[R];
+    for (int64_t d = 0; d < R; d++) counts[d] = first[d + 1] - first[d];
+    small_signal(R, CX_PTR(cx, CX_COUNT_OUT + np), CX_PTR(cx, CX_BELLS), epoch, counts, R);
+    const int64_t calls = cx_check_calls(cx, cp, epoch, deadline_ns, call_row);
+    if (calls != SMALL_OK) return calls;
+    const int64_t *where = CX_PTR(cx, CX_COUNT_IN + np);
+    if (cx_wait(cx, where, CX_PTR(cx, CX_NW_COUNT), NULL, NULL, epoch, deadline_ns))
+        return SMALL_LATE_COUNTS;
+    for (int64_t s = 0; s < R; s++)
+        for (int64_t d = 0; d < R; d++)
+            matrix[s * R + d] = ((const int64_t *)(intptr_t)where[s])[d] & 0xFFFFFFFFll;
+    return SMALL_OK;
+}
+
+/* The rest of a small dispatch every pair of which went eagerly: the slots of the ranks
+ * sending this rank rows (count [R]), with call_row (a cached dispatch) the signatures at
+ * call parity cp, then every source's rows copied out (small_dispatch_recv). Returns
+ * SMALL_OK, what stopped it, or -(s + 1) for a source whose slot holds another size. */
+int64_t moe_small_dispatch_finish(const int64_t *cx, int64_t ep, int64_t cp, int64_t epoch,
+                                  int64_t deadline_ns, const int64_t *count,
+                                  int64_t row_bytes, int64_t scale_cols, int64_t K,
+                                  uint8_t *out_x, uint8_t *out_s, int64_t *out_i, float *out_w,
+                                  int64_t num_local, int64_t *local_counts,
+                                  const int64_t *call_row) {
+    *(int64_t *)(intptr_t)cx[CX_DIFFER] = 0;
+    if (cx_wait(cx, CX_PTR(cx, CX_IN_FLAG + ep), CX_PTR(cx, CX_NW_FLAG), count, NULL, epoch,
+                deadline_ns))
+        return SMALL_LATE_FLAGS;
+    if (call_row) {
+        const int64_t calls = cx_check_calls(cx, cp, epoch, deadline_ns, call_row);
+        if (calls != SMALL_OK) return calls;
+    }
+    return small_dispatch_recv(cx[CX_R], CX_PTR(cx, CX_IN_SLOT + ep),
+                               CX_PTR(cx, CX_IN_FLAG + ep), count, row_bytes, scale_cols, K,
+                               cx[CX_ALIGN], cx[CX_PAGE], out_x, out_s, out_i, out_w,
+                               num_local, local_counts);
+}
+
+/* A small combine's sends: this rank's rows back into every owner's slot at eager parity ep
+ * (count [R]: the rows each owner sent this rank; small_combine_send), then the signature. */
+void moe_small_combine_start(const int64_t *cx, int64_t ep, int64_t cp, int64_t epoch,
+                             const int64_t *count, const uint8_t *x, int64_t row_bytes,
+                             const float *topk_w, int64_t K, const int64_t *call_row) {
+    small_combine_send(cx[CX_R], CX_PTR(cx, CX_ROTATION), CX_PTR(cx, CX_OUT_SLOT + ep),
+                       CX_PTR(cx, CX_OUT_FLAG + ep), CX_PTR(cx, CX_BELLS), count, epoch, x,
+                       row_bytes, topk_w, K, cx[CX_ALIGN], cx[CX_PAGE], cx[CX_DONE_WRITTEN]);
+    cx_post_call(cx, cp, epoch, call_row);
+}
+
+/* The rest of a small combine every pair of which went eagerly: the slots of the ranks
+ * returning rows (count [R]), the signatures, then the per-token sums (small_combine_recv).
+ * Returns SMALL_OK, what stopped it, or -(d + 1) for a rank whose slot holds another size. */
+int64_t moe_small_combine_finish(const int64_t *cx, int64_t ep, int64_t cp, int64_t epoch,
+                                 int64_t deadline_ns, const int64_t *count,
+                                 const int64_t *ids, const int64_t *first, int in_dt,
+                                 int64_t hidden, int64_t K, int64_t T,
+                                 const int64_t *bias_addr, int num_bias, void *out, int out_dt,
+                                 float *out_w, int64_t *index, float *scratch,
+                                 const int64_t *call_row) {
+    *(int64_t *)(intptr_t)cx[CX_DIFFER] = 0;
+    if (cx_wait(cx, CX_PTR(cx, CX_IN_FLAG + ep), CX_PTR(cx, CX_NW_FLAG), count, NULL, epoch,
+                deadline_ns))
+        return SMALL_LATE_FLAGS;
+    const int64_t calls = cx_check_calls(cx, cp, epoch, deadline_ns, call_row);
+    if (calls != SMALL_OK) return calls;
+    return small_combine_recv(cx[CX_R], CX_PTR(cx, CX_IN_SLOT + ep), CX_PTR(cx, CX_IN_FLAG + ep),
+                              count, ids, first, in_dt, hidden, K, cx[CX_ALIGN], cx[CX_PAGE], T,
+                              bias_addr, num_bias, out, out_dt, out_w, index, scratch);
 }
 
 /* layout.dispatch_layout of topk [T, K] (E experts over R ranks, E / R each): per_rank [R]

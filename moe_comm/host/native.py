@@ -54,23 +54,23 @@ _SIGNATURES = {
     "moe_ll_return": (_P, _I, _I, _P, _I, _I, _I, _I, _P, _I, _I, _I),
     "moe_ll_combine": (_P, _I, _P, _P, _I, _P, _I, _I, _I, _P, ctypes.c_int, _P, _P, _P),
     # small normal calls (host/small.py): addresses travel as int64, every one checked there
-    "moe_small_ids": (_P, _I, _I, _I, _I, _P, _P),
+    "moe_small_context_words": (),
+    "moe_small_dispatch_start": (_P, _I, _I, _I, _I, _I, _P, _I, _I, _I, _P, _P, _P, _I, _I, _P,
+                                 _I, _I, _I, _P, _P, _I, _I, _P, _P),
+    "moe_small_dispatch_finish": (_P, _I, _I, _I, _I, _P, _I, _I, _I, _P, _P, _P, _P, _I, _P,
+                                  _P),
+    "moe_small_combine_start": (_P, _I, _I, _I, _P, _P, _I, _P, _I, _P),
+    "moe_small_combine_finish": (_P, _I, _I, _I, _I, _P, _P, _P, ctypes.c_int, _I, _I, _I, _P,
+                                 ctypes.c_int, _P, ctypes.c_int, _P, _P, _P, _P),
     "moe_dispatch_layout": (_P, _I, _I, _I, _I, _P, _P, _P),
     "moe_layout_matches": (_P, _I, _I, _I, _I, _P, _P, _P),
-    "moe_small_dispatch_send": (_I, _P, _P, _P, _P, _P, _P, _I, _P, _I, _I, _P, _I, _I, _I, _P,
-                                _P, _I, _I, _I, _I, _I),
-    "moe_small_combine_send": (_I, _P, _P, _P, _P, _P, _I, _P, _I, _P, _I, _I, _I, _I),
-    "moe_small_signal": (_I, _P, _P, _I, _P, _I),
-    "moe_small_wait": (_I, _P, _P, _P, _P, _I, _I, _P, _I, ctypes.c_int, _P),
-    "moe_small_dispatch_recv": (_I, _P, _P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _I, _P),
-    "moe_small_combine_recv": (_I, _P, _P, _P, _P, _P, ctypes.c_int, _I, _I, _I, _I, _I, _P,
-                               ctypes.c_int, _P, ctypes.c_int, _P, _P, _P),
 }
 _RETURNS = {"moe_copy_rows": ctypes.c_int, "moe_ll_route": _I, "moe_ll_send": ctypes.c_int,
             "moe_ll_recv": ctypes.c_int, "moe_ll_return": ctypes.c_int,
-            "moe_ll_combine": ctypes.c_int, "moe_small_wait": _I,
-            "moe_small_dispatch_recv": _I, "moe_small_combine_recv": _I,
-            "moe_dispatch_layout": ctypes.c_int, "moe_layout_matches": ctypes.c_int}
+            "moe_ll_combine": ctypes.c_int, "moe_small_context_words": _I,
+            "moe_small_dispatch_start": _I, "moe_small_dispatch_finish": _I,
+            "moe_small_combine_finish": _I, "moe_dispatch_layout": ctypes.c_int,
+            "moe_layout_matches": ctypes.c_int}
 
 
 def _compiler() -> str | None:

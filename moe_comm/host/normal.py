@@ -189,8 +189,8 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
         cached = handle.without_inactive(comm.active, me)
         own = cached.count_matrix[me]
         if small_ok and small.fits(comm, own, row_bytes, scale_cols, topk):
-            small.send_dispatch(comm, epoch, parity, *small.handle_ids(cached), **rows)
-            call_parity = small.post_call(comm, epoch, call_row)
+            call_parity = small.start_dispatch(comm, epoch, parity, call_row, None,
+                                               *small.handle_ids(cached), **rows)
             if not num_worst_tokens and small.dispatch_in_slots(
                     comm, cached.count_matrix, row_bytes, scale_cols, topk):
                 return _small_finish(comm, epoch, parity, cached, dtype, rows, call_row,
@@ -200,10 +200,8 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
             send_eagerly(own, lambda d: cached.send_token_ids[d])
             calls = comm.post_call(epoch, call_row)
     elif small_ok and small.fits(comm, layout.per_rank.numpy(), row_bytes, scale_cols, topk):
-        row = layout.per_rank.numpy().astype(np.int64)
-        ids, first = small.ids_by_rank(comm, layout.in_rank)
-        small.send_dispatch(comm, epoch, parity, ids, first, **rows)
-        matrix = small.exchange_counts(comm, epoch, row, call_row)
+        matrix, ids, first = small.start_dispatch(comm, epoch, parity, call_row, layout.in_rank,
+                                                  None, None, **rows)
         handle = DispatchHandle(buffer_key, num_tokens, hidden, matrix, layout.in_rank,
                                 small.split_ids(ids, first),
                                 int(matrix[:, me].sum()), num_worst_tokens, call_id=epoch)
@@ -486,10 +484,9 @@ def combine(comm, *, x, handle, topk_weights, bias, aborted=False):
     row_bytes = x_bytes.shape[1]
     topk = 0 if topk_weights is None else topk_weights.shape[1]
     # a small combine (small.py): every pair in an eager slot, in C; else what it sent stands
-    small_sent = not aborted and small.usable(comm) and small.send_combine(
-        comm, epoch, parity, matrix, x, topk_weights)
-    if small_sent:
-        call_parity = small.post_call(comm, epoch, call_row)
+    call_parity = small.start_combine(comm, epoch, parity, call_row, matrix, x, topk_weights) \
+        if not aborted and small.usable(comm) else None
+    if call_parity is not None:
         if small.combine_in_slots(comm, matrix, dtype, row_bytes, topk, bias):
             return small.receive_combine(comm, epoch, parity, handle, dtype=dtype, hidden=hidden,
                                          topk=topk, biases=bias, call_parity=call_parity,
@@ -535,7 +532,7 @@ def combine(comm, *, x, handle, topk_weights, bias, aborted=False):
         put_back(o, base, lay, 0, int(matrix[:o, me].sum()), int(matrix[o, me]))
         return lay.nbytes
 
-    if small_sent:
+    if call_parity is not None:             # (small.py sent it)
         calls = small.call_views(comm, call_parity)
     else:
         eager.send(comm, epoch, parity, [o for o in _rotation(me, R)

@@ -34,7 +34,7 @@ import os
 import numpy as np
 import torch
 
-from ..wire import CALL_WORDS, DOORBELL_WORD, PAGE, SLAB_ALIGN, VALUE_MASK
+from ..wire import CALL_WORDS, DOORBELL_WORD, PAGE, SLAB_ALIGN
 from . import eager, native
 from .exchange import DONE_WRITTEN
 
@@ -103,6 +103,19 @@ class Addresses:
         self.bells = words + 8 * DOORBELL_WORD
         self.p_bells = self.bells.ctypes.data
         self.bell = int(self.bells[me])
+        # every address above in the order host_ops.c's CX_* words name them
+        per_parity = [a for name in ("out_slot", "out_flag", "in_slot", "in_flag", "call_out",
+                                     "call_in", "count_out", "count_in")
+                      for a in getattr(self, "p_" + name)]
+        self.differ = np.zeros(1, dtype=np.int64)     # set by a phase whose signatures differ
+        self.context = np.array([R, int(comm.crowded), self.fence, self.bell, self.p_ready,
+                                 self.p_rotation, self.p_bells, self.p_nwords[CALL_WORDS],
+                                 self.p_nwords[R], self.p_nwords[2], SLAB_ALIGN, PAGE,
+                                 DONE_WRITTEN, CALL_WORDS, self.differ.ctypes.data] +
+                                per_parity, dtype=np.int64)
+        self.p_context = self.context.ctypes.data
+        if self.lib is not None and self.lib.moe_small_context_words() != len(self.context):
+            raise RuntimeError("host/small.py and host_ops.c disagree on the context words")
         self.max_rows = {}
 
 
@@ -166,37 +179,19 @@ def _empty(comm, *shape, dtype) -> torch.Tensor:
     return t
 
 
-def _wait(comm, epoch: int, op: str, where: int, nwords: int, views, need=None,
-          expect=None) -> bool:
-    """Wait for the R slots whose addresses are at ``where`` (``nwords``: the address of
-    their word counts; ``need``: int64 [R], only the slots of nonzero entries) to carry
-    ``epoch``; if one does not come in time, HostComm.wait on ``views()`` (the same slots)
-    raises. Returns whether every slot holds ``expect`` (int64 values; True without)."""
-    a = addresses(comm)
-    missing = a.lib.moe_small_wait(
-        comm.num_ranks, where, nwords, 0 if need is None else need.ctypes.data,
-        0 if expect is None else expect.ctypes.data, epoch, int(comm.deadline * 1e9), a.fence,
-        a.bell, int(comm.crowded), a.p_ready)
-    if missing > 0:
-        comm.wait(views(), epoch, op)
-    return missing == 0
+# what a C phase returns when it could not finish (host_ops.c SMALL_*); a negative value
+# -(s + 1) names a source whose slot holds another size than this rank expects
+LATE_CALLS, LATE_COUNTS, LATE_FLAGS = 1, 2, 3
 
 
-def _views(comm, index: np.ndarray, sources=None) -> dict:
+def _deadline_ns(comm) -> int:
+    return int(comm.deadline * 1e9)
+
+
+def _views(comm, index: np.ndarray) -> dict:
     """Views of this rank's header words ``index[s]`` (one row of word indices per source)
     for HostComm.wait / verify_call."""
-    return {s: comm.slot(comm.rank, int(w[0]), len(w)) for s, w in enumerate(index)
-            if sources is None or s in sources}
-
-
-def post_call(comm, epoch: int, call_row: np.ndarray) -> int:
-    """HostComm.post_call: this call's signature to every rank; returns its parity."""
-    parity = comm.call_seq % 2
-    comm.call_seq += 1
-    a = addresses(comm)
-    a.lib.moe_small_signal(comm.num_ranks, a.p_call_out[parity], a.p_bells, epoch,
-                           call_row.ctypes.data, CALL_WORDS)
-    return parity
+    return {s: comm.slot(comm.rank, int(w[0]), len(w)) for s, w in enumerate(index)}
 
 
 def call_views(comm, parity: int) -> dict:
@@ -205,68 +200,78 @@ def call_views(comm, parity: int) -> dict:
     return _views(comm, addresses(comm).call_words[parity])
 
 
-def wait_calls(comm, epoch: int, op: str, parity: int, call_row: np.ndarray) -> None:
-    """HostComm.verify_call of the signatures posted with :func:`post_call` at ``parity``:
-    CallMismatchError on every rank if any two differ."""
-    a = addresses(comm)
-    if not _wait(comm, epoch, op + "/notify", a.p_call_in[parity], a.p_nwords[CALL_WORDS],
-                 lambda: call_views(comm, parity), expect=call_row):
-        comm.verify_call(call_views(comm, parity), epoch, op)     # raises, naming them
+def _raise(comm, rc: int, op: str, epoch: int, parity: int, call_parity: int,
+           count_parity: int = 0, counts=None) -> None:
+    """What a C phase's return code ``rc`` means: nothing (SMALL_OK), or the error the Python
+    protocol raises there. A slot that did not come: HostComm.wait on it (its deadline has
+    passed, so it raises CommTimeoutError naming the ranks, or RankMaskedError if this rank
+    was fenced); signatures that differ: HostComm.verify_call (CallMismatchError); another
+    size: exchange.settle's error. ``counts``: the rows each source sends this rank (the
+    sources whose slots were waited for)."""
+    if addresses(comm).differ[0]:       # signatures differ: the phase went on regardless
+        comm.verify_call(call_views(comm, call_parity), epoch, op)
+    if rc == 0:
+        return
+    if rc == LATE_CALLS:
+        comm.verify_call(call_views(comm, call_parity), epoch, op)
+    elif rc == LATE_COUNTS:
+        comm.wait(_views(comm, addresses(comm).count_words[count_parity]), epoch,
+                  op + "/notify")
+    elif rc == LATE_FLAGS:
+        comm.wait(eager.flags(comm, parity, np.flatnonzero(counts).tolist()), epoch,
+                  op + "/payload")
+    elif rc < 0:
+        raise RuntimeError(f"{op}: rows larger than the granted region (sender and receiver "
+                           f"computed other sizes): nothing written to rank(s) [], nothing "
+                           f"received from rank(s) [{-rc - 1}]")
+    raise RuntimeError(f"{op}: a small call's wait ended with {rc} but nothing late was found")
 
 
-def ids_by_rank(comm, in_rank: torch.Tensor):
-    """``(ids, first)``: the tokens each rank gets, grouped by rank, ascending (``ids[first[d]:
-    first[d + 1]]``; int64 tensor and numpy array)."""
-    T, R = in_rank.shape
-    ids, first = torch.empty(T * R, dtype=torch.int64), np.empty(R + 1, np.int64)
-    addresses(comm).lib.moe_small_ids(in_rank.data_ptr(), T, R, in_rank.stride(0),
-                                      in_rank.stride(1), ids.data_ptr(), first.ctypes.data)
-    return ids[:int(first[R])], first
+def _next_parity(comm, seq: str) -> int:
+    """The parity of the next CALL (``call_seq``) or NOTIFY (``notify_seq``) round, as
+    HostComm.post_call / exchange.exchange_counts take it."""
+    n = getattr(comm, seq)
+    setattr(comm, seq, n + 1)
+    return n % 2
 
 
-def send_dispatch(comm, epoch: int, parity: int, ids, first, *, x_bytes, scales, topk_idx,
-                  topk_weights, num_local) -> None:
-    """eager.send of a dispatch: to every rank, in rotation order, its rows
-    ``ids[first[d]:first[d + 1]]`` (each rank's fit a slot; none to a rank without)."""
-    a = addresses(comm)
-    K = 0 if topk_idx is None else topk_idx.shape[1]
-    s_row, s_col = (0, 0) if scales is None else (4 * scales.stride(0), 4 * scales.stride(1))
-    comm.check_fence()                # a rank the survivors masked writes nothing
-    a.lib.moe_small_dispatch_send(
-        comm.num_ranks, a.p_rotation, a.p_out_slot[parity], a.p_out_flag[parity], a.p_bells,
-        ids.data_ptr(), first.ctypes.data, epoch, x_bytes.data_ptr(), x_bytes.stride(0),
-        x_bytes.shape[1], _ptr(scales), s_row, s_col, 0 if scales is None else scales.shape[1],
-        _ptr(topk_idx), _ptr(topk_weights), K, num_local, SLAB_ALIGN, PAGE, DONE_WRITTEN)
+def _scales_args(scales):
+    if scales is None:
+        return 0, 0, 0, 0
+    return scales.data_ptr(), 4 * scales.stride(0), 4 * scales.stride(1), scales.shape[1]
 
 
-def exchange_counts(comm, epoch: int, row: np.ndarray, call_row: np.ndarray) -> np.ndarray:
-    """exchange.exchange_counts (a flat call, every rank active): the signature and this
-    rank's counts (int64 [R]) to every rank, the signatures checked, every rank's counts
-    read: ``m[s, d]`` = tokens s sends d."""
+def start_dispatch(comm, epoch: int, parity: int, call_row: np.ndarray, in_rank, ids, first,
+                   *, x_bytes, scales, topk_idx, topk_weights, num_local):
+    """A small dispatch up to its count matrix (exchange.exchange_counts' words, after the
+    eager sends): with ``in_rank`` (fresh) each rank's tokens, the sends, the signature, this
+    rank's counts, every signature checked and every rank's counts read; returns ``(matrix,
+    ids, first)``. Without (cached: ``ids``, ``first`` the handle's), the sends and the
+    signature; returns the signatures' parity (checked by :func:`receive_dispatch`)."""
     a, R = addresses(comm), comm.num_ranks
-    parity = comm.notify_seq % 2
-    comm.notify_seq += 1
-    call_parity = post_call(comm, epoch, call_row)
-    a.lib.moe_small_signal(R, a.p_count_out[parity], a.p_bells, epoch, row.ctypes.data, R)
-    wait_calls(comm, epoch, "dispatch", call_parity, call_row)
-    index = a.count_words[parity]
-    _wait(comm, epoch, "dispatch/notify", a.p_count_in[parity], a.p_nwords[R],
-          lambda: _views(comm, index))
-    return a.words[index] & VALUE_MASK
-
-
-def _wait_flags(comm, epoch: int, op: str, parity: int, counts: np.ndarray) -> None:
-    """Wait for the eager flags of the sources with ``counts`` (int64 [R]) rows."""
-    a = addresses(comm)
-    _wait(comm, epoch, op + "/payload", a.p_in_flag[parity], a.p_nwords[2],
-          lambda: eager.flags(comm, parity, np.flatnonzero(counts).tolist()), need=counts)
-
-
-def _size_error(op: str, source: int) -> RuntimeError:
-    """exchange.settle's error for a source whose slot holds another size than expected."""
-    return RuntimeError(f"{op}: rows larger than the granted region (sender and receiver "
-                        f"computed other sizes): nothing written to rank(s) [], nothing "
-                        f"received from rank(s) [{source}]")
+    call_parity = _next_parity(comm, "call_seq") if in_rank is None else None
+    count_parity = None
+    if in_rank is not None:
+        count_parity = _next_parity(comm, "notify_seq")     # exchange_counts: NOTIFY first
+        call_parity = _next_parity(comm, "call_seq")
+        T = in_rank.shape[0]
+        ids, first = torch.empty(T * R, dtype=torch.int64), np.empty(R + 1, np.int64)
+    matrix = np.empty((R, R), dtype=np.int64)
+    comm.check_fence()                # a rank the survivors masked writes nothing
+    rc = a.lib.moe_small_dispatch_start(
+        a.p_context, parity, call_parity, -1 if count_parity is None else count_parity, epoch,
+        _deadline_ns(comm),
+        0 if in_rank is None else in_rank.data_ptr(),
+        0 if in_rank is None else in_rank.shape[0],
+        0 if in_rank is None else in_rank.stride(0),
+        0 if in_rank is None else in_rank.stride(1), ids.data_ptr(), first.ctypes.data,
+        x_bytes.data_ptr(), x_bytes.stride(0), x_bytes.shape[1], *_scales_args(scales),
+        _ptr(topk_idx), _ptr(topk_weights), 0 if topk_idx is None else topk_idx.shape[1],
+        num_local, call_row.ctypes.data, matrix.ctypes.data)
+    _raise(comm, rc, "dispatch", epoch, parity, call_parity, count_parity or 0)
+    if in_rank is None:
+        return call_parity
+    return matrix, ids[:int(first[R])], first
 
 
 def receive_dispatch(comm, epoch: int, parity: int, matrix: np.ndarray, *, row_bytes,
@@ -276,11 +281,8 @@ def receive_dispatch(comm, epoch: int, parity: int, matrix: np.ndarray, *, row_b
     and read the rows into new tensors in source order. Returns ``(recv_x, recv_scales,
     recv_idx, recv_weights, local_counts)``: uint8 rows, and how many received ids name each
     local expert (a list; None without top-k)."""
-    a, me = addresses(comm), comm.rank
-    counts = np.ascontiguousarray(matrix[:, me])
-    _wait_flags(comm, epoch, "dispatch", parity, counts)
-    if call_parity is not None:
-        wait_calls(comm, epoch, "dispatch", call_parity, call_row)
+    a = addresses(comm)
+    counts = np.ascontiguousarray(matrix[:, comm.rank])
     n = int(counts.sum())
     scale_cols = 0 if scales is None else scales.shape[1]
     recv_x = _empty(comm, n, row_bytes, dtype=torch.uint8)
@@ -288,34 +290,35 @@ def receive_dispatch(comm, epoch: int, parity: int, matrix: np.ndarray, *, row_b
     recv_i = _empty(comm, n, topk, dtype=torch.int64) if topk else None
     recv_w = _empty(comm, n, topk, dtype=torch.float32) if topk else None
     local = torch.empty(max(num_local, 1), dtype=torch.int64)
-    rc = a.lib.moe_small_dispatch_recv(
-        comm.num_ranks, a.p_in_slot[parity], a.p_in_flag[parity], counts.ctypes.data,
-        row_bytes, scale_cols, topk, SLAB_ALIGN, PAGE, recv_x.data_ptr(), _ptr(recv_s),
-        _ptr(recv_i), _ptr(recv_w), num_local, local.data_ptr() if topk else 0)
-    if rc < 0:
-        raise _size_error("dispatch", -rc - 1)
+    rc = a.lib.moe_small_dispatch_finish(
+        a.p_context, parity, call_parity or 0, epoch, _deadline_ns(comm), counts.ctypes.data,
+        row_bytes, scale_cols, topk, recv_x.data_ptr(), _ptr(recv_s), _ptr(recv_i),
+        _ptr(recv_w), num_local, local.data_ptr() if topk else 0,
+        0 if call_parity is None else call_row.ctypes.data)
+    _raise(comm, rc, "dispatch", epoch, parity, call_parity, counts=counts)
     return recv_x, recv_s, recv_i, recv_w, local[:num_local].tolist() if topk else None
 
 
-def send_combine(comm, epoch: int, parity: int, matrix: np.ndarray, x: torch.Tensor,
-                 topk_weights) -> bool:
-    """eager.send of a combine: each owner's rows of ``x`` (received order) back into its
-    slot, when every owner's fit one and the rows are bf16 or float32 (False: nothing sent,
-    the caller sends). ``x`` and ``topk_weights`` contiguous."""
+def start_combine(comm, epoch: int, parity: int, call_row: np.ndarray, matrix: np.ndarray,
+                  x: torch.Tensor, topk_weights):
+    """A small combine's sends (eager.send: each owner's rows of ``x``, received order, back
+    into its slot) and its signature, when every owner's rows fit a slot and are bf16 or
+    float32; returns the signatures' parity, or None (nothing sent: the caller sends).
+    ``x`` and ``topk_weights`` contiguous."""
     if x.dtype not in SUM_DTYPES:
-        return False
+        return None
     a = addresses(comm)
     K = 0 if topk_weights is None else topk_weights.shape[1]
     row_bytes = x.shape[1] * x.element_size()
     count = np.ascontiguousarray(matrix[:, comm.rank])     # rows each owner sent this rank
     if not fits(comm, count, row_bytes, 0, K):
-        return False
+        return None
+    call_parity = _next_parity(comm, "call_seq")
     comm.check_fence()
-    a.lib.moe_small_combine_send(
-        comm.num_ranks, a.p_rotation, a.p_out_slot[parity], a.p_out_flag[parity], a.p_bells,
-        count.ctypes.data, epoch, x.data_ptr(), row_bytes, _ptr(topk_weights), K, SLAB_ALIGN,
-        PAGE, DONE_WRITTEN)
-    return True
+    a.lib.moe_small_combine_start(a.p_context, parity, call_parity, epoch, count.ctypes.data,
+                                  x.data_ptr(), row_bytes, _ptr(topk_weights), K,
+                                  call_row.ctypes.data)
+    return call_parity
 
 
 def receive_combine(comm, epoch: int, parity: int, handle, *, dtype, hidden, topk,
@@ -324,10 +327,8 @@ def receive_combine(comm, epoch: int, parity: int, handle, *, dtype, hidden, top
     ranks returning rows to this rank and the signatures, then sum per token in C straight
     from the slots (normal._reduce's sums, bit for bit). Returns ``(combined_x,
     combined_weights or None)``."""
-    a, R = addresses(comm), comm.num_ranks
+    a = addresses(comm)
     counts = np.ascontiguousarray(handle.count_matrix[comm.rank])   # rows d returns to me
-    _wait_flags(comm, epoch, "combine", parity, counts)
-    wait_calls(comm, epoch, "combine", call_parity, call_row)
     T = handle.num_tokens
     ids, first = handle_ids(handle)
     out = _empty(comm, T, hidden, dtype=dtype)
@@ -335,13 +336,12 @@ def receive_combine(comm, epoch: int, parity: int, handle, *, dtype, hidden, top
     bias_addr = np.array([b.data_ptr() for b in biases] or [0], dtype=np.int64)
     index = torch.empty(T + 1 + int(counts.sum()), dtype=torch.int64)
     scratch = torch.empty(2 * max(hidden, 1), dtype=torch.float32)
-    rc = a.lib.moe_small_combine_recv(
-        R, a.p_in_slot[parity], a.p_in_flag[parity], counts.ctypes.data, ids.data_ptr(),
-        first.ctypes.data, SUM_DTYPES[dtype], hidden, topk, SLAB_ALIGN, PAGE, T,
+    rc = a.lib.moe_small_combine_finish(
+        a.p_context, parity, call_parity, epoch, _deadline_ns(comm), counts.ctypes.data,
+        ids.data_ptr(), first.ctypes.data, SUM_DTYPES[dtype], hidden, topk, T,
         bias_addr.ctypes.data, len(biases), out.data_ptr(), SUM_DTYPES[dtype], _ptr(out_w),
-        index.data_ptr(), scratch.data_ptr())
-    if rc < 0:
-        raise _size_error("combine", -rc - 1)
+        index.data_ptr(), scratch.data_ptr(), call_row.ctypes.data)
+    _raise(comm, rc, "combine", epoch, parity, call_parity, counts=counts)
     return out, out_w
 
 
