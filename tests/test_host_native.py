@@ -42,7 +42,7 @@ def _inputs(dtype, tokens=48, hidden=1024, seed=0) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("round_scale", [False, True])
-def test_fp8_cast_is_torchs_bit_for_bit(dtype, round_scale):
+def test_fp8_cast_is_torchs_bit_for_bit(dtype, round_scale, cast_version):
     x = _inputs(dtype)
     before = x.clone()
     data, scales = quantize_fp8(x, round_scale)
@@ -62,7 +62,49 @@ def test_fp8_cast_is_torchs_bit_for_bit(dtype, round_scale):
         native.quantize_fp8(x, round_scale, msgs, scales_at=hidden + 90)
 
 
-def test_fp8_cast_of_strided_rows_and_nan():
+@pytest.fixture(params=[True, False], ids=["avx512", "plain"])
+def cast_version(request):
+    """Each test of the cast runs with the AVX-512 version (where the CPU has it) and without."""
+    before = native.fp8_avx512()
+    if request.param and not before:
+        pytest.skip("no AVX-512 here")
+    native.fp8_avx512(request.param)
+    yield request.param
+    native.fp8_avx512(before)
+
+
+def _near_edges(dtype, blocks=4096, seed=1) -> torch.Tensor:
+    """Blocks of 128 whose quotients by their scale land on, and a few ulps either side of,
+    the e4m3 rounding edges (midpoints, the subnormal range, the clamp): the first value
+    sets the block's amax, hence its scale, to a random one."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    values = codes[torch.isfinite(codes) & (codes >= 0)].unique().sort().values
+    mids = torch.cat([(values[1:] + values[:-1]) / 2, values])
+    scale = torch.exp2(torch.rand(blocks, 1, generator=g) * 40 - 20)
+    pick = mids[torch.randint(0, mids.numel(), (blocks, 128), generator=g)]
+    x = (pick * scale).to(dtype).float()
+    # nudge by -4..4 ulps of the input's own precision
+    ulps = torch.randint(-4, 5, x.shape, generator=g)
+    step = torch.nextafter(x, torch.full_like(x, float("inf"))) - x
+    if dtype == torch.bfloat16:
+        step = step * 65536
+    x = x + ulps * step
+    x = torch.where(torch.rand(x.shape, generator=g) < 0.5, -x, x)
+    x[:, 0] = 448 * scale[:, 0]
+    return x.to(dtype).view(-1, 1024)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_cast_near_rounding_edges(dtype, cast_version):
+    x = _near_edges(dtype)
+    data, scales = quantize_fp8(x)
+    msgs = torch.zeros(x.shape[0], x.shape[1], dtype=torch.uint8)
+    assert torch.equal(native.quantize_fp8(x, False, msgs), scales)
+    assert torch.equal(msgs, data.view(torch.uint8))
+
+
+def test_fp8_cast_of_strided_rows_and_nan(cast_version):
     x = _inputs(torch.bfloat16, hidden=2048)[:, :1024]   # rows 2048 elements apart
     msgs = torch.zeros(x.shape[0], 1024, dtype=torch.uint8)
     native.quantize_fp8(x, False, msgs)

@@ -157,6 +157,89 @@ static inline uint8_t f32_to_e4m3(float v) {
     return (uint8_t)(sign | code);
 }
 
+/* ---- The fp8 cast with AVX-512 intrinsics (x86-64 with GCC or clang) ---------------------
+ * The compiler's vectorisation of the scalar loop below spends most of its time outside the
+ * arithmetic (a float32 copy of the row, byte packing by shuffles: ~550 us for 128 x 7168).
+ * This version keeps 16 values in registers from the bf16 or float32 input to the 16 e4m3
+ * bytes (one vpmovdb): ~220 us, the same operations per value, so the same bits. It still
+ * divides: a multiplication by 1 / s, with an exact division only for lanes near an e4m3
+ * rounding edge, measured slower (the check costs more instructions than the divider). */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define MOE_AVX512_CAST 1
+#include <immintrin.h>
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+
+/* 16 inputs (bf16 or float32) as float32 */
+AVX512_TARGET static inline __m512 load16(const void *x, int in_dt) {
+    if (in_dt == DT_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16));
+    return _mm512_loadu_ps((const float *)x);
+}
+
+/* f32_to_e4m3 of clamp(q, -448, 448) for 16 lanes, as bytes: the clamp on the magnitude's
+ * bits (448 = 0x43E00000; a NaN's bits lie above it, and it is replaced by 0x7F anyway) */
+AVX512_TARGET static inline __m128i e4m3_16(__m512 q) {
+    const __m512i u = _mm512_castps_si512(q);
+    const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(u, 24), _mm512_set1_epi32(0x80));
+    const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
+    const __m512i c = _mm512_min_epi32(a, _mm512_set1_epi32(0x43E00000));
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(c, 20), _mm512_set1_epi32(1));
+    const __m512i up = _mm512_add_epi32(_mm512_add_epi32(c, _mm512_set1_epi32(0x7FFFF)), odd);
+    const __m512i normal = _mm512_sub_epi32(_mm512_srli_epi32(up, 20),
+                                            _mm512_set1_epi32(120 << 3));
+    const __m512 scaled = _mm512_add_ps(_mm512_mul_ps(_mm512_castsi512_ps(c),
+                                                      _mm512_set1_ps(512.0f)),
+                                        _mm512_set1_ps(8388608.0f));
+    const __m512i sub = _mm512_sub_epi32(_mm512_castps_si512(scaled),
+                                         _mm512_set1_epi32(0x4B000000));
+    const __mmask16 small = _mm512_cmplt_epi32_mask(c, _mm512_set1_epi32(0x3C800000));
+    const __mmask16 nan = _mm512_cmpgt_epi32_mask(a, _mm512_set1_epi32(0x7F800000));
+    __m512i code = _mm512_mask_blend_epi32(small, normal, sub);
+    code = _mm512_mask_mov_epi32(code, nan, _mm512_set1_epi32(0x7F));
+    return _mm512_cvtepi32_epi8(_mm512_or_si512(code, sign));
+}
+
+/* One token's row: hidden values of x (bf16 or float32) into e4m3 bytes at o. */
+AVX512_TARGET static void cast_row_avx512(const void *x, int in_dt, int64_t hidden,
+                                          const float *scales, uint8_t *o) {
+    const size_t elem = in_dt == DT_BF16 ? 2 : 4;
+    for (int64_t g = 0; g < hidden / FP8_BLOCK; g++) {
+        const __m512 s = _mm512_set1_ps(scales[g]);
+        for (int i = 0; i < FP8_BLOCK; i += 16) {
+            const int64_t at = g * FP8_BLOCK + i;
+            const __m512 q = _mm512_div_ps(load16((const char *)x + at * elem, in_dt), s);
+            _mm_storeu_si128((__m128i *)(o + at), e4m3_16(q));
+        }
+    }
+}
+
+/* -1: not asked yet; moe_fp8_avx512 may turn it off (tests check both versions' bits) */
+static int use_avx512 = -1;
+
+static int has_avx512(void) {
+    if (use_avx512 < 0) {
+        __builtin_cpu_init();
+        use_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                     __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    }
+    return use_avx512;
+}
+#endif
+
+/* Whether moe_fp8_cast uses the AVX-512 version: on = 0 turns it off, 1 back on where the
+ * CPU has it, -1 only asks. Returns the setting now. */
+int moe_fp8_avx512(int on) {
+#ifdef MOE_AVX512_CAST
+    if (on == 0) use_avx512 = 0;
+    if (on == 1) use_avx512 = -1;
+    return has_avx512();
+#else
+    (void)on;
+    return 0;
+#endif
+}
+
 /* out[t, c] = e4m3(clamp(x[t, c] / scales[t, c / 128], -448, 448)); out rows out_stride
  * bytes apart (a message row), x rows x_stride elements apart. With scales_at >= 0 the row's
  * float32 scales follow at that byte of its out row (a low-latency message: data, scales). */
@@ -165,6 +248,17 @@ MOE_CLONES void moe_fp8_cast(const void *x, int in_dt, int64_t num_tokens, int64
                   float *scratch, int64_t scales_at) {
     const int64_t groups = hidden / FP8_BLOCK;
     const size_t elem = in_dt == DT_BF16 ? 2 : 4;
+#ifdef MOE_AVX512_CAST
+    if (has_avx512()) {
+        for (int64_t t = 0; t < num_tokens; t++) {
+            uint8_t *o = out + t * out_stride;
+            cast_row_avx512((const char *)x + t * x_stride * elem, in_dt, hidden,
+                            scales + t * groups, o);
+            if (scales_at >= 0) memcpy(o + scales_at, scales + t * groups, (size_t)groups * 4);
+        }
+        return;
+    }
+#endif
     for (int64_t t = 0; t < num_tokens; t++) {
         load_row((const char *)x + t * x_stride * elem, in_dt, hidden, scratch);
         uint8_t *o = out + t * out_stride;
