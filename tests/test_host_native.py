@@ -342,3 +342,42 @@ def test_low_latency_pack_reads_own_messages_in_place(monkeypatch):
     with pytest.raises(ValueError, match="own count row"):
         native.ll_recv(rows, meta, rows_in, M, x, hidden, scales, hidden,
                        own=(me, msgs, tok, slot, first))
+
+
+def test_low_latency_send_writes_a_token_once_per_rank(monkeypatch):
+    """With ``once``, a sender writes each token's row into its first message to a rank only
+    (the other rows keep stale bytes); the receive reads every message of the token from that
+    row, in C and with torch, and packs what a region holding every row gives."""
+    num_local, R, M, hidden = 6, 4, 40, 256
+    stride = hidden + hidden // 32
+    lay = LLLayout(M, hidden, R, num_local * R)
+    me = 1
+    stale = _region(num_local, R, M, stride, torch.zeros(R, num_local, dtype=torch.long))
+    full = stale[0].clone(), stale[1].clone()
+    once = stale[0].clone(), stale[1].clone()
+    rows_in = stale[2]
+    for src in range(R):               # every source's messages to rank `me`
+        idx = _routing(tokens=M, topk=5, experts=num_local * R, seed=20 + src)
+        tok, slot, first = ll._route(idx, num_local * R)
+        msgs = torch.randint(0, 256, (M, stride), generator=torch.Generator().manual_seed(src),
+                             dtype=torch.uint8)
+        ll._write_messages(msgs, tok, slot, first, me, lay, src, *full)
+        ll._write_messages(msgs, tok, slot, first, me, lay, src, *once, once=True)
+        rows_in[src, :num_local] = (first[1:] - first[:-1]).view(R, num_local)[me].numpy()
+    assert not torch.equal(full[0], once[0])           # rows were skipped
+    assert torch.equal(full[1], once[1])               # the meta went into every row
+    counts = torch.from_numpy(rows_in[:, :num_local])
+    results = []
+    for region, torch_pack in ((full, False), (once, False), (once, True)):
+        x = torch.full((num_local, R * M, hidden), 0xEE, dtype=torch.uint8)
+        scales = torch.full((num_local, R * M, hidden // 128), -1.0)
+        if torch_pack:
+            monkeypatch.setenv(native.ENV, "0")
+            packed = ll._pack_torch(*region, counts, M, x, hidden, scales, hidden, False)
+            monkeypatch.setenv(native.ENV, "1")
+        else:
+            packed = native.ll_recv(*region, rows_in, M, x, hidden, scales, hidden)
+        results.append((x, scales, *packed))
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert _same(a, b)

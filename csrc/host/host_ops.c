@@ -331,20 +331,29 @@ int64_t moe_ll_route(const int64_t *topk, int64_t T, int64_t K, int64_t E, int64
 /* The send to one rank: the messages of its experts [e_lo, e_lo + num_local) (tok, slot, first
  * from moe_ll_route), each message row of msgs (nbytes of it) into the receiver's block
  * [le][me]: row (le * R + me) * M + its place among the expert's messages, and its meta
- * (token << 8 | slot) into the same row of meta. Returns -1 (nothing written) when an expert
- * has more than M messages (they would run into the next block). */
+ * (token << 8 | slot) into the same row of meta. With `seen` (uint8 [num_tokens] scratch, or
+ * NULL to write every row) only a token's first message to this rank gets its row: a token
+ * routed to k experts of one rank is sent once instead of k times, and the receiver reads
+ * every message of it from that first row (moe_ll_recv). Returns -1 (nothing written) when an
+ * expert has more than M messages (they would run into the next block), -2 for a token
+ * outside [0, num_tokens). */
 int moe_ll_send(const uint8_t *msgs, int64_t msg_stride, int64_t nbytes, const int64_t *tok,
                 const int64_t *slot, const int64_t *first, int64_t e_lo, int64_t num_local,
                 int64_t R, int64_t me, int64_t M, uint8_t *payload, int64_t payload_stride,
-                int64_t *meta) {
+                int64_t *meta, int64_t num_tokens, uint8_t *seen) {
     for (int64_t le = 0; le < num_local; le++)
         if (first[e_lo + le + 1] - first[e_lo + le] > M) return -1;
+    for (int64_t i = first[e_lo]; i < first[e_lo + num_local]; i++)
+        if (tok[i] < 0 || tok[i] >= num_tokens) return -2;
+    if (seen) memset(seen, 0, (size_t)num_tokens);
     for (int64_t le = 0; le < num_local; le++) {
         const int64_t lo = first[e_lo + le], hi = first[e_lo + le + 1];
         const int64_t row0 = (le * R + me) * M;
         for (int64_t i = lo; i < hi; i++) {
-            memcpy(payload + (row0 + i - lo) * payload_stride, msgs + tok[i] * msg_stride,
-                   (size_t)nbytes);
+            if (!seen || !seen[tok[i]])
+                memcpy(payload + (row0 + i - lo) * payload_stride, msgs + tok[i] * msg_stride,
+                       (size_t)nbytes);
+            if (seen) seen[tok[i]] = 1;
             meta[row0 + i - lo] = tok[i] << 8 | slot[i];
         }
     }
@@ -393,6 +402,34 @@ static inline void stream_done(void) {
 #endif
 }
 
+/* The row a message's bytes are read from: its token's first row from source src (canon,
+ * filled by first_rows), or its own row when the token in its meta is outside [0, M). */
+static inline int64_t source_row(const int64_t *meta, int64_t row, int64_t src, int64_t M,
+                                 const int64_t *canon) {
+    const int64_t t = meta[row] >> 8;
+    return t >= 0 && t < M ? canon[src * M + t] : row;
+}
+
+/* canon [R][M]: for every source (but this rank when its own messages are read in place) and
+ * token, the first row of its blocks, in block order (expert, then place), whose meta names
+ * that token. Only rows within the (checked) counts are read. */
+static void first_rows(const int64_t *meta, const int64_t *counts, int64_t count_stride,
+                       int64_t L, int64_t R, int64_t M, int64_t me, int own_in_place,
+                       int64_t *canon) {
+    for (int64_t src = 0; src < R; src++) {
+        if (own_in_place && src == me) continue;
+        int64_t *first = canon + src * M;
+        for (int64_t t = 0; t < M; t++) first[t] = -1;
+        for (int64_t le = 0; le < L; le++) {
+            const int64_t row0 = (le * R + src) * M, c = counts[src * count_stride + le];
+            for (int64_t i = 0; i < c; i++) {
+                const int64_t t = meta[row0 + i] >> 8;
+                if (t >= 0 && t < M && first[t] < 0) first[t] = row0 + i;
+            }
+        }
+    }
+}
+
 /* The receive: each local expert's rows, source by source, from the blocks [le][src] of this
  * rank's region (payload rows `stride` bytes apart, meta beside) packed into recv_x
  * [L][R * M] (x_bytes per row), with their scales (scale_bytes at byte scales_at of a message,
@@ -402,14 +439,18 @@ static inline void stream_done(void) {
  * own_msgs (or NULL): the rows this rank sent itself were not copied into its region; they
  * are read from its own messages instead (own_msgs rows own_stride bytes apart; own_tok,
  * own_slot its sorted messages, own_first [L + 1] where its messages to each local expert
- * start: moe_ll_route's, from its first local expert on). Returns -1 (nothing copied) when a
- * count lies outside [0, M], -2 when this rank's own count row disagrees with own_first. */
+ * start: moe_ll_route's, from its first local expert on).
+ * A message's bytes are read from its token's first row from the same source (first in block
+ * order: expert, then place), found by the token in the meta; moe_ll_send writes only that
+ * row. A token outside [0, M) in a peer's meta is not looked up: its own row is read.
+ * `canon` int64 [R * M] scratch. Returns -1 (nothing copied) when a count lies outside [0, M],
+ * -2 when this rank's own count row disagrees with own_first. */
 int moe_ll_recv(const uint8_t *payload, int64_t stride, const int64_t *meta,
                 const int64_t *counts, int64_t count_stride, int64_t L, int64_t R, int64_t M,
                 uint8_t *recv_x, int64_t x_bytes, uint8_t *recv_scales, int64_t scale_bytes,
                 int64_t scales_at, int64_t *recv_meta, int64_t *ranges, int64_t *per_expert,
                 int64_t me, const uint8_t *own_msgs, int64_t own_stride, const int64_t *own_tok,
-                const int64_t *own_slot, const int64_t *own_first) {
+                const int64_t *own_slot, const int64_t *own_first, int64_t *canon) {
     int64_t total = 0;
     for (int64_t src = 0; src < R; src++)
         for (int64_t le = 0; le < L; le++) {
@@ -418,6 +459,7 @@ int moe_ll_recv(const uint8_t *payload, int64_t stride, const int64_t *meta,
             if (own_msgs && src == me && c != own_first[le + 1] - own_first[le]) return -2;
             total += c;
         }
+    first_rows(meta, counts, count_stride, L, R, M, me, own_msgs != NULL, canon);
     const int stream = total * x_bytes >= STREAM_MIN_BYTES;
     for (int64_t le = 0; le < L; le++) {
         int64_t packed = le * R * M;
@@ -431,7 +473,8 @@ int moe_ll_recv(const uint8_t *payload, int64_t stride, const int64_t *meta,
             for (int64_t i = 0; i < c; i++, packed++) {
                 const int64_t m = own ? own_first[le] + i : 0;
                 const uint8_t *msg = own ? own_msgs + own_tok[m] * own_stride
-                                         : payload + (row0 + i) * stride;
+                                         : payload + source_row(meta, row0 + i, src, M, canon) *
+                                                     stride;
                 if (stream)
                     copy_stream(recv_x + packed * x_bytes, msg, (size_t)x_bytes);
                 else

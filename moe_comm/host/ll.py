@@ -156,13 +156,16 @@ def _messages(x, use_fp8, round_scale, stride):
     return msgs
 
 
-def _write_messages(msgs, tok, slot, first, dst, lay: LLLayout, me, rows, meta) -> None:
+def _write_messages(msgs, tok, slot, first, dst, lay: LLLayout, me, rows, meta,
+                    once=False) -> None:
     """This rank's messages to ``dst``'s experts into its blocks [le][me]: ``rows`` uint8
     [slots, stride] and ``meta`` uint8 [slots * 8] of its region; one C call, or a row copy
-    per message (torch's indexing where the C loops cannot run)."""
+    per message (torch's indexing where the C loops cannot run). ``once``: each token's row
+    only into its first message to ``dst`` (C only; every receive reads a token's messages
+    from that row, see :func:`_pack_torch`)."""
     L, R, M = lay.num_local, lay.num_ranks, lay.max_tokens
     if native.library() is not None:
-        native.ll_send(msgs, tok, slot, first, dst * L, L, R, me, M, rows, meta)
+        native.ll_send(msgs, tok, slot, first, dst * L, L, R, me, M, rows, meta, once=once)
         return
     lo, hi = int(first[dst * L]), int(first[(dst + 1) * L])
     counts = first[dst * L + 1:(dst + 1) * L + 1] - first[dst * L:(dst + 1) * L]
@@ -215,8 +218,10 @@ def dispatch_send(comm, *, x, topk_idx, lay: LLLayout, use_fp8, round_scale, buf
         counts = [first_l[e + 1] - first_l[e] for e in range(e_lo, e_lo + num_local)]
         if first_l[e_lo + num_local] > first_l[e_lo] and \
                 not (dst == me and own_rows is not None):       # each message one row copy
+            # a token's row once per rank (not once per expert: a top-8 token has ~8/R
+            # messages per rank); a network peer gets whole blocks, so it gets every row
             _write_messages(msgs, tok, slot, first, dst, lay, me,
-                            *_blocks(comm, lay, buf, dst, stride))
+                            *_blocks(comm, lay, buf, dst, stride), once=not comm.is_remote(dst))
             if comm.is_remote(dst):                       # the byte runs a network peer gets
                 for le, c in enumerate(counts):
                     if c:
@@ -324,10 +329,11 @@ def _pack_torch(region_rows, meta, counts, M, recv_x, row_bytes, recv_scales, hi
     src_row = block * M + i                                 # where src wrote it
     packed = (torch.cumsum(by_expert, 1) - by_expert).flatten()[block] + i
     dst_row = (block // R) * (R * M) + packed               # where recv_x wants it
-    copy_rows(region_rows[:, :row_bytes], src_row,
+    read_row = _first_rows(meta.view(torch.int64), src_row, block % R, R, M)
+    copy_rows(region_rows[:, :row_bytes], read_row,
               recv_x.view(torch.uint8).view(slots, row_bytes), dst_row)
     if recv_scales is not None:
-        s = region_rows[:, hidden:hidden + hidden // 32].index_select(0, src_row)
+        s = region_rows[:, hidden:hidden + hidden // 32].index_select(0, read_row)
         s = s.view(torch.float32)
         s = pack_ue8m0(s) if use_ue8m0 else s
         recv_scales.view(slots, -1).index_copy_(0, dst_row, s)
@@ -335,6 +341,19 @@ def _pack_torch(region_rows, meta, counts, M, recv_x, row_bytes, recv_scales, hi
     recv_meta.view(-1).index_copy_(0, dst_row, meta.view(torch.int64).index_select(0, src_row))
     ranges = torch.stack([torch.cumsum(by_expert, 1) - by_expert, by_expert], -1)
     return recv_meta, ranges, by_expert.sum(1)
+
+
+def _first_rows(meta, rows, src, num_ranks, M):
+    """The row each message's bytes are read from (native.ll_recv's rule): the first of
+    ``rows`` (region rows, in block order) from the same source ``src`` whose meta names the
+    same token; a row whose token lies outside [0, M) is read itself."""
+    token = meta.index_select(0, rows) >> 8
+    named = (token >= 0) & (token < M)
+    keys = num_ranks * M                                    # one per (source, token)
+    key = torch.where(named, src * M + token, keys + torch.arange(rows.numel()))
+    first = torch.full((keys + rows.numel(),), -1, dtype=torch.int64)
+    first.scatter_reduce_(0, key, rows, "amin", include_self=False)
+    return first[key]
 
 
 def combine_send(comm, *, x, handle: LowLatencyHandle, lay: LLLayout, use_logfmt=False):
