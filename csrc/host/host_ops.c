@@ -277,6 +277,21 @@ MOE_CLONES void moe_fp8_cast(const void *x, int in_dt, int64_t num_tokens, int64
     }
 }
 
+/* moe_fp8_scales then moe_fp8_cast, token by token (scales without rounding): the cast reads
+ * the row the scales just read from the L1 cache instead of the whole x a second time. */
+void moe_fp8_quantize(const void *x, int in_dt, int64_t num_tokens, int64_t hidden,
+                      int64_t x_stride, float *scales, uint8_t *out, int64_t out_stride,
+                      float *scratch, int64_t scales_at) {
+    const size_t row_bytes = (size_t)x_stride * (in_dt == DT_BF16 ? 2 : 4);
+    const int64_t groups = hidden / FP8_BLOCK;
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const void *row = (const char *)x + t * row_bytes;
+        moe_fp8_scales(row, in_dt, 1, hidden, x_stride, scales + t * groups, scratch);
+        moe_fp8_cast(row, in_dt, 1, hidden, x_stride, scales + t * groups,
+                     out + t * out_stride, out_stride, scratch, scales_at);
+    }
+}
+
 /* dst row dst_rows[i] (or i when dst_rows is NULL) = src row src_rows[i] (or i), nbytes
  * each: a gather and a scatter in one pass (rows stride bytes apart on each side). Every
  * index is checked against src_count / dst_count first: returns -1 (nothing copied) for a

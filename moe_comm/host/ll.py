@@ -41,6 +41,7 @@ from ..handle import LowLatencyHandle
 from ..quant import pack_ue8m0, quantize_fp8
 from . import native
 from .native import copy_rows
+from .pool import OutputPool
 from .reduce import weighted_sum_rows
 from ..wire import (CALL_WORDS, LL_CALL_FIELDS, LL_DONE_LOGFMT, LL_MAX_TOPK, LL_NUM_BUFFERS,
                     LLLayout, ll_msg_stride, tag_epoch, tag_value)
@@ -142,13 +143,16 @@ def _route(topk_idx: torch.Tensor, num_experts: int):
     return tok[order], slot[order], first
 
 
-def _messages(x, use_fp8, round_scale, stride):
+def _messages(comm, x, use_fp8, round_scale, stride, buf):
     """The message row of every token: fp8 bytes then float32 scales (cast once per token,
-    in C where it can run), or the bf16 token itself."""
+    in C where it can run), or the bf16 token itself. The fp8 rows reuse the memory of
+    call s-2's (buffer ``buf``) once its receive has dropped them: fresh memory costs a page
+    fault per 4 KiB on first touch."""
     if not use_fp8:
         return x.view(torch.uint8)
     hidden = x.shape[1]
-    msgs = torch.empty(x.shape[0], stride, dtype=torch.uint8)
+    pool = _cached(comm, "message rows", OutputPool)
+    msgs = pool.empty(("msgs", buf), (x.shape[0], stride), torch.uint8)
     if native.quantize_fp8(x, round_scale, msgs, scales_at=hidden) is None:
         data, scales = quantize_fp8(x, round_scale)
         msgs[:, :hidden] = data.view(torch.uint8)
@@ -183,7 +187,8 @@ def dispatch_send(comm, *, x, topk_idx, lay: LLLayout, use_fp8, round_scale, buf
     me, R, num_local = comm.rank, comm.num_ranks, lay.num_local
     num_tokens, hidden = x.shape
     stride = ll_msg_stride(hidden, use_fp8)
-    msgs = _messages(x, use_fp8, round_scale, stride)
+    msgs = _messages(comm, x, use_fp8, round_scale, stride,
+                     (comm.ll_seq["dispatch"] + 1) % LL_NUM_BUFFERS)
     tok, slot, first = _route(topk_idx, lay.num_experts)
     shift = _place_return_rows(comm, lay, tok.numel(), hidden)    # before anything moves
     comm.ll_seq["dispatch"] += 1

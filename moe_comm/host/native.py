@@ -47,6 +47,7 @@ _SIGNATURES = {
     "moe_fp8_scales": (_P, ctypes.c_int, _I, _I, _I, _P, _P),
     "moe_fp8_cast": (_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P, _I),
     "moe_fp8_avx512": (ctypes.c_int,),
+    "moe_fp8_quantize": (_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P, _I),
     "moe_copy_rows": (_P, _I, _P, _I, _P, _I, _P, _I, _I, _I),
     "moe_ll_route": (_P, _I, _I, _I, _P, _P, _P, _P),
     "moe_ll_send": (_P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _I, _P, _I, _P, _I, _P),
@@ -170,6 +171,11 @@ def quantize_fp8(x: torch.Tensor, round_scale: bool, out: torch.Tensor,
     scales = torch.empty(tokens, hidden // 128, dtype=torch.float32)
     scratch = torch.empty(max(hidden, 1), dtype=torch.float32)
     dt = DTYPES[x.dtype]
+    if not round_scale:             # both passes token by token, the row still in the cache
+        lib.moe_fp8_quantize(x.data_ptr(), dt, tokens, hidden, x.stride(0), scales.data_ptr(),
+                             out.data_ptr(), out.stride(0), scratch.data_ptr(),
+                             -1 if scales_at is None else scales_at)
+        return scales
     lib.moe_fp8_scales(x.data_ptr(), dt, tokens, hidden, x.stride(0), scales.data_ptr(),
                        scratch.data_ptr())
     if round_scale:         # torch's own rounding of the (few) scales: quant.py's exactly
