@@ -381,3 +381,30 @@ def test_low_latency_send_writes_a_token_once_per_rank(monkeypatch):
     for other in results[1:]:
         for a, b in zip(results[0], other):
             assert _same(a, b)
+
+
+def test_low_latency_large_return_and_pack_stream_like_torch(monkeypatch):
+    """Runs of 2 MiB and more are written with non-temporal stores (the combine's return, the
+    dispatch's pack): the same bytes as torch's copies, unaligned starts included."""
+    num_local, R, M, hidden = 2, 2, 96, 7168
+    counts = torch.tensor([[96, 90], [95, 93]])
+    stride = hidden + hidden // 32 + 16
+    rows, meta, rows_in = _region(num_local, R, M, stride, counts)
+    x = torch.zeros(num_local, R * M, hidden, dtype=torch.uint8)
+    recv_meta, ranges, _ = native.ll_recv(rows, meta, rows_in, M, x, hidden, None, hidden)
+    monkeypatch.setenv(native.ENV, "0")
+    x_torch = torch.zeros_like(x)
+    ll._pack_torch(rows, meta, counts, M, x_torch, hidden, None, hidden, False)
+    monkeypatch.setenv(native.ENV, "1")
+    assert torch.equal(x, x_torch)
+    y = torch.randint(0, 256, (num_local * R * M, 2 * hidden), dtype=torch.uint8,
+                      generator=torch.Generator().manual_seed(3))
+    for owner in range(R):
+        n = int(ranges[:, owner, 1].sum())
+        assert n * 2 * hidden >= 2 << 20
+        # rows 3 bytes past a 16-byte boundary: the copy aligns its stores itself
+        dst = torch.zeros((n + 1) * 2 * hidden + 3, dtype=torch.uint8)[3:].view(n + 1, -1)
+        assert native.ll_return(y, ranges, owner, dst)
+        want = torch.zeros_like(dst)
+        native.copy_rows(y, ll._return_rows(ranges, owner, R * M, n), want, None)
+        assert torch.equal(dst, want)
