@@ -528,13 +528,17 @@ int moe_ll_return(const uint8_t *src, int64_t src_stride, int64_t src_count,
         const int64_t first = ranges[(le * R + owner) * 2], c = ranges[(le * R + owner) * 2 + 1];
         const uint8_t *from = src + (le * rows_per_expert + first) * src_stride;
         if (src_stride == nbytes && dst_stride == nbytes) {      /* one run, one copy */
-            memcpy(dst + at * dst_stride, from, (size_t)(c * nbytes));
+            if (total * nbytes >= STREAM_MIN_BYTES)
+                copy_stream(dst + at * dst_stride, from, (size_t)(c * nbytes));
+            else
+                memcpy(dst + at * dst_stride, from, (size_t)(c * nbytes));
         } else {
             for (int64_t j = 0; j < c; j++)
                 memcpy(dst + (at + j) * dst_stride, from + j * src_stride, (size_t)nbytes);
         }
         at += c;
     }
+    stream_done();
     return 0;
 }
 

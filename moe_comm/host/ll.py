@@ -6,12 +6,14 @@ dispatch call s (buffer b = s % 2):
             each destination has read its buffer b from call s-2 (its LL_DISPATCH_FREE push,
             normally already there); for every local expert of the destination, write this
             rank's tokens routed to it as one message per (token, expert) into block
-            [expert][me] (one row copy each, straight into the peer's memory), the
+            [expert][me] (straight into the peer's memory; on one host a token's bytes only
+            into its first message to that rank, the others carry only their meta), the
             (token, slot) meta beside them, then release-store the row of counts [me][*].
             Destinations in turn from the next rank on, itself last; with fp8 its messages
             to itself stay in its message rows (the receive reads them there).
   receive - wait for every source's count row; pack each expert's rows (source order) into
-            recv_x [E_local, R*max_tokens, H]; push LL_DISPATCH_FREE[b][me] to every peer.
+            recv_x [E_local, R*max_tokens, H], each message's bytes read from its token's
+            first message from that source; push LL_DISPATCH_FREE[b][me] to every peer.
             Each phase is one C call where host/native.py can build one (the sort of the
             messages, each destination's copies, the pack; the combine's returns and sum),
             and the header views and offsets it reads are made once per layout.
