@@ -375,8 +375,9 @@ int moe_ll_send(const uint8_t *msgs, int64_t msg_stride, int64_t nbytes, const i
     return 0;
 }
 
-/* A receive that packs at least this many bytes writes them with non-temporal stores (see
- * copy_stream); smaller ones stay in the cache, where the caller reads them next. */
+/* A receive that packs at least this many bytes, and a combine that returns as many to one
+ * owner, write them with non-temporal stores (see copy_stream); smaller ones stay in the
+ * cache, where the caller (or the owner's sum) reads them next. */
 #ifndef STREAM_MIN_BYTES
 #define STREAM_MIN_BYTES (2 << 20)
 #endif
