@@ -46,7 +46,6 @@ _SIGNATURES = {
     "moe_sum_rows": (_P, _P, _P, ctypes.c_int, _I, _I, _P, ctypes.c_int, _P, ctypes.c_int, _P),
     "moe_fp8_scales": (_P, ctypes.c_int, _I, _I, _I, _P, _P),
     "moe_fp8_cast": (_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P, _I),
-    "moe_fp8_avx512": (ctypes.c_int,),
     "moe_fp8_quantize": (_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P, _I),
     "moe_copy_rows": (_P, _I, _P, _I, _P, _I, _P, _I, _I, _I),
     "moe_ll_route": (_P, _I, _I, _I, _P, _P, _P, _P),
@@ -56,8 +55,8 @@ _SIGNATURES = {
     "moe_ll_return": (_P, _I, _I, _P, _I, _I, _I, _I, _P, _I, _I, _I),
     "moe_ll_combine": (_P, _I, _P, _P, _I, _P, _I, _I, _I, _P, ctypes.c_int, _P, _P, _P),
 }
-_RETURNS = {"moe_fp8_avx512": ctypes.c_int, "moe_copy_rows": ctypes.c_int, "moe_ll_route": _I,
-            "moe_ll_send": ctypes.c_int, "moe_ll_recv": ctypes.c_int, "moe_ll_return": ctypes.c_int,
+_RETURNS = {"moe_copy_rows": ctypes.c_int, "moe_ll_route": _I, "moe_ll_send": ctypes.c_int,
+            "moe_ll_recv": ctypes.c_int, "moe_ll_return": ctypes.c_int,
             "moe_ll_combine": ctypes.c_int}
 
 
@@ -178,8 +177,8 @@ def quantize_fp8(x: torch.Tensor, round_scale: bool, out: torch.Tensor,
         return scales
     lib.moe_fp8_scales(x.data_ptr(), dt, tokens, hidden, x.stride(0), scales.data_ptr(),
                        scratch.data_ptr())
-    if round_scale:         # torch's own rounding of the (few) scales: quant.py's exactly
-        scales = torch.exp2(torch.ceil(torch.log2(scales)))
+    # torch's own rounding of the (few) scales: quant.py's exactly
+    scales = torch.exp2(torch.ceil(torch.log2(scales)))
     lib.moe_fp8_cast(x.data_ptr(), dt, tokens, hidden, x.stride(0), scales.data_ptr(),
                      out.data_ptr(), out.stride(0), scratch.data_ptr(),
                      -1 if scales_at is None else scales_at)
@@ -189,7 +188,9 @@ def quantize_fp8(x: torch.Tensor, round_scale: bool, out: torch.Tensor,
 def fp8_avx512(on: bool | None = None) -> bool:
     """Whether the fp8 cast runs its AVX-512 version (where the CPU has it); ``on=False``
     turns it off, ``True`` back on (tests check the bits of both versions)."""
-    return bool(library().moe_fp8_avx512(-1 if on is None else int(on)))
+    switch = library().moe_fp8_avx512          # a test hook: typed here, not in _SIGNATURES
+    switch.argtypes, switch.restype = (ctypes.c_int,), ctypes.c_int
+    return bool(switch(-1 if on is None else int(on)))
 
 
 def copy_rows(src: torch.Tensor, src_rows, dst: torch.Tensor, dst_rows) -> None:
