@@ -42,7 +42,7 @@ def _inputs(dtype, tokens=48, hidden=1024, seed=0) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("round_scale", [False, True])
-def test_fp8_cast_is_torchs_bit_for_bit(dtype, round_scale):
+def test_fp8_cast_is_torchs_bit_for_bit(dtype, round_scale, cast_version):
     x = _inputs(dtype)
     before = x.clone()
     data, scales = quantize_fp8(x, round_scale)
@@ -62,7 +62,49 @@ def test_fp8_cast_is_torchs_bit_for_bit(dtype, round_scale):
         native.quantize_fp8(x, round_scale, msgs, scales_at=hidden + 90)
 
 
-def test_fp8_cast_of_strided_rows_and_nan():
+@pytest.fixture(params=[True, False], ids=["avx512", "plain"])
+def cast_version(request):
+    """Each test of the cast runs with the AVX-512 version (where the CPU has it) and without."""
+    before = native.fp8_avx512()
+    if request.param and not before:
+        pytest.skip("no AVX-512 here")
+    native.fp8_avx512(request.param)
+    yield request.param
+    native.fp8_avx512(before)
+
+
+def _near_edges(dtype, blocks=4096, seed=1) -> torch.Tensor:
+    """Blocks of 128 whose quotients by their scale land on, and a few ulps either side of,
+    the e4m3 rounding edges (midpoints, the subnormal range, the clamp): the first value
+    sets the block's amax, hence its scale, to a random one."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    values = codes[torch.isfinite(codes) & (codes >= 0)].unique().sort().values
+    mids = torch.cat([(values[1:] + values[:-1]) / 2, values])
+    scale = torch.exp2(torch.rand(blocks, 1, generator=g) * 40 - 20)
+    pick = mids[torch.randint(0, mids.numel(), (blocks, 128), generator=g)]
+    x = (pick * scale).to(dtype).float()
+    # nudge by -4..4 ulps of the input's own precision
+    ulps = torch.randint(-4, 5, x.shape, generator=g)
+    step = torch.nextafter(x, torch.full_like(x, float("inf"))) - x
+    if dtype == torch.bfloat16:
+        step = step * 65536
+    x = x + ulps * step
+    x = torch.where(torch.rand(x.shape, generator=g) < 0.5, -x, x)
+    x[:, 0] = 448 * scale[:, 0]
+    return x.to(dtype).view(-1, 1024)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_cast_near_rounding_edges(dtype, cast_version):
+    x = _near_edges(dtype)
+    data, scales = quantize_fp8(x)
+    msgs = torch.zeros(x.shape[0], x.shape[1], dtype=torch.uint8)
+    assert torch.equal(native.quantize_fp8(x, False, msgs), scales)
+    assert torch.equal(msgs, data.view(torch.uint8))
+
+
+def test_fp8_cast_of_strided_rows_and_nan(cast_version):
     x = _inputs(torch.bfloat16, hidden=2048)[:, :1024]   # rows 2048 elements apart
     msgs = torch.zeros(x.shape[0], 1024, dtype=torch.uint8)
     native.quantize_fp8(x, False, msgs)
@@ -300,3 +342,69 @@ def test_low_latency_pack_reads_own_messages_in_place(monkeypatch):
     with pytest.raises(ValueError, match="own count row"):
         native.ll_recv(rows, meta, rows_in, M, x, hidden, scales, hidden,
                        own=(me, msgs, tok, slot, first))
+
+
+def test_low_latency_send_writes_a_token_once_per_rank(monkeypatch):
+    """With ``once``, a sender writes each token's row into its first message to a rank only
+    (the other rows keep stale bytes); the receive reads every message of the token from that
+    row, in C and with torch, and packs what a region holding every row gives."""
+    num_local, R, M, hidden = 6, 4, 40, 256
+    stride = hidden + hidden // 32
+    lay = LLLayout(M, hidden, R, num_local * R)
+    me = 1
+    stale = _region(num_local, R, M, stride, torch.zeros(R, num_local, dtype=torch.long))
+    full = stale[0].clone(), stale[1].clone()
+    once = stale[0].clone(), stale[1].clone()
+    rows_in = stale[2]
+    for src in range(R):               # every source's messages to rank `me`
+        idx = _routing(tokens=M, topk=5, experts=num_local * R, seed=20 + src)
+        tok, slot, first = ll._route(idx, num_local * R)
+        msgs = torch.randint(0, 256, (M, stride), generator=torch.Generator().manual_seed(src),
+                             dtype=torch.uint8)
+        ll._write_messages(msgs, tok, slot, first, me, lay, src, *full)
+        ll._write_messages(msgs, tok, slot, first, me, lay, src, *once, once=True)
+        rows_in[src, :num_local] = (first[1:] - first[:-1]).view(R, num_local)[me].numpy()
+    assert not torch.equal(full[0], once[0])           # rows were skipped
+    assert torch.equal(full[1], once[1])               # the meta went into every row
+    counts = torch.from_numpy(rows_in[:, :num_local])
+    results = []
+    for region, torch_pack in ((full, False), (once, False), (once, True)):
+        x = torch.full((num_local, R * M, hidden), 0xEE, dtype=torch.uint8)
+        scales = torch.full((num_local, R * M, hidden // 128), -1.0)
+        if torch_pack:
+            monkeypatch.setenv(native.ENV, "0")
+            packed = ll._pack_torch(*region, counts, M, x, hidden, scales, hidden, False)
+            monkeypatch.setenv(native.ENV, "1")
+        else:
+            packed = native.ll_recv(*region, rows_in, M, x, hidden, scales, hidden)
+        results.append((x, scales, *packed))
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert _same(a, b)
+
+
+def test_low_latency_large_return_and_pack_stream_like_torch(monkeypatch):
+    """Runs of 2 MiB and more are written with non-temporal stores (the combine's return, the
+    dispatch's pack): the same bytes as torch's copies, unaligned starts included."""
+    num_local, R, M, hidden = 2, 2, 96, 7168
+    counts = torch.tensor([[96, 90], [95, 93]])
+    stride = hidden + hidden // 32 + 16
+    rows, meta, rows_in = _region(num_local, R, M, stride, counts)
+    x = torch.zeros(num_local, R * M, hidden, dtype=torch.uint8)
+    recv_meta, ranges, _ = native.ll_recv(rows, meta, rows_in, M, x, hidden, None, hidden)
+    monkeypatch.setenv(native.ENV, "0")
+    x_torch = torch.zeros_like(x)
+    ll._pack_torch(rows, meta, counts, M, x_torch, hidden, None, hidden, False)
+    monkeypatch.setenv(native.ENV, "1")
+    assert torch.equal(x, x_torch)
+    y = torch.randint(0, 256, (num_local * R * M, 2 * hidden), dtype=torch.uint8,
+                      generator=torch.Generator().manual_seed(3))
+    for owner in range(R):
+        n = int(ranges[:, owner, 1].sum())
+        assert n * 2 * hidden >= 2 << 20
+        # rows 3 bytes past a 16-byte boundary: the copy aligns its stores itself
+        dst = torch.zeros((n + 1) * 2 * hidden + 3, dtype=torch.uint8)[3:].view(n + 1, -1)
+        assert native.ll_return(y, ranges, owner, dst)
+        want = torch.zeros_like(dst)
+        native.copy_rows(y, ll._return_rows(ranges, owner, R * M, n), want, None)
+        assert torch.equal(dst, want)

@@ -6,12 +6,14 @@ dispatch call s (buffer b = s % 2):
             each destination has read its buffer b from call s-2 (its LL_DISPATCH_FREE push,
             normally already there); for every local expert of the destination, write this
             rank's tokens routed to it as one message per (token, expert) into block
-            [expert][me] (one row copy each, straight into the peer's memory), the
+            [expert][me] (straight into the peer's memory; on one host a token's bytes only
+            into its first message to that rank, the others carry only their meta), the
             (token, slot) meta beside them, then release-store the row of counts [me][*].
             Destinations in turn from the next rank on, itself last; with fp8 its messages
             to itself stay in its message rows (the receive reads them there).
   receive - wait for every source's count row; pack each expert's rows (source order) into
-            recv_x [E_local, R*max_tokens, H]; push LL_DISPATCH_FREE[b][me] to every peer.
+            recv_x [E_local, R*max_tokens, H], each message's bytes read from its token's
+            first message from that source; push LL_DISPATCH_FREE[b][me] to every peer.
             Each phase is one C call where host/native.py can build one (the sort of the
             messages, each destination's copies, the pack; the combine's returns and sum),
             and the header views and offsets it reads are made once per layout.
@@ -41,6 +43,7 @@ from ..handle import LowLatencyHandle
 from ..quant import pack_ue8m0, quantize_fp8
 from . import native
 from .native import copy_rows
+from .pool import OutputPool
 from .reduce import weighted_sum_rows
 from ..wire import (CALL_WORDS, LL_CALL_FIELDS, LL_DONE_LOGFMT, LL_MAX_TOPK, LL_NUM_BUFFERS,
                     LLLayout, ll_msg_stride, tag_epoch, tag_value)
@@ -142,13 +145,16 @@ def _route(topk_idx: torch.Tensor, num_experts: int):
     return tok[order], slot[order], first
 
 
-def _messages(x, use_fp8, round_scale, stride):
+def _messages(comm, x, use_fp8, round_scale, stride, buf):
     """The message row of every token: fp8 bytes then float32 scales (cast once per token,
-    in C where it can run), or the bf16 token itself."""
+    in C where it can run), or the bf16 token itself. The fp8 rows reuse the memory of
+    call s-2's (buffer ``buf``) once its receive has dropped them: fresh memory costs a page
+    fault per 4 KiB on first touch."""
     if not use_fp8:
         return x.view(torch.uint8)
     hidden = x.shape[1]
-    msgs = torch.empty(x.shape[0], stride, dtype=torch.uint8)
+    pool = _cached(comm, "message rows", OutputPool)
+    msgs = pool.empty(("msgs", buf), (x.shape[0], stride), torch.uint8)
     if native.quantize_fp8(x, round_scale, msgs, scales_at=hidden) is None:
         data, scales = quantize_fp8(x, round_scale)
         msgs[:, :hidden] = data.view(torch.uint8)
@@ -156,13 +162,16 @@ def _messages(x, use_fp8, round_scale, stride):
     return msgs
 
 
-def _write_messages(msgs, tok, slot, first, dst, lay: LLLayout, me, rows, meta) -> None:
+def _write_messages(msgs, tok, slot, first, dst, lay: LLLayout, me, rows, meta,
+                    once=False) -> None:
     """This rank's messages to ``dst``'s experts into its blocks [le][me]: ``rows`` uint8
     [slots, stride] and ``meta`` uint8 [slots * 8] of its region; one C call, or a row copy
-    per message (torch's indexing where the C loops cannot run)."""
+    per message (torch's indexing where the C loops cannot run). ``once``: each token's row
+    only into its first message to ``dst`` (C only; every receive reads a token's messages
+    from that row, see :func:`_pack_torch`)."""
     L, R, M = lay.num_local, lay.num_ranks, lay.max_tokens
     if native.library() is not None:
-        native.ll_send(msgs, tok, slot, first, dst * L, L, R, me, M, rows, meta)
+        native.ll_send(msgs, tok, slot, first, dst * L, L, R, me, M, rows, meta, once=once)
         return
     lo, hi = int(first[dst * L]), int(first[(dst + 1) * L])
     counts = first[dst * L + 1:(dst + 1) * L + 1] - first[dst * L:(dst + 1) * L]
@@ -180,7 +189,8 @@ def dispatch_send(comm, *, x, topk_idx, lay: LLLayout, use_fp8, round_scale, buf
     me, R, num_local = comm.rank, comm.num_ranks, lay.num_local
     num_tokens, hidden = x.shape
     stride = ll_msg_stride(hidden, use_fp8)
-    msgs = _messages(x, use_fp8, round_scale, stride)
+    msgs = _messages(comm, x, use_fp8, round_scale, stride,
+                     (comm.ll_seq["dispatch"] + 1) % LL_NUM_BUFFERS)
     tok, slot, first = _route(topk_idx, lay.num_experts)
     shift = _place_return_rows(comm, lay, tok.numel(), hidden)    # before anything moves
     comm.ll_seq["dispatch"] += 1
@@ -215,8 +225,10 @@ def dispatch_send(comm, *, x, topk_idx, lay: LLLayout, use_fp8, round_scale, buf
         counts = [first_l[e + 1] - first_l[e] for e in range(e_lo, e_lo + num_local)]
         if first_l[e_lo + num_local] > first_l[e_lo] and \
                 not (dst == me and own_rows is not None):       # each message one row copy
+            # a token's row once per rank (not once per expert: a top-8 token has ~8/R
+            # messages per rank); a network peer gets whole blocks, so it gets every row
             _write_messages(msgs, tok, slot, first, dst, lay, me,
-                            *_blocks(comm, lay, buf, dst, stride))
+                            *_blocks(comm, lay, buf, dst, stride), once=not comm.is_remote(dst))
             if comm.is_remote(dst):                       # the byte runs a network peer gets
                 for le, c in enumerate(counts):
                     if c:
@@ -324,10 +336,11 @@ def _pack_torch(region_rows, meta, counts, M, recv_x, row_bytes, recv_scales, hi
     src_row = block * M + i                                 # where src wrote it
     packed = (torch.cumsum(by_expert, 1) - by_expert).flatten()[block] + i
     dst_row = (block // R) * (R * M) + packed               # where recv_x wants it
-    copy_rows(region_rows[:, :row_bytes], src_row,
+    read_row = _first_rows(meta.view(torch.int64), src_row, block % R, R, M)
+    copy_rows(region_rows[:, :row_bytes], read_row,
               recv_x.view(torch.uint8).view(slots, row_bytes), dst_row)
     if recv_scales is not None:
-        s = region_rows[:, hidden:hidden + hidden // 32].index_select(0, src_row)
+        s = region_rows[:, hidden:hidden + hidden // 32].index_select(0, read_row)
         s = s.view(torch.float32)
         s = pack_ue8m0(s) if use_ue8m0 else s
         recv_scales.view(slots, -1).index_copy_(0, dst_row, s)
@@ -335,6 +348,19 @@ def _pack_torch(region_rows, meta, counts, M, recv_x, row_bytes, recv_scales, hi
     recv_meta.view(-1).index_copy_(0, dst_row, meta.view(torch.int64).index_select(0, src_row))
     ranges = torch.stack([torch.cumsum(by_expert, 1) - by_expert, by_expert], -1)
     return recv_meta, ranges, by_expert.sum(1)
+
+
+def _first_rows(meta, rows, src, num_ranks, M):
+    """The row each message's bytes are read from (native.ll_recv's rule): the first of
+    ``rows`` (region rows, in block order) from the same source ``src`` whose meta names the
+    same token; a row whose token lies outside [0, M) is read itself."""
+    token = meta.index_select(0, rows) >> 8
+    named = (token >= 0) & (token < M)
+    keys = num_ranks * M                                    # one per (source, token)
+    key = torch.where(named, src * M + token, keys + torch.arange(rows.numel()))
+    first = torch.full((keys + rows.numel(),), -1, dtype=torch.int64)
+    first.scatter_reduce_(0, key, rows, "amin", include_self=False)
+    return first[key]
 
 
 def combine_send(comm, *, x, handle: LowLatencyHandle, lay: LLLayout, use_logfmt=False):

@@ -46,11 +46,12 @@ _SIGNATURES = {
     "moe_sum_rows": (_P, _P, _P, ctypes.c_int, _I, _I, _P, ctypes.c_int, _P, ctypes.c_int, _P),
     "moe_fp8_scales": (_P, ctypes.c_int, _I, _I, _I, _P, _P),
     "moe_fp8_cast": (_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P, _I),
+    "moe_fp8_quantize": (_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P, _I),
     "moe_copy_rows": (_P, _I, _P, _I, _P, _I, _P, _I, _I, _I),
     "moe_ll_route": (_P, _I, _I, _I, _P, _P, _P, _P),
-    "moe_ll_send": (_P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _I, _P, _I, _P),
+    "moe_ll_send": (_P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _I, _P, _I, _P, _I, _P),
     "moe_ll_recv": (_P, _I, _P, _P, _I, _I, _I, _I, _P, _I, _P, _I, _I, _P, _P, _P,
-                    _I, _P, _I, _P, _P, _P),
+                    _I, _P, _I, _P, _P, _P, _P),
     "moe_ll_return": (_P, _I, _I, _P, _I, _I, _I, _I, _P, _I, _I, _I),
     "moe_ll_combine": (_P, _I, _P, _P, _I, _P, _I, _I, _I, _P, ctypes.c_int, _P, _P, _P),
     # small normal calls (host/small.py): addresses travel as int64, every one checked there
@@ -220,14 +221,27 @@ def quantize_fp8(x: torch.Tensor, round_scale: bool, out: torch.Tensor,
     scales = torch.empty(tokens, hidden // 128, dtype=torch.float32)
     scratch = torch.empty(max(hidden, 1), dtype=torch.float32)
     dt = DTYPES[x.dtype]
+    if not round_scale:             # both passes token by token, the row still in the cache
+        lib.moe_fp8_quantize(x.data_ptr(), dt, tokens, hidden, x.stride(0), scales.data_ptr(),
+                             out.data_ptr(), out.stride(0), scratch.data_ptr(),
+                             -1 if scales_at is None else scales_at)
+        return scales
     lib.moe_fp8_scales(x.data_ptr(), dt, tokens, hidden, x.stride(0), scales.data_ptr(),
                        scratch.data_ptr())
-    if round_scale:         # torch's own rounding of the (few) scales: quant.py's exactly
-        scales = torch.exp2(torch.ceil(torch.log2(scales)))
+    # torch's own rounding of the (few) scales: quant.py's exactly
+    scales = torch.exp2(torch.ceil(torch.log2(scales)))
     lib.moe_fp8_cast(x.data_ptr(), dt, tokens, hidden, x.stride(0), scales.data_ptr(),
                      out.data_ptr(), out.stride(0), scratch.data_ptr(),
                      -1 if scales_at is None else scales_at)
     return scales
+
+
+def fp8_avx512(on: bool | None = None) -> bool:
+    """Whether the fp8 cast runs its AVX-512 version (where the CPU has it); ``on=False``
+    turns it off, ``True`` back on (tests check the bits of both versions)."""
+    switch = library().moe_fp8_avx512          # a test hook: typed here, not in _SIGNATURES
+    switch.argtypes, switch.restype = (ctypes.c_int,), ctypes.c_int
+    return bool(switch(-1 if on is None else int(on)))
 
 
 def copy_rows(src: torch.Tensor, src_rows, dst: torch.Tensor, dst_rows) -> None:
@@ -292,14 +306,20 @@ def ll_route(topk_idx: torch.Tensor, num_experts: int):
 
 def ll_send(msgs: torch.Tensor, tok, slot, first, expert_lo: int, num_local: int,
             num_ranks: int, me: int, max_tokens: int, payload: torch.Tensor,
-            meta: torch.Tensor) -> None:
+            meta: torch.Tensor, once: bool = False) -> None:
     """Write this rank's messages to experts [expert_lo, expert_lo + num_local) into one
     receiver's blocks: ``payload`` uint8 [slots, msg bytes] and ``meta`` uint8 [slots * 8] of
-    its region (ll_route's ``tok``, ``slot``, ``first``)."""
+    its region (ll_route's ``tok``, ``slot``, ``first``). ``once``: a token's row only into its
+    first message to that rank (every receive reads it there; meta goes into every one)."""
+    tokens = msgs.shape[0]
+    seen = torch.empty(tokens if once else 0, dtype=torch.uint8)
     err = library().moe_ll_send(msgs.data_ptr(), msgs.stride(0), msgs.shape[1], tok.data_ptr(),
                                 slot.data_ptr(), first.data_ptr(), expert_lo, num_local,
                                 num_ranks, me, max_tokens, payload.data_ptr(),
-                                payload.stride(0), meta.data_ptr())
+                                payload.stride(0), meta.data_ptr(), tokens,
+                                seen.data_ptr() if once else None)
+    if err == -2:
+        raise IndexError(f"low-latency dispatch: a message of a token outside [0, {tokens})")
     if err:
         raise IndexError(f"low-latency dispatch: more than {max_tokens} messages for one "
                          "expert")
@@ -312,8 +332,10 @@ def ll_recv(payload: torch.Tensor, meta: torch.Tensor, counts, max_tokens: int,
     source's count row); into ``recv_x`` (contiguous, ``row_bytes`` per row) and
     ``recv_scales`` (contiguous float32, or None). ``own``: (rank, msgs, tok, slot, first)
     where this rank's messages to itself stayed in ``msgs`` (ll_route's ``tok``, ``slot``,
-    ``first``) rather than in its region. Returns (recv_meta int64 [L, R*M], ranges int64
-    [L, R, 2], per_expert int64 [L]), or None where the C loops cannot run."""
+    ``first``) rather than in its region. A message's bytes are read from the first row of its
+    token from the same source (a sender writes only that one: ll_send's ``once``). Returns
+    (recv_meta int64 [L, R*M], ranges int64 [L, R, 2], per_expert int64 [L]), or None where
+    the C loops cannot run."""
     lib = library()
     if lib is None or not recv_x.is_contiguous() or \
             (recv_scales is not None and not recv_scales.is_contiguous()):
@@ -323,6 +345,7 @@ def ll_recv(payload: torch.Tensor, meta: torch.Tensor, counts, max_tokens: int,
     recv_meta = torch.empty(num_local, R * max_tokens, dtype=torch.int64)
     ranges = torch.empty(num_local, R, 2, dtype=torch.int64)
     per_expert = torch.empty(num_local, dtype=torch.int64)
+    canon = torch.empty(R * max_tokens, dtype=torch.int64)
     scale_bytes = 0 if recv_scales is None else recv_scales[0, 0].numel() * 4
     me, msgs, tok, slot, first = own if own is not None else (-1, None, None, None, None)
     err = lib.moe_ll_recv(payload.data_ptr(), payload.stride(0), meta.data_ptr(),
@@ -333,7 +356,7 @@ def ll_recv(payload: torch.Tensor, meta: torch.Tensor, counts, max_tokens: int,
                           per_expert.data_ptr(), me,
                           *((None, 0, None, None, None) if own is None else
                             (msgs.data_ptr(), msgs.stride(0), tok.data_ptr(), slot.data_ptr(),
-                             first.data_ptr() + me * num_local * 8)))
+                             first.data_ptr() + me * num_local * 8)), canon.data_ptr())
     if err == -1:
         raise ValueError(f"low-latency dispatch: a source announced more than {max_tokens} "
                          "rows for one expert (a peer with another layout?)")
