@@ -112,6 +112,48 @@ def test_weighted_sums_are_torchs_bit_for_bit(dtype, monkeypatch):
     assert (fast[tokens - 3:] == 0).all()
 
 
+@pytest.mark.parametrize("hidden", [1, 7, 255, 256, 257, 600])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_sums_over_chunk_edges_strided_rows_and_signed_zeros(hidden, weighted, monkeypatch):
+    """The C sum takes the channels 256 at a time: widths around that edge, segments that are
+    views with a row stride of their own (a combine sums a rank's own rows straight from its
+    x), unsorted ids, a token whose rows are all -0.0 (0 + -0 is +0: the sum starts at 0)."""
+    g = torch.Generator().manual_seed(hidden)
+    tokens = 40
+    wide = (torch.randn(30, hidden + 9, generator=g) * 4).bfloat16()
+    segs = [wide[:, 3:3 + hidden], (torch.randn(25, hidden, generator=g) * 4).bfloat16(),
+            wide[:0, :hidden]]
+    ids = [torch.randint(0, tokens - 2, (30,), generator=g), torch.randperm(tokens - 2)[:25],
+           torch.zeros(0, dtype=torch.long)]
+    segs[0][0], ids[0][0] = -0.0, tokens - 1           # the last token: only a -0 row
+    weights = [torch.rand(s.shape[0], generator=g) for s in segs] if weighted else None
+    results = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv(native.ENV, flag)
+        out = native.sum_rows(segs, ids, tokens, torch.bfloat16, weights=weights)
+        if out is None:                                  # the torch code the C loops replace
+            ref = torch.zeros(tokens, hidden)
+            for i, (seg, tok) in enumerate(zip(segs, ids)):
+                for r in range(seg.shape[0]):
+                    w = 1.0 if weights is None else weights[i][r]
+                    ref[tok[r]] += seg[r].float() * w if weighted else seg[r].float()
+            out = ref.bfloat16()
+        results.append(out)
+    assert torch.equal(results[0].view(torch.int16), results[1].view(torch.int16))
+    assert (results[0][tokens - 1].view(torch.int16) == 0).all()     # +0, not -0
+    assert (results[0][tokens - 2] == 0).all()                        # no rows: 0
+
+
+def test_sums_with_ids_past_the_tokens_write_nothing():
+    """moe_sum_segments checks every id before it writes: ``out`` keeps its bytes."""
+    rows = torch.ones(3, 300).bfloat16()
+    out = torch.full((4, 300), 5.0).bfloat16()
+    for bad in (torch.tensor([0, 4, 1]), torch.tensor([2, -1, 0])):
+        assert native.sum_rows([rows[:1], rows[1:]], [bad[:1], bad[1:]], 4, torch.bfloat16,
+                               out=out) is None
+        assert (out == 5).all()
+
+
 def test_a_compiler_that_fails_leaves_torch_in_charge(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", "false")
     native._library.cache_clear()

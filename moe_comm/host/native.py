@@ -44,6 +44,8 @@ _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _SIGNATURES = {
     "moe_sum_rows": (_P, _P, _P, ctypes.c_int, _I, _I, _P, ctypes.c_int, _P, ctypes.c_int, _P),
+    "moe_sum_segments": (_P, _I, _P, ctypes.c_int, _I, _I, _P, ctypes.c_int, _P, ctypes.c_int,
+                         _P, _P),
     "moe_fp8_scales": (_P, ctypes.c_int, _I, _I, _I, _P, _P),
     "moe_fp8_cast": (_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P, _I),
     "moe_copy_rows": (_P, _I, _P, _I, _P, _I, _P, _I, _I, _I),
@@ -55,6 +57,7 @@ _SIGNATURES = {
     "moe_ll_combine": (_P, _I, _P, _P, _I, _P, _I, _I, _I, _P, ctypes.c_int, _P, _P, _P),
 }
 _RETURNS = {"moe_copy_rows": ctypes.c_int, "moe_ll_route": _I, "moe_ll_send": ctypes.c_int,
+            "moe_sum_segments": ctypes.c_int,
             "moe_ll_recv": ctypes.c_int, "moe_ll_return": ctypes.c_int,
             "moe_ll_combine": ctypes.c_int}
 
@@ -126,31 +129,33 @@ def sum_rows(segments, ids_per_segment, num_tokens: int, out_dtype, biases=(),
             any(b.dtype != torch.float32 or not b.is_contiguous() for b in biases):
         return None
     hidden = segments[0].shape[1]
-    ids = torch.cat(list(ids_per_segment))
-    # the torch path raises for inconsistent shapes or ids past the tokens: leave it to it
-    if any(s.shape[1] != hidden for s in segments) or \
-            ids.numel() != sum(s.shape[0] for s in segments) or \
+    ids = [i.to(torch.int64).contiguous() for i in ids_per_segment]
+    n = sum(s.shape[0] for s in segments)
+    # the torch path raises for inconsistent shapes (and, from the C code, ids past the
+    # tokens): leave those to it
+    if len(ids) != len(segments) or \
+            any(s.shape[1] != hidden or i.numel() != s.shape[0] for s, i in zip(segments, ids)) or \
             any(tuple(b.shape) != (num_tokens, hidden) for b in biases) or \
             (out is not None and tuple(out.shape) != (num_tokens, hidden)) or \
-            (ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_tokens)) or \
-            (weights is not None and sum(w.numel() for w in weights) != ids.numel()):
+            (weights is not None and sum(w.numel() for w in weights) != n):
         return None
-    addr = torch.cat([s.data_ptr() + torch.arange(s.shape[0], dtype=torch.int64) *
-                      (s.stride(0) * s.element_size()) for s in segments])
-    order = torch.argsort(ids, stable=True)      # by token; within a token, segment order
-    addr = addr[order].contiguous()
-    first = torch.zeros(num_tokens + 1, dtype=torch.int64)
-    torch.cumsum(torch.bincount(ids, minlength=num_tokens), 0, out=first[1:])
-    w = None if weights is None else \
-        torch.cat(list(weights)).to(torch.float32)[order].contiguous()
+    # the rows' order by token is found in C (moe_sum_segments): no sort, gather or address
+    # table in torch
+    table = torch.tensor([[s.data_ptr(), s.stride(0) * s.element_size(), s.shape[0],
+                           i.data_ptr()] for s, i in zip(segments, ids)], dtype=torch.int64)
+    w = None if weights is None else torch.cat(list(weights)).to(torch.float32).contiguous()
     bias_addr = torch.tensor([b.data_ptr() for b in biases] or [0], dtype=torch.int64)
     if out is None:
         out = torch.empty(num_tokens, hidden, dtype=out_dtype)
-    scratch = torch.empty(2 * max(hidden, 1), dtype=torch.float32)
-    lib.moe_sum_rows(addr.data_ptr(), None if w is None else w.data_ptr(), first.data_ptr(),
-                     DTYPES[segments[0].dtype], hidden, num_tokens, bias_addr.data_ptr(),
-                     len(biases), out.data_ptr(), DTYPES[out_dtype], scratch.data_ptr())
-    return out
+    index = torch.empty(n + num_tokens + 1, dtype=torch.int64)
+    w_sorted = None if w is None else torch.empty(n, dtype=torch.float32)
+    err = lib.moe_sum_segments(table.data_ptr(), len(segments),
+                               None if w is None else w.data_ptr(),
+                               DTYPES[segments[0].dtype], hidden, num_tokens,
+                               bias_addr.data_ptr(), len(biases), out.data_ptr(),
+                               DTYPES[out_dtype], index.data_ptr(),
+                               None if w is None else w_sorted.data_ptr())
+    return None if err else out
 
 
 def quantize_fp8(x: torch.Tensor, round_scale: bool, out: torch.Tensor,
