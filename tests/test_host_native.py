@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from moe_comm.host import ll, native, reduce
+from moe_comm.host import exchange, ll, native, reduce
 from moe_comm.quant import quantize_fp8
 from moe_comm.wire import LLLayout
 
@@ -186,6 +186,35 @@ def test_row_copies_gather_and_scatter_like_torch(monkeypatch):
     monkeypatch.setenv(native.ENV, "1")
     with pytest.raises(IndexError, match="destination row"):
         native.copy_rows(src, src_rows, torch.empty(10, 96, dtype=torch.uint8), dst_rows)
+
+
+@pytest.mark.parametrize("with_scales,with_weights", [(False, True), (True, True),
+                                                      (True, False)])
+def test_dispatch_rows_for_a_destination_are_torchs(with_scales, with_weights):
+    """native.put_rows (one C pass) writes what exchange._put_rows_torch writes: payload rows
+    of a strided x, scales, top-k ids made local (-1 slots, experts elsewhere, an expert named
+    twice) and their weights, zero where the expert is elsewhere or without weights."""
+    g = torch.Generator().manual_seed(6)
+    tokens, topk, num_local, dst = 30, 6, 4, 2
+    x = torch.randint(0, 256, (tokens, 100), generator=g, dtype=torch.uint8)[:, 5:93]
+    scales = torch.randn(tokens, 3, generator=g) if with_scales else None
+    idx = _routing(tokens, topk, 4 * num_local, seed=7)
+    w = torch.rand(tokens, topk, generator=g) if with_weights else None
+    ids = torch.tensor([0, 3, 4, 9, 17, 29, 3])
+
+    def outs():
+        return (torch.full((7, 88), 0xEE, dtype=torch.uint8),
+                torch.full((7, 3), 9.0) if with_scales else None,
+                torch.full((7, topk), 99, dtype=torch.int64), torch.full((7, topk), 9.0))
+
+    fast, slow = outs(), outs()
+    assert native.put_rows(x, scales, idx, w, ids, dst * num_local, num_local, fast)
+    exchange._put_rows_torch(x, scales, idx, w, ids, dst, num_local, slow)
+    for a, b in zip(fast, slow):
+        assert (a is None and b is None) or _same(a, b)
+    assert (fast[2] == -1).any() and (fast[2] >= 0).any()
+    with pytest.raises(IndexError, match="token id"):
+        native.put_rows(x, scales, idx, w, torch.tensor([1, tokens]), 0, num_local, outs())
 
 
 def test_inconsistent_arguments_are_refused_not_read_past(monkeypatch):

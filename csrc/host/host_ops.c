@@ -255,6 +255,40 @@ int moe_copy_rows(const uint8_t *src, int64_t src_stride, const int64_t *src_row
     return 0;
 }
 
+/* A normal dispatch's rows for one destination (exchange.put_rows), in one pass instead of a
+ * dozen torch operations per destination: for j < n, token t = ids[j] of this rank's
+ * num_tokens gives row j of each of the destination's sub-arrays: its payload (row_bytes of
+ * x, rows x_stride bytes apart) into dst_x (row_bytes apart), its scales (scale_bytes of
+ * scales, scales_stride apart; none when scale_bytes is 0) into dst_scales, its K top-k ids
+ * made local to the destination (id - lo where lo <= id < lo + num_local, else -1) into
+ * dst_idx and their weights (0 on the slots made -1; all 0 without topk_w) into dst_w (none
+ * when K is 0): layout.local_topk's values. Every id is checked first: returns -1 (nothing
+ * written) for a token outside [0, num_tokens), else 0. */
+int moe_put_rows(const uint8_t *x, int64_t x_stride, int64_t num_tokens, const int64_t *ids,
+                 int64_t n, int64_t row_bytes, const uint8_t *scales, int64_t scales_stride,
+                 int64_t scale_bytes, const int64_t *topk_idx, const float *topk_w, int64_t K,
+                 int64_t lo, int64_t num_local, uint8_t *dst_x, uint8_t *dst_scales,
+                 int64_t *dst_idx, float *dst_w) {
+    for (int64_t j = 0; j < n; j++)
+        if (ids[j] < 0 || ids[j] >= num_tokens) return -1;
+    for (int64_t j = 0; j < n; j++)
+        memcpy(dst_x + j * row_bytes, x + ids[j] * x_stride, (size_t)row_bytes);
+    if (scale_bytes)
+        for (int64_t j = 0; j < n; j++)
+            memcpy(dst_scales + j * scale_bytes, scales + ids[j] * scales_stride,
+                   (size_t)scale_bytes);
+    for (int64_t j = 0; j < n && K; j++) {
+        const int64_t *e = topk_idx + ids[j] * K;
+        for (int64_t k = 0; k < K; k++) {
+            const int64_t local = e[k] - lo;
+            const int mine = e[k] >= 0 && local >= 0 && local < num_local;
+            dst_idx[j * K + k] = mine ? local : -1;
+            dst_w[j * K + k] = mine && topk_w ? topk_w[ids[j] * K + k] : 0.0f;
+        }
+    }
+    return 0;
+}
+
 /* ---- Low-latency mode: each phase of a call in one C call (moe_comm/host/ll.py) ----------
  * A low-latency call moves few bytes; as torch operations its bookkeeping (sorts, index
  * tensors, one small copy per expert) cost ~1 ms of Python per call, several times the copies
