@@ -154,6 +154,28 @@ def test_sums_with_ids_past_the_tokens_write_nothing():
         assert (out == 5).all()
 
 
+def test_large_sum_outputs_ask_for_huge_pages_and_sum_alike(monkeypatch):
+    """A sum's output of 32 MiB or more (a fresh mapping: native.empty_output) is advised to
+    huge pages over its 2 MiB-aligned inside, and holds the same sums; smaller ones are left
+    alone."""
+    advised = []
+    monkeypatch.setattr(native, "_madvise", lambda: lambda at, n, advice: advised.append(
+        (at, n, advice)))
+    tokens, hidden = 2400, 7168                         # 34 MB of bf16
+    g = torch.Generator().manual_seed(8)
+    rows = torch.randn(3, hidden, generator=g).bfloat16()
+    ids = torch.tensor([0, 1200, tokens - 1])
+    out = native.sum_rows([rows], [ids], tokens, torch.bfloat16)
+    assert len(advised) == 1
+    at, n, advice = advised[0]
+    assert advice == native.MADV_HUGEPAGE and at % native.HUGE_PAGE == 0 and \
+        n % native.HUGE_PAGE == 0
+    assert out.data_ptr() <= at and at + n <= out.data_ptr() + out.numel() * 2
+    assert torch.equal(out[ids], rows) and (out[1:1200] == 0).all()
+    native.sum_rows([rows], [torch.tensor([0, 1, 2])], 3, torch.bfloat16)
+    assert len(advised) == 1                             # small: not advised
+
+
 def test_a_compiler_that_fails_leaves_torch_in_charge(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", "false")
     native._library.cache_clear()
