@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from moe_comm.host import ll, native, reduce
+from moe_comm.host import exchange, ll, native, reduce
 from moe_comm.quant import quantize_fp8
 from moe_comm.wire import LLLayout
 
@@ -154,6 +154,70 @@ def test_weighted_sums_are_torchs_bit_for_bit(dtype, monkeypatch):
     assert (fast[tokens - 3:] == 0).all()
 
 
+@pytest.mark.parametrize("hidden", [1, 7, 255, 256, 257, 600])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_sums_over_chunk_edges_strided_rows_and_signed_zeros(hidden, weighted, monkeypatch):
+    """The C sum takes the channels 256 at a time: widths around that edge, segments that are
+    views with a row stride of their own (a combine sums a rank's own rows straight from its
+    x), unsorted ids, a token whose rows are all -0.0 (0 + -0 is +0: the sum starts at 0)."""
+    g = torch.Generator().manual_seed(hidden)
+    tokens = 40
+    wide = (torch.randn(30, hidden + 9, generator=g) * 4).bfloat16()
+    segs = [wide[:, 3:3 + hidden], (torch.randn(25, hidden, generator=g) * 4).bfloat16(),
+            wide[:0, :hidden]]
+    ids = [torch.randint(0, tokens - 2, (30,), generator=g), torch.randperm(tokens - 2)[:25],
+           torch.zeros(0, dtype=torch.long)]
+    segs[0][0], ids[0][0] = -0.0, tokens - 1           # the last token: only a -0 row
+    weights = [torch.rand(s.shape[0], generator=g) for s in segs] if weighted else None
+    results = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv(native.ENV, flag)
+        out = native.sum_rows(segs, ids, tokens, torch.bfloat16, weights=weights)
+        if out is None:                                  # the torch code the C loops replace
+            ref = torch.zeros(tokens, hidden)
+            for i, (seg, tok) in enumerate(zip(segs, ids)):
+                for r in range(seg.shape[0]):
+                    w = 1.0 if weights is None else weights[i][r]
+                    ref[tok[r]] += seg[r].float() * w if weighted else seg[r].float()
+            out = ref.bfloat16()
+        results.append(out)
+    assert torch.equal(results[0].view(torch.int16), results[1].view(torch.int16))
+    assert (results[0][tokens - 1].view(torch.int16) == 0).all()     # +0, not -0
+    assert (results[0][tokens - 2] == 0).all()                        # no rows: 0
+
+
+def test_sums_with_ids_past_the_tokens_write_nothing():
+    """moe_sum_segments checks every id before it writes: ``out`` keeps its bytes."""
+    rows = torch.ones(3, 300).bfloat16()
+    out = torch.full((4, 300), 5.0).bfloat16()
+    for bad in (torch.tensor([0, 4, 1]), torch.tensor([2, -1, 0])):
+        assert native.sum_rows([rows[:1], rows[1:]], [bad[:1], bad[1:]], 4, torch.bfloat16,
+                               out=out) is None
+        assert (out == 5).all()
+
+
+def test_large_sum_outputs_ask_for_huge_pages_and_sum_alike(monkeypatch):
+    """A sum's output of 32 MiB or more (a fresh mapping: native.empty_output) is advised to
+    huge pages over its 2 MiB-aligned inside, and holds the same sums; smaller ones are left
+    alone."""
+    advised = []
+    monkeypatch.setattr(native, "_madvise", lambda: lambda at, n, advice: advised.append(
+        (at, n, advice)))
+    tokens, hidden = 2400, 7168                         # 34 MB of bf16
+    g = torch.Generator().manual_seed(8)
+    rows = torch.randn(3, hidden, generator=g).bfloat16()
+    ids = torch.tensor([0, 1200, tokens - 1])
+    out = native.sum_rows([rows], [ids], tokens, torch.bfloat16)
+    assert len(advised) == 1
+    at, n, advice = advised[0]
+    assert advice == native.MADV_HUGEPAGE and at % native.HUGE_PAGE == 0 and \
+        n % native.HUGE_PAGE == 0
+    assert out.data_ptr() <= at and at + n <= out.data_ptr() + out.numel() * 2
+    assert torch.equal(out[ids], rows) and (out[1:1200] == 0).all()
+    native.sum_rows([rows], [torch.tensor([0, 1, 2])], 3, torch.bfloat16)
+    assert len(advised) == 1                             # small: not advised
+
+
 def test_a_compiler_that_fails_leaves_torch_in_charge(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", "false")
     native._library.cache_clear()
@@ -186,6 +250,35 @@ def test_row_copies_gather_and_scatter_like_torch(monkeypatch):
     monkeypatch.setenv(native.ENV, "1")
     with pytest.raises(IndexError, match="destination row"):
         native.copy_rows(src, src_rows, torch.empty(10, 96, dtype=torch.uint8), dst_rows)
+
+
+@pytest.mark.parametrize("with_scales,with_weights", [(False, True), (True, True),
+                                                      (True, False)])
+def test_dispatch_rows_for_a_destination_are_torchs(with_scales, with_weights):
+    """native.put_rows (one C pass) writes what exchange._put_rows_torch writes: payload rows
+    of a strided x, scales, top-k ids made local (-1 slots, experts elsewhere, an expert named
+    twice) and their weights, zero where the expert is elsewhere or without weights."""
+    g = torch.Generator().manual_seed(6)
+    tokens, topk, num_local, dst = 30, 6, 4, 2
+    x = torch.randint(0, 256, (tokens, 100), generator=g, dtype=torch.uint8)[:, 5:93]
+    scales = torch.randn(tokens, 3, generator=g) if with_scales else None
+    idx = _routing(tokens, topk, 4 * num_local, seed=7)
+    w = torch.rand(tokens, topk, generator=g) if with_weights else None
+    ids = torch.tensor([0, 3, 4, 9, 17, 29, 3])
+
+    def outs():
+        return (torch.full((7, 88), 0xEE, dtype=torch.uint8),
+                torch.full((7, 3), 9.0) if with_scales else None,
+                torch.full((7, topk), 99, dtype=torch.int64), torch.full((7, topk), 9.0))
+
+    fast, slow = outs(), outs()
+    assert native.put_rows(x, scales, idx, w, ids, dst * num_local, num_local, fast)
+    exchange._put_rows_torch(x, scales, idx, w, ids, dst, num_local, slow)
+    for a, b in zip(fast, slow):
+        assert (a is None and b is None) or _same(a, b)
+    assert (fast[2] == -1).any() and (fast[2] >= 0).any()
+    with pytest.raises(IndexError, match="token id"):
+        native.put_rows(x, scales, idx, w, torch.tensor([1, tokens]), 0, num_local, outs())
 
 
 def test_inconsistent_arguments_are_refused_not_read_past(monkeypatch):

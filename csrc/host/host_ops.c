@@ -54,49 +54,102 @@ static inline void load_row(const void *src, int dt, int64_t hidden, float *dst)
     }
 }
 
+/* Channels a token's sum takes at a time: a float32 accumulator of 256 channels (1 KB) stays
+ * in registers and L1 while the token's rows stream through it, so each row is read once and
+ * each output written once, with no accumulator row of `hidden` floats to zero, reread and
+ * convert (that cost about a third more time with two ranks sharing the memory bandwidth). */
+#define SUM_CHUNK 256
+
+/* acc[0, n) += channels [h0, h0 + n) of the row at src (dtype in_dt), each times wt first
+ * (rounded, then added) when weighted: the per-channel order of the torch code. */
+static inline void add_chunk(float *acc, const void *src, int in_dt, int weighted, float wt,
+                             int64_t h0, int64_t n) {
+    if (in_dt == DT_BF16) {
+        const uint16_t *s = (const uint16_t *)src + h0;
+        if (weighted) {
+            for (int64_t h = 0; h < n; h++) { float p = bf16_to_f32(s[h]) * wt; acc[h] += p; }
+        } else {
+            for (int64_t h = 0; h < n; h++) acc[h] += bf16_to_f32(s[h]);
+        }
+    } else {
+        const float *s = (const float *)src + h0;
+        if (weighted) {
+            for (int64_t h = 0; h < n; h++) { float p = s[h] * wt; acc[h] += p; }
+        } else {
+            for (int64_t h = 0; h < n; h++) acc[h] += s[h];
+        }
+    }
+}
+
 /* Per-token sums of rows given by address.
  * For token t, the rows are entries [first[t], first[t+1]) of row_addr (each a row of
  * `hidden` channels of dtype in_dt), in the order they are added: acc = 0; acc += w * row
  * (or acc += row without weights); then acc += bias_k[t] for each float32 [T, hidden]
- * bias; out[t] = acc converted to out_dt. `scratch`: float32 [2 * hidden]. */
+ * bias; out[t] = acc converted to out_dt. Each channel sees exactly these operations; the
+ * channels go SUM_CHUNK at a time. `scratch` (float32 [2 * hidden]) is no longer used. */
 MOE_CLONES void moe_sum_rows(const int64_t *row_addr, const float *weight, const int64_t *first,
                   int in_dt, int64_t hidden, int64_t num_tokens, const int64_t *bias_addr,
                   int num_bias, void *out, int out_dt, float *scratch) {
-    float *acc = scratch, *row = scratch + hidden;
+    (void)scratch;
+    float acc[SUM_CHUNK];
     for (int64_t t = 0; t < num_tokens; t++) {
-        for (int64_t h = 0; h < hidden; h++) acc[h] = 0.0f;
-        for (int64_t i = first[t]; i < first[t + 1]; i++) {
-            const void *src = (const void *)(intptr_t)row_addr[i];
-            if (weight && in_dt == DT_BF16) {          /* one pass: widen, scale, add */
-                const float w = weight[i];
-                const uint16_t *s = (const uint16_t *)src;
-                for (int64_t h = 0; h < hidden; h++) {
-                    float p = bf16_to_f32(s[h]) * w;
-                    acc[h] += p;
-                }
-            } else if (weight) {
-                const float w = weight[i];
-                load_row(src, in_dt, hidden, row);
-                for (int64_t h = 0; h < hidden; h++) { float p = row[h] * w; acc[h] += p; }
-            } else if (in_dt == DT_BF16) {
-                const uint16_t *s = (const uint16_t *)src;
-                for (int64_t h = 0; h < hidden; h++) acc[h] += bf16_to_f32(s[h]);
+        for (int64_t h0 = 0; h0 < hidden; h0 += SUM_CHUNK) {
+            const int64_t n = hidden - h0 < SUM_CHUNK ? hidden - h0 : SUM_CHUNK;
+            for (int64_t h = 0; h < n; h++) acc[h] = 0.0f;
+            for (int64_t i = first[t]; i < first[t + 1]; i++)
+                add_chunk(acc, (const void *)(intptr_t)row_addr[i], in_dt, weight != NULL,
+                          weight ? weight[i] : 1.0f, h0, n);
+            for (int k = 0; k < num_bias; k++) {
+                const float *b = (const float *)(intptr_t)bias_addr[k] + t * hidden + h0;
+                for (int64_t h = 0; h < n; h++) acc[h] += b[h];
+            }
+            if (out_dt == DT_BF16) {
+                uint16_t *o = (uint16_t *)out + t * hidden + h0;
+                for (int64_t h = 0; h < n; h++) o[h] = f32_to_bf16(acc[h]);
             } else {
-                const float *s = (const float *)src;
-                for (int64_t h = 0; h < hidden; h++) acc[h] += s[h];
+                memcpy((float *)out + t * hidden + h0, acc, (size_t)n * 4);
             }
         }
-        for (int k = 0; k < num_bias; k++) {
-            const float *b = (const float *)(intptr_t)bias_addr[k] + t * hidden;
-            for (int64_t h = 0; h < hidden; h++) acc[h] += b[h];
-        }
-        if (out_dt == DT_BF16) {
-            uint16_t *o = (uint16_t *)out + t * hidden;
-            for (int64_t h = 0; h < hidden; h++) o[h] = f32_to_bf16(acc[h]);
-        } else {
-            memcpy((float *)out + t * hidden, acc, (size_t)hidden * 4);
+    }
+}
+
+/* reduce.sum_rows_per_token (and the low-latency weighted sum) over segments of rows, the
+ * order of the rows found here rather than by torch sorts in Python (a few tenths of a ms a
+ * call): segment k is seg[4k .. 4k + 3] = (address of its first row, row stride in bytes,
+ * rows, address of its int64 token ids, one per row, in any order). A token's rows are added
+ * in segment order, within a segment in row order (a stable counting sort by token), then
+ * moe_sum_rows. weight: float32, one per row over all segments in that order, or NULL.
+ * index: int64 [rows + num_tokens + 1], w_sorted: float32 [rows] (when weighted). Returns -1
+ * (nothing written to out) for a token id outside [0, num_tokens). */
+int moe_sum_segments(const int64_t *seg, int64_t num_seg, const float *weight, int in_dt,
+                     int64_t hidden, int64_t num_tokens, const int64_t *bias_addr, int num_bias,
+                     void *out, int out_dt, int64_t *index, float *w_sorted) {
+    int64_t n = 0;
+    for (int64_t k = 0; k < num_seg; k++) n += seg[4 * k + 2];
+    int64_t *addr = index, *first = index + n;
+    for (int64_t t = 0; t <= num_tokens; t++) first[t] = 0;
+    for (int64_t k = 0; k < num_seg; k++) {
+        const int64_t *ids = (const int64_t *)(intptr_t)seg[4 * k + 3];
+        for (int64_t j = 0; j < seg[4 * k + 2]; j++) {
+            if (ids[j] < 0 || ids[j] >= num_tokens) return -1;
+            first[ids[j] + 1]++;
         }
     }
+    for (int64_t t = 0; t < num_tokens; t++) first[t + 1] += first[t];
+    /* place each row at its token's cursor (first[t] moves to the token's end, then back) */
+    for (int64_t k = 0, i = 0; k < num_seg; k++) {
+        const int64_t *ids = (const int64_t *)(intptr_t)seg[4 * k + 3];
+        for (int64_t j = 0; j < seg[4 * k + 2]; j++, i++) {
+            const int64_t at = first[ids[j]]++;
+            addr[at] = seg[4 * k] + j * seg[4 * k + 1];
+            if (weight) w_sorted[at] = weight[i];
+        }
+    }
+    for (int64_t t = num_tokens; t > 0; t--) first[t] = first[t - 1];
+    first[0] = 0;
+    moe_sum_rows(addr, weight ? w_sorted : NULL, first, in_dt, hidden, num_tokens, bias_addr,
+                 num_bias, out, out_dt, NULL);
+    return 0;
 }
 
 #define FP8_BLOCK 128
@@ -307,6 +360,40 @@ int moe_copy_rows(const uint8_t *src, int64_t src_stride, const int64_t *src_row
     for (int64_t i = 0; i < n; i++) {
         const int64_t s = src_rows ? src_rows[i] : i, d = dst_rows ? dst_rows[i] : i;
         memcpy(dst + d * dst_stride, src + s * src_stride, (size_t)nbytes);
+    }
+    return 0;
+}
+
+/* A normal dispatch's rows for one destination (exchange.put_rows), in one pass instead of a
+ * dozen torch operations per destination: for j < n, token t = ids[j] of this rank's
+ * num_tokens gives row j of each of the destination's sub-arrays: its payload (row_bytes of
+ * x, rows x_stride bytes apart) into dst_x (row_bytes apart), its scales (scale_bytes of
+ * scales, scales_stride apart; none when scale_bytes is 0) into dst_scales, its K top-k ids
+ * made local to the destination (id - lo where lo <= id < lo + num_local, else -1) into
+ * dst_idx and their weights (0 on the slots made -1; all 0 without topk_w) into dst_w (none
+ * when K is 0): layout.local_topk's values. Every id is checked first: returns -1 (nothing
+ * written) for a token outside [0, num_tokens), else 0. */
+int moe_put_rows(const uint8_t *x, int64_t x_stride, int64_t num_tokens, const int64_t *ids,
+                 int64_t n, int64_t row_bytes, const uint8_t *scales, int64_t scales_stride,
+                 int64_t scale_bytes, const int64_t *topk_idx, const float *topk_w, int64_t K,
+                 int64_t lo, int64_t num_local, uint8_t *dst_x, uint8_t *dst_scales,
+                 int64_t *dst_idx, float *dst_w) {
+    for (int64_t j = 0; j < n; j++)
+        if (ids[j] < 0 || ids[j] >= num_tokens) return -1;
+    for (int64_t j = 0; j < n; j++)
+        memcpy(dst_x + j * row_bytes, x + ids[j] * x_stride, (size_t)row_bytes);
+    if (scale_bytes)
+        for (int64_t j = 0; j < n; j++)
+            memcpy(dst_scales + j * scale_bytes, scales + ids[j] * scales_stride,
+                   (size_t)scale_bytes);
+    for (int64_t j = 0; j < n && K; j++) {
+        const int64_t *e = topk_idx + ids[j] * K;
+        for (int64_t k = 0; k < K; k++) {
+            const int64_t local = e[k] - lo;
+            const int mine = e[k] >= 0 && local >= 0 && local < num_local;
+            dst_idx[j * K + k] = mine ? local : -1;
+            dst_w[j * K + k] = mine && topk_w ? topk_w[ids[j] * K + k] : 0.0f;
+        }
     }
     return 0;
 }

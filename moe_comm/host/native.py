@@ -27,6 +27,7 @@ from pathlib import Path
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 
 import torch
@@ -44,10 +45,13 @@ _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _SIGNATURES = {
     "moe_sum_rows": (_P, _P, _P, ctypes.c_int, _I, _I, _P, ctypes.c_int, _P, ctypes.c_int, _P),
+    "moe_sum_segments": (_P, _I, _P, ctypes.c_int, _I, _I, _P, ctypes.c_int, _P, ctypes.c_int,
+                         _P, _P),
     "moe_fp8_scales": (_P, ctypes.c_int, _I, _I, _I, _P, _P),
     "moe_fp8_cast": (_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P, _I),
     "moe_fp8_quantize": (_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P, _I),
     "moe_copy_rows": (_P, _I, _P, _I, _P, _I, _P, _I, _I, _I),
+    "moe_put_rows": (_P, _I, _I, _P, _I, _I, _P, _I, _I, _P, _P, _I, _I, _I, _P, _P, _P, _P),
     "moe_ll_route": (_P, _I, _I, _I, _P, _P, _P, _P),
     "moe_ll_send": (_P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _I, _P, _I, _P, _I, _P),
     "moe_ll_recv": (_P, _I, _P, _P, _I, _I, _I, _I, _P, _I, _P, _I, _I, _P, _P, _P,
@@ -67,6 +71,7 @@ _SIGNATURES = {
     "moe_layout_matches": (_P, _I, _I, _I, _I, _P, _P, _P),
 }
 _RETURNS = {"moe_copy_rows": ctypes.c_int, "moe_ll_route": _I, "moe_ll_send": ctypes.c_int,
+            "moe_sum_segments": ctypes.c_int, "moe_put_rows": ctypes.c_int,
             "moe_ll_recv": ctypes.c_int, "moe_ll_return": ctypes.c_int,
             "moe_ll_combine": ctypes.c_int, "moe_small_context_words": _I,
             "moe_small_dispatch_start": _I, "moe_small_dispatch_finish": _I,
@@ -127,6 +132,43 @@ def _rows_ok(t: torch.Tensor) -> bool:
         (t.shape[1] <= 1 or t.stride(1) == 1)
 
 
+MADV_HUGEPAGE = 14                   # Linux's <sys/mman.h>
+HUGE_PAGE = 2 << 20
+FRESH_MAPPING_BYTES = 32 << 20       # glibc's largest mmap threshold (64-bit)
+
+
+@functools.lru_cache(maxsize=None)
+def _madvise():
+    """libc's madvise where there is one (Linux), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int
+    return fn
+
+
+def empty_output(rows: int, cols: int, dtype) -> torch.Tensor:
+    """torch.empty for an output a C loop writes whole. One of 32 MiB or more is a fresh
+    mapping from the kernel on every call (glibc maps allocations that large on their own):
+    its first write faults in every 4 KiB page, about half the time of a combine of 4096
+    tokens x 7168 (14,000 faults). Such an output asks for transparent huge pages first
+    (where the kernel lets a process ask: ``enabled`` = madvise or always), 2 MiB a fault.
+    Smaller outputs come from memory glibc reuses and are left alone (advising part of its
+    heap would split the heap's mapping)."""
+    out = torch.empty(rows, cols, dtype=dtype)
+    nbytes = out.numel() * out.element_size()
+    madvise = _madvise() if nbytes >= FRESH_MAPPING_BYTES else None
+    if madvise is not None:
+        lo = -(-out.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+        hi = (out.data_ptr() + nbytes) // HUGE_PAGE * HUGE_PAGE
+        if hi > lo:
+            madvise(lo, hi - lo, MADV_HUGEPAGE)     # advice only: a refusal changes nothing
+    return out
+
+
 def sum_rows(segments, ids_per_segment, num_tokens: int, out_dtype, biases=(),
              weights=None, out=None) -> torch.Tensor | None:
     """``reduce.sum_rows_per_token`` (and with ``weights``, float32 [n_i] per segment, the
@@ -141,31 +183,36 @@ def sum_rows(segments, ids_per_segment, num_tokens: int, out_dtype, biases=(),
             any(b.dtype != torch.float32 or not b.is_contiguous() for b in biases):
         return None
     hidden = segments[0].shape[1]
-    ids = torch.cat(list(ids_per_segment))
-    # the torch path raises for inconsistent shapes or ids past the tokens: leave it to it
-    if any(s.shape[1] != hidden for s in segments) or \
-            ids.numel() != sum(s.shape[0] for s in segments) or \
+    ids = [i.to(torch.int64).contiguous() for i in ids_per_segment]
+    n = sum(s.shape[0] for s in segments)
+    # the torch path raises for inconsistent shapes (and, from the C code, ids past the
+    # tokens): leave those to it
+    if len(ids) != len(segments) or \
+            any(s.shape[1] != hidden or i.numel() != s.shape[0] for s, i in zip(segments, ids)) or \
             any(tuple(b.shape) != (num_tokens, hidden) for b in biases) or \
             (out is not None and tuple(out.shape) != (num_tokens, hidden)) or \
-            (ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_tokens)) or \
-            (weights is not None and sum(w.numel() for w in weights) != ids.numel()):
+            (weights is not None and sum(w.numel() for w in weights) != n):
         return None
-    addr = torch.cat([s.data_ptr() + torch.arange(s.shape[0], dtype=torch.int64) *
-                      (s.stride(0) * s.element_size()) for s in segments])
-    order = torch.argsort(ids, stable=True)      # by token; within a token, segment order
-    addr = addr[order].contiguous()
-    first = torch.zeros(num_tokens + 1, dtype=torch.int64)
-    torch.cumsum(torch.bincount(ids, minlength=num_tokens), 0, out=first[1:])
-    w = None if weights is None else \
-        torch.cat(list(weights)).to(torch.float32)[order].contiguous()
+    # the rows' order by token is found in C (moe_sum_segments): no sort, gather or address
+    # table in torch
+    table = torch.tensor([[s.data_ptr(), s.stride(0) * s.element_size(), s.shape[0],
+                           i.data_ptr()] for s, i in zip(segments, ids)], dtype=torch.int64)
+    w = None if weights is None else torch.cat(list(weights)).to(torch.float32).contiguous()
     bias_addr = torch.tensor([b.data_ptr() for b in biases] or [0], dtype=torch.int64)
+    index = torch.empty(n + num_tokens + 1, dtype=torch.int64)
+    w_sorted = None if w is None else torch.empty(n, dtype=torch.float32)
+    # the output last, after the temporaries: allocated before them, glibc handed a combine's
+    # output fresh pages from the kernel on about one call in seven (measured: ~500 page
+    # faults a call at 1024 tokens x 7168, most of a millisecond)
     if out is None:
-        out = torch.empty(num_tokens, hidden, dtype=out_dtype)
-    scratch = torch.empty(2 * max(hidden, 1), dtype=torch.float32)
-    lib.moe_sum_rows(addr.data_ptr(), None if w is None else w.data_ptr(), first.data_ptr(),
-                     DTYPES[segments[0].dtype], hidden, num_tokens, bias_addr.data_ptr(),
-                     len(biases), out.data_ptr(), DTYPES[out_dtype], scratch.data_ptr())
-    return out
+        out = empty_output(num_tokens, hidden, out_dtype)
+    err = lib.moe_sum_segments(table.data_ptr(), len(segments),
+                               None if w is None else w.data_ptr(),
+                               DTYPES[segments[0].dtype], hidden, num_tokens,
+                               bias_addr.data_ptr(), len(biases), out.data_ptr(),
+                               DTYPES[out_dtype], index.data_ptr(),
+                               None if w is None else w_sorted.data_ptr())
+    return None if err else out
 
 
 def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
@@ -278,6 +325,40 @@ def copy_rows(src: torch.Tensor, src_rows, dst: torch.Tensor, dst_rows) -> None:
     if err:
         side, rows = ("source", src) if err == -1 else ("destination", dst)
         raise IndexError(f"copy_rows: a {side} row outside [0, {rows.shape[0]})")
+
+
+def put_rows(x_bytes: torch.Tensor, scales, topk_idx, topk_weights, ids: torch.Tensor,
+             lo: int, num_local: int, outs) -> bool:
+    """exchange.put_rows's copies in one C pass: tokens ``ids`` of ``x_bytes`` (uint8 rows),
+    ``scales`` (4-byte columns) and ``topk_idx``/``topk_weights`` (made local to the experts
+    ``[lo, lo + num_local)``, layout.local_topk) into ``outs`` = (payload, scales, top-k ids,
+    weights) rows of the destination's region (None where the call has none). False (nothing
+    written) where the C loops cannot run it; IndexError for a token id out of range."""
+    lib = library()
+    if lib is None or ids.dtype != torch.int64 or not ids.is_contiguous() or \
+            x_bytes.dtype != torch.uint8 or x_bytes.stride(1) != 1 or \
+            (scales is not None and (scales.element_size() != 4 or scales.stride(1) != 1)) or \
+            (topk_idx is not None and (topk_idx.dtype != torch.int64 or
+                                       not topk_idx.is_contiguous())) or \
+            (topk_weights is not None and (topk_weights.dtype != torch.float32 or
+                                           not topk_weights.is_contiguous())) or \
+            any(o is not None and not o.is_contiguous() for o in outs):
+        return False
+    out_x, out_scales, out_idx, out_w = outs
+    K = 0 if topk_idx is None else topk_idx.shape[1]
+    err = lib.moe_put_rows(
+        x_bytes.data_ptr(), x_bytes.stride(0), x_bytes.shape[0], ids.data_ptr(), ids.numel(),
+        x_bytes.shape[1], None if scales is None else scales.data_ptr(),
+        0 if scales is None else scales.stride(0) * 4,
+        0 if scales is None else scales.shape[1] * 4,
+        None if topk_idx is None else topk_idx.data_ptr(),
+        None if topk_weights is None else topk_weights.data_ptr(), K, lo, num_local,
+        out_x.data_ptr(), None if out_scales is None else out_scales.data_ptr(),
+        None if out_idx is None else out_idx.data_ptr(),
+        None if out_w is None else out_w.data_ptr())
+    if err:
+        raise IndexError(f"put_rows: a token id outside [0, {x_bytes.shape[0]})")
+    return True
 
 
 # -- low-latency mode: one C call per phase (moe_comm/host/ll.py) ------------------------------

@@ -505,7 +505,10 @@ def combine(comm, *, x, handle, topk_weights, bias, aborted=False):
     mine = slab(me)
 
     def put_back(owner, base, lay, local, src0, c):
-        """My rows ``[src0, src0 + c)`` (received order) as rows ``local..`` of ``lay``."""
+        """My rows ``[src0, src0 + c)`` (received order) as rows ``local..`` of ``lay``; none
+        to myself: _reduce reads those from x (a copy less, about 1/R of the bytes)."""
+        if owner == me:
+            return
         heap, o = comm.peer_heap(owner), lay.offsets
         at = base + o[0] + local * row_bytes
         heap[at:at + c * row_bytes].view(c, row_bytes).copy_(x_bytes[src0:src0 + c])
@@ -555,13 +558,14 @@ def combine(comm, *, x, handle, topk_weights, bias, aborted=False):
         rows_all = torch.empty(n_rows, row_bytes, dtype=torch.uint8)
         weights_all = torch.empty(n_rows, topk, dtype=torch.float32) if topk else None
     result = None
+    own = _own_rows(x, topk_weights, matrix[:, me], me)
     in_slots = [d for d in range(R) if eagerly[d, me] and comm.active[d]]
     widths = [(row_bytes, 1, torch.uint8), (0, 4, torch.float32), (topk, 8, torch.int64),
               (topk, 4, torch.float32)]
 
     def take_eager(rows, weights):    # the eager rows, into their place by expert rank
         for d in in_slots:
-            if comm.active[d]:
+            if comm.active[d] and d != me:    # (my own slot holds nothing: put_back)
                 eager.copy_out(comm, parity, d, SlabLayout(int(matrix[me, d]), row_bytes, 0,
                                                            topk),
                                [rows, None, None, weights], int(plan.row0[d, me]), widths)
@@ -603,7 +607,7 @@ def combine(comm, *, x, handle, topk_weights, bias, aborted=False):
             if not streamed:          # one round: reduce straight from the staging region
                 take_eager(rows, weights)
                 result = _reduce(comm, rows.view(dtype).view(hi - lo, hidden), weights,
-                                 matrix[me], send_ids, handle.num_tokens, bias)
+                                 matrix[me], send_ids, handle.num_tokens, bias, own)
             else:
                 rows_all[lo:hi] = rows
                 if topk:
@@ -615,24 +619,38 @@ def combine(comm, *, x, handle, topk_weights, bias, aborted=False):
     if streamed:
         take_eager(rows_all, weights_all)
         result = _reduce(comm, rows_all.view(dtype).view(n_rows, hidden), weights_all,
-                         matrix[me], send_ids, handle.num_tokens, bias)
+                         matrix[me], send_ids, handle.num_tokens, bias, own)
     return result
 
 
-def _reduce(comm, rows, weights, counts, send_ids, num_tokens, bias):
+def _own_rows(x, topk_weights, received, me):
+    """The rows (and weights) this rank returns to itself, where x holds them: the rows it
+    received from itself in the dispatch (``received[s]`` from each source s, by source)."""
+    at = int(received[:me].sum())
+    end = at + int(received[me])
+    return x[at:end], None if topk_weights is None else topk_weights[at:end].float()
+
+
+def _reduce(comm, rows, weights, counts, send_ids, num_tokens, bias, own):
     """Per-token sums of the rows this rank got back (``rows`` [n, H], grouped by expert rank,
-    ``counts[d]`` each; ``weights`` [n, K] or None) over the active ranks, plus ``bias``.
-    Returns ``(combined_x, combined_topk_weights or None)``."""
+    ``counts[d]`` each; ``weights`` [n, K] or None) over the active ranks, plus ``bias``; its
+    own rows and weights from ``own`` (_own_rows), not from ``rows``, as nothing copied them
+    there. Returns ``(combined_x, combined_topk_weights or None)``."""
     bounds = np.concatenate([[0], np.cumsum(counts)])
     live = [d for d in range(comm.num_ranks) if comm.active[d]]
-    segments = [rows[bounds[d]:bounds[d + 1]] for d in live]
+    me = comm.rank
+
+    def part(d, t, mine):
+        return mine if d == me else t[bounds[d]:bounds[d + 1]]
+
+    segments = [part(d, rows, own[0]) for d in live]
     ids = [send_ids[d] for d in live]
     out = sum_rows_per_token(segments, ids, num_tokens, rows.dtype, bias)
     combined_w = None
     if weights is not None:
         combined_w = torch.zeros(num_tokens, weights.shape[1], dtype=torch.float32)
         for d in live:
-            combined_w.index_add_(0, send_ids[d], weights[bounds[d]:bounds[d + 1]])
+            combined_w.index_add_(0, send_ids[d], part(d, weights, own[1]))
     return out, combined_w
 
 

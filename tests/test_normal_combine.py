@@ -1,0 +1,76 @@
+"""The normal combine's sums, bit for bit against moe_comm.reference_combine.
+
+A rank's own rows are summed straight from its x (never copied into its staging region), the
+other ranks' from the region, a token's rows in rank order and then the biases: the float32
+operations of the reference, in its order. The free heap is poisoned (0xFF) before every call,
+so a row read from where nobody wrote shows up as NaN.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moe_comm
+from inputs import expert_fn, make_inputs
+from ranks import run_ranks
+
+
+def _cases(n):
+    def case(seed, tokens, routing, dtype, hidden, biases):
+        return dict(seed=seed, tokens=tokens, hidden=hidden, experts=4 * n, topk=4,
+                    routing=routing, dtype=dtype, bias=biases > 0, biases=biases)
+
+    return [case(1, [48 + 7 * r for r in range(n)], "random", "bfloat16", 7168, 2),
+            case(2, [40] * n, "holes", "float32", 300, 1),           # -1 slots
+            case(3, [0] + [33] * (n - 1), "skewed", "bfloat16", 256, 0),  # a rank without tokens
+            case(4, [21] * n, "one_rank", "bfloat16", 130, 1)]       # all to one rank
+
+
+def _biases(case, bias):
+    """The case's biases as Buffer.combine takes them: None, one tensor, or two."""
+    if bias is None:
+        return None
+    return bias if case["biases"] == 1 else (bias, (bias.float() * 0.5).to(bias.dtype))
+
+
+def _run(rank, n, cases):
+    buf = moe_comm.Buffer(None, 32 << 20, timeout_s=30)
+    out = []
+    for case in cases:
+        x, idx, w, bias = make_inputs(case, rank)
+        ntr, _, nte, itr, _ = buf.get_dispatch_layout(idx, case["experts"])
+        buf._comm.poison_free_heap()
+        rx, _, rw, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=ntr,
+                                               is_token_in_rank=itr,
+                                               num_tokens_per_expert=nte, topk_idx=idx,
+                                               topk_weights=w)
+        y = expert_fn(rx, rank)
+        buf._comm.poison_free_heap()
+        comb, comb_w, _ = buf.combine(y, handle, topk_weights=rw,
+                                      bias=_biases(case, bias))
+        out.append(dict(y=y.clone(), comb=comb, comb_w=comb_w))
+        del rx, rw, y, handle
+    buf.destroy()
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_combine_sums_are_the_references_bit_for_bit(n):
+    cases = _cases(n)
+    results = run_ranks(_run, n, cases, timeout=240)
+    for ci, case in enumerate(cases):
+        ins = [make_inputs(case, r) for r in range(n)]
+        ref = moe_comm.reference_dispatch([i[0] for i in ins], [i[1] for i in ins],
+                                          case["experts"], [i[2] for i in ins])
+        biases = None if not case["bias"] else [
+            tuple(b.float() for b in ((_biases(case, i[3]),) if case["biases"] == 1
+                                      else _biases(case, i[3]))) for i in ins]
+        want = moe_comm.reference_combine([results[d][ci]["y"] for d in range(n)], ref,
+                                          case["tokens"], bias=biases)
+        for r in range(n):
+            got = results[r][ci]
+            assert got["comb"].dtype == want[r].dtype, (case, r)
+            assert torch.equal(got["comb"].view(torch.uint8), want[r].view(torch.uint8)), \
+                (case, r)
+            sent = ins[r][1] >= 0      # each weight comes back once, 0 from the other ranks
+            assert torch.equal(got["comb_w"], torch.where(sent, ins[r][2], 0.0)), (case, r)
