@@ -8,9 +8,11 @@ Python protocol; the others take small.py wherever it applies (each counts how o
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
+import torch
 
 import moe_comm
 from checks import check_normal
@@ -47,7 +49,13 @@ def _count_small(counts):
         setattr(small, name, counted)
 
 
-def _rank(rank, n, cases, python_ranks):
+def _strided(t):
+    """``t``'s values in a tensor whose rows are not contiguous (every other column of a
+    wider one): what the C code must read at its strides, as torch does."""
+    return None if t is None else torch.stack([t, t], 2)[:, :, 0]
+
+
+def _rank(rank, n, cases, python_ranks, strided=False):
     if rank in python_ranks:
         os.environ["MOE_COMM_HOST_NATIVE"] = "0"
     counts = {}
@@ -56,6 +64,8 @@ def _rank(rank, n, cases, python_ranks):
     out = []
     for case in cases:
         x, idx, w, bias = make_inputs(case, rank)
+        if strided:
+            idx, w = _strided(idx), _strided(w)
         ntr, _, nte, itr, _ = buf.get_dispatch_layout(idx, case["experts"])
         buf._comm.poison_free_heap()           # and small.py's outputs
         rx, ri, rw, cnt, handle, _ = buf.dispatch(
@@ -84,6 +94,77 @@ def test_small_calls_match_the_reference_beside_the_python_protocol(n, python_ra
         else:      # every case but the mixed one finishes in C, dispatch (fresh, cached)
             assert counts["receive_dispatch"] == 2 * (len(cases) - 1), (rank, counts)
             assert counts["receive_combine"] == len(cases) - 1, (rank, counts)
+
+
+def test_strided_routing_tensors_match_the_reference():
+    n = 2
+    cases = _cases(n)[:2]
+    results = run_ranks(_rank, n, cases, (), True, timeout=120)
+    check_normal(n, cases, [r[0] for r in results])
+    assert all(r[1]["receive_dispatch"] == 2 * len(cases) for r in results), results
+
+
+def _disagreeing(rank, n, timeout_s, small_on):
+    """Rank 0 dispatches afresh while rank 1 repeats a cached dispatch: both must raise
+    CallMismatchError at once (rank 1 never posts the counts rank 0 would wait for), and the
+    next call must find both at the same NOTIFY parity."""
+    os.environ["MOE_COMM_SMALL"] = small_on
+    buf = moe_comm.Buffer(None, 8 << 20, timeout_s=timeout_s)
+    x, idx, w, _ = make_inputs(_cases(n)[0], rank)
+    ntr, _, nte, itr, _ = buf.get_dispatch_layout(idx, 4 * n)
+    args = dict(num_tokens_per_rank=ntr, is_token_in_rank=itr, num_tokens_per_expert=nte,
+                topk_idx=idx, topk_weights=w)
+    handle = buf.dispatch(x, **args)[4]
+    t0 = time.monotonic()
+    try:
+        buf.dispatch(x, **args) if rank == 0 else buf.dispatch(x, handle=handle)
+        outcome = "returned"
+    except moe_comm.CallMismatchError:
+        outcome = "CallMismatchError"
+    took = time.monotonic() - t0
+    buf.dispatch(x, **args)               # and the next call on which they agree works
+    buf.destroy()
+    return outcome, took
+
+
+@pytest.mark.parametrize("small_on", ["1", "0"])
+def test_ranks_that_disagree_raise_at_once_and_go_on(small_on):
+    timeout_s = 10.0
+    for outcome, took in run_ranks(_disagreeing, 2, timeout_s, small_on, timeout=60):
+        assert outcome == "CallMismatchError"
+        assert took < timeout_s / 2, took       # not a deadline: the signatures said it
+
+
+def _interrupted(rank, n, timeout_s):
+    """Rank 0 waits for a silent peer; a signal handler raises after 1 s."""
+    buf = moe_comm.Buffer(None, 8 << 20, timeout_s=timeout_s)
+    x, idx, w, _ = make_inputs(_cases(n)[0], rank)
+    ntr, _, nte, itr, _ = buf.get_dispatch_layout(idx, 4 * n)
+    if rank == 1:
+        time.sleep(timeout_s + 2)        # never calls
+        return None
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, 1.0)
+    t0 = time.monotonic()
+    try:
+        buf.dispatch(x, num_tokens_per_rank=ntr, is_token_in_rank=itr,
+                     num_tokens_per_expert=nte, topk_idx=idx, topk_weights=w)
+        outcome = "returned"
+    except KeyboardInterrupt:
+        outcome = "KeyboardInterrupt"
+    return outcome, time.monotonic() - t0
+
+
+def test_a_signal_interrupts_a_small_wait():
+    """The C waits come back to Python every 50 ms, so Ctrl-C works as in the Python
+    protocol's waits, not only at the deadline."""
+    timeout_s = 12.0
+    outcome, took = run_ranks(_interrupted, 2, timeout_s, timeout=60)[0]
+    assert outcome == "KeyboardInterrupt"
+    assert 1.0 <= took < timeout_s / 2, took
 
 
 def _silent_peer(rank, n, timeout_s):

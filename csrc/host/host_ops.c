@@ -885,6 +885,7 @@ static int64_t small_wait(int64_t n, const int64_t *words, const int64_t *nwords
         const int64_t ns = backoff(spins, crowded);
         if (!ns) continue;
         __atomic_store_n(bell_at(bell), 1, __ATOMIC_SEQ_CST);      /* then a second look */
+        __atomic_thread_fence(__ATOMIC_SEQ_CST);
         missing = still_missing(n, words, nwords, epoch, ready, missing);
         if (missing) sleep_on(bell, ns);
         else __atomic_store_n(bell_at(bell), 0, __ATOMIC_RELAXED);
@@ -1000,24 +1001,35 @@ enum {
     CX_COUNT_OUT = CX_CALL_IN + 2, CX_COUNT_IN = CX_COUNT_OUT + 2, CX_WORDS = CX_COUNT_IN + 2
 };
 
-/* What a phase returns when it cannot finish (small.py raises through the Python waits, or
- * names the source). Signatures that differ do not stop a phase: it sets the word at
- * cx[CX_DIFFER] and goes on (sizes are still checked before any copy), and small.py checks
- * the signatures first, as the Python protocol does. */
-enum { SMALL_OK = 0, SMALL_LATE_CALLS = 1, SMALL_LATE_COUNTS = 2, SMALL_LATE_FLAGS = 3 };
+/* What a phase returns when it cannot finish: small.py raises through the Python waits, or
+ * names the source; SMALL_AGAIN: a wait's slice (WAIT_SLICE_NS) ran out before its deadline,
+ * and small.py calls the phase again to go on waiting (resume: nothing is sent twice), so
+ * Python's signal handlers (Ctrl-C) run at least every slice. A finish phase whose signatures
+ * differ does not stop: it sets the word at cx[CX_DIFFER] and goes on (sizes are still
+ * checked before any copy), since the Python protocol also waits for the slots before it
+ * checks the signatures; a start phase stops there (Python checks them before the counts). */
+enum { SMALL_OK = 0, SMALL_LATE_CALLS = 1, SMALL_LATE_COUNTS = 2, SMALL_LATE_FLAGS = 3,
+       SMALL_AGAIN = 4 };
+#define WAIT_SLICE_NS 50000000ll
 
 #define CX_PTR(cx, i) ((const int64_t *)(intptr_t)(cx)[i])
 
 int64_t moe_small_context_words(void) { return CX_WORDS; }
 
 /* Wait for the R slots at where[] (nwords[] words each; only those need[j] != 0 with `need`)
- * and, with `expect`, compare their values with it: small_wait with the context's rest. */
+ * and, with `expect`, compare their values with it: small_wait with the context's rest, for
+ * at most one slice. Returns 0, the slots still missing at the deadline, -1 (values differ)
+ * or -2 (the slice ended first). */
 static int64_t cx_wait(const int64_t *cx, const int64_t *where, const int64_t *nwords,
                        const int64_t *need, const int64_t *expect, int64_t epoch,
                        int64_t deadline_ns) {
-    return small_wait(cx[CX_R], where, nwords, need, expect, epoch, deadline_ns,
-                      CX_PTR(cx, CX_FENCE), cx[CX_BELL], (int)cx[CX_CROWDED],
-                      (uint8_t *)(intptr_t)cx[CX_READY]);
+    const int64_t slice_end = now_ns() + WAIT_SLICE_NS;
+    const int64_t until = slice_end < deadline_ns ? slice_end : deadline_ns;
+    const int64_t missing = small_wait(cx[CX_R], where, nwords, need, expect, epoch, until,
+                                       CX_PTR(cx, CX_FENCE), cx[CX_BELL], (int)cx[CX_CROWDED],
+                                       (uint8_t *)(intptr_t)cx[CX_READY]);
+    if (missing > 0 && until < deadline_ns && !*CX_PTR(cx, CX_FENCE)) return -2;   /* again */
+    return missing;
 }
 
 /* The signature (call_row) to every rank, at call parity cp. */
@@ -1032,8 +1044,8 @@ static int64_t cx_check_calls(const int64_t *cx, int64_t cp, int64_t epoch,
                               int64_t deadline_ns, const int64_t *call_row) {
     const int64_t w = cx_wait(cx, CX_PTR(cx, CX_CALL_IN + cp), CX_PTR(cx, CX_NW_CALL), NULL,
                               call_row, epoch, deadline_ns);
-    if (w < 0) *(int64_t *)(intptr_t)cx[CX_DIFFER] = 1;
-    return w > 0 ? SMALL_LATE_CALLS : SMALL_OK;
+    if (w == -1) *(int64_t *)(intptr_t)cx[CX_DIFFER] = 1;
+    return w > 0 ? SMALL_LATE_CALLS : w == -2 ? SMALL_AGAIN : SMALL_OK;
 }
 
 /* A small dispatch up to its count matrix. A fresh dispatch (count parity np >= 0): each
@@ -1041,10 +1053,13 @@ static int64_t cx_check_calls(const int64_t *cx, int64_t cp, int64_t epoch,
  * slot at eager parity ep (small_dispatch_send); the signature (call parity cp); this rank's
  * counts (at np); every rank's signature compared and every rank's counts read into matrix
  * [R, R] (values). A cached dispatch (np < 0): ids / first are the handle's, and the phase
- * ends with the signature sent. Returns SMALL_OK or what stopped it. (in_rank is NULL for
- * a dispatch of no tokens: torch gives empty tensors no storage.) */
+ * ends with the signature sent. Returns SMALL_OK or what stopped it; `resume` (after
+ * SMALL_AGAIN or a late slot): only the waits, everything before them was done; 2: and go
+ * on past signatures that differ (the caller checked them: a test that turns checks off). (in_rank is
+ * NULL for a dispatch of no tokens: torch gives empty tensors no storage.) */
 int64_t moe_small_dispatch_start(const int64_t *cx, int64_t ep, int64_t cp, int64_t np,
-                                 int64_t epoch, int64_t deadline_ns, const uint8_t *in_rank,
+                                 int64_t resume, int64_t epoch, int64_t deadline_ns,
+                                 const uint8_t *in_rank,
                                  int64_t T, int64_t st, int64_t sr, int64_t *ids,
                                  int64_t *first, const uint8_t *x, int64_t x_stride,
                                  int64_t row_bytes, const uint8_t *scales, int64_t s_row,
@@ -1052,22 +1067,28 @@ int64_t moe_small_dispatch_start(const int64_t *cx, int64_t ep, int64_t cp, int6
                                  const float *topk_w, int64_t K, int64_t num_local,
                                  const int64_t *call_row, int64_t *matrix) {
     const int64_t R = cx[CX_R];
-    *(int64_t *)(intptr_t)cx[CX_DIFFER] = 0;
-    if (np >= 0) small_ids(in_rank, T, R, st, sr, ids, first);
-    small_dispatch_send(R, CX_PTR(cx, CX_ROTATION), CX_PTR(cx, CX_OUT_SLOT + ep),
-                        CX_PTR(cx, CX_OUT_FLAG + ep), CX_PTR(cx, CX_BELLS), ids, first, epoch,
-                        x, x_stride, row_bytes, scales, s_row, s_col, scale_cols, topk_idx,
-                        topk_w, K, num_local, cx[CX_ALIGN], cx[CX_PAGE], cx[CX_DONE_WRITTEN]);
-    cx_post_call(cx, cp, epoch, call_row);
-    if (np < 0) return SMALL_OK;
-    int64_t counts[R];
-    for (int64_t d = 0; d < R; d++) counts[d] = first[d + 1] - first[d];
-    small_signal(R, CX_PTR(cx, CX_COUNT_OUT + np), CX_PTR(cx, CX_BELLS), epoch, counts, R);
+    int64_t *differ = (int64_t *)(intptr_t)cx[CX_DIFFER];
+    *differ = 0;
+    if (!resume) {
+        if (np >= 0) small_ids(in_rank, T, R, st, sr, ids, first);
+        small_dispatch_send(R, CX_PTR(cx, CX_ROTATION), CX_PTR(cx, CX_OUT_SLOT + ep),
+                            CX_PTR(cx, CX_OUT_FLAG + ep), CX_PTR(cx, CX_BELLS), ids, first,
+                            epoch, x, x_stride, row_bytes, scales, s_row, s_col, scale_cols,
+                            topk_idx, topk_w, K, num_local, cx[CX_ALIGN], cx[CX_PAGE],
+                            cx[CX_DONE_WRITTEN]);
+        cx_post_call(cx, cp, epoch, call_row);
+        if (np < 0) return SMALL_OK;
+        int64_t counts[R];
+        for (int64_t d = 0; d < R; d++) counts[d] = first[d + 1] - first[d];
+        small_signal(R, CX_PTR(cx, CX_COUNT_OUT + np), CX_PTR(cx, CX_BELLS), epoch, counts, R);
+    }
     const int64_t calls = cx_check_calls(cx, cp, epoch, deadline_ns, call_row);
-    if (calls != SMALL_OK) return calls;
+    if (calls != SMALL_OK || (*differ && resume < 2))
+        return calls;          /* differ: Python raises before the counts (resume 2: go on) */
     const int64_t *where = CX_PTR(cx, CX_COUNT_IN + np);
-    if (cx_wait(cx, where, CX_PTR(cx, CX_NW_COUNT), NULL, NULL, epoch, deadline_ns))
-        return SMALL_LATE_COUNTS;
+    const int64_t late = cx_wait(cx, where, CX_PTR(cx, CX_NW_COUNT), NULL, NULL, epoch,
+                                 deadline_ns);
+    if (late) return late == -2 ? SMALL_AGAIN : SMALL_LATE_COUNTS;
     for (int64_t s = 0; s < R; s++)
         for (int64_t d = 0; d < R; d++)
             matrix[s * R + d] = ((const int64_t *)(intptr_t)where[s])[d] & 0xFFFFFFFFll;
@@ -1085,9 +1106,9 @@ int64_t moe_small_dispatch_finish(const int64_t *cx, int64_t ep, int64_t cp, int
                                   int64_t num_local, int64_t *local_counts,
                                   const int64_t *call_row) {
     *(int64_t *)(intptr_t)cx[CX_DIFFER] = 0;
-    if (cx_wait(cx, CX_PTR(cx, CX_IN_FLAG + ep), CX_PTR(cx, CX_NW_FLAG), count, NULL, epoch,
-                deadline_ns))
-        return SMALL_LATE_FLAGS;
+    const int64_t late = cx_wait(cx, CX_PTR(cx, CX_IN_FLAG + ep), CX_PTR(cx, CX_NW_FLAG), count,
+                                 NULL, epoch, deadline_ns);
+    if (late) return late == -2 ? SMALL_AGAIN : SMALL_LATE_FLAGS;
     if (call_row) {
         const int64_t calls = cx_check_calls(cx, cp, epoch, deadline_ns, call_row);
         if (calls != SMALL_OK) return calls;
@@ -1120,9 +1141,9 @@ int64_t moe_small_combine_finish(const int64_t *cx, int64_t ep, int64_t cp, int6
                                  float *out_w, int64_t *index, float *scratch,
                                  const int64_t *call_row) {
     *(int64_t *)(intptr_t)cx[CX_DIFFER] = 0;
-    if (cx_wait(cx, CX_PTR(cx, CX_IN_FLAG + ep), CX_PTR(cx, CX_NW_FLAG), count, NULL, epoch,
-                deadline_ns))
-        return SMALL_LATE_FLAGS;
+    const int64_t late = cx_wait(cx, CX_PTR(cx, CX_IN_FLAG + ep), CX_PTR(cx, CX_NW_FLAG), count,
+                                 NULL, epoch, deadline_ns);
+    if (late) return late == -2 ? SMALL_AGAIN : SMALL_LATE_FLAGS;
     const int64_t calls = cx_check_calls(cx, cp, epoch, deadline_ns, call_row);
     if (calls != SMALL_OK) return calls;
     return small_combine_recv(cx[CX_R], CX_PTR(cx, CX_IN_SLOT + ep), CX_PTR(cx, CX_IN_FLAG + ep),
@@ -1156,7 +1177,8 @@ int moe_dispatch_layout(const int64_t *topk, int64_t T, int64_t K, int64_t E, in
 
 /* Whether a caller's layout (per_rank int32 [R], per_expert int32 [E], in_rank bool [T, R],
  * contiguous) is what moe_dispatch_layout gives for topk [T, K]: 1 if so, 0 if not or an id
- * is outside [-1, E). Checked in one pass with nothing allocated but two counters on the
+ * is outside [-1, E). R and E at most native.LAYOUT_CHECK_MAX (their counters are on the
+ * stack). Checked in one pass with nothing allocated but two counters on the
  * stack (a dispatch that passes get_dispatch_layout's outputs, as DeepEP's callers do, pays
  * for a check, not a second layout). */
 int moe_layout_matches(const int64_t *topk, int64_t T, int64_t K, int64_t E, int64_t R,

@@ -27,7 +27,9 @@ class HostBackend:
         self._pool = OutputPool()
 
     def given_layout(self, topk_idx, num_experts, per_rank, per_expert, in_rank):
-        if self.comm.active.all() and native.layout_matches(
+        # (not with relays: a relayed combine reads the handle's in_rank, which is then the
+        # caller's tensor, not a copy of ours)
+        if self.comm.relays is None and self.comm.active.all() and native.layout_matches(
                 self._lib, topk_idx, num_experts, per_rank, per_expert, in_rank):
             return DispatchLayout(per_rank, per_expert, in_rank)
         return None

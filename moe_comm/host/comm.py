@@ -74,8 +74,7 @@ class HostComm:
         size = self.ll_offset + self.ll_bytes
         self.epoch = 0
         self.normal_seq = 0              # normal-mode calls: the eager slots' parity
-        self.notify_seq = 0
-        self.call_seq = 0                # signature rounds (CALL parity)
+        self.call_seq = 0                # signature rounds (CALL and NOTIFY parity)
         self.segments = []
         self._own = None
         self.transport = None

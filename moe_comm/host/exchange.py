@@ -35,12 +35,14 @@ def exchange_counts(comm, epoch: int, row: np.ndarray, call_row: np.ndarray) -> 
     """Notify phase: the call's signature and this rank's ``row`` of counts (R per-rank counts,
     then in a hierarchical call one count per host) to every rank, the signatures checked
     (CallMismatchError), then every rank's row: ``m[s, :R][d]`` = tokens s sends to d (zero
-    rows for inactive ranks)."""
+    rows for inactive ranks). The NOTIFY rows take the parity of the call's signature: every
+    normal call signs, on every rank, whatever it is, so ranks that disagreed about a call
+    (a fresh dispatch against a cached one, which counts nothing) stay in step for the next.
+    The slots are free again for the same reason as the CALL slots (HostComm.post_call)."""
     lay, me, R = comm.layout, comm.rank, comm.num_ranks
     n = len(row)
-    parity = comm.notify_seq % 2
-    comm.notify_seq += 1
     calls = comm.post_call(epoch, call_row)
+    parity = (comm.call_seq - 1) % 2
     comm.signal_each(np.flatnonzero(comm.active), lay.notify(parity, me), epoch, row)
     comm.verify_call(calls, epoch, "dispatch")
     waits = {s: comm.slot(me, lay.notify(parity, s), n) for s in range(R)}

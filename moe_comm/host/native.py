@@ -60,8 +60,8 @@ _SIGNATURES = {
     "moe_ll_combine": (_P, _I, _P, _P, _I, _P, _I, _I, _I, _P, ctypes.c_int, _P, _P, _P),
     # small normal calls (host/small.py): addresses travel as int64, every one checked there
     "moe_small_context_words": (),
-    "moe_small_dispatch_start": (_P, _I, _I, _I, _I, _I, _P, _I, _I, _I, _P, _P, _P, _I, _I, _P,
-                                 _I, _I, _I, _P, _P, _I, _I, _P, _P),
+    "moe_small_dispatch_start": (_P, _I, _I, _I, _I, _I, _I, _P, _I, _I, _I, _P, _P, _P, _I, _I,
+                                 _P, _I, _I, _I, _P, _P, _I, _I, _P, _P),
     "moe_small_dispatch_finish": (_P, _I, _I, _I, _I, _P, _I, _I, _I, _P, _P, _P, _P, _I, _P,
                                   _P),
     "moe_small_combine_start": (_P, _I, _I, _I, _P, _P, _I, _P, _I, _P),
@@ -234,6 +234,9 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
     return per_rank, per_expert, in_rank
 
 
+LAYOUT_CHECK_MAX = 1 << 16     # ranks and experts moe_layout_matches counts on its stack
+
+
 def layout_matches(lib, topk_idx, num_experts, per_rank, per_expert, in_rank) -> bool:
     """Whether the caller's layout is exactly what ``topk_idx`` gives (layout.py's
     dispatch_layout), checked in one C pass with ``lib`` (the library); False also where it
@@ -245,7 +248,8 @@ def layout_matches(lib, topk_idx, num_experts, per_rank, per_expert, in_rank) ->
     if topk_idx.dtype != torch.int64 or topk_idx.dim() != 2 or topk_idx.shape[0] != T or \
             per_rank.dtype != torch.int32 or tuple(per_rank.shape) != (R,) or \
             per_expert.dtype != torch.int32 or tuple(per_expert.shape) != (num_experts,) or \
-            in_rank.dtype != torch.bool or not R or num_experts % R:
+            in_rank.dtype != torch.bool or not R or num_experts % R or \
+            max(R, num_experts) > LAYOUT_CHECK_MAX:
         return False
     return bool(lib.moe_layout_matches(topk_idx.data_ptr(), T, topk_idx.shape[1], num_experts,
                                        R, per_rank.data_ptr(), per_expert.data_ptr(),

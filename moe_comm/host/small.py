@@ -181,7 +181,7 @@ def _empty(comm, *shape, dtype) -> torch.Tensor:
 
 # what a C phase returns when it could not finish (host_ops.c SMALL_*); a negative value
 # -(s + 1) names a source whose slot holds another size than this rank expects
-LATE_CALLS, LATE_COUNTS, LATE_FLAGS = 1, 2, 3
+LATE_CALLS, LATE_COUNTS, LATE_FLAGS, AGAIN = 1, 2, 3, 4
 
 
 def _deadline_ns(comm) -> int:
@@ -200,39 +200,48 @@ def call_views(comm, parity: int) -> dict:
     return _views(comm, addresses(comm).call_words[parity])
 
 
-def _raise(comm, rc: int, op: str, epoch: int, parity: int, call_parity: int,
+def _drive(comm, phase, op: str, epoch: int, parity: int, call_parity: int,
            count_parity: int = 0, counts=None) -> None:
-    """What a C phase's return code ``rc`` means: nothing (SMALL_OK), or the error the Python
-    protocol raises there. A slot that did not come: HostComm.wait on it (its deadline has
-    passed, so it raises CommTimeoutError naming the ranks, or RankMaskedError if this rank
-    was fenced); signatures that differ: HostComm.verify_call (CallMismatchError); another
-    size: exchange.settle's error. ``counts``: the rows each source sends this rank (the
-    sources whose slots were waited for)."""
-    if addresses(comm).differ[0]:       # signatures differ: the phase went on regardless
-        comm.verify_call(call_views(comm, call_parity), epoch, op)
-    if rc == 0:
-        return
-    if rc == LATE_CALLS:
-        comm.verify_call(call_views(comm, call_parity), epoch, op)
-    elif rc == LATE_COUNTS:
-        comm.wait(_views(comm, addresses(comm).count_words[count_parity]), epoch,
-                  op + "/notify")
-    elif rc == LATE_FLAGS:
-        comm.wait(eager.flags(comm, parity, np.flatnonzero(counts).tolist()), epoch,
-                  op + "/payload")
-    elif rc < 0:
-        raise RuntimeError(f"{op}: rows larger than the granted region (sender and receiver "
-                           f"computed other sizes): nothing written to rank(s) [], nothing "
-                           f"received from rank(s) [{-rc - 1}]")
-    raise RuntimeError(f"{op}: a small call's wait ended with {rc} but nothing late was found")
+    """Run a C phase (``phase(resume)`` -> its return code) to its end, raising what the
+    Python protocol raises where it stops: signatures that differ (the phase flagged them):
+    HostComm.verify_call, CallMismatchError; a slot that did not come: HostComm.wait on it
+    (past its deadline: CommTimeoutError naming the ranks, or RankMaskedError if this rank was
+    fenced; if the words came after all, the phase goes on); a slot of another size:
+    exchange.settle's error. A wait's slice that ran out (AGAIN): the phase goes on waiting,
+    Python's signal handlers having run. ``counts``: the rows each source sends this rank
+    (whose slots a finish phase waits for)."""
+    a, checked = addresses(comm), False
+    rc = phase(0)
+    while True:
+        if a.differ[0] and not checked:
+            comm.verify_call(call_views(comm, call_parity), epoch, op)    # raises
+            checked = True           # (a test turned the check off: go on past it)
+            if rc == 0:
+                rc = phase(2)
+                continue
+        if rc == 0:
+            return
+        resume = 2 if checked else 1
+        if rc == AGAIN:
+            pass
+        elif rc == LATE_CALLS:
+            comm.verify_call(call_views(comm, call_parity), epoch, op)
+        elif rc == LATE_COUNTS:
+            comm.wait(_views(comm, a.count_words[count_parity]), epoch, op + "/notify")
+        elif rc == LATE_FLAGS:
+            comm.wait(eager.flags(comm, parity, np.flatnonzero(counts).tolist()), epoch,
+                      op + "/payload")
+        else:
+            raise RuntimeError(f"{op}: rows larger than the granted region (sender and "
+                               f"receiver computed other sizes): nothing written to rank(s) "
+                               f"[], nothing received from rank(s) [{-rc - 1}]")
+        rc = phase(resume)
 
 
-def _next_parity(comm, seq: str) -> int:
-    """The parity of the next CALL (``call_seq``) or NOTIFY (``notify_seq``) round, as
-    HostComm.post_call / exchange.exchange_counts take it."""
-    n = getattr(comm, seq)
-    setattr(comm, seq, n + 1)
-    return n % 2
+def _next_call_parity(comm) -> int:
+    """The parity of the next CALL round, as HostComm.post_call takes it."""
+    comm.call_seq += 1
+    return (comm.call_seq - 1) % 2
 
 
 def _scales_args(scales):
@@ -249,26 +258,28 @@ def start_dispatch(comm, epoch: int, parity: int, call_row: np.ndarray, in_rank,
     ids, first)``. Without (cached: ``ids``, ``first`` the handle's), the sends and the
     signature; returns the signatures' parity (checked by :func:`receive_dispatch`)."""
     a, R = addresses(comm), comm.num_ranks
-    call_parity = _next_parity(comm, "call_seq") if in_rank is None else None
-    count_parity = None
+    comm.check_fence()                # a rank the survivors masked writes nothing
+    call_parity = _next_call_parity(comm)
+    count_parity = None                   # NOTIFY: the call's parity (exchange_counts)
     if in_rank is not None:
-        count_parity = _next_parity(comm, "notify_seq")     # exchange_counts: NOTIFY first
-        call_parity = _next_parity(comm, "call_seq")
+        count_parity = call_parity
         T = in_rank.shape[0]
         ids, first = torch.empty(T * R, dtype=torch.int64), np.empty(R + 1, np.int64)
     matrix = np.empty((R, R), dtype=np.int64)
-    comm.check_fence()                # a rank the survivors masked writes nothing
-    rc = a.lib.moe_small_dispatch_start(
-        a.p_context, parity, call_parity, -1 if count_parity is None else count_parity, epoch,
-        _deadline_ns(comm),
-        0 if in_rank is None else in_rank.data_ptr(),
-        0 if in_rank is None else in_rank.shape[0],
-        0 if in_rank is None else in_rank.stride(0),
-        0 if in_rank is None else in_rank.stride(1), ids.data_ptr(), first.ctypes.data,
-        x_bytes.data_ptr(), x_bytes.stride(0), x_bytes.shape[1], *_scales_args(scales),
-        _ptr(topk_idx), _ptr(topk_weights), 0 if topk_idx is None else topk_idx.shape[1],
-        num_local, call_row.ctypes.data, matrix.ctypes.data)
-    _raise(comm, rc, "dispatch", epoch, parity, call_parity, count_parity or 0)
+    # the C code reads rows of these at their natural strides
+    x_bytes, topk_idx, topk_weights = (None if t is None else t.contiguous()
+                                       for t in (x_bytes, topk_idx, topk_weights))
+    args = (-1 if count_parity is None else count_parity, epoch, _deadline_ns(comm),
+            0 if in_rank is None else in_rank.data_ptr(),
+            0 if in_rank is None else in_rank.shape[0],
+            0 if in_rank is None else in_rank.stride(0),
+            0 if in_rank is None else in_rank.stride(1), ids.data_ptr(), first.ctypes.data,
+            x_bytes.data_ptr(), x_bytes.stride(0), x_bytes.shape[1], *_scales_args(scales),
+            _ptr(topk_idx), _ptr(topk_weights), 0 if topk_idx is None else topk_idx.shape[1],
+            num_local, call_row.ctypes.data, matrix.ctypes.data)
+    _drive(comm, lambda resume: a.lib.moe_small_dispatch_start(
+        a.p_context, parity, call_parity, args[0], resume, *args[1:]), "dispatch", epoch,
+        parity, call_parity, count_parity or 0)
     if in_rank is None:
         return call_parity
     return matrix, ids[:int(first[R])], first
@@ -290,12 +301,12 @@ def receive_dispatch(comm, epoch: int, parity: int, matrix: np.ndarray, *, row_b
     recv_i = _empty(comm, n, topk, dtype=torch.int64) if topk else None
     recv_w = _empty(comm, n, topk, dtype=torch.float32) if topk else None
     local = torch.empty(max(num_local, 1), dtype=torch.int64)
-    rc = a.lib.moe_small_dispatch_finish(
-        a.p_context, parity, call_parity or 0, epoch, _deadline_ns(comm), counts.ctypes.data,
-        row_bytes, scale_cols, topk, recv_x.data_ptr(), _ptr(recv_s), _ptr(recv_i),
-        _ptr(recv_w), num_local, local.data_ptr() if topk else 0,
-        0 if call_parity is None else call_row.ctypes.data)
-    _raise(comm, rc, "dispatch", epoch, parity, call_parity, counts=counts)
+    args = (epoch, _deadline_ns(comm), counts.ctypes.data, row_bytes, scale_cols, topk,
+            recv_x.data_ptr(), _ptr(recv_s), _ptr(recv_i), _ptr(recv_w), num_local,
+            local.data_ptr() if topk else 0, 0 if call_parity is None else call_row.ctypes.data)
+    _drive(comm, lambda resume: a.lib.moe_small_dispatch_finish(
+        a.p_context, parity, call_parity or 0, *args), "dispatch", epoch, parity, call_parity,
+        counts=counts)
     return recv_x, recv_s, recv_i, recv_w, local[:num_local].tolist() if topk else None
 
 
@@ -313,7 +324,7 @@ def start_combine(comm, epoch: int, parity: int, call_row: np.ndarray, matrix: n
     count = np.ascontiguousarray(matrix[:, comm.rank])     # rows each owner sent this rank
     if not fits(comm, count, row_bytes, 0, K):
         return None
-    call_parity = _next_parity(comm, "call_seq")
+    call_parity = _next_call_parity(comm)
     comm.check_fence()
     a.lib.moe_small_combine_start(a.p_context, parity, call_parity, epoch, count.ctypes.data,
                                   x.data_ptr(), row_bytes, _ptr(topk_weights), K,
@@ -336,12 +347,13 @@ def receive_combine(comm, epoch: int, parity: int, handle, *, dtype, hidden, top
     bias_addr = np.array([b.data_ptr() for b in biases] or [0], dtype=np.int64)
     index = torch.empty(T + 1 + int(counts.sum()), dtype=torch.int64)
     scratch = torch.empty(2 * max(hidden, 1), dtype=torch.float32)
-    rc = a.lib.moe_small_combine_finish(
-        a.p_context, parity, call_parity, epoch, _deadline_ns(comm), counts.ctypes.data,
-        ids.data_ptr(), first.ctypes.data, SUM_DTYPES[dtype], hidden, topk, T,
-        bias_addr.ctypes.data, len(biases), out.data_ptr(), SUM_DTYPES[dtype], _ptr(out_w),
-        index.data_ptr(), scratch.data_ptr(), call_row.ctypes.data)
-    _raise(comm, rc, "combine", epoch, parity, call_parity, counts=counts)
+    args = (epoch, _deadline_ns(comm), counts.ctypes.data, ids.data_ptr(), first.ctypes.data,
+            SUM_DTYPES[dtype], hidden, topk, T, bias_addr.ctypes.data, len(biases),
+            out.data_ptr(), SUM_DTYPES[dtype], _ptr(out_w), index.data_ptr(),
+            scratch.data_ptr(), call_row.ctypes.data)
+    _drive(comm, lambda resume: a.lib.moe_small_combine_finish(
+        a.p_context, parity, call_parity, *args), "combine", epoch, parity, call_parity,
+        counts=counts)
     return out, out_w
 
 
