@@ -268,10 +268,13 @@ class SlabLayout:
 
 def eager_slot_bytes(num_ranks: int) -> int:
     """Bytes of one eager slot of a host-backend segment (moe_comm/host/eager.py): one per
-    (parity, source rank), so a sender's small rows need no grant. 256 KiB (a 64-token call
-    of 2 KiB rows per pair) up to 4 ranks, shrinking to 16 KiB at 64 ranks: the two parities
-    of all sources stay within 2 MiB a rank."""
-    return round_up(max(16 << 10, min(256 << 10, (1 << 20) // max(1, num_ranks))), PAGE)
+    (parity, source rank), so a sender's small rows need no grant. 1 MiB and its flag's page
+    (a 64-token call of H=7168 bf16 rows with top-8 ids per pair: DeepEP's decode batch) up
+    to 4 ranks, shrinking to 64 KiB at 64 ranks: the two parities of all sources stay within
+    8 MiB a rank. (Calls that fit go as small calls, host/small.py: at 64 x 7168 on 2 ranks
+    about 2x faster than granted regions.)"""
+    return round_up(max(16 << 10, min((1 << 20) + PAGE, (4 << 20) // max(1, num_ranks))),
+                    PAGE)
 
 
 def stream_chunk_rows(rows: int, row_bytes: int, scale_cols: int, topk: int,

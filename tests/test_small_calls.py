@@ -23,13 +23,13 @@ from moe_comm.host import small
 
 def _cases(n):
     """Small calls of every kind, and calls only some pairs of which fit a slot (a rank's
-    100 rows of 4 KiB are more than a slot holds: that pair is granted a region)."""
+    100 rows of 14 KiB are more than a slot holds: that pair is granted a region)."""
     cases = []
     for seed, (routing, dtype, hidden, tokens) in enumerate([
             ("random", "bfloat16", 1024, [64] * n),
             ("skewed", "fp8", 512, [40 + 7 * r for r in range(n)]),
             ("holes", "float32", 128, [0] + [33] * (n - 1)),
-            ("random", "bfloat16", 2048, [4] + [100] * (n - 1)),      # mixed: grants too
+            ("random", "bfloat16", 7168, [4] + [100] * (n - 1)),      # mixed: grants too
             ("one_rank", "bfloat16", 256, [16] * n),
             ("empty", "bfloat16", 256, [8] * n)]):
         cases.append(dict(seed=100 + seed, tokens=tokens, hidden=hidden, experts=4 * n,

@@ -21,6 +21,26 @@ def _only_ours(base: torch.Tensor) -> bool:
 class OutputPool:
     def __init__(self):
         self._bases = {}
+        self._spans = {}
+
+    def carve(self, key, sizes) -> list:
+        """Uint8 tensors of ``sizes`` bytes each (64-byte aligned, one base tensor under them),
+        for outputs whose shapes change from call to call (host/small.py): a base of ``key``
+        that no tensor of the caller still views and is large enough is reused (its pages are
+        touched already: a fresh one of a few MB costs a page fault every 4 KiB, as much as the
+        call's copies); two per key, so the results the caller holds while it makes the next
+        call do not force a new one each call."""
+        offsets, total = [], 0
+        for n in sizes:
+            offsets.append(total)
+            total += -(-n // 64) * 64
+        bases = self._spans.setdefault(key, [])
+        base = next((b for b in bases if b.numel() >= total and _only_ours(b)), None)
+        if base is None:
+            base = torch.empty(total, dtype=torch.uint8)
+            bases.insert(0, base)
+            del bases[2:]
+        return [base[at:at + n] for at, n in zip(offsets, sizes)]
 
     def empty(self, key, shape, dtype) -> torch.Tensor:
         base = self._bases.get(key)
@@ -31,3 +51,4 @@ class OutputPool:
 
     def clear(self):
         self._bases.clear()
+        self._spans.clear()

@@ -37,6 +37,7 @@ import torch
 from ..wire import CALL_WORDS, DOORBELL_WORD, PAGE, SLAB_ALIGN
 from . import eager, native
 from .exchange import DONE_WRITTEN
+from .pool import OutputPool
 
 # dtype codes of host_ops.c (native.DTYPES): the rows a combine's C sum reads and writes
 SUM_DTYPES = native.DTYPES
@@ -117,6 +118,7 @@ class Addresses:
         if self.lib is not None and self.lib.moe_small_context_words() != len(self.context):
             raise RuntimeError("host/small.py and host_ops.c disagree on the context words")
         self.max_rows = {}
+        self.pool = OutputPool()              # the outputs of small calls (_outputs)
 
 
 def addresses(comm) -> Addresses:
@@ -171,12 +173,20 @@ def _ptr(t) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def _empty(comm, *shape, dtype) -> torch.Tensor:
-    """A new output tensor; filled with ``comm.poison`` where a test asked for it."""
-    t = torch.empty(*shape, dtype=dtype)
+def _outputs(comm, key: str, shapes) -> list:
+    """Output tensors of ``shapes`` (``(rows, cols, dtype)`` each, or None) carved from one
+    reused base (host/pool.py OutputPool.carve: no first-touch page faults), as a granted
+    region holds all of a dispatch's; filled with ``comm.poison`` where a test asked for it."""
+    wanted = [s for s in shapes if s is not None]
+    if not wanted:
+        return [None] * len(shapes)
+    spans = addresses(comm).pool.carve(
+        key, [r * c * torch.empty(0, dtype=dt).element_size() for r, c, dt in wanted])
     if comm.poison is not None:
-        t.view(torch.uint8).fill_(comm.poison)
-    return t
+        for t in spans:
+            t.fill_(comm.poison)
+    views = iter(t.view(dt).view(r, c) for t, (r, c, dt) in zip(spans, wanted))
+    return [None if s is None else next(views) for s in shapes]
 
 
 # what a C phase returns when it could not finish (host_ops.c SMALL_*); a negative value
@@ -296,10 +306,9 @@ def receive_dispatch(comm, epoch: int, parity: int, matrix: np.ndarray, *, row_b
     counts = np.ascontiguousarray(matrix[:, comm.rank])
     n = int(counts.sum())
     scale_cols = 0 if scales is None else scales.shape[1]
-    recv_x = _empty(comm, n, row_bytes, dtype=torch.uint8)
-    recv_s = None if scales is None else _empty(comm, n, scale_cols, dtype=scales.dtype)
-    recv_i = _empty(comm, n, topk, dtype=torch.int64) if topk else None
-    recv_w = _empty(comm, n, topk, dtype=torch.float32) if topk else None
+    recv_x, recv_s, recv_i, recv_w = _outputs(comm, "dispatch", [
+        (n, row_bytes, torch.uint8), None if scales is None else (n, scale_cols, scales.dtype),
+        (n, topk, torch.int64) if topk else None, (n, topk, torch.float32) if topk else None])
     local = torch.empty(max(num_local, 1), dtype=torch.int64)
     args = (epoch, _deadline_ns(comm), counts.ctypes.data, row_bytes, scale_cols, topk,
             recv_x.data_ptr(), _ptr(recv_s), _ptr(recv_i), _ptr(recv_w), num_local,
@@ -342,8 +351,9 @@ def receive_combine(comm, epoch: int, parity: int, handle, *, dtype, hidden, top
     counts = np.ascontiguousarray(handle.count_matrix[comm.rank])   # rows d returns to me
     T = handle.num_tokens
     ids, first = handle_ids(handle)
-    out = _empty(comm, T, hidden, dtype=dtype)
-    out_w = _empty(comm, T, topk, dtype=torch.float32) if topk else None
+    # (two bases: the two results are separate tensors, as the Python protocol's)
+    out, = _outputs(comm, "combine", [(T, hidden, dtype)])
+    out_w, = _outputs(comm, "combine_w", [(T, topk, torch.float32) if topk else None])
     bias_addr = np.array([b.data_ptr() for b in biases] or [0], dtype=np.int64)
     index = torch.empty(T + 1 + int(counts.sum()), dtype=torch.int64)
     scratch = torch.empty(2 * max(hidden, 1), dtype=torch.float32)
