@@ -41,6 +41,9 @@ from .pool import OutputPool
 
 # dtype codes of host_ops.c (native.DTYPES): the rows a combine's C sum reads and writes
 SUM_DTYPES = native.DTYPES
+# outputs this large come from reused bases (_outputs): glibc serves smaller ones from memory
+# it has touched, larger ones from fresh mappings, a page fault every 4 KiB
+POOLED_BYTES = 1 << 20
 
 
 ENV = "MOE_COMM_SMALL"       # "0": every call takes the Python protocol (tests, A/B timing)
@@ -178,15 +181,17 @@ def _outputs(comm, key: str, shapes) -> list:
     reused base (host/pool.py OutputPool.carve: no first-touch page faults), as a granted
     region holds all of a dispatch's; filled with ``comm.poison`` where a test asked for it."""
     wanted = [s for s in shapes if s is not None]
-    if not wanted:
-        return [None] * len(shapes)
-    spans = addresses(comm).pool.carve(
-        key, [r * c * torch.empty(0, dtype=dt).element_size() for r, c, dt in wanted])
-    if comm.poison is not None:
-        for t in spans:
-            t.fill_(comm.poison)
-    views = iter(t.view(dt).view(r, c) for t, (r, c, dt) in zip(spans, wanted))
-    return [None if s is None else next(views) for s in shapes]
+    sizes = [r * c * dt.itemsize for r, c, dt in wanted]
+    if sum(sizes) < POOLED_BYTES:        # the allocator's own reuse: no fresh pages
+        outs = [torch.empty(r, c, dtype=dt) for r, c, dt in wanted]
+        spans = [t.view(torch.uint8) for t in outs] if comm.poison is not None else []
+    else:
+        spans = addresses(comm).pool.carve(key, sizes)
+        outs = [t.view(dt).view(r, c) for t, (r, c, dt) in zip(spans, wanted)]
+    for t in spans if comm.poison is not None else ():
+        t.fill_(comm.poison)
+    outs = iter(outs)
+    return [None if s is None else next(outs) for s in shapes]
 
 
 # what a C phase returns when it could not finish (host_ops.c SMALL_*); a negative value
