@@ -212,3 +212,13 @@ def test_a_ranks_sweep_is_plotted_against_the_rank_count(tmp_path, monkeypatch):
     bench.plot(rows, str(tmp_path / "ranks.png"))
     assert (tmp_path / "ranks.png").stat().st_size > 0
     assert set(labels) == {"ranks"}
+
+
+def test_small_calls_loop_runs_and_reports_every_call():
+    script = os.path.join(os.path.dirname(BENCH), "small_calls.py")
+    done = subprocess.run([sys.executable, script, "--ranks", "2", "--tokens", "8", "--hidden",
+                           "128", "--calls", "5"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = [line.split() for line in done.stdout.splitlines()[1:]]
+    assert [r[0] for r in rows] == ["dispatch", "combine", "cached"], done.stdout
+    assert all(float(r[-1]) > 0 for r in rows), done.stdout
