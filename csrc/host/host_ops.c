@@ -747,31 +747,21 @@ static void small_ids(const uint8_t *in_rank, int64_t T, int64_t R, int64_t st, 
 }
 
 /* What a dispatch writes for one destination (exchange.put_rows): the rows of tokens ids[0..n)
- * as a SlabLayout of n rows at `base` - payload, scales (4-byte elements, any strides),
- * top-k ids made local to the destination (lo = its first expert; -1 elsewhere) and their
- * weights (0 where -1, or all 0 without weights). Returns the slab's nbytes. */
+ * of this rank's T as a SlabLayout of n rows at `base` (moe_put_rows into its sub-arrays:
+ * payload, scales of scale_cols 4-byte columns, rows s_row bytes apart, top-k ids made local
+ * to the destination's experts [lo, lo + num_local) and their weights). Returns the slab's
+ * nbytes. */
 static int64_t put_dispatch_rows(uint8_t *base, const int64_t *ids, int64_t n,
-                                 const uint8_t *x, int64_t x_stride, int64_t row_bytes,
-                                 const uint8_t *scales, int64_t s_row, int64_t s_col,
+                                 const uint8_t *x, int64_t x_stride, int64_t T,
+                                 int64_t row_bytes, const uint8_t *scales, int64_t s_row,
                                  int64_t scale_cols, const int64_t *topk_idx,
                                  const float *topk_w, int64_t K, int64_t lo, int64_t num_local,
                                  int64_t align, int64_t page) {
     int64_t offs[4];
     const int64_t nbytes = slab_layout(n, row_bytes, scale_cols, K, align, page, offs);
-    for (int64_t i = 0; i < n; i++) {
-        const int64_t t = ids[i];
-        memcpy(base + offs[0] + i * row_bytes, x + t * x_stride, (size_t)row_bytes);
-        for (int64_t c = 0; c < scale_cols; c++)
-            memcpy(base + offs[1] + (i * scale_cols + c) * 4, scales + t * s_row + c * s_col, 4);
-        int64_t *li = (int64_t *)(base + offs[2]) + i * K;
-        float *lw = (float *)(base + offs[3]) + i * K;
-        for (int64_t k = 0; k < K; k++) {
-            const int64_t e = topk_idx[t * K + k], local = e - lo;
-            const int mine = e >= 0 && local >= 0 && local < num_local;
-            li[k] = mine ? local : -1;
-            lw[k] = mine && topk_w ? topk_w[t * K + k] : 0.0f;
-        }
-    }
+    moe_put_rows(x, x_stride, T, ids, n, row_bytes, scales, s_row, scale_cols * 4, topk_idx,
+                 topk_w, K, lo, num_local, base + offs[0], base + offs[1],
+                 (int64_t *)(base + offs[2]), (float *)(base + offs[3]));
     return nbytes;
 }
 
@@ -793,9 +783,9 @@ static inline void publish(int64_t *words, int64_t bell, int64_t epoch, const in
 static void small_dispatch_send(int64_t nd, const int64_t *dests, const int64_t *slot,
                                 const int64_t *flag, const int64_t *bells, const int64_t *ids,
                                 const int64_t *first,
-                                int64_t epoch, const uint8_t *x, int64_t x_stride,
+                                int64_t epoch, const uint8_t *x, int64_t x_stride, int64_t T,
                                 int64_t row_bytes, const uint8_t *scales, int64_t s_row,
-                                int64_t s_col, int64_t scale_cols, const int64_t *topk_idx,
+                                int64_t scale_cols, const int64_t *topk_idx,
                                 const float *topk_w, int64_t K, int64_t num_local, int64_t align,
                                 int64_t page, int64_t done_written) {
     for (int64_t j = 0; j < nd; j++) {
@@ -803,7 +793,7 @@ static void small_dispatch_send(int64_t nd, const int64_t *dests, const int64_t 
         if (first[d + 1] == first[d]) continue;
         const int64_t nbytes = put_dispatch_rows(
             (uint8_t *)(intptr_t)slot[d], ids + first[d], first[d + 1] - first[d], x, x_stride,
-            row_bytes, scales, s_row, s_col, scale_cols, topk_idx, topk_w, K, d * num_local,
+            T, row_bytes, scales, s_row, scale_cols, topk_idx, topk_w, K, d * num_local,
             num_local, align, page);
         const int64_t words[2] = {done_written, nbytes};
         publish((int64_t *)(intptr_t)flag[d], bells[d], epoch, words, 2);
@@ -954,14 +944,13 @@ static int64_t small_combine_recv(int64_t R, const int64_t *slot, const int64_t 
                                   void *out, int out_dt, float *out_w, int64_t *index,
                                   float *scratch) {
     const int64_t row_bytes = hidden * (in_dt == DT_BF16 ? 2 : 4);
-    int64_t offs[4], total = 0;
+    int64_t offs[4];
     for (int64_t d = 0; d < R; d++) {
         if (!count[d]) continue;
         const int64_t nbytes = slab_layout(count[d], row_bytes, 0, K, align, page, offs);
         const int64_t said = ((const int64_t *)(intptr_t)flag[d])[1] & 0xFFFFFFFFll;
         if (said != nbytes) return -(d + 1);
         if (count[d] != first[d + 1] - first[d]) return -(d + 1);
-        total += count[d];
     }
     int64_t *tfirst = index, *addr = index + T + 1;
     for (int64_t t = 0; t <= T; t++) tfirst[t] = 0;
@@ -984,7 +973,6 @@ static int64_t small_combine_recv(int64_t R, const int64_t *slot, const int64_t 
     }
     for (int64_t t = T; t > 0; t--) tfirst[t] = tfirst[t - 1];   /* cursors back to starts */
     tfirst[0] = 0;
-    (void)total;
     moe_sum_rows(addr, NULL, tfirst, in_dt, hidden, T, bias_addr, num_bias, out, out_dt,
                  scratch);
     return 0;
@@ -1055,15 +1043,16 @@ static int64_t cx_check_calls(const int64_t *cx, int64_t cp, int64_t epoch,
  * [R, R] (values). A cached dispatch (np < 0): ids / first are the handle's, and the phase
  * ends with the signature sent. Returns SMALL_OK or what stopped it; `resume` (after
  * SMALL_AGAIN or a late slot): only the waits, everything before them was done; 2: and go
- * on past signatures that differ (the caller checked them: a test that turns checks off). (in_rank is
- * NULL for a dispatch of no tokens: torch gives empty tensors no storage.) */
+ * on past signatures that differ (the caller checked them: a test that turns checks off).
+ * T: this rank's tokens, in x and in_rank (NULL for a dispatch of no tokens: torch gives
+ * empty tensors no storage); scales row-major, rows s_row bytes apart. */
 int64_t moe_small_dispatch_start(const int64_t *cx, int64_t ep, int64_t cp, int64_t np,
                                  int64_t resume, int64_t epoch, int64_t deadline_ns,
                                  const uint8_t *in_rank,
                                  int64_t T, int64_t st, int64_t sr, int64_t *ids,
                                  int64_t *first, const uint8_t *x, int64_t x_stride,
                                  int64_t row_bytes, const uint8_t *scales, int64_t s_row,
-                                 int64_t s_col, int64_t scale_cols, const int64_t *topk_idx,
+                                 int64_t scale_cols, const int64_t *topk_idx,
                                  const float *topk_w, int64_t K, int64_t num_local,
                                  const int64_t *call_row, int64_t *matrix) {
     const int64_t R = cx[CX_R];
@@ -1073,7 +1062,7 @@ int64_t moe_small_dispatch_start(const int64_t *cx, int64_t ep, int64_t cp, int6
         if (np >= 0) small_ids(in_rank, T, R, st, sr, ids, first);
         small_dispatch_send(R, CX_PTR(cx, CX_ROTATION), CX_PTR(cx, CX_OUT_SLOT + ep),
                             CX_PTR(cx, CX_OUT_FLAG + ep), CX_PTR(cx, CX_BELLS), ids, first,
-                            epoch, x, x_stride, row_bytes, scales, s_row, s_col, scale_cols,
+                            epoch, x, x_stride, T, row_bytes, scales, s_row, scale_cols,
                             topk_idx, topk_w, K, num_local, cx[CX_ALIGN], cx[CX_PAGE],
                             cx[CX_DONE_WRITTEN]);
         cx_post_call(cx, cp, epoch, call_row);

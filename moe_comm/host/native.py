@@ -61,7 +61,7 @@ _SIGNATURES = {
     # small normal calls (host/small.py): addresses travel as int64, every one checked there
     "moe_small_context_words": (),
     "moe_small_dispatch_start": (_P, _I, _I, _I, _I, _I, _I, _P, _I, _I, _I, _P, _P, _P, _I, _I,
-                                 _P, _I, _I, _I, _P, _P, _I, _I, _P, _P),
+                                 _P, _I, _I, _P, _P, _I, _I, _P, _P),
     "moe_small_dispatch_finish": (_P, _I, _I, _I, _I, _P, _I, _I, _I, _P, _P, _P, _P, _I, _P,
                                   _P),
     "moe_small_combine_start": (_P, _I, _I, _I, _P, _P, _I, _P, _I, _P),

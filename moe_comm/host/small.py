@@ -60,9 +60,9 @@ class Addresses:
     """Byte addresses one rank's small calls use, per parity: its slot and flag in every
     peer's heap (where it writes) and every source's in its own (where it reads); its call
     and count words in every peer's header, and every source's in its own. Built once per
-    Buffer (HostComm.ll_cache["small"]). Arrays of them, and (``p_*``) the address of each
-    array, which the C functions take: a numpy array's address costs a microsecond to
-    find, and a small call passes a dozen."""
+    Buffer (HostComm.ll_cache["small"]): arrays of them, and ``context``, the address of each
+    array in the order host_ops.c's CX_* words name them, which every C phase takes (a numpy
+    array's address costs a microsecond to find, and a phase needs a dozen)."""
 
     def __init__(self, comm):
         me, R, lay = comm.rank, comm.num_ranks, comm.layout
@@ -85,7 +85,6 @@ class Addresses:
                 "count_in": lambda p: at_each(words[me], (8 * lay.notify(p, s)
                                                           for s in sources))}.items():
             self.arrays[name] = [per_parity(0), per_parity(1)]
-            setattr(self, "p_" + name, [a.ctypes.data for a in self.arrays[name]])
         # read once a Buffer: the C library, or None (none, or MOE_COMM_SMALL=0)
         self.lib = native.library() if os.environ.get(ENV, "1") != "0" else None
         # this rank's header words, to read what came (int64, tags included), and the index
@@ -108,9 +107,10 @@ class Addresses:
         self.p_bells = self.bells.ctypes.data
         self.bell = int(self.bells[me])
         # every address above in the order host_ops.c's CX_* words name them
-        per_parity = [a for name in ("out_slot", "out_flag", "in_slot", "in_flag", "call_out",
-                                     "call_in", "count_out", "count_in")
-                      for a in getattr(self, "p_" + name)]
+        per_parity = [a.ctypes.data for name in ("out_slot", "out_flag", "in_slot", "in_flag",
+                                                  "call_out", "call_in", "count_out",
+                                                  "count_in")
+                      for a in self.arrays[name]]
         self.differ = np.zeros(1, dtype=np.int64)     # set by a phase whose signatures differ
         self.context = np.array([R, int(comm.crowded), self.fence, self.bell, self.p_ready,
                                  self.p_rotation, self.p_bells, self.p_nwords[CALL_WORDS],
@@ -259,12 +259,6 @@ def _next_call_parity(comm) -> int:
     return (comm.call_seq - 1) % 2
 
 
-def _scales_args(scales):
-    if scales is None:
-        return 0, 0, 0, 0
-    return scales.data_ptr(), 4 * scales.stride(0), 4 * scales.stride(1), scales.shape[1]
-
-
 def start_dispatch(comm, epoch: int, parity: int, call_row: np.ndarray, in_rank, ids, first,
                    *, x_bytes, scales, topk_idx, topk_weights, num_local):
     """A small dispatch up to its count matrix (exchange.exchange_counts' words, after the
@@ -281,17 +275,20 @@ def start_dispatch(comm, epoch: int, parity: int, call_row: np.ndarray, in_rank,
         T = in_rank.shape[0]
         ids, first = torch.empty(T * R, dtype=torch.int64), np.empty(R + 1, np.int64)
     matrix = np.empty((R, R), dtype=np.int64)
-    # the C code reads rows of these at their natural strides
-    x_bytes, topk_idx, topk_weights = (None if t is None else t.contiguous()
-                                       for t in (x_bytes, topk_idx, topk_weights))
+    # the C code (moe_put_rows) reads rows of these at their natural strides (scales: any
+    # row stride, DeepEP's column-major ones copied)
+    x_bytes, scales, topk_idx, topk_weights = (None if t is None else t.contiguous()
+                                               for t in (x_bytes, scales, topk_idx,
+                                                         topk_weights))
     args = (-1 if count_parity is None else count_parity, epoch, _deadline_ns(comm),
-            0 if in_rank is None else in_rank.data_ptr(),
-            0 if in_rank is None else in_rank.shape[0],
+            0 if in_rank is None else in_rank.data_ptr(), x_bytes.shape[0],
             0 if in_rank is None else in_rank.stride(0),
             0 if in_rank is None else in_rank.stride(1), ids.data_ptr(), first.ctypes.data,
-            x_bytes.data_ptr(), x_bytes.stride(0), x_bytes.shape[1], *_scales_args(scales),
-            _ptr(topk_idx), _ptr(topk_weights), 0 if topk_idx is None else topk_idx.shape[1],
-            num_local, call_row.ctypes.data, matrix.ctypes.data)
+            x_bytes.data_ptr(), x_bytes.stride(0), x_bytes.shape[1], _ptr(scales),
+            0 if scales is None else 4 * scales.stride(0),
+            0 if scales is None else scales.shape[1], _ptr(topk_idx), _ptr(topk_weights),
+            0 if topk_idx is None else topk_idx.shape[1], num_local, call_row.ctypes.data,
+            matrix.ctypes.data)
     _drive(comm, lambda resume: a.lib.moe_small_dispatch_start(
         a.p_context, parity, call_parity, args[0], resume, *args[1:]), "dispatch", epoch,
         parity, call_parity, count_parity or 0)
