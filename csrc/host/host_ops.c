@@ -804,12 +804,13 @@ static void small_dispatch_send(int64_t nd, const int64_t *dests, const int64_t 
  * without rows) this rank's count[o] received rows from it (those after the rows of the
  * owners before o) of x and their weights (float32 [*, K], or none), as a SlabLayout of
  * count[o] rows (scales none, top-k ids left unwritten: a combine sends none) at slot[o],
- * then the flag, and its doorbell rung (bells[o]). */
+ * then the flag, and its doorbell rung (bells[o]). To itself (o = me) only the flag: the
+ * rows stay in x, where the receive reads them, as the Python protocol's combine does. */
 static void small_combine_send(int64_t no, const int64_t *owners, const int64_t *slot,
                                const int64_t *flag, const int64_t *bells, const int64_t *count,
                                int64_t epoch, const uint8_t *x, int64_t row_bytes,
                                const float *topk_w, int64_t K, int64_t align, int64_t page,
-                               int64_t done_written) {
+                               int64_t done_written, int64_t me) {
     int64_t start[no];                /* owner o's rows start after those of the ranks before */
     for (int64_t o = 0, at = 0; o < no; at += count[o], o++) start[o] = at;
     for (int64_t j = 0; j < no; j++) {
@@ -818,8 +819,10 @@ static void small_combine_send(int64_t no, const int64_t *owners, const int64_t 
         int64_t offs[4];
         const int64_t nbytes = slab_layout(n, row_bytes, 0, K, align, page, offs);
         uint8_t *base = (uint8_t *)(intptr_t)slot[o];
-        memcpy(base + offs[0], x + start[o] * row_bytes, (size_t)(n * row_bytes));
-        if (K && topk_w) memcpy(base + offs[3], topk_w + start[o] * K, (size_t)(n * K * 4));
+        if (o != me) {                /* this rank's own rows stay in x (small_combine_recv) */
+            memcpy(base + offs[0], x + start[o] * row_bytes, (size_t)(n * row_bytes));
+            if (K && topk_w) memcpy(base + offs[3], topk_w + start[o] * K, (size_t)(n * K * 4));
+        }
         const int64_t words[2] = {done_written, nbytes};
         publish((int64_t *)(intptr_t)flag[o], bells[o], epoch, words, 2);
     }
@@ -936,13 +939,15 @@ static int64_t small_dispatch_recv(int64_t R, const int64_t *slot, const int64_t
  * of d; out [T, hidden] (out_dt) = 0 + the rows in rank order + each bias (moe_sum_rows);
  * out_w [T, K] = 0 + the weights in rank order (index_add_). Flags checked as in
  * small_dispatch_recv (returns -(d + 1)). index: int64 [T + 1 + sum(count)];
- * scratch float32 [2 * hidden]. */
+ * scratch float32 [2 * hidden]. The rows this rank returned to itself are read from own_x
+ * (and their weights from own_w), where they are: its x. */
 static int64_t small_combine_recv(int64_t R, const int64_t *slot, const int64_t *flag,
                                   const int64_t *count, const int64_t *ids, const int64_t *first,
                                   int in_dt, int64_t hidden, int64_t K, int64_t align,
                                   int64_t page, int64_t T, const int64_t *bias_addr, int num_bias,
                                   void *out, int out_dt, float *out_w, int64_t *index,
-                                  float *scratch) {
+                                  float *scratch, int64_t me, const uint8_t *own_x,
+                                  const float *own_w) {
     const int64_t row_bytes = hidden * (in_dt == DT_BF16 ? 2 : 4);
     int64_t offs[4];
     for (int64_t d = 0; d < R; d++) {
@@ -962,11 +967,13 @@ static int64_t small_combine_recv(int64_t R, const int64_t *slot, const int64_t 
         if (!count[d]) continue;
         slab_layout(count[d], row_bytes, 0, K, align, page, offs);
         const uint8_t *base = (const uint8_t *)(intptr_t)slot[d];
+        const uint8_t *rows = d == me ? own_x : base + offs[0];
+        const float *weights = d == me ? own_w : (const float *)(base + offs[3]);
         for (int64_t i = 0; i < count[d]; i++) {
             const int64_t t = ids[first[d] + i];
-            addr[tfirst[t]++] = (int64_t)(intptr_t)(base + offs[0] + i * row_bytes);
+            addr[tfirst[t]++] = (int64_t)(intptr_t)(rows + i * row_bytes);
             if (K) {
-                const float *w = (const float *)(base + offs[3]) + i * K;
+                const float *w = weights + i * K;
                 for (int64_t k = 0; k < K; k++) out_w[t * K + k] += w[k];
             }
         }
@@ -982,7 +989,7 @@ static int64_t small_combine_recv(int64_t R, const int64_t *slot, const int64_t 
  * small calls use (small.Addresses.context, built once), int64 words in this order: */
 enum {
     CX_R, CX_CROWDED, CX_FENCE, CX_BELL, CX_READY, CX_ROTATION, CX_BELLS, CX_NW_CALL,
-    CX_NW_COUNT, CX_NW_FLAG, CX_ALIGN, CX_PAGE, CX_DONE_WRITTEN, CX_CALL_WORDS, CX_DIFFER,
+    CX_NW_COUNT, CX_NW_FLAG, CX_ALIGN, CX_PAGE, CX_DONE_WRITTEN, CX_CALL_WORDS, CX_DIFFER, CX_ME,
     /* then two (parities 0 and 1) of each: */
     CX_OUT_SLOT, CX_OUT_FLAG = CX_OUT_SLOT + 2, CX_IN_SLOT = CX_OUT_FLAG + 2,
     CX_IN_FLAG = CX_IN_SLOT + 2, CX_CALL_OUT = CX_IN_FLAG + 2, CX_CALL_IN = CX_CALL_OUT + 2,
@@ -1115,12 +1122,14 @@ void moe_small_combine_start(const int64_t *cx, int64_t ep, int64_t cp, int64_t 
                              const float *topk_w, int64_t K, const int64_t *call_row) {
     small_combine_send(cx[CX_R], CX_PTR(cx, CX_ROTATION), CX_PTR(cx, CX_OUT_SLOT + ep),
                        CX_PTR(cx, CX_OUT_FLAG + ep), CX_PTR(cx, CX_BELLS), count, epoch, x,
-                       row_bytes, topk_w, K, cx[CX_ALIGN], cx[CX_PAGE], cx[CX_DONE_WRITTEN]);
+                       row_bytes, topk_w, K, cx[CX_ALIGN], cx[CX_PAGE], cx[CX_DONE_WRITTEN],
+                       cx[CX_ME]);
     cx_post_call(cx, cp, epoch, call_row);
 }
 
 /* The rest of a small combine every pair of which went eagerly: the slots of the ranks
- * returning rows (count [R]), the signatures, then the per-token sums (small_combine_recv).
+ * returning rows (count [R]), the signatures, then the per-token sums (small_combine_recv;
+ * own_x / own_w: this rank's rows for itself and their weights, in its x).
  * Returns SMALL_OK, what stopped it, or -(d + 1) for a rank whose slot holds another size. */
 int64_t moe_small_combine_finish(const int64_t *cx, int64_t ep, int64_t cp, int64_t epoch,
                                  int64_t deadline_ns, const int64_t *count,
@@ -1128,7 +1137,8 @@ int64_t moe_small_combine_finish(const int64_t *cx, int64_t ep, int64_t cp, int6
                                  int64_t hidden, int64_t K, int64_t T,
                                  const int64_t *bias_addr, int num_bias, void *out, int out_dt,
                                  float *out_w, int64_t *index, float *scratch,
-                                 const int64_t *call_row) {
+                                 const int64_t *call_row, const uint8_t *own_x,
+                                 const float *own_w) {
     *(int64_t *)(intptr_t)cx[CX_DIFFER] = 0;
     const int64_t late = cx_wait(cx, CX_PTR(cx, CX_IN_FLAG + ep), CX_PTR(cx, CX_NW_FLAG), count,
                                  NULL, epoch, deadline_ns);
@@ -1137,7 +1147,8 @@ int64_t moe_small_combine_finish(const int64_t *cx, int64_t ep, int64_t cp, int6
     if (calls != SMALL_OK) return calls;
     return small_combine_recv(cx[CX_R], CX_PTR(cx, CX_IN_SLOT + ep), CX_PTR(cx, CX_IN_FLAG + ep),
                               count, ids, first, in_dt, hidden, K, cx[CX_ALIGN], cx[CX_PAGE], T,
-                              bias_addr, num_bias, out, out_dt, out_w, index, scratch);
+                              bias_addr, num_bias, out, out_dt, out_w, index, scratch,
+                              cx[CX_ME], own_x, own_w);
 }
 
 /* layout.dispatch_layout of topk [T, K] (E experts over R ranks, E / R each): per_rank [R]

@@ -66,7 +66,7 @@ _SIGNATURES = {
                                   _P),
     "moe_small_combine_start": (_P, _I, _I, _I, _P, _P, _I, _P, _I, _P),
     "moe_small_combine_finish": (_P, _I, _I, _I, _I, _P, _P, _P, ctypes.c_int, _I, _I, _I, _P,
-                                 ctypes.c_int, _P, ctypes.c_int, _P, _P, _P, _P),
+                                 ctypes.c_int, _P, ctypes.c_int, _P, _P, _P, _P, _P, _P),
     "moe_dispatch_layout": (_P, _I, _I, _I, _I, _P, _P, _P),
     "moe_layout_matches": (_P, _I, _I, _I, _I, _P, _P, _P),
 }

@@ -488,9 +488,9 @@ def combine(comm, *, x, handle, topk_weights, bias, aborted=False):
         if not aborted and small.usable(comm) else None
     if call_parity is not None:
         if small.combine_in_slots(comm, matrix, dtype, row_bytes, topk, bias):
-            return small.receive_combine(comm, epoch, parity, handle, dtype=dtype, hidden=hidden,
-                                         topk=topk, biases=bias, call_parity=call_parity,
-                                         call_row=call_row)
+            return small.receive_combine(comm, epoch, parity, handle, x, topk_weights,
+                                         dtype=dtype, hidden=hidden, topk=topk, biases=bias,
+                                         call_parity=call_parity, call_row=call_row)
     sent_rows = matrix.sum(1)
     # the rows come back to their owners: expert rank d sends owner o matrix[o, d] rows
     plan = RoundPlan(matrix.T, [int(n) for n in sent_rows], [stream_chunk_rows(

@@ -115,7 +115,7 @@ class Addresses:
         self.context = np.array([R, int(comm.crowded), self.fence, self.bell, self.p_ready,
                                  self.p_rotation, self.p_bells, self.p_nwords[CALL_WORDS],
                                  self.p_nwords[R], self.p_nwords[2], SLAB_ALIGN, PAGE,
-                                 DONE_WRITTEN, CALL_WORDS, self.differ.ctypes.data] +
+                                 DONE_WRITTEN, CALL_WORDS, self.differ.ctypes.data, me] +
                                 per_parity, dtype=np.int64)
         self.p_context = self.context.ctypes.data
         if self.lib is not None and self.lib.moe_small_context_words() != len(self.context):
@@ -324,9 +324,9 @@ def receive_dispatch(comm, epoch: int, parity: int, matrix: np.ndarray, *, row_b
 def start_combine(comm, epoch: int, parity: int, call_row: np.ndarray, matrix: np.ndarray,
                   x: torch.Tensor, topk_weights):
     """A small combine's sends (eager.send: each owner's rows of ``x``, received order, back
-    into its slot) and its signature, when every owner's rows fit a slot and are bf16 or
-    float32; returns the signatures' parity, or None (nothing sent: the caller sends).
-    ``x`` and ``topk_weights`` contiguous."""
+    into its slot; to itself only the flag, its rows staying in x) and its signature, when
+    every owner's rows fit a slot and are bf16 or float32; returns the signatures' parity, or
+    None (nothing sent: the caller sends). ``x`` and ``topk_weights`` contiguous."""
     if x.dtype not in SUM_DTYPES:
         return None
     a = addresses(comm)
@@ -343,13 +343,15 @@ def start_combine(comm, epoch: int, parity: int, call_row: np.ndarray, matrix: n
     return call_parity
 
 
-def receive_combine(comm, epoch: int, parity: int, handle, *, dtype, hidden, topk,
-                    biases, call_parity, call_row):
+def receive_combine(comm, epoch: int, parity: int, handle, x, topk_weights, *, dtype, hidden,
+                    topk, biases, call_parity, call_row):
     """The rest of a combine every pair of which went eagerly: wait for the slots of the
     ranks returning rows to this rank and the signatures, then sum per token in C straight
-    from the slots (normal._reduce's sums, bit for bit). Returns ``(combined_x,
+    from the slots, and from ``x`` the rows this rank returned to itself (start_combine did
+    not copy them; normal._reduce's sums, bit for bit). Returns ``(combined_x,
     combined_weights or None)``."""
-    a = addresses(comm)
+    a, me = addresses(comm), comm.rank
+    own = int(handle.count_matrix[:me, me].sum())    # my rows for myself start there in x
     counts = np.ascontiguousarray(handle.count_matrix[comm.rank])   # rows d returns to me
     T = handle.num_tokens
     ids, first = handle_ids(handle)
@@ -362,7 +364,8 @@ def receive_combine(comm, epoch: int, parity: int, handle, *, dtype, hidden, top
     args = (epoch, _deadline_ns(comm), counts.ctypes.data, ids.data_ptr(), first.ctypes.data,
             SUM_DTYPES[dtype], hidden, topk, T, bias_addr.ctypes.data, len(biases),
             out.data_ptr(), SUM_DTYPES[dtype], _ptr(out_w), index.data_ptr(),
-            scratch.data_ptr(), call_row.ctypes.data)
+            scratch.data_ptr(), call_row.ctypes.data, x[own:].data_ptr(),
+            0 if topk_weights is None else topk_weights[own:].data_ptr())
     _drive(comm, lambda resume: a.lib.moe_small_combine_finish(
         a.p_context, parity, call_parity, *args), "combine", epoch, parity, call_parity,
         counts=counts)
