@@ -708,8 +708,10 @@ def step_env(args, cache, extra=(), cap_deadlines=True):
     return env
 
 
-# ranks as threads of one process on a GPU: see moe_comm/testing/local_cuda.py
-EAGER = {"CUDA_MODULE_LOADING": "EAGER", "CUDA_DEVICE_MAX_CONNECTIONS": "32"}
+# ranks as threads of one process on a GPU: moe_comm/testing/local_cuda.py SHARED_GPU_ENV (a
+# copy: moe_comm is imported by the steps only; tests/test_gpu_check.py checks they agree)
+EAGER = {"CUDA_MODULE_LOADING": "EAGER", "CUDA_DEVICE_MAX_CONNECTIONS": "32",
+         "PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}
 LAZY = {"CUDA_MODULE_LOADING": "LAZY"}
 
 

@@ -5,7 +5,15 @@ CPU emulator). A Buffer built without ``device=`` serves the current CUDA device
 is available (DeepEP's rule, moe_comm/backend.py ``pick_device``), so on a GPU machine these
 tests would build GPU Buffers for CPU tensors: ``MOE_COMM_DEVICE=cpu`` keeps them on the CPU
 (inherited by the rank processes). The GPU tests name their device explicitly.
+
+The GPU tests run ranks as threads sharing one GPU; what that needs of CUDA and torch
+(moe_comm/testing/local_cuda.py says why) is set here, before anything imports torch: torch
+picks its allocator backend when it is imported, and CUDA reads the other two when it starts.
+On a machine without a GPU they change nothing.
 """
 import os
 
 os.environ.setdefault("MOE_COMM_DEVICE", "cpu")
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")

@@ -6,34 +6,31 @@ stream (their kernels run concurrently; processes on one GPU would time-slice wi
 one test runs two real processes (spawn) that map each other's buffers through CUDA IPC, the
 deployment path.
 
-Set CUDA_MODULE_LOADING=EAGER and CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA initialises (done
-below when this module is imported first; bench/gpu_check.py sets them for the process): see
-moe_comm/testing/local_cuda.py.
+Ranks sharing one GPU as threads need CUDA_MODULE_LOADING=EAGER,
+CUDA_DEVICE_MAX_CONNECTIONS=32 and torch's stream-ordered allocator
+(PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync) set before torch is imported: tests/conftest.py
+does it, bench/gpu_check.py sets them for its steps; moe_comm/testing/local_cuda.py says why.
 """
 from __future__ import annotations
 
+import io
+import multiprocessing as mp
 import os
+import time
+import traceback
 
-os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
-os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+import pytest
+import torch
+import torch.distributed as dist
 
-import io  # noqa: E402
-import multiprocessing as mp  # noqa: E402
-import time  # noqa: E402
-import traceback  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-import cuda_cases as C  # noqa: E402
-import cuda_fault_cases as F  # noqa: E402
-import cuda_stream_cases as S  # noqa: E402
-import test_cuda_ll_extras as X  # noqa: E402
-from checks import check_ll, check_normal  # noqa: E402
-from moe_comm.reference import (reference_combine, reference_dispatch,  # noqa: E402
+import cuda_cases as C
+import cuda_fault_cases as F
+import cuda_stream_cases as S
+import test_cuda_ll_extras as X
+from checks import check_ll, check_normal
+from moe_comm.reference import (reference_combine, reference_dispatch,
                                 reference_ll_combine, reference_ll_dispatch)
-from moe_comm.testing import netns  # noqa: E402
+from moe_comm.testing import netns
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -129,7 +126,10 @@ def test_elastic_survivors_stream_without_a_silent_rank():
 # ---- real processes through CUDA IPC -----------------------------------------------------------
 def _spawned_rank(rank, n, port, queue, body, *args):
     """A spawned rank: a gloo group of ``n`` ranks, ``body(rank, n, *args)``, and its result
-    (torch-saved) or its traceback on ``queue``."""
+    (torch-saved) or its traceback on ``queue``. One rank per process: CUDA's lazy loading
+    waits only for this process's own kernels, so the EAGER loading the threads of one process
+    need (inherited from the parent) is turned off: it costs each process seconds and memory."""
+    os.environ["CUDA_MODULE_LOADING"] = "LAZY"
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=n)
@@ -290,15 +290,17 @@ def _spawn_ranks(body, n, what, *args):
     port = free_port()
     procs = [ctx.Process(target=_spawned_rank, args=(r, n, port, queue, body, *args))
              for r in range(n)]
-    for p in procs:
-        p.start()
     limit = C.outer_timeout(300)          # start, import, build and the cases
     end = time.monotonic() + limit
-    for p in procs:
-        p.join(max(0.0, end - time.monotonic()))
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(max(0.0, end - time.monotonic()))
+    finally:        # also when pytest-timeout interrupts the join: no rank outlives the test
+        alive = [p for p in procs if p.is_alive()]
+        for p in alive:
+            p.kill()
     assert not alive, f"{what} ranks did not finish within {limit:.0f} s"
     results = {}
     while not queue.empty():

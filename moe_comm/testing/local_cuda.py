@@ -7,13 +7,28 @@ it would with processes time-slicing one GPU without MPS). Host waits (``.cpu()`
 ``synchronize``) release the GIL, so a rank blocked on its count matrix does not stop its
 peers from queueing theirs.
 
-Set ``CUDA_MODULE_LOADING=EAGER`` before CUDA initialises in such a process. With lazy loading
-(torch's default) the first launch of any kernel - a torch fill as much as ours - may
-synchronise the context; while a peer's kernel spins waiting for this rank that deadlocks until
-the deadline. moe_comm's own kernels are loaded eagerly anyway (compiler.load_kernels).
-Set ``CUDA_DEVICE_MAX_CONNECTIONS=32`` too: a process has 8 hardware queues by default, and two
-ranks' streams that share one queue serialise, so a kernel queued behind a spinning notify could
-keep a peer's notify from starting.
+Such a process needs three settings, made before torch is imported (tests/conftest.py and
+bench/gpu_check.py make them; :data:`SHARED_GPU_ENV`). Each avoids a host call that waits for
+the device's running kernels, among them a peer's kernel spinning until this very rank's
+signal arrives: the group then deadlocks until its deadline.
+
+- ``CUDA_MODULE_LOADING=EAGER``: with lazy loading (torch's default) the first launch of any
+  kernel - a torch fill as much as ours - may synchronise the context. moe_comm's own kernels
+  are loaded eagerly anyway (compiler.load_kernels).
+- ``CUDA_DEVICE_MAX_CONNECTIONS=32``: a process has 8 hardware queues by default, and two
+  ranks' streams that share one queue serialise, so a kernel queued behind a spinning notify
+  could keep a peer's notify from starting.
+- ``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync``: a tensor allocation that misses torch's
+  cache calls ``cudaMalloc``, which waits for the running kernels. Seen on the first GPU run
+  (H100, 2026-11-26): the normal-mode reference cases timed out from 2 ranks up with the
+  default allocator and passed with the stream-ordered one, which never waits for other
+  streams.
+
+One rank per GPU needs none of this: its host calls wait only for its own device, whose peers
+progress on their own GPUs.
+
+When a rank meets a deadline, the Python stacks of the ranks still running are attached to its
+error (:func:`run_local`): they show where a rank that never signalled was held.
 
 With comms on device ``cpu`` (the kernel emulator) each call simply runs in its thread: an
 emulated launch returns when the kernel has finished, with the GIL released meanwhile.
@@ -21,6 +36,7 @@ emulated launch returns when the kernel has finished, with the GIL released mean
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import traceback
 import warnings
@@ -38,12 +54,12 @@ def run_local(fn, comms, *args, timeout: float = 300.0, check: bool = True):
     text attached as a note). Raises RuntimeError if a thread outlives ``timeout``."""
     n = len(comms)
     emulated = comms[0].device.type == "cpu"      # moe_comm/jit/emulator.py: no streams
-    if n > 1 and not emulated and (os.environ.get("CUDA_MODULE_LOADING") != "EAGER" or
-                                   int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", 8)) < n):
-        warnings.warn("ranks as threads of one process need CUDA_MODULE_LOADING=EAGER and "
-                      "CUDA_DEVICE_MAX_CONNECTIONS=32 (set before CUDA initialises): a lazily "
-                      "loaded kernel or a shared hardware queue can deadlock the group")
+    if n > 1 and not emulated and missing_settings(n):
+        warnings.warn(f"ranks as threads of one process need {missing_settings(n)} (set "
+                      "before torch is imported): a host call that waits for the device "
+                      "can deadlock the group (moe_comm/testing/local_cuda.py)")
     results, errors = [None] * n, {}
+    threads = []
 
     def body(r):
         comm = comms[r]
@@ -61,10 +77,13 @@ def run_local(fn, comms, *args, timeout: float = 300.0, check: bool = True):
                 if check:
                     comm.check()
         except BaseException as e:  # noqa: BLE001 - handed to the caller
-            errors[r] = (e, traceback.format_exc())
+            text = traceback.format_exc()
+            if isinstance(e, CommTimeoutError):
+                text += _stacks_of(threads, r)
+            errors[r] = (e, text)
 
-    threads = [threading.Thread(target=body, args=(r,), daemon=True, name=f"rank{r}")
-               for r in range(n)]
+    threads += [threading.Thread(target=body, args=(r,), daemon=True, name=f"rank{r}")
+                for r in range(n)]
     for t in threads:
         t.start()
     for t in threads:
@@ -80,3 +99,34 @@ def run_local(fn, comms, *args, timeout: float = 300.0, check: bool = True):
             exc.add_note(f"(rank {rank} of {n})\n{text}")
         raise exc
     return results
+
+
+# what ranks sharing one GPU as threads need (see the module docstring)
+SHARED_GPU_ENV = {"CUDA_MODULE_LOADING": "EAGER", "CUDA_DEVICE_MAX_CONNECTIONS": "32",
+                  "PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}
+
+
+def missing_settings(n: int) -> str:
+    """Which of :data:`SHARED_GPU_ENV` this process lacks for ``n`` ranks ('' if none). The
+    allocator is read from torch (it chose its backend at import), the rest from the
+    environment."""
+    missing = []
+    if os.environ.get("CUDA_MODULE_LOADING") != "EAGER":
+        missing.append("CUDA_MODULE_LOADING=EAGER")
+    if int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", 8)) < n:
+        missing.append("CUDA_DEVICE_MAX_CONNECTIONS=32")
+    if torch.cuda.get_allocator_backend() != "cudaMallocAsync":
+        missing.append("PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync")
+    return " and ".join(missing)
+
+
+def _stacks_of(threads, me: int) -> str:
+    """The Python stacks of the rank threads other than ``me`` that are still running: where
+    a rank that never signalled was held (a host call waiting for the device, the GIL, ...)."""
+    frames = sys._current_frames()
+    out = []
+    for r, t in enumerate(threads):
+        if r != me and t.is_alive() and t.ident in frames:
+            stack = "".join(traceback.format_stack(frames[t.ident]))
+            out.append(f"\n-- rank {r} was still at:\n{stack}")
+    return "".join(out)
