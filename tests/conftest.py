@@ -11,9 +11,22 @@ The GPU tests run ranks as threads sharing one GPU; what that needs of CUDA and 
 picks its allocator backend when it is imported, and CUDA reads the other two when it starts.
 On a machine without a GPU they change nothing.
 """
+import json
 import os
 
 os.environ.setdefault("MOE_COMM_DEVICE", "cpu")
 os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")
+
+# MOE_COMM_FAILURE_PREFIX (bench/gpu_check.py sets it): each failure is also written at once,
+# as that prefix and a JSON line, so a run killed at its deadline keeps the failures it had
+# (pytest prints their tracebacks only at the end). The first GPU run lost them that way.
+FAILURE_PREFIX = os.environ.get("MOE_COMM_FAILURE_PREFIX")
+
+
+def pytest_runtest_logreport(report):
+    if FAILURE_PREFIX and report.failed:
+        line = json.dumps(dict(kind="test_failure", test=report.nodeid, when=report.when,
+                               error=report.longreprtext[-4000:]))
+        print("\n" + FAILURE_PREFIX + line, flush=True)      # its own line, also after -v's name

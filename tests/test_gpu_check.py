@@ -145,3 +145,22 @@ def test_a_step_past_its_deadline_is_killed_and_keeps_its_log(tmp_path):
         pytest.fail(f"the step's child {child} outlived the step")
     saved = json.loads((tmp_path / "gpu_check.json").read_text())
     assert saved["steps"]["tests"]["status"] == "running"  # saved before the step began
+
+
+def test_a_failing_test_is_reported_the_moment_it_fails(tmp_path):
+    """The tests step's pytest may be killed at its deadline before it prints tracebacks (the
+    first GPU run lost six that way): tests/conftest.py writes each failure as a result line at
+    once, which the step reads into the JSON."""
+    (tmp_path / "test_planted.py").write_text(
+        "def test_fails():\n    assert 1 == 2, 'planted failure'\n\n"
+        "def test_passes():\n    pass\n")
+    gpu_check = _load()
+    env = dict(os.environ, MOE_COMM_FAILURE_PREFIX=gpu_check.MARK,
+               PYTHONPATH=os.path.join(ROOT, "tests"))
+    done = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "conftest",
+                           "-p", "no:cacheprovider", str(tmp_path / "test_planted.py")],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert done.returncode == 1, done.stdout + done.stderr
+    found = [r for r in gpu_check.read_results(done.stdout) if r["kind"] == "test_failure"]
+    assert [(r["test"], r["when"]) for r in found] == [("test_planted.py::test_fails", "call")]
+    assert "planted failure" in found[0]["error"]

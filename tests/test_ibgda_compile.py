@@ -254,3 +254,19 @@ def test_unique_id_travels_over_the_group():
     from moe_comm.testing.processes import run_ranks
     got = run_ranks(_uid_bytes, 2, timeout=60)
     assert len(got[0]) == 128 and any(got[0]) and got[0] == got[1]
+
+
+@pytest.mark.parametrize("defines, version", [
+    ('#define NVSHMEM_VENDOR_BASE_VERSION_STRING "3.8.0"\n', "3.8.0"),
+    # 3.4.5 (the GPU image's, first GPU run): the numbers only
+    ("#define NVSHMEM_VENDOR_MAJOR_VERSION 3\n#define NVSHMEM_VENDOR_MINOR_VERSION 4\n"
+     "#define NVSHMEM_VENDOR_PATCH_VERSION 5\n#define NVSHMEM_VENDOR_PACKAGE_VERSION 0\n",
+     "3.4.5"),
+])
+def test_nvshmem_version_read_from_either_header_form(tmp_path, defines, version):
+    (tmp_path / "non_abi").mkdir()
+    (tmp_path / "non_abi" / "nvshmem_version.h").write_text("#pragma once\n" + defines)
+    assert locate._header_version(tmp_path) == version
+    (tmp_path / "non_abi" / "nvshmem_version.h").write_text("#pragma once\n")
+    with pytest.raises(locate.NvshmemNotFoundError, match="no NVSHMEM version"):
+        locate._header_version(tmp_path)

@@ -56,9 +56,14 @@ def _header_version(include: Path) -> str:
     header = include / "non_abi" / "nvshmem_version.h"
     text = header.read_text(errors="replace")
     m = re.search(r'#define\s+NVSHMEM_VENDOR_BASE_VERSION_STRING\s+"([^"]+)"', text)
-    if not m:
-        raise NvshmemNotFoundError(f"no NVSHMEM version string in {header}")
-    return m.group(1)
+    if m:
+        return m.group(1)
+    # releases before 3.8 (3.4.5, the GPU image's) define only the numbers
+    parts = [re.search(rf"#define\s+NVSHMEM_VENDOR_{p}_VERSION\s+(\d+)", text)
+             for p in ("MAJOR", "MINOR", "PATCH")]
+    if not all(parts):
+        raise NvshmemNotFoundError(f"no NVSHMEM version in {header}")
+    return ".".join(m.group(1) for m in parts)
 
 
 @functools.lru_cache(maxsize=None)
