@@ -277,8 +277,8 @@ def time_normal(comms, shape, spec, iters, timeout):
         data, scales = x if isinstance(x, tuple) else (x, None)
         return lambda: cn.dispatch(
             comms[r], x_bytes=data.view(torch.uint8), dtype=data.dtype, hidden=H,
-            scales=scales, topk_idx=None, topk_weights=None, layout=None, handle=state[r][0], num_experts=None,
-            num_worst_tokens=0, buffer_key=("bench",))
+            scales=scales, topk_idx=None, topk_weights=None, layout=None, handle=state[r][0],
+            num_experts=None, num_worst_tokens=0, buffer_key=("bench",))
 
     def combine(r):
         return lambda: cn.combine(comms[r], x=state[r][1], handle=state[r][0],

@@ -71,10 +71,22 @@ MOE_KERNEL void __launch_bounds__(MOE_THREADS_LL_DISPATCH_SEND, 1)
 moe_ll_dispatch_send(MOE_ARGS_moe_ll_dispatch_send) {
     const LLBuffer lb{(u64)payload_off, (u64)meta_off, (u64)counts_off, 0, count_row_words,
                       stride, max_tokens};
-    ll_dispatch_send_body<MOE_FP8 != 0, MOE_ROUND_SCALE != 0>(
-        MOE_LL_GROUP, MOE_ERRORS, lb, x, num_tokens, hidden, topk_idx, topk, num_experts,
-        send_index, (u32)seq, (u64)call_off, MOE_CALL_ROW, ReturnRows{holds, shift_used, runs},
-        rows_cap);
+    ll_dispatch_send_body<MOE_FP8 != 0>(
+        MOE_LL_GROUP, MOE_ERRORS, lb, x, staged, staged_stride, num_tokens, hidden, topk_idx,
+        topk, num_experts, send_index, (u32)seq, (u64)call_off, MOE_CALL_ROW,
+        ReturnRows{holds, shift_used, runs}, rows_cap);
+}
+#endif
+
+#ifdef MOE_THREADS_LL_QUANTIZE
+static_assert(MOE_FP8, "moe_ll_quantize is the fp8 dispatch's");
+// grid: T blocks (token b), block: a multiple of 32 threads, one warp per 128-channel block:
+// staged[b] = token b's fp8 message (low_latency.cuh ll_quantize_row), before the send.
+MOE_KERNEL void __launch_bounds__(MOE_THREADS_LL_QUANTIZE, 1)
+moe_ll_quantize(MOE_ARGS_moe_ll_quantize) {
+    const i64 h = hidden_size(hidden);
+    for (i64 tok = blockIdx.x; tok < num_tokens; tok += gridDim.x)
+        ll_quantize_row<MOE_ROUND_SCALE != 0>(x + tok * h, staged + tok * staged_stride, h);
 }
 #endif
 

@@ -112,6 +112,14 @@ def dispatch_send(comm: CudaComm, *, x, topk_idx, lay: LLLayout, use_fp8: bool,
                                      refused_by=signature.low_latency_refusal(
                                          comm, (lay.max_tokens, hidden, lay.num_experts)))
     k = comm.kernels(variants.ll_dispatch_send(hidden, use_fp8, round_scale))
+    x = x.contiguous()
+    staged, staged_stride = None, 0
+    if use_fp8:        # each token cast once, then copied into each of its messages
+        staged_stride = ll_msg_stride(hidden, True)      # the message layout, 16-aligned
+        staged = torch.empty(num_tokens, staged_stride, dtype=torch.uint8, device=comm.device)
+        launch(k["moe_ll_quantize"], max(1, num_tokens), THREADS["moe_ll_quantize"],
+               pack("moe_ll_quantize", x=x, num_tokens=num_tokens, hidden=hidden,
+                    staged=staged, staged_stride=staged_stride), device=comm.device)
     if seq > LL_NUM_BUFFERS:     # every rank has read its buffer `buf` of call seq - 2
         _wait(comm, k, "low_latency_dispatch/send", comm.layout.ll_dispatch_free(buf, 0) * 8,
               SIGNAL_STRIDE, 1, seq - LL_NUM_BUFFERS)
@@ -120,7 +128,8 @@ def dispatch_send(comm: CudaComm, *, x, topk_idx, lay: LLLayout, use_fp8: bool,
                 **errors(comm, "low_latency_dispatch/send"), payload_off=off["payload"],
                 meta_off=off["meta"], counts_off=off["counts"],
                 count_row_words=lay.count_row_words, stride=ll_msg_stride(hidden, use_fp8),
-                max_tokens=lay.max_tokens, x=x.contiguous(), num_tokens=num_tokens,
+                max_tokens=lay.max_tokens, x=x, staged=staged, staged_stride=staged_stride,
+                num_tokens=num_tokens,
                 hidden=hidden, topk_idx=topk_idx.contiguous(), topk=topk,
                 num_experts=lay.num_experts, send_index=send_index, seq=seq,
                 active=comm.active, call_off=comm.layout.ll_call(buf, 0) * 8,

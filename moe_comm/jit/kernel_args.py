@@ -156,9 +156,12 @@ _DECLARED = {
                    "i32* active, i64* wait_cost",
     "moe_ll_check_call": f"{LL_GROUP}, {ERRORS}, i64 call_off, i64 seq, i32* active, {CALL}, "
                          "i64* wait_cost",
+    "moe_ll_quantize": "const u16* x, i64 num_tokens, i64 hidden, u8* staged, "
+                       "i64 staged_stride",
     "moe_ll_dispatch_send": f"{LL_GROUP}, {ERRORS}, i64 payload_off, i64 meta_off, "
                             "i64 counts_off, i64 count_row_words, i64 stride, i64 max_tokens, "
-                            "const u16* x, i64 num_tokens, i64 hidden, const i64* topk_idx, "
+                            "const u16* x, const u8* staged, i64 staged_stride, "
+                            "i64 num_tokens, i64 hidden, const i64* topk_idx, "
                             "i64 topk, i64 num_experts, i32* send_index, i64 seq, i32* active, "
                             f"i64 call_off, {CALL}, i64* holds, i32* shift_used, i32* runs, "
                             "i64 rows_cap",

@@ -77,9 +77,10 @@ THREADS = {
     "moe_ll_check_call": MAX_RANKS,
     # elastic mask agreement: one thread per rank
     "moe_agree": MAX_RANKS,
-    # low latency: one block per expert, one warp per (token, slot) in send
-    "moe_ll_dispatch_send": 512, "moe_ll_dispatch_recv": 256, "moe_ll_combine_send": 256,
-    "moe_ll_combine_recv": 256,
+    # low latency: one block per expert, one warp per (token, slot) in send; the fp8 cast
+    # before it one block per token, one warp per 128-channel block
+    "moe_ll_quantize": 256, "moe_ll_dispatch_send": 512, "moe_ll_dispatch_recv": 256,
+    "moe_ll_combine_send": 256, "moe_ll_combine_recv": 256,
     # csrc/ibgda/selftest.cu: one warp
     "moe_ibgda_test_send": 32, "moe_ibgda_test_wait": 32, "moe_ibgda_test_wait_remote": 32,
     "moe_ibgda_test_pingpong": 32,
@@ -134,7 +135,8 @@ def intranode() -> Variant:
 
 
 def ll_dispatch_send(hidden: int, use_fp8: bool, round_scale: bool) -> Variant:
-    return _variant("ll.cu", ("moe_ll_dispatch_send", "moe_ll_wait"),
+    kernels = ("moe_ll_quantize",) if use_fp8 else ()
+    return _variant("ll.cu", kernels + ("moe_ll_dispatch_send", "moe_ll_wait"),
                     hidden=hidden_key(hidden), fp8=use_fp8, round_scale=use_fp8 and round_scale)
 
 
