@@ -200,7 +200,15 @@ def time_calls(ops, comms, iters, timeout):
 def _time_gated(ops, comms, iters):
     """GPU: every rank's ``iters`` calls queued behind one gate (a sleep kernel on its own
     stream), so all ranks start together; each rank timed with CUDA events."""
-    streams = [torch.cuda.Stream() for _ in ops]
+    from moe_comm.testing.local_cuda import rank_streams, release_streams
+    streams = rank_streams(len(ops), comms[0].device)  # one hardware queue each
+    try:
+        return _gated_on(streams, ops, comms, iters)
+    finally:
+        release_streams(streams)
+
+
+def _gated_on(streams, ops, comms, iters):
     for r, op in enumerate(ops):                       # warm: kernels, allocator, handles
         with torch.cuda.stream(streams[r]):
             op()

@@ -19,6 +19,18 @@ def set_current(device: torch.device) -> None:
     cuda_core().Device(device.index).set_current()
 
 
+def new_stream(device: torch.device) -> int:
+    """A non-blocking stream of ``device``'s primary context, made by the driver (not taken from
+    torch's pool: see moe_comm/testing/local_cuda.py rank_streams); its handle."""
+    set_current(device)
+    non_blocking = 0x01                      # CU_STREAM_NON_BLOCKING
+    return int(check(driver().cuStreamCreate(non_blocking), "cuStreamCreate"))
+
+
+def destroy_stream(handle: int) -> None:
+    driver().cuStreamDestroy(driver().CUstream(handle))
+
+
 def alloc_zeroed(nbytes: int) -> int:
     """A zeroed device allocation (synchronised: zero before any peer maps it)."""
     cu = driver()

@@ -17,7 +17,12 @@ signal arrives: the group then deadlocks until its deadline.
   are loaded eagerly anyway (compiler.load_kernels).
 - ``CUDA_DEVICE_MAX_CONNECTIONS=32``: a process has 8 hardware queues by default, and two
   ranks' streams that share one queue serialise, so a kernel queued behind a spinning notify
-  could keep a peer's notify from starting.
+  could keep a peer's notify from starting. The driver hands queues to streams round robin in
+  the order they are made, so the ranks' streams are made one after another
+  (:func:`rank_streams`), at most 32 ranks. Not from torch's pool: torch makes its pool
+  interleaving its priority levels (up to 4: the H100's range is 6), so its 32 default-priority
+  streams sit on 8 queues. Seen on the first GPU run: 8 ranks passed and 16 ranks timed out,
+  half of them never reaching their notify.
 - ``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync``: a tensor allocation that misses torch's
   cache calls ``cudaMalloc``, which waits for the running kernels. Seen on the first GPU run
   (H100, 2026-11-26): the normal-mode reference cases timed out from 2 ranks up with the
@@ -43,13 +48,14 @@ import warnings
 
 import torch
 
+from ..cuda import memory
 from ..errors import CommTimeoutError
 
 
 def run_local(fn, comms, *args, timeout: float = 300.0, check: bool = True):
     """Call ``fn(comm, *args)`` for every comm of a local group, each in its own thread under
-    ``torch.cuda.stream(<fresh stream>)``; then wait for the stream and (``check``)
-    ``comm.check()``.
+    ``torch.cuda.stream(<its own stream>)`` (:func:`rank_streams`); then wait for the stream
+    and (``check``) ``comm.check()``.
     Returns the results by rank; re-raises the lowest failing rank's exception (its traceback
     text attached as a note). Raises RuntimeError if a thread outlives ``timeout``."""
     n = len(comms)
@@ -60,6 +66,7 @@ def run_local(fn, comms, *args, timeout: float = 300.0, check: bool = True):
                       "can deadlock the group (moe_comm/testing/local_cuda.py)")
     results, errors = [None] * n, {}
     threads = []
+    streams = None if emulated else rank_streams(n, comms[0].device)
 
     def body(r):
         comm = comms[r]
@@ -70,7 +77,7 @@ def run_local(fn, comms, *args, timeout: float = 300.0, check: bool = True):
                     comm.check()
                 return
             torch.cuda.set_device(comm.device)
-            stream = torch.cuda.Stream(comm.device)
+            stream = streams[r]
             with torch.cuda.stream(stream):
                 results[r] = fn(comm, *args)
                 stream.synchronize()
@@ -89,8 +96,10 @@ def run_local(fn, comms, *args, timeout: float = 300.0, check: bool = True):
     for t in threads:
         t.join(timeout)
     alive = [r for r, t in enumerate(threads) if t.is_alive()]
-    if alive:
+    if alive:       # their streams stay: a thread may still queue work on them
         raise RuntimeError(f"rank thread(s) {alive} did not finish within {timeout} s")
+    if streams:
+        release_streams(streams)
     if errors:
         # the cause first: a rank's own failure, not the deadlines it made its peers miss
         rank = min(errors, key=lambda r: (isinstance(errors[r][0], CommTimeoutError), r))
@@ -104,6 +113,23 @@ def run_local(fn, comms, *args, timeout: float = 300.0, check: bool = True):
 # what ranks sharing one GPU as threads need (see the module docstring)
 SHARED_GPU_ENV = {"CUDA_MODULE_LOADING": "EAGER", "CUDA_DEVICE_MAX_CONNECTIONS": "32",
                   "PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}
+
+
+def rank_streams(n: int, device: torch.device) -> list:
+    """``n`` non-blocking streams of ``device``, made one after another so that each has its own
+    hardware queue (``n`` <= CUDA_DEVICE_MAX_CONNECTIONS, see the module docstring), as torch
+    streams. Give them back with :func:`release_streams`."""
+    if n > 32:
+        raise ValueError(f"{n} ranks sharing one GPU: a process has 32 hardware queues at most")
+    return [torch.cuda.ExternalStream(memory.new_stream(device), device=device)
+            for _ in range(n)]
+
+
+def release_streams(streams) -> None:
+    """Wait for and destroy streams of :func:`rank_streams`."""
+    for s in streams:
+        s.synchronize()
+        memory.destroy_stream(s.cuda_stream)
 
 
 def missing_settings(n: int) -> str:
