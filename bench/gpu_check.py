@@ -200,15 +200,8 @@ def time_calls(ops, comms, iters, timeout):
 def _time_gated(ops, comms, iters):
     """GPU: every rank's ``iters`` calls queued behind one gate (a sleep kernel on its own
     stream), so all ranks start together; each rank timed with CUDA events."""
-    from moe_comm.testing.local_cuda import rank_streams, release_streams
+    from moe_comm.testing.local_cuda import rank_streams
     streams = rank_streams(len(ops), comms[0].device)  # one hardware queue each
-    try:
-        return _gated_on(streams, ops, comms, iters)
-    finally:
-        release_streams(streams)
-
-
-def _gated_on(streams, ops, comms, iters):
     for r, op in enumerate(ops):                       # warm: kernels, allocator, handles
         with torch.cuda.stream(streams[r]):
             op()
@@ -764,9 +757,10 @@ def _pytest_cmd(args):
            "no:cacheprovider"]
     # a per-test bound where pytest-timeout is installed (the GPU image has it): a test hung
     # past its comm deadlines is stopped (its threads' stacks printed) and the next ones still
-    # run. 60 s: six times the capped comm deadline
+    # run. Just above the tests' own outer bound (12 capped comm deadlines,
+    # tests/cuda_cases.py outer_timeout), so their own messages come first
     if importlib.util.find_spec("pytest_timeout") and args.test_timeout > 0:
-        cmd.append(f"--timeout={max(60, 6 * args.test_timeout):.0f}")
+        cmd.append(f"--timeout={max(60, 13 * args.test_timeout):.0f}")
     return cmd + list(DRY_TESTS if args.dry_run else GPU_TESTS)
 
 
@@ -776,7 +770,7 @@ def step_tests(run, args, deadline):
                          step_env(args, args.cache_dir, EAGER, MOE_COMM_FAILURE_PREFIX=MARK))
     rec["skipped"] = re.findall(r"^SKIPPED \[\d+\] (.+)$", text, re.M)
     rec["failures"] = re.findall(r"^(?:FAILED|ERROR) (.+)$", text, re.M)
-    rec["failure_texts"] = [{k: res[k] for k in ("test", "when", "error")}
+    rec["failure_texts"] = [{k: res[k] for k in ("test", "when", "message", "error")}
                             for res in read_results(text) if res["kind"] == "test_failure"]
     summary = re.findall(r"^=+ (.*\b(?:passed|failed|skipped|error|errors)\b.*) =+$", text,
                          re.M)

@@ -13,6 +13,7 @@ On a machine without a GPU they change nothing.
 """
 import json
 import os
+import sys
 
 os.environ.setdefault("MOE_COMM_DEVICE", "cpu")
 os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
@@ -27,6 +28,14 @@ FAILURE_PREFIX = os.environ.get("MOE_COMM_FAILURE_PREFIX")
 
 def pytest_runtest_logreport(report):
     if FAILURE_PREFIX and report.failed:
+        crash = getattr(report.longrepr, "reprcrash", None)
+        text = report.longreprtext
+        # the head holds the error and its traceback, the tail the notes (a timeout's peer
+        # stacks, moe_comm/testing/local_cuda.py): keep both ends of a long one
+        if len(text) > 12000:
+            text = text[:6000] + "\n[...]\n" + text[-6000:]
         line = json.dumps(dict(kind="test_failure", test=report.nodeid, when=report.when,
-                               error=report.longreprtext[-4000:]))
-        print("\n" + FAILURE_PREFIX + line, flush=True)      # its own line, also after -v's name
+                               message=crash.message if crash else "", error=text))
+        # one write: another thread's output cannot land inside the line
+        sys.stdout.write("\n" + FAILURE_PREFIX + line + "\n")   # its own line, also after -v
+        sys.stdout.flush()

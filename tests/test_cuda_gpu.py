@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 import multiprocessing as mp
 import os
+import queue
 import time
 import traceback
 
@@ -126,10 +127,7 @@ def test_elastic_survivors_stream_without_a_silent_rank():
 # ---- real processes through CUDA IPC -----------------------------------------------------------
 def _spawned_rank(rank, n, port, queue, body, *args):
     """A spawned rank: a gloo group of ``n`` ranks, ``body(rank, n, *args)``, and its result
-    (torch-saved) or its traceback on ``queue``. One rank per process: CUDA's lazy loading
-    waits only for this process's own kernels, so the EAGER loading the threads of one process
-    need (inherited from the parent) is turned off: it costs each process seconds and memory."""
-    os.environ["CUDA_MODULE_LOADING"] = "LAZY"
+    (torch-saved) or its traceback on ``queue``."""
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=n)
@@ -283,32 +281,60 @@ def test_two_hosts_in_token_rounds_through_the_kernel_proxy():
 
 def _spawn_ranks(body, n, what, *args):
     """Run ``body(rank, n, *args)`` in ``n`` spawned processes of one gloo group (CUDA
-    cannot start in a forked child of this one); {rank: what it returned}."""
+    cannot start in a forked child of this one); {rank: what it returned}. One rank per
+    process: CUDA's lazy loading waits only for that process's kernels, so the children load
+    lazily (EAGER, which ranks sharing a process need, costs each child seconds and memory;
+    the driver reads it when it starts, which unpickling this module already does)."""
     from moe_comm.testing.processes import free_port
     ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
+    answers = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_spawned_rank, args=(r, n, port, queue, body, *args))
+    procs = [ctx.Process(target=_spawned_rank, args=(r, n, port, answers, body, *args))
              for r in range(n)]
     limit = C.outer_timeout(300)          # start, import, build and the cases
     end = time.monotonic() + limit
+    replies = []
+    loading = os.environ.get("CUDA_MODULE_LOADING")
     try:
+        os.environ["CUDA_MODULE_LOADING"] = "LAZY"       # what the children inherit
         for p in procs:
             p.start()
+        _restore_env("CUDA_MODULE_LOADING", loading)
+        # read before joining: a child exits only once the pipe has taken its results (a
+        # few hundred KB, more than the pipe holds)
+        while len(replies) < n and time.monotonic() < end:
+            try:
+                replies.append(answers.get(timeout=max(0.1, min(5.0, end - time.monotonic()))))
+            except queue.Empty:           # look again until the deadline, while a child lives
+                if not any(p.is_alive() for p in procs):
+                    while len(replies) < n:   # what the last of them wrote as it ended
+                        try:
+                            replies.append(answers.get(timeout=1.0))
+                        except queue.Empty:
+                            break
+                    break
         for p in procs:
-            p.join(max(0.0, end - time.monotonic()))
-    finally:        # also when pytest-timeout interrupts the join: no rank outlives the test
+            p.join(max(0.0, min(10.0, end - time.monotonic())))
+    finally:        # also when pytest-timeout interrupts: no rank outlives the test
+        _restore_env("CUDA_MODULE_LOADING", loading)
         alive = [p for p in procs if p.is_alive()]
         for p in alive:
             p.kill()
-    assert not alive, f"{what} ranks did not finish within {limit:.0f} s"
+    assert len(replies) == n, f"{what} ranks did not all answer within {limit:.0f} s " \
+        f"(answered: {sorted(r[0] for r in replies)})"
     results = {}
-    while not queue.empty():
-        rank, ok, val = queue.get()
+    for rank, ok, val in replies:
         assert ok, f"rank {rank} failed:\n{val}"
         results[rank] = torch.load(io.BytesIO(val), weights_only=False)
     assert sorted(results) == list(range(n))
     return results
+
+
+def _restore_env(name, value):
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 def _two_processes(transport):

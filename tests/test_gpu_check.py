@@ -164,3 +164,4 @@ def test_a_failing_test_is_reported_the_moment_it_fails(tmp_path):
     found = [r for r in gpu_check.read_results(done.stdout) if r["kind"] == "test_failure"]
     assert [(r["test"], r["when"]) for r in found] == [("test_planted.py::test_fails", "call")]
     assert "planted failure" in found[0]["error"]
+    assert "planted failure" in found[0]["message"]

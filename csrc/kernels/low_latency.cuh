@@ -174,12 +174,14 @@ MOE_DEVICE void ll_quantize_row(const u16* x_row, u8* staged_row, i64 hidden) {
     }
 }
 
-// One message: the token's staged fp8 row (bytes + scales), or its bf16 row.
+// One message: the token's staged fp8 row (bytes + scales, with the padding both the staged
+// rows and the message slots have up to 16 bytes, so the copy takes 16-byte accesses at
+// every hidden size), or its bf16 row.
 template <bool kFp8>
 MOE_DEVICE void ll_write_message(const Transport& t, int dst, u64 offset, const u16* x_row,
                                  const u8* staged_row, i64 hidden) {
     if (kFp8)
-        t.put_warp(dst, offset, staged_row, hidden + hidden / kFp8Block * 4);
+        t.put_warp(dst, offset, staged_row, (hidden + hidden / kFp8Block * 4 + 15) / 16 * 16);
     else
         t.put_warp(dst, offset, x_row, hidden * 2);
 }

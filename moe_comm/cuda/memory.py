@@ -27,10 +27,6 @@ def new_stream(device: torch.device) -> int:
     return int(check(driver().cuStreamCreate(non_blocking), "cuStreamCreate"))
 
 
-def destroy_stream(handle: int) -> None:
-    driver().cuStreamDestroy(driver().CUstream(handle))
-
-
 def alloc_zeroed(nbytes: int) -> int:
     """A zeroed device allocation (synchronised: zero before any peer maps it)."""
     cu = driver()

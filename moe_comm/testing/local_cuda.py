@@ -96,10 +96,8 @@ def run_local(fn, comms, *args, timeout: float = 300.0, check: bool = True):
     for t in threads:
         t.join(timeout)
     alive = [r for r, t in enumerate(threads) if t.is_alive()]
-    if alive:       # their streams stay: a thread may still queue work on them
+    if alive:
         raise RuntimeError(f"rank thread(s) {alive} did not finish within {timeout} s")
-    if streams:
-        release_streams(streams)
     if errors:
         # the cause first: a rank's own failure, not the deadlines it made its peers miss
         rank = min(errors, key=lambda r: (isinstance(errors[r][0], CommTimeoutError), r))
@@ -115,21 +113,28 @@ SHARED_GPU_ENV = {"CUDA_MODULE_LOADING": "EAGER", "CUDA_DEVICE_MAX_CONNECTIONS":
                   "PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}
 
 
+MAX_RANK_STREAMS = 32          # the hardware queues a process can have
+_rank_streams: dict = {}       # device index -> its MAX_RANK_STREAMS streams
+_streams_lock = threading.Lock()
+
+
 def rank_streams(n: int, device: torch.device) -> list:
-    """``n`` non-blocking streams of ``device``, made one after another so that each has its own
-    hardware queue (``n`` <= CUDA_DEVICE_MAX_CONNECTIONS, see the module docstring), as torch
-    streams. Give them back with :func:`release_streams`."""
-    if n > 32:
-        raise ValueError(f"{n} ranks sharing one GPU: a process has 32 hardware queues at most")
-    return [torch.cuda.ExternalStream(memory.new_stream(device), device=device)
-            for _ in range(n)]
-
-
-def release_streams(streams) -> None:
-    """Wait for and destroy streams of :func:`rank_streams`."""
-    for s in streams:
-        s.synchronize()
-        memory.destroy_stream(s.cuda_stream)
+    """The first ``n`` of the device's rank streams, as torch streams: non-blocking streams
+    made once per process, all 32 one after another, so that each has its own hardware queue
+    (see the module docstring), and kept: never destroyed, since tensors a rank allocated on
+    its stream (torch's stream-ordered allocator) are freed on that stream when they die."""
+    if n > MAX_RANK_STREAMS:
+        raise ValueError(f"{n} ranks sharing one GPU: a process has {MAX_RANK_STREAMS} "
+                         f"hardware queues at most")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _streams_lock:
+        made = _rank_streams.get(index)
+        if made is None:
+            at = torch.device("cuda", index)
+            made = _rank_streams[index] = [
+                torch.cuda.ExternalStream(memory.new_stream(at), device=at)
+                for _ in range(MAX_RANK_STREAMS)]
+    return made[:n]
 
 
 def missing_settings(n: int) -> str:
