@@ -29,9 +29,8 @@ each step's deadline shrinks to what is left, keeping some for the steps after i
              (the default) runs the LL specs only: the normal ones move gigabytes through the
              host and could eat the run's time.
 5. memcheck, racecheck: compute-sanitizer (if installed; API errors not reported) on a
-             small case: every kernel on 1 rank, a result line after each part (the
-             two-process CUDA IPC case did not end under the sanitizer within 60 s on the first
-             GPU run: the tests step runs it).
+             small case: every kernel on 1 rank, then 2 processes through CUDA IPC, a result
+             line after each part.
 
 Failures stay local: a step that fails or runs past its deadline is recorded (exit code, error,
 the end of its log) and the next step runs; inside the build, timing and baseline steps each
@@ -579,10 +578,10 @@ def run_build(shape, dry_run):
 # ---- step: small case for compute-sanitizer ----------------------------------------------------
 def run_small_case():
     """Every kernel on one rank (no rank waits on another thread's kernel, so a sanitizer that
-    serialises launches cannot deadlock it), a result line after each part so a run killed at
-    its deadline still says what it checked. Not the two-process CUDA IPC case: under the
-    sanitizer on the first GPU run it did not end within 60 s (the tests step runs it)."""
+    serialises launches cannot deadlock it), then 2 processes through CUDA IPC; a result line
+    after each part, so a run killed at its deadline still says what it checked."""
     import cuda_cases as C        # the GPU tests' cases (tests/ is on sys.path)
+    import test_cuda_gpu as T
     n, dev = 1, torch.device("cuda", torch.cuda.current_device())
     normal = [c for c in C.normal_cases(n) if c["routing"] == "random"][:4] + \
         [c for c in C.normal_cases(n) if c["worst"]]
@@ -591,6 +590,8 @@ def run_small_case():
     ll = [c for c in C.ll_cases(n) if c["hidden"] <= 512]
     C.check_ll_group(n, dev, ll)
     emit("small", part="ll", cases=len(ll))
+    T.test_two_processes_through_cuda_ipc()
+    emit("small", part="two processes (CUDA IPC)")
     print("small case OK")
     return 0
 
