@@ -280,8 +280,8 @@ def test_every_kernel_of_the_mode_variants_is_launched(recorder):
     _relay_calls(4, H, K, 2 * E, list(cn.REDUCE_KERNEL))
     _check(recorder)
     listed = set(variants.INTRANODE_KERNELS)
-    for v in (variants.ll_dispatch_send(H, False, False), variants.ll_dispatch_recv(H, False,
-                                                                                  False),
-              variants.ll_combine(H)):
+    for v in (variants.ll_dispatch_send(H, False, False),
+              variants.ll_dispatch_send(H, True, False),          # + the fp8 cast kernel
+              variants.ll_dispatch_recv(H, False, False), variants.ll_combine(H)):
         listed |= set(v.kernels)
     assert {c[0] for c in recorder} == listed
