@@ -306,13 +306,8 @@ def _spawn_ranks(body, n, what, *args):
             try:
                 replies.append(answers.get(timeout=max(0.1, min(5.0, end - time.monotonic()))))
             except queue.Empty:           # look again until the deadline, while a child lives
-                if not any(p.is_alive() for p in procs):
-                    while len(replies) < n:   # what the last of them wrote as it ended
-                        try:
-                            replies.append(answers.get(timeout=1.0))
-                        except queue.Empty:
-                            break
-                    break
+                if not any(p.is_alive() for p in procs) and answers.empty():
+                    break                     # all ended, and all they wrote is read
         for p in procs:
             p.join(max(0.0, min(10.0, end - time.monotonic())))
     finally:        # also when pytest-timeout interrupts: no rank outlives the test

@@ -113,9 +113,10 @@ def dispatch_send(comm: CudaComm, *, x, topk_idx, lay: LLLayout, use_fp8: bool,
                                          comm, (lay.max_tokens, hidden, lay.num_experts)))
     k = comm.kernels(variants.ll_dispatch_send(hidden, use_fp8, round_scale))
     x = x.contiguous()
+    stride = ll_msg_stride(hidden, use_fp8)
     staged, staged_stride = None, 0
     if use_fp8:        # each token cast once, then copied into each of its messages
-        staged_stride = ll_msg_stride(hidden, True)      # the message layout, 16-aligned
+        staged_stride = stride                           # the message layout, 16-aligned
         staged = torch.empty(num_tokens, staged_stride, dtype=torch.uint8, device=comm.device)
         launch(k["moe_ll_quantize"], max(1, num_tokens), THREADS["moe_ll_quantize"],
                pack("moe_ll_quantize", x=x, num_tokens=num_tokens, hidden=hidden,
@@ -127,7 +128,7 @@ def dispatch_send(comm: CudaComm, *, x, topk_idx, lay: LLLayout, use_fp8: bool,
            pack("moe_ll_dispatch_send", **ll_group(comm),
                 **errors(comm, "low_latency_dispatch/send"), payload_off=off["payload"],
                 meta_off=off["meta"], counts_off=off["counts"],
-                count_row_words=lay.count_row_words, stride=ll_msg_stride(hidden, use_fp8),
+                count_row_words=lay.count_row_words, stride=stride,
                 max_tokens=lay.max_tokens, x=x, staged=staged, staged_stride=staged_stride,
                 num_tokens=num_tokens,
                 hidden=hidden, topk_idx=topk_idx.contiguous(), topk=topk,

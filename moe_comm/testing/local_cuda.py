@@ -60,8 +60,9 @@ def run_local(fn, comms, *args, timeout: float = 300.0, check: bool = True):
     text attached as a note). Raises RuntimeError if a thread outlives ``timeout``."""
     n = len(comms)
     emulated = comms[0].device.type == "cpu"      # moe_comm/jit/emulator.py: no streams
-    if n > 1 and not emulated and missing_settings(n):
-        warnings.warn(f"ranks as threads of one process need {missing_settings(n)} (set "
+    missing = "" if n == 1 or emulated else missing_settings(n)
+    if missing:
+        warnings.warn(f"ranks as threads of one process need {missing} (set "
                       "before torch is imported): a host call that waits for the device "
                       "can deadlock the group (moe_comm/testing/local_cuda.py)")
     results, errors = [None] * n, {}
