@@ -169,6 +169,9 @@ class Buffer:
         self._key = (id(self), self._be.job)
         self._facts = validate.BufferFacts(self.group_size, self.device, self._key,
                                            self.low_latency_mode)
+        # the backend's path for small calls (host/direct.py), or None
+        direct = getattr(self._be, "direct_calls", None)
+        self._direct = direct(self._key) if direct is not None else None
         self._owner_lock = threading.Lock()
         self._owner = None                  # (thread id, call) of the call in progress
         self._depth = 0
@@ -435,6 +438,14 @@ class Buffer:
             event)``, as DeepEP does: combine takes the handle it was given.
         """
         comm = self._live()
+        if self._direct is not None:         # a small call, straight into C (or None)
+            got = self._direct.dispatch(
+                self._be, x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                topk_idx, topk_weights, expert_alignment, num_worst_tokens, active_ranks) \
+                if handle is None else self._direct.cached(
+                    x, handle, topk_idx, topk_weights, num_worst_tokens, active_ranks)
+            if got is not None:
+                return got
         args = validate.dispatch_args(
             self._facts, x, handle, num_tokens_per_rank, is_token_in_rank,
             num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
@@ -491,6 +502,10 @@ class Buffer:
             float32 [T, K] or None, EventOverlap.
         """
         comm = self._live()
+        if self._direct is not None:         # a small call, straight into C (or None)
+            got = self._direct.combine(x, handle, topk_weights, bias, active_ranks)
+            if got is not None:
+                return got
         biases = validate.combine_args(self._facts, x, handle, topk_weights, bias, active_ranks)
         n = handle.num_recv_tokens       # x may have num_worst_tokens rows: past n is padding
         if topk_weights is not None:

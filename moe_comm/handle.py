@@ -5,10 +5,33 @@ them (``handle[0]`` is the rank prefix matrix) run unchanged; entries moe_comm h
 equivalent for (DeepEP's per-channel tables) are None."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
+
+
+class TokenIds(Sequence):
+    """A handle's ``send_token_ids`` held as one int64 tensor ``ids``, grouped by rank, and
+    the numpy offsets ``first`` [R + 1] of the groups: entry d is ``ids[first[d]:first[d +
+    1]]``, a view made when read. A small call (host/small.py) makes the two arrays in C, and
+    its combine reads them as they are: R views made at every dispatch would cost more than
+    the rest of its handle."""
+
+    def __init__(self, ids: torch.Tensor, first: np.ndarray):
+        self.ids, self.first = ids, first
+
+    def __len__(self) -> int:
+        return len(self.first) - 1
+
+    def __getitem__(self, d):
+        if isinstance(d, slice):
+            return [self[i] for i in range(*d.indices(len(self)))]
+        if not -len(self) <= d < len(self):
+            raise IndexError(f"rank {d} of {len(self)}")
+        d %= len(self)
+        return self.ids[int(self.first[d]):int(self.first[d + 1])]
 
 
 @dataclass(eq=False)
@@ -16,7 +39,8 @@ class DispatchHandle:
     """Opaque to users; pass it back to ``combine`` or to ``dispatch(handle=...)``.
 
     ``count_matrix[s, d]`` = tokens rank s sent to rank d (every rank holds the whole matrix);
-    ``send_token_ids[d]`` = this rank's token indices sent to rank d, ascending;
+    ``send_token_ids[d]`` = this rank's token indices sent to rank d, ascending (a list of
+    tensors, or a :class:`TokenIds` read alike);
     ``is_token_in_rank`` bool [T, R]; ``num_recv_tokens`` = rows this rank received;
     ``call_id`` = the epoch of the dispatch that made it (the same on every rank: the call
     signature of a cached dispatch or a combine carries it, moe_comm/signature.py).

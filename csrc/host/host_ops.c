@@ -1207,3 +1207,132 @@ int moe_layout_matches(const int64_t *topk, int64_t T, int64_t K, int64_t E, int
     for (int64_t e = 0; e < E; e++) if (experts[e] != per_expert[e]) return 0;
     return 1;
 }
+
+/* What a dispatch's count matrix [R, R] (rows s send to d) means for rank me: info[0] the
+ * rows it receives, info[1] 1 if every pair fits an eager slot of slot_rows rows and every
+ * rank's rows fit its heap (heap_rows) in one region (small._in_slots: the call is then
+ * eager everywhere), recv_count[s] = matrix[s, me]. */
+void moe_small_matrix_info(const int64_t *matrix, int64_t R, int64_t me, int64_t slot_rows,
+                           int64_t heap_rows, int64_t *info, int64_t *recv_count) {
+    int64_t fits = 1;
+    for (int64_t d = 0; d < R; d++) {
+        int64_t col = 0;
+        for (int64_t s = 0; s < R; s++) {
+            const int64_t m = matrix[s * R + d];
+            col += m;
+            fits &= m <= slot_rows;
+            if (d == me) recv_count[s] = m;
+        }
+        fits &= col <= heap_rows;
+        if (d == me) info[0] = col;
+    }
+    info[1] = fits;
+}
+
+/* Returned by moe_small_dispatch_direct where it does not take the call: nothing written. */
+#define SMALL_DECLINED 5
+
+/* A fresh small dispatch straight from the caller's arguments (host/direct.py): topk [T, K]
+ * of E experts and its layout (per_rank int32 [R], per_expert int32 [E], in_rank bool [T, R],
+ * all contiguous), x rows of row_bytes, weights float32 [T, K]. Declines (SMALL_DECLINED,
+ * before anything is written anywhere) where the caller's layout is not topk's or an id lies
+ * outside [-1, E) (moe_layout_matches), where a rank's rows would not fit an eager slot of
+ * slot_rows, or where this rank's FENCE word is set (its peers masked it): the Python
+ * protocol then runs the call, and raises what is wrong. Else moe_small_dispatch_start of a
+ * fresh dispatch at count parity cp (ids [T * R], first [R + 1], matrix [R, R]) and, when it
+ * returns SMALL_OK, moe_small_matrix_info into info [2] and recv_count [R]. */
+int64_t moe_small_dispatch_direct(const int64_t *cx, int64_t ep, int64_t cp, int64_t epoch,
+                                  int64_t deadline_ns, const int64_t *topk, int64_t T,
+                                  int64_t K, int64_t E, const int32_t *per_rank,
+                                  const int32_t *per_expert, const uint8_t *in_rank,
+                                  const uint8_t *x, int64_t row_bytes, const float *topk_w,
+                                  int64_t slot_rows, int64_t heap_rows,
+                                  const int64_t *call_row, int64_t *ids, int64_t *first,
+                                  int64_t *matrix, int64_t *info, int64_t *recv_count) {
+    const int64_t R = cx[CX_R];
+    if (*CX_PTR(cx, CX_FENCE) || !moe_layout_matches(topk, T, K, E, R, per_rank, per_expert,
+                                                     in_rank))
+        return SMALL_DECLINED;
+    for (int64_t d = 0; d < R; d++)
+        if (per_rank[d] > slot_rows) return SMALL_DECLINED;
+    const int64_t rc = moe_small_dispatch_start(cx, ep, cp, cp, 0, epoch, deadline_ns, in_rank,
+                                                T, R, 1, ids, first, x, row_bytes, row_bytes,
+                                                NULL, 0, 0, topk, topk_w, K, E / R, call_row,
+                                                matrix);
+    if (rc == SMALL_OK)
+        moe_small_matrix_info(matrix, R, cx[CX_ME], slot_rows, heap_rows, info, recv_count);
+    return rc;
+}
+
+/* Whether a call on count matrix [R, R] (rows s sends d; `by_row`: each rank's rows are those
+ * its row sums, else its column's) goes all in eager slots: every pair within slot_rows and
+ * every rank's rows within heap_rows (small._in_slots). */
+static int small_all_eager(const int64_t *matrix, int64_t R, int64_t slot_rows,
+                           int64_t heap_rows, int by_row) {
+    for (int64_t i = 0; i < R; i++) {
+        int64_t sum = 0;
+        for (int64_t j = 0; j < R; j++) {
+            const int64_t m = by_row ? matrix[i * R + j] : matrix[j * R + i];
+            if (m > slot_rows) return 0;
+            sum += m;
+        }
+        if (sum > heap_rows) return 0;
+    }
+    return 1;
+}
+
+/* A cached small dispatch straight from the caller's arguments (host/direct.py): the rows of
+ * the handle's tokens (ids, first) of x [T, row_bytes] again, into out_x, which holds the
+ * rows this rank receives (matrix[:, me] summed). Declines (SMALL_DECLINED, nothing written)
+ * where a pair of the handle's matrix would not fit a slot or a rank's rows its heap, or
+ * this rank's FENCE word is set. Else moe_small_dispatch_start of a cached dispatch, then
+ * moe_small_dispatch_finish (signatures checked there); count [R] gets matrix[:, me], for a
+ * caller that goes on after SMALL_AGAIN or a late slot with moe_small_dispatch_finish. */
+int64_t moe_small_cached_direct(const int64_t *cx, int64_t ep, int64_t cp, int64_t epoch,
+                                int64_t deadline_ns, const int64_t *matrix, int64_t slot_rows,
+                                int64_t heap_rows, const int64_t *ids, const int64_t *first,
+                                const uint8_t *x, int64_t T, int64_t row_bytes, uint8_t *out_x,
+                                const int64_t *call_row, int64_t *count) {
+    const int64_t R = cx[CX_R], me = cx[CX_ME];
+    if (*CX_PTR(cx, CX_FENCE) || !small_all_eager(matrix, R, slot_rows, heap_rows, 0))
+        return SMALL_DECLINED;
+    for (int64_t s = 0; s < R; s++) count[s] = matrix[s * R + me];
+    const int64_t rc = moe_small_dispatch_start(cx, ep, cp, -1, 0, epoch, deadline_ns, NULL, T,
+                                                0, 0, (int64_t *)ids, (int64_t *)first, x,
+                                                row_bytes, row_bytes, NULL, 0, 0, NULL, NULL, 0,
+                                                0, call_row, NULL);
+    if (rc != SMALL_OK) return rc;
+    return moe_small_dispatch_finish(cx, ep, cp, epoch, deadline_ns, count, row_bytes, 0, 0,
+                                     out_x, NULL, NULL, NULL, 0, NULL, call_row);
+}
+
+/* A small combine straight from the caller's arguments (host/direct.py): x [N, hidden] of
+ * dtype dt (host_ops.c's DT_*) and weights float32 [N, K] (or NULL) back to the tokens'
+ * ranks of the handle's matrix, ids and first, summed per token into out [T, hidden] and
+ * out_w [T, K]. Declines (SMALL_DECLINED, nothing written) where a pair would not fit a slot
+ * or a rank's rows its heap, or this rank's FENCE word is set. Else
+ * moe_small_combine_start, then moe_small_combine_finish (no biases); counts [2R] get
+ * matrix[:, me] and matrix[me, :], for a caller that goes on with moe_small_combine_finish
+ * (index: int64 [T + 1 + first[R]], scratch: float32 [2 * hidden]). */
+int64_t moe_small_combine_direct(const int64_t *cx, int64_t ep, int64_t cp, int64_t epoch,
+                                 int64_t deadline_ns, const int64_t *matrix, int64_t slot_rows,
+                                 int64_t heap_rows, const int64_t *ids, const int64_t *first,
+                                 const uint8_t *x, int dt, int64_t hidden, const float *topk_w,
+                                 int64_t K, int64_t T, void *out, float *out_w, int64_t *index,
+                                 float *scratch, const int64_t *call_row, int64_t *counts) {
+    const int64_t R = cx[CX_R], me = cx[CX_ME];
+    if (*CX_PTR(cx, CX_FENCE) || !small_all_eager(matrix, R, slot_rows, heap_rows, 1))
+        return SMALL_DECLINED;
+    int64_t own = 0;                  /* this rank's rows for itself start there in x */
+    for (int64_t s = 0; s < R; s++) {
+        counts[s] = matrix[s * R + me];
+        counts[R + s] = matrix[me * R + s];
+        if (s < me) own += counts[s];
+    }
+    const int64_t row_bytes = hidden * (dt == DT_F32 ? 4 : 2);
+    moe_small_combine_start(cx, ep, cp, epoch, counts, x, row_bytes, topk_w, K, call_row);
+    return moe_small_combine_finish(cx, ep, cp, epoch, deadline_ns, counts + R, ids, first, dt,
+                                    hidden, K, T, NULL, 0, out, dt, out_w, index, scratch,
+                                    call_row, x + own * row_bytes,
+                                    topk_w ? topk_w + own * K : NULL);
+}

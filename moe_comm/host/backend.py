@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import ll, native, normal
+from . import direct, ll, native, normal
 from ..errors import refuse_if_masked
 from ..event import EventOverlap
 from ..layout import DispatchLayout, aligned_expert_counts, dispatch_layout
@@ -33,6 +33,10 @@ class HostBackend:
                 self._lib, topk_idx, num_experts, per_rank, per_expert, in_rank):
             return DispatchLayout(per_rank, per_expert, in_rank)
         return None
+
+    def direct_calls(self, buffer_key):
+        """Small calls straight from the Buffer's arguments (host/direct.py)."""
+        return direct.DirectCalls(self.comm, buffer_key)
 
     def layout(self, topk_idx, num_experts, num_ranks) -> DispatchLayout:
         per_rank, per_expert, in_rank = native.dispatch_layout(

@@ -59,6 +59,7 @@ class HostComm:
         self.timeout_s = float(timeout_s)
         self.elastic = bool(elastic)
         self.active = np.ones(self.num_ranks, dtype=bool)
+        self.all_active = True           # active.all(), kept: a small call reads it (direct.py)
         self.agree_seq = 0
         self._deadline = 0.0
         self.layout = HeaderLayout(self.num_ranks)
@@ -277,6 +278,7 @@ class HostComm:
         ranks = sorted(r for r in ranks if self.active[r])
         if ranks:
             self.active[ranks] = False
+            self.all_active = False
             log.warning("moe_comm rank %d: masking rank(s) %s (%s)", self.rank, ranks, why)
 
     def agree(self, op: str, late: float = 0.0) -> None:
@@ -374,6 +376,7 @@ class HostComm:
         w = int(self.words[self.rank][self.layout.fence])
         if w:
             self.active[self.rank] = False
+            self.all_active = False
             raise RankMaskedError(f"rank {self.rank} was masked out by rank "
                                   f"{int(tag_value(w)) - 1} (it missed the survivors' deadline);"
                                   " a new Buffer is needed to rejoin")

@@ -38,7 +38,7 @@ import torch
 
 from .. import signature
 from ..errors import BufferTooSmallError
-from ..handle import DispatchHandle
+from ..handle import DispatchHandle, TokenIds
 from ..layout import tokens_per_host
 from ..wire import PAGE, SlabLayout, stream_chunk_rows
 from . import eager, relay, relay_rounds, small
@@ -141,11 +141,13 @@ def _exchange(comm, epoch, op, *, page, own_error, dests, sources, write, need, 
 
 def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, layout,
              handle, num_experts, num_worst_tokens, buffer_key, round_index=None,
-             aborted=False):
+             aborted=False, started=None):
     """Run one normal dispatch. ``x_bytes`` is x as uint8 ``[T, row_bytes]``; ``layout``
     (moe_comm/layout.py DispatchLayout) where fresh routing sends it, None with a ``handle``.
     ``round_index``: this call is that round of a bigger one (relay_rounds.py), not split
     again; ``aborted``: this rank's previous round failed (relay_rounds.in_step).
+    ``started``: host/direct.py began this fresh dispatch as a small one, up to its count
+    matrix (direct.Started), and another rank's rows do not fit a slot: it goes on here.
 
     Returns ``(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, handle)``."""
     me, R = comm.rank, comm.num_ranks
@@ -156,8 +158,11 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
                 num_worst_tokens=num_worst_tokens, buffer_key=buffer_key)
     if handle is not None and handle.rounds is not None:
         return _cached_rounds(comm, handle, args)
-    comm.start_call()
-    parity, epoch = comm.next_normal_parity(), comm.next_epoch()
+    if started is None:
+        comm.start_call()
+        parity, epoch = comm.next_normal_parity(), comm.next_epoch()
+    else:
+        parity, epoch = started.parity, started.epoch
     call_row = signature.of_dispatch(
         hidden=hidden, dtype=dtype, scales=scales, topk_idx=topk_idx, num_experts=num_experts,
         num_worst_tokens=num_worst_tokens, handle=handle, round_index=round_index,
@@ -199,13 +204,13 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
         else:
             send_eagerly(own, lambda d: cached.send_token_ids[d])
             calls = comm.post_call(epoch, call_row)
-    elif small_ok and small.fits(comm, layout.per_rank.numpy(), row_bytes, scale_cols, topk):
-        matrix, ids, first = small.start_dispatch(comm, epoch, parity, call_row, layout.in_rank,
-                                                  None, None, **rows)
+    elif started is not None or (small_ok and small.fits(comm, layout.per_rank.numpy(),
+                                                         row_bytes, scale_cols, topk)):
+        matrix, ids, first = (started.counts if started is not None else small.start_dispatch(
+            comm, epoch, parity, call_row, layout.in_rank, None, None, **rows))
         handle = DispatchHandle(buffer_key, num_tokens, hidden, matrix, layout.in_rank,
-                                small.split_ids(ids, first),
-                                int(matrix[:, me].sum()), num_worst_tokens, call_id=epoch)
-        handle._small_ids = ids, first          # (small.handle_ids)
+                                TokenIds(ids, first), int(matrix[:, me].sum()),
+                                num_worst_tokens, call_id=epoch)
         if not num_worst_tokens and small.dispatch_in_slots(comm, matrix, row_bytes,
                                                             scale_cols, topk):
             return _small_finish(comm, epoch, parity, handle, dtype, rows, call_row, None)

@@ -34,6 +34,7 @@ import os
 import numpy as np
 import torch
 
+from ..handle import TokenIds
 from ..wire import CALL_WORDS, DOORBELL_WORD, PAGE, SLAB_ALIGN
 from . import eager, native
 from .exchange import DONE_WRITTEN
@@ -216,7 +217,7 @@ def call_views(comm, parity: int) -> dict:
 
 
 def _drive(comm, phase, op: str, epoch: int, parity: int, call_parity: int,
-           count_parity: int = 0, counts=None) -> None:
+           count_parity: int = 0, counts=None, rc=None) -> None:
     """Run a C phase (``phase(resume)`` -> its return code) to its end, raising what the
     Python protocol raises where it stops: signatures that differ (the phase flagged them):
     HostComm.verify_call, CallMismatchError; a slot that did not come: HostComm.wait on it
@@ -224,9 +225,11 @@ def _drive(comm, phase, op: str, epoch: int, parity: int, call_parity: int,
     fenced; if the words came after all, the phase goes on); a slot of another size:
     exchange.settle's error. A wait's slice that ran out (AGAIN): the phase goes on waiting,
     Python's signal handlers having run. ``counts``: the rows each source sends this rank
-    (whose slots a finish phase waits for)."""
+    (whose slots a finish phase waits for). ``rc``: what the phase's first run returned, if
+    the caller ran it."""
     a, checked = addresses(comm), False
-    rc = phase(0)
+    if rc is None:
+        rc = phase(0)
     while True:
         if a.differ[0] and not checked:
             comm.verify_call(call_views(comm, call_parity), epoch, op)    # raises
@@ -372,21 +375,18 @@ def receive_combine(comm, epoch: int, parity: int, handle, x, topk_weights, *, d
     return out, out_w
 
 
-def split_ids(ids: torch.Tensor, first: np.ndarray) -> list:
-    """``ids`` as one view per rank (a handle's send_token_ids); slicing, not torch.split,
-    whose Python wrapper costs more than the rest of a small call's handle."""
-    at = first.tolist()
-    return [ids[at[d]:at[d + 1]] for d in range(len(at) - 1)]
-
-
 def handle_ids(handle):
-    """A handle's send_token_ids as one int64 tensor and its ``first`` offsets (numpy), kept
-    on the handle: every combine of it reads them."""
+    """A handle's send_token_ids as one int64 tensor and its ``first`` offsets (numpy): a
+    small dispatch's handle holds them so (handle.TokenIds); another's are joined once and
+    kept on the handle, since every combine of it reads them."""
+    sent = handle.send_token_ids
+    if isinstance(sent, TokenIds):
+        return sent.ids, sent.first
     found = getattr(handle, "_small_ids", None)
     if found is None:
-        first = np.zeros(len(handle.send_token_ids) + 1, dtype=np.int64)
-        np.cumsum([len(t) for t in handle.send_token_ids], out=first[1:])
-        ids = torch.cat(list(handle.send_token_ids)).to(torch.int64).contiguous() \
-            if len(handle.send_token_ids) else torch.zeros(0, dtype=torch.int64)
+        first = np.zeros(len(sent) + 1, dtype=np.int64)
+        np.cumsum([len(t) for t in sent], out=first[1:])
+        ids = torch.cat(list(sent)).to(torch.int64).contiguous() \
+            if len(sent) else torch.zeros(0, dtype=torch.int64)
         found = handle._small_ids = (ids, first)
     return found

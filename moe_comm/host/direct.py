@@ -1,0 +1,299 @@
+"""Small calls straight from the Buffer's arguments: kinds and shapes checked in Python,
+everything else in C (two calls for a fresh dispatch, one for a cached dispatch or a combine).
+
+Why: host/small.py moves a small dispatch's rows (64 tokens of H=1024: a few KB per pair) in
+two C phases of ~20 us together, but the call around them cost ~150 us of Python spread thin:
+the argument checks, the layout check, the backend's bookkeeping, the handle, the results
+(docs/PERF.md, session 15). That made a tiny dispatch no faster than MPI's exchange.
+
+Which calls, on a Buffer whose small calls may run (small.usable: one host, not elastic,
+every rank active), without num_worst_tokens, active_ranks or bias, all tensors contiguous
+on the CPU:
+
+- a fresh dispatch of a bf16, fp16 or float32 x [T, H] with topk_idx int64 [T, K],
+  topk_weights float32 [T, K] and get_dispatch_layout's three tensors;
+- a cached dispatch of such an x on a handle of this Buffer;
+- a combine of bf16 or float32 rows, with or without float32 weights.
+
+The Python here checks kinds and shapes only. The first C call checks the values before it
+writes anything - a fresh dispatch's ids within [-1, E) and its layout the one topk_idx gives;
+every pair's rows within an eager slot; this rank not fenced - and declines otherwise. A call
+this path does not take, or that C declines, runs the Buffer's whole path, which says what is
+wrong: the two accept the same calls and return the same results (tests/test_small_calls.py).
+
+The words, slots and epochs are the small path's (the C phases are small.py's), so a rank
+here pairs with a rank on either other path. A fresh dispatch whose count matrix shows another
+rank's rows beyond a slot goes on in normal.dispatch (``started``); a late or differing peer
+is waited for, or raised on, by small._drive, as on the small path.
+"""
+from __future__ import annotations
+
+from collections import namedtuple
+import time
+
+import numpy as np
+import torch
+
+from .. import signature
+from ..event import EventOverlap
+from ..handle import DispatchHandle, TokenIds
+from ..layout import DispatchLayout
+from ..wire import MAX_EPOCH
+from . import native, small
+
+# x dtypes a dispatch here moves (as rows of bytes: the dtype only sizes them); a combine
+# sums small.SUM_DTYPES
+ROW_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# what the first C call returns where it does not take the call (host_ops.c SMALL_DECLINED)
+DECLINED = 5
+
+# A fresh dispatch begun here up to its count matrix, handed to normal.dispatch to go on:
+# its eager parity, epoch, and (count matrix, token ids by rank, their offsets [R + 1])
+Started = namedtuple("Started", "parity epoch counts")
+
+
+class DirectCalls:
+    """One Buffer's direct path (built once, with its buffer key for the handles)."""
+
+    def __init__(self, comm, buffer_key):
+        self.comm, self.key = comm, buffer_key
+        self.on = small.usable(comm)          # what cannot change over the Buffer's life
+        if not self.on:
+            return
+        self.a = small.addresses(comm)
+        self.lib, self.cx = self.a.lib, self.a.p_context
+        R = comm.num_ranks
+        # scratch the C calls write, read back before the call returns: a fresh dispatch's
+        # rows in, whether all pairs go eagerly, the rows from each source; a cached
+        # dispatch's or combine's counts per peer (2R)
+        self.info = np.zeros(2 + R, dtype=np.int64)
+        self.p_info = self.info.ctypes.data
+        self.counts = np.zeros(2 * R, dtype=np.int64)
+        self.p_counts = self.counts.ctypes.data
+        self.local = self.index = self.sums = None         # grown as needed (_scratch)
+        self._scratch(1, 1, 1)
+        self.shapes = {}                # (H, dtype, K, E) -> what a dispatch of it uses
+
+    def _scratch(self, num_local, index, hidden):
+        """Room for ``num_local`` received-id counts (a dispatch), a combine's index of
+        ``index`` int64 and its float32 scratch of 2 * ``hidden``."""
+        if self.local is None or num_local > len(self.local):
+            self.local = np.zeros(num_local, dtype=np.int64)
+            self.p_local = self.local.ctypes.data
+        if self.index is None or index > self.index.numel():
+            self.index = torch.empty(max(index, 1024), dtype=torch.int64)
+        if self.sums is None or 2 * hidden > self.sums.numel():
+            self.sums = torch.empty(2 * hidden, dtype=torch.float32)
+
+    def _numbers(self):
+        """A call's eager parity, epoch and call parity, and its deadline (ns), as the
+        Python protocol takes them (HostComm), but only read: :meth:`_take` takes them once
+        C took the call."""
+        comm = self.comm
+        comm.refresh_deadline()
+        return ((comm.normal_seq + 1) % 2, comm.epoch % MAX_EPOCH + 1, comm.call_seq % 2,
+                int(comm.deadline * 1e9))
+
+    def _take(self, epoch):
+        comm = self.comm
+        comm.epoch, comm.normal_seq, comm.call_seq = epoch, comm.normal_seq + 1, comm.call_seq + 1
+
+    def _empty(self, key, nbytes, shapes) -> list:
+        """New output tensors of ``shapes`` ((rows, cols, dtype) or None); ``nbytes``
+        together: from reused bases where large or poisoned (small._outputs)."""
+        if self.comm.poison is None and nbytes < small.POOLED_BYTES:
+            return [None if s is None else torch.empty((s[0], s[1]), dtype=s[2])
+                    for s in shapes]
+        return small._outputs(self.comm, key, shapes)
+
+    def _of_handle(self, handle) -> bool:
+        return (handle.__class__ is DispatchHandle and handle.buffer_key is self.key and
+                handle.rounds is None and handle.relay is None and not handle.num_worst_tokens)
+
+    @staticmethod
+    def _matrix(handle):
+        """The handle's count matrix as the C calls read it (int64, row-major)."""
+        m = handle.count_matrix
+        return m if m.dtype == np.int64 and m.flags.c_contiguous else \
+            np.ascontiguousarray(m, dtype=np.int64)
+
+    def _shape(self, hidden, dtype, topk, num_experts):
+        """A fresh dispatch's signature, its address, row bytes and slot / heap rows."""
+        key = (hidden, dtype, topk, num_experts)
+        found = self.shapes.get(key)
+        if found is None:
+            row = signature.normal("dispatch", hidden=hidden, dtype=dtype, scale_cols=0,
+                                   topk=topk, num_experts=num_experts, num_worst_tokens=0,
+                                   handle_id=0)
+            row_bytes = hidden * dtype.itemsize
+            found = self.shapes[key] = (row, row.ctypes.data, row_bytes,
+                                        *small._max_rows(self.comm, row_bytes, 0, topk))
+            self._scratch(num_experts // self.comm.num_ranks, 1, 1)
+        return found
+
+    def usable(self, active_ranks, num_worst_tokens=0) -> bool:
+        """What every call here needs of the Buffer and of the arguments not its tensors."""
+        return (self.on and self.comm.all_active and active_ranks is None and
+                num_worst_tokens.__class__ is int and num_worst_tokens == 0)
+
+    def dispatch(self, backend, x, per_rank, in_rank, per_expert, idx, w, alignment,
+                 num_worst_tokens, active_ranks):
+        """Buffer.dispatch's result for a fresh call this path takes, else None (nothing
+        moved)."""
+        comm, Tensor = self.comm, torch.Tensor
+        if not (self.usable(active_ranks, num_worst_tokens) and
+                alignment.__class__ is int and alignment >= 1 and
+                x.__class__ is Tensor and idx.__class__ is Tensor and w.__class__ is Tensor and
+                per_rank.__class__ is Tensor and in_rank.__class__ is Tensor and
+                per_expert.__class__ is Tensor):
+            return None
+        dtype, R = x.dtype, comm.num_ranks
+        if not (dtype in ROW_DTYPES and idx.dtype is torch.int64 and
+                w.dtype is torch.float32 and per_rank.dtype is torch.int32 and
+                per_expert.dtype is torch.int32 and in_rank.dtype is torch.bool and
+                x.dim() == 2 and idx.dim() == 2 and per_expert.dim() == 1):
+            return None
+        (T, H), K, E = x.shape, idx.shape[1], per_expert.shape[0]
+        if not (H > 0 and idx.shape[0] == T and w.shape == idx.shape and
+                in_rank.shape == (T, R) and per_rank.shape == (R,) and 0 < E and
+                E % R == 0 and E <= native.LAYOUT_CHECK_MAX and
+                x.is_contiguous() and idx.is_contiguous() and w.is_contiguous() and
+                in_rank.is_contiguous() and per_rank.is_contiguous() and
+                per_expert.is_contiguous() and x.is_cpu and idx.is_cpu and w.is_cpu and
+                in_rank.is_cpu and per_rank.is_cpu and per_expert.is_cpu):
+            return None
+        call_row, p_call_row, row_bytes, slot_rows, heap_rows = self._shape(H, dtype, K, E)
+        parity, epoch, cp, deadline_ns = self._numbers()
+        ids = torch.empty(T * R, dtype=torch.int64)
+        first, matrix = np.empty(R + 1, dtype=np.int64), np.empty((R, R), dtype=np.int64)
+        p_first, p_matrix, p_recv_count = first.ctypes.data, matrix.ctypes.data, self.p_info + 16
+        lib, cx = self.lib, self.cx
+        rc = lib.moe_small_dispatch_direct(
+            cx, parity, cp, epoch, deadline_ns, idx.data_ptr(), T, K, E, per_rank.data_ptr(),
+            per_expert.data_ptr(), in_rank.data_ptr(), x.data_ptr(), row_bytes, w.data_ptr(),
+            slot_rows, heap_rows, p_call_row, ids.data_ptr(), p_first, p_matrix, self.p_info,
+            p_recv_count)
+        if rc == DECLINED:
+            return None
+        self._take(epoch)
+        if rc or self.a.differ[0]:    # late or differing signatures, late counts: the waits
+            small._drive(comm, lambda resume: lib.moe_small_dispatch_start(   # go on there
+                cx, parity, cp, cp, resume, epoch, deadline_ns, 0, T, R, 1, 0, p_first, 0, 0,
+                0, 0, 0, 0, 0, 0, K, 0, p_call_row, p_matrix), "dispatch", epoch, parity, cp,
+                cp, rc=rc)
+            lib.moe_small_matrix_info(p_matrix, R, comm.rank, slot_rows, heap_rows,
+                                      self.p_info, p_recv_count)
+        num_recv, eager_everywhere = int(self.info[0]), self.info[1]
+        ids = ids[:int(first[R])]
+        if not eager_everywhere:      # another rank's rows beyond a slot: the whole protocol
+            return self._go_on(backend, Started(parity, epoch, (matrix, ids, first)), x, idx,
+                               w, E, alignment, in_rank, per_rank, per_expert)
+        recv_x, recv_i, recv_w = self._empty("dispatch", num_recv * (row_bytes + 12 * K), [
+            (num_recv, H, dtype), (num_recv, K, torch.int64), (num_recv, K, torch.float32)])
+        num_local = E // R
+        out = (recv_x.data_ptr(), 0, recv_i.data_ptr(), recv_w.data_ptr())
+        rc = lib.moe_small_dispatch_finish(cx, parity, 0, epoch, deadline_ns, p_recv_count,
+                                           row_bytes, 0, K, *out, num_local, self.p_local, 0)
+        if rc:                        # (a fresh dispatch's finish checks no signatures)
+            small._drive(comm, lambda resume: lib.moe_small_dispatch_finish(
+                cx, parity, 0, epoch, deadline_ns, p_recv_count, row_bytes, 0, K, *out,
+                num_local, self.p_local, 0), "dispatch", epoch, parity, cp,
+                counts=self.info[2:].copy(), rc=rc)
+        counts = self.local[:num_local].tolist()
+        if alignment != 1:
+            counts = [(c + alignment - 1) // alignment * alignment for c in counts]
+        handle = DispatchHandle(self.key, T, H, matrix, in_rank, TokenIds(ids, first), num_recv,
+                                0, call_id=epoch)
+        return recv_x, recv_i, recv_w, counts, handle, EventOverlap()
+
+    def _go_on(self, backend, started, x, idx, w, num_experts, alignment, in_rank, per_rank,
+               per_expert):
+        """The rest of a call begun here whose rows do not all fit slots (normal.dispatch)."""
+        recv_x, _, recv_i, recv_w, handle = backend.normal.dispatch(
+            self.comm, x_bytes=x.view(torch.uint8), dtype=x.dtype, hidden=x.shape[1],
+            scales=None, topk_idx=idx, topk_weights=w,
+            layout=DispatchLayout(per_rank, per_expert, in_rank), handle=None,
+            num_experts=num_experts, num_worst_tokens=0, buffer_key=self.key, started=started)
+        counts = backend.expert_counts(recv_i, handle, num_experts // self.comm.num_ranks,
+                                       alignment)
+        return recv_x, recv_i, recv_w, counts, handle, EventOverlap()
+
+    def cached(self, x, handle, idx, w, num_worst_tokens, active_ranks):
+        """Buffer.dispatch's result for a cached call (``handle``) this path takes, else
+        None (nothing moved)."""
+        if not (self.usable(active_ranks, num_worst_tokens) and idx is None and w is None and
+                self._of_handle(handle) and x.__class__ is torch.Tensor):
+            return None
+        dtype, T, H = x.dtype, handle.num_tokens, handle.hidden
+        if not (dtype in ROW_DTYPES and x.dim() == 2 and x.shape == (T, H) and
+                x.is_contiguous() and x.is_cpu):
+            return None
+        row_bytes, num_recv = H * dtype.itemsize, handle.num_recv_tokens
+        slot_rows, heap_rows = small._max_rows(self.comm, row_bytes, 0, 0)
+        call_row = signature.normal("cached dispatch", hidden=H, dtype=dtype, scale_cols=0,
+                                    topk=0, num_experts=0, num_worst_tokens=0,
+                                    handle_id=handle.call_id)
+        ids, first = small.handle_ids(handle)
+        recv_x, = self._empty("dispatch", num_recv * row_bytes, [(num_recv, H, dtype)])
+        parity, epoch, cp, deadline_ns = self._numbers()
+        lib, cx, p_call_row = self.lib, self.cx, call_row.ctypes.data
+        rc = lib.moe_small_cached_direct(
+            cx, parity, cp, epoch, deadline_ns, self._matrix(handle).ctypes.data, slot_rows,
+            heap_rows, ids.data_ptr(), first.ctypes.data, x.data_ptr(), T, row_bytes,
+            recv_x.data_ptr(), p_call_row, self.p_counts)
+        if rc == DECLINED:
+            return None
+        self._take(epoch)
+        if rc or self.a.differ[0]:    # late or differing peers: the waits go on there
+            small._drive(self.comm, lambda resume: lib.moe_small_dispatch_finish(
+                cx, parity, cp, epoch, deadline_ns, self.p_counts, row_bytes, 0, 0,
+                recv_x.data_ptr(), 0, 0, 0, 0, 0, p_call_row), "dispatch", epoch, parity, cp,
+                counts=self.counts[:self.comm.num_ranks].copy(), rc=rc)
+        return recv_x, None, None, None, None, EventOverlap()
+
+    def combine(self, x, handle, w, bias, active_ranks):
+        """Buffer.combine's result for a call this path takes, else None (nothing moved)."""
+        comm = self.comm
+        if not (self.usable(active_ranks) and bias is None and self._of_handle(handle) and
+                x.__class__ is torch.Tensor):
+            return None
+        dtype, n, H, T = x.dtype, handle.num_recv_tokens, handle.hidden, handle.num_tokens
+        if not (dtype in small.SUM_DTYPES and x.dim() == 2 and x.shape == (n, H) and
+                x.is_contiguous() and x.is_cpu):
+            return None
+        K = 0
+        if w is not None:
+            if not (w.__class__ is torch.Tensor and w.dtype is torch.float32 and
+                    w.dim() == 2 and w.shape[0] == n and w.is_contiguous() and w.is_cpu):
+                return None
+            K = w.shape[1]
+        row_bytes = H * dtype.itemsize
+        slot_rows, heap_rows = small._max_rows(comm, row_bytes, 0, K)
+        call_row = signature.normal("combine", hidden=H, dtype=dtype, scale_cols=0, topk=K,
+                                    num_experts=0, num_worst_tokens=0, handle_id=handle.call_id)
+        ids, first = small.handle_ids(handle)
+        R = comm.num_ranks
+        self._scratch(1, T + 1 + int(first[R]), H)
+        out, out_w = self._empty("combine", T * (row_bytes + 4 * K), [
+            (T, H, dtype), (T, K, torch.float32) if w is not None else None])
+        parity, epoch, cp, deadline_ns = self._numbers()
+        lib, cx, p_call_row, dt = self.lib, self.cx, call_row.ctypes.data, small.SUM_DTYPES[dtype]
+        args = (ids.data_ptr(), first.ctypes.data, dt, H, K, T, 0, 0, out.data_ptr(), dt,
+                0 if w is None else out_w.data_ptr(), self.index.data_ptr(),
+                self.sums.data_ptr(), p_call_row)
+        matrix = self._matrix(handle)
+        rc = lib.moe_small_combine_direct(
+            cx, parity, cp, epoch, deadline_ns, matrix.ctypes.data, slot_rows, heap_rows,
+            ids.data_ptr(), first.ctypes.data, x.data_ptr(), dt, H,
+            0 if w is None else w.data_ptr(), K, T, out.data_ptr(), args[10], args[11],
+            args[12], p_call_row, self.p_counts)
+        if rc == DECLINED:
+            return None
+        self._take(epoch)
+        if rc or self.a.differ[0]:    # late or differing peers: the waits go on there
+            own = int(matrix[:comm.rank, comm.rank].sum())   # my rows for myself, in x
+            own_x, own_w = x[own:].data_ptr(), 0 if w is None else w[own:].data_ptr()
+            small._drive(comm, lambda resume: lib.moe_small_combine_finish(
+                cx, parity, cp, epoch, deadline_ns, self.p_counts + 8 * R, *args, own_x,
+                own_w), "combine", epoch, parity, cp, counts=self.counts[R:].copy(), rc=rc)
+        return out, out_w, EventOverlap()
