@@ -779,8 +779,10 @@ static inline void publish(int64_t *words, int64_t bell, int64_t epoch, const in
 /* A dispatch's eager sends (eager.send), in the order of `dests` (nd ranks): rank d's rows
  * (ids[first[d]:first[d+1]]) into its slot of this rank at slot[d] (a byte address), then
  * the slot's flag at flag[d]: DONE_WRITTEN and the bytes written; then its doorbell rung
- * (bells[d]). Ranks without rows are skipped. */
-static void small_dispatch_send(int64_t nd, const int64_t *dests, const int64_t *slot,
+ * (bells[d]). Ranks without rows are skipped, and rank `skip` (this rank, whose receive
+ * then takes its rows from x; -1: none). */
+static void small_dispatch_send(int64_t skip, int64_t nd, const int64_t *dests,
+                                const int64_t *slot,
                                 const int64_t *flag, const int64_t *bells, const int64_t *ids,
                                 const int64_t *first,
                                 int64_t epoch, const uint8_t *x, int64_t x_stride, int64_t T,
@@ -790,7 +792,7 @@ static void small_dispatch_send(int64_t nd, const int64_t *dests, const int64_t 
                                 int64_t page, int64_t done_written) {
     for (int64_t j = 0; j < nd; j++) {
         const int64_t d = dests[j];
-        if (first[d + 1] == first[d]) continue;
+        if (first[d + 1] == first[d] || d == skip) continue;
         const int64_t nbytes = put_dispatch_rows(
             (uint8_t *)(intptr_t)slot[d], ids + first[d], first[d + 1] - first[d], x, x_stride,
             T, row_bytes, scales, s_row, scale_cols, topk_idx, topk_w, K, d * num_local,
@@ -897,7 +899,8 @@ static int64_t small_wait(int64_t n, const int64_t *words, const int64_t *nwords
  * count[s] rows, a SlabLayout at slot[s], to rows [row0[s], row0[s] + count[s]) of the
  * outputs (payload [*, row_bytes]; scales [*, scale_cols] 4-byte; ids int64 and weights
  * float32 [*, K], each NULL when not returned), in source order (row0[s]: the rows of the
- * sources before s). Each slot's flag (flag[s]:
+ * sources before s), but for source `skip` (-1: none), whose rows the caller copies. Each
+ * slot's flag (flag[s]:
  * two words) must say the bytes that layout spans; returns -(s + 1) for the first source
  * whose does not (nothing copied), else 0. local_counts [num_local] (or NULL): how many
  * received ids name each local expert. */
@@ -905,10 +908,10 @@ static int64_t small_dispatch_recv(int64_t R, const int64_t *slot, const int64_t
                                    const int64_t *count, int64_t row_bytes,
                                    int64_t scale_cols, int64_t K, int64_t align, int64_t page,
                                    uint8_t *out_x, uint8_t *out_s, int64_t *out_i, float *out_w,
-                                   int64_t num_local, int64_t *local_counts) {
+                                   int64_t num_local, int64_t *local_counts, int64_t skip) {
     int64_t offs[4];
     for (int64_t s = 0; s < R; s++) {
-        if (!count[s]) continue;
+        if (!count[s] || s == skip) continue;
         const int64_t nbytes = slab_layout(count[s], row_bytes, scale_cols, K, align, page, offs);
         const int64_t said = ((const int64_t *)(intptr_t)flag[s])[1] & 0xFFFFFFFFll;
         if (said != nbytes) return -(s + 1);
@@ -916,7 +919,7 @@ static int64_t small_dispatch_recv(int64_t R, const int64_t *slot, const int64_t
     if (local_counts) for (int64_t e = 0; e < num_local; e++) local_counts[e] = 0;
     for (int64_t s = 0, r = 0; s < R; r += count[s], s++) {
         const int64_t n = count[s];
-        if (!n) continue;
+        if (!n || s == skip) continue;
         slab_layout(n, row_bytes, scale_cols, K, align, page, offs);
         const uint8_t *base = (const uint8_t *)(intptr_t)slot[s];
         memcpy(out_x + r * row_bytes, base + offs[0], (size_t)(n * row_bytes));
@@ -1052,22 +1055,22 @@ static int64_t cx_check_calls(const int64_t *cx, int64_t cp, int64_t epoch,
  * SMALL_AGAIN or a late slot): only the waits, everything before them was done; 2: and go
  * on past signatures that differ (the caller checked them: a test that turns checks off).
  * T: this rank's tokens, in x and in_rank (NULL for a dispatch of no tokens: torch gives
- * empty tensors no storage); scales row-major, rows s_row bytes apart. */
-int64_t moe_small_dispatch_start(const int64_t *cx, int64_t ep, int64_t cp, int64_t np,
-                                 int64_t resume, int64_t epoch, int64_t deadline_ns,
-                                 const uint8_t *in_rank,
-                                 int64_t T, int64_t st, int64_t sr, int64_t *ids,
-                                 int64_t *first, const uint8_t *x, int64_t x_stride,
-                                 int64_t row_bytes, const uint8_t *scales, int64_t s_row,
-                                 int64_t scale_cols, const int64_t *topk_idx,
-                                 const float *topk_w, int64_t K, int64_t num_local,
-                                 const int64_t *call_row, int64_t *matrix) {
+ * empty tensors no storage); scales row-major, rows s_row bytes apart. (small_start's
+ * `skip`: a rank whose rows are not sent, small_dispatch_send's.) */
+static int64_t small_start(const int64_t *cx, int64_t ep, int64_t cp, int64_t np,
+                           int64_t resume, int64_t epoch, int64_t deadline_ns,
+                           const uint8_t *in_rank, int64_t T, int64_t st, int64_t sr,
+                           int64_t *ids, int64_t *first, const uint8_t *x, int64_t x_stride,
+                           int64_t row_bytes, const uint8_t *scales, int64_t s_row,
+                           int64_t scale_cols, const int64_t *topk_idx, const float *topk_w,
+                           int64_t K, int64_t num_local, const int64_t *call_row,
+                           int64_t *matrix, int64_t skip) {
     const int64_t R = cx[CX_R];
     int64_t *differ = (int64_t *)(intptr_t)cx[CX_DIFFER];
     *differ = 0;
     if (!resume) {
         if (np >= 0) small_ids(in_rank, T, R, st, sr, ids, first);
-        small_dispatch_send(R, CX_PTR(cx, CX_ROTATION), CX_PTR(cx, CX_OUT_SLOT + ep),
+        small_dispatch_send(skip, R, CX_PTR(cx, CX_ROTATION), CX_PTR(cx, CX_OUT_SLOT + ep),
                             CX_PTR(cx, CX_OUT_FLAG + ep), CX_PTR(cx, CX_BELLS), ids, first,
                             epoch, x, x_stride, T, row_bytes, scales, s_row, scale_cols,
                             topk_idx, topk_w, K, num_local, cx[CX_ALIGN], cx[CX_PAGE],
@@ -1091,28 +1094,54 @@ int64_t moe_small_dispatch_start(const int64_t *cx, int64_t ep, int64_t cp, int6
     return SMALL_OK;
 }
 
+int64_t moe_small_dispatch_start(const int64_t *cx, int64_t ep, int64_t cp, int64_t np,
+                                 int64_t resume, int64_t epoch, int64_t deadline_ns,
+                                 const uint8_t *in_rank,
+                                 int64_t T, int64_t st, int64_t sr, int64_t *ids,
+                                 int64_t *first, const uint8_t *x, int64_t x_stride,
+                                 int64_t row_bytes, const uint8_t *scales, int64_t s_row,
+                                 int64_t scale_cols, const int64_t *topk_idx,
+                                 const float *topk_w, int64_t K, int64_t num_local,
+                                 const int64_t *call_row, int64_t *matrix) {
+    return small_start(cx, ep, cp, np, resume, epoch, deadline_ns, in_rank, T, st, sr, ids,
+                       first, x, x_stride, row_bytes, scales, s_row, scale_cols, topk_idx,
+                       topk_w, K, num_local, call_row, matrix, -1);
+}
+
 /* The rest of a small dispatch every pair of which went eagerly: the slots of the ranks
  * sending this rank rows (count [R]), with call_row (a cached dispatch) the signatures at
  * call parity cp, then every source's rows copied out (small_dispatch_recv). Returns
- * SMALL_OK, what stopped it, or -(s + 1) for a source whose slot holds another size. */
-int64_t moe_small_dispatch_finish(const int64_t *cx, int64_t ep, int64_t cp, int64_t epoch,
-                                  int64_t deadline_ns, const int64_t *count,
-                                  int64_t row_bytes, int64_t scale_cols, int64_t K,
-                                  uint8_t *out_x, uint8_t *out_s, int64_t *out_i, float *out_w,
-                                  int64_t num_local, int64_t *local_counts,
-                                  const int64_t *call_row) {
+ * SMALL_OK, what stopped it, or -(s + 1) for a source whose slot holds another size.
+ * (small_finish's `skip`: a source not waited for nor read, small_dispatch_recv's.) */
+static int64_t small_finish(const int64_t *cx, int64_t ep, int64_t cp, int64_t epoch,
+                            int64_t deadline_ns, const int64_t *count, int64_t row_bytes,
+                            int64_t scale_cols, int64_t K, uint8_t *out_x, uint8_t *out_s,
+                            int64_t *out_i, float *out_w, int64_t num_local,
+                            int64_t *local_counts, const int64_t *call_row, int64_t skip) {
+    const int64_t R = cx[CX_R];
+    int64_t need[R];                  /* the sources waited for */
+    for (int64_t s = 0; s < R; s++) need[s] = s == skip ? 0 : count[s];
     *(int64_t *)(intptr_t)cx[CX_DIFFER] = 0;
-    const int64_t late = cx_wait(cx, CX_PTR(cx, CX_IN_FLAG + ep), CX_PTR(cx, CX_NW_FLAG), count,
+    const int64_t late = cx_wait(cx, CX_PTR(cx, CX_IN_FLAG + ep), CX_PTR(cx, CX_NW_FLAG), need,
                                  NULL, epoch, deadline_ns);
     if (late) return late == -2 ? SMALL_AGAIN : SMALL_LATE_FLAGS;
     if (call_row) {
         const int64_t calls = cx_check_calls(cx, cp, epoch, deadline_ns, call_row);
         if (calls != SMALL_OK) return calls;
     }
-    return small_dispatch_recv(cx[CX_R], CX_PTR(cx, CX_IN_SLOT + ep),
-                               CX_PTR(cx, CX_IN_FLAG + ep), count, row_bytes, scale_cols, K,
-                               cx[CX_ALIGN], cx[CX_PAGE], out_x, out_s, out_i, out_w,
-                               num_local, local_counts);
+    return small_dispatch_recv(R, CX_PTR(cx, CX_IN_SLOT + ep), CX_PTR(cx, CX_IN_FLAG + ep),
+                               count, row_bytes, scale_cols, K, cx[CX_ALIGN], cx[CX_PAGE],
+                               out_x, out_s, out_i, out_w, num_local, local_counts, skip);
+}
+
+int64_t moe_small_dispatch_finish(const int64_t *cx, int64_t ep, int64_t cp, int64_t epoch,
+                                  int64_t deadline_ns, const int64_t *count,
+                                  int64_t row_bytes, int64_t scale_cols, int64_t K,
+                                  uint8_t *out_x, uint8_t *out_s, int64_t *out_i, float *out_w,
+                                  int64_t num_local, int64_t *local_counts,
+                                  const int64_t *call_row) {
+    return small_finish(cx, ep, cp, epoch, deadline_ns, count, row_bytes, scale_cols, K, out_x,
+                        out_s, out_i, out_w, num_local, local_counts, call_row, -1);
 }
 
 /* A small combine's sends: this rank's rows back into every owner's slot at eager parity ep
@@ -1229,6 +1258,50 @@ void moe_small_matrix_info(const int64_t *matrix, int64_t R, int64_t me, int64_t
     info[1] = fits;
 }
 
+/* The rest of a dispatch begun by moe_small_dispatch_direct or moe_small_cached_direct,
+ * every pair of which went eagerly: moe_small_dispatch_finish's, but this rank's own rows
+ * (count[me] of them, ids[first[me]:first[me + 1]] of its x [T, row_bytes], with their
+ * top-k ids made local and weights, K of each, when K) go from x straight into their place
+ * in the outputs, a copy less than through its own slot (small_dispatch_send skipped it). */
+int64_t moe_small_direct_finish(const int64_t *cx, int64_t ep, int64_t cp, int64_t epoch,
+                                int64_t deadline_ns, const int64_t *count, int64_t row_bytes,
+                                int64_t K, uint8_t *out_x, int64_t *out_i, float *out_w,
+                                int64_t num_local, int64_t *local_counts,
+                                const int64_t *call_row, const uint8_t *x, int64_t T,
+                                const int64_t *ids, const int64_t *first,
+                                const int64_t *topk_idx, const float *topk_w) {
+    const int64_t me = cx[CX_ME], n = count[me];
+    if (n != first[me + 1] - first[me]) return -(me + 1);
+    const int64_t rc = small_finish(cx, ep, cp, epoch, deadline_ns, count, row_bytes, 0, K,
+                                    out_x, NULL, out_i, out_w, num_local, local_counts, call_row,
+                                    me);
+    if (rc != SMALL_OK || !n) return rc;
+    int64_t row0 = 0;
+    for (int64_t s = 0; s < me; s++) row0 += count[s];
+    if (moe_put_rows(x, row_bytes, T, ids + first[me], n, row_bytes, NULL, 0, 0, topk_idx,
+                     topk_w, K, me * num_local, num_local, out_x + row0 * row_bytes, NULL,
+                     out_i + row0 * K, out_w + row0 * K))
+        return -(me + 1);
+    if (local_counts && K)
+        for (int64_t i = row0 * K; i < (row0 + n) * K; i++)
+            if (out_i[i] >= 0) local_counts[out_i[i]]++;
+    return SMALL_OK;
+}
+
+/* This rank's own rows into its own slot, as small_dispatch_send writes them: for a dispatch
+ * begun by moe_small_dispatch_direct (which skipped them) that goes on in the Python
+ * protocol, which reads them there. */
+void moe_small_send_own(const int64_t *cx, int64_t ep, int64_t epoch, const int64_t *ids,
+                        const int64_t *first, const uint8_t *x, int64_t T, int64_t row_bytes,
+                        const int64_t *topk_idx, const float *topk_w, int64_t K,
+                        int64_t num_local) {
+    const int64_t me = cx[CX_ME];
+    small_dispatch_send(-1, 1, &me, CX_PTR(cx, CX_OUT_SLOT + ep), CX_PTR(cx, CX_OUT_FLAG + ep),
+                        CX_PTR(cx, CX_BELLS), ids, first, epoch, x, row_bytes, T, row_bytes,
+                        NULL, 0, 0, topk_idx, topk_w, K, num_local, cx[CX_ALIGN], cx[CX_PAGE],
+                        cx[CX_DONE_WRITTEN]);
+}
+
 /* Returned by moe_small_dispatch_direct where it does not take the call: nothing written. */
 #define SMALL_DECLINED 5
 
@@ -1239,8 +1312,9 @@ void moe_small_matrix_info(const int64_t *matrix, int64_t R, int64_t me, int64_t
  * outside [-1, E) (moe_layout_matches), where a rank's rows would not fit an eager slot of
  * slot_rows, or where this rank's FENCE word is set (its peers masked it): the Python
  * protocol then runs the call, and raises what is wrong. Else moe_small_dispatch_start of a
- * fresh dispatch at count parity cp (ids [T * R], first [R + 1], matrix [R, R]) and, when it
- * returns SMALL_OK, moe_small_matrix_info into info [2] and recv_count [R]. */
+ * fresh dispatch at count parity cp (ids [T * R], first [R + 1], matrix [R, R]), but for
+ * this rank's own rows (moe_small_direct_finish takes them from x), and, when it returns
+ * SMALL_OK, moe_small_matrix_info into info [2] and recv_count [R]. */
 int64_t moe_small_dispatch_direct(const int64_t *cx, int64_t ep, int64_t cp, int64_t epoch,
                                   int64_t deadline_ns, const int64_t *topk, int64_t T,
                                   int64_t K, int64_t E, const int32_t *per_rank,
@@ -1255,10 +1329,9 @@ int64_t moe_small_dispatch_direct(const int64_t *cx, int64_t ep, int64_t cp, int
         return SMALL_DECLINED;
     for (int64_t d = 0; d < R; d++)
         if (per_rank[d] > slot_rows) return SMALL_DECLINED;
-    const int64_t rc = moe_small_dispatch_start(cx, ep, cp, cp, 0, epoch, deadline_ns, in_rank,
-                                                T, R, 1, ids, first, x, row_bytes, row_bytes,
-                                                NULL, 0, 0, topk, topk_w, K, E / R, call_row,
-                                                matrix);
+    const int64_t rc = small_start(cx, ep, cp, cp, 0, epoch, deadline_ns, in_rank, T, R, 1, ids,
+                                   first, x, row_bytes, row_bytes, NULL, 0, 0, topk, topk_w, K,
+                                   E / R, call_row, matrix, cx[CX_ME]);
     if (rc == SMALL_OK)
         moe_small_matrix_info(matrix, R, cx[CX_ME], slot_rows, heap_rows, info, recv_count);
     return rc;
@@ -1285,9 +1358,10 @@ static int small_all_eager(const int64_t *matrix, int64_t R, int64_t slot_rows,
  * the handle's tokens (ids, first) of x [T, row_bytes] again, into out_x, which holds the
  * rows this rank receives (matrix[:, me] summed). Declines (SMALL_DECLINED, nothing written)
  * where a pair of the handle's matrix would not fit a slot or a rank's rows its heap, or
- * this rank's FENCE word is set. Else moe_small_dispatch_start of a cached dispatch, then
- * moe_small_dispatch_finish (signatures checked there); count [R] gets matrix[:, me], for a
- * caller that goes on after SMALL_AGAIN or a late slot with moe_small_dispatch_finish. */
+ * this rank's FENCE word is set. Else moe_small_dispatch_start of a cached dispatch (but
+ * for this rank's own rows), then moe_small_direct_finish (signatures checked there); count
+ * [R] gets matrix[:, me], for a caller that goes on after SMALL_AGAIN or a late slot with
+ * moe_small_direct_finish. */
 int64_t moe_small_cached_direct(const int64_t *cx, int64_t ep, int64_t cp, int64_t epoch,
                                 int64_t deadline_ns, const int64_t *matrix, int64_t slot_rows,
                                 int64_t heap_rows, const int64_t *ids, const int64_t *first,
@@ -1297,13 +1371,12 @@ int64_t moe_small_cached_direct(const int64_t *cx, int64_t ep, int64_t cp, int64
     if (*CX_PTR(cx, CX_FENCE) || !small_all_eager(matrix, R, slot_rows, heap_rows, 0))
         return SMALL_DECLINED;
     for (int64_t s = 0; s < R; s++) count[s] = matrix[s * R + me];
-    const int64_t rc = moe_small_dispatch_start(cx, ep, cp, -1, 0, epoch, deadline_ns, NULL, T,
-                                                0, 0, (int64_t *)ids, (int64_t *)first, x,
-                                                row_bytes, row_bytes, NULL, 0, 0, NULL, NULL, 0,
-                                                0, call_row, NULL);
+    const int64_t rc = small_start(cx, ep, cp, -1, 0, epoch, deadline_ns, NULL, T, 0, 0,
+                                   (int64_t *)ids, (int64_t *)first, x, row_bytes, row_bytes,
+                                   NULL, 0, 0, NULL, NULL, 0, 0, call_row, NULL, me);
     if (rc != SMALL_OK) return rc;
-    return moe_small_dispatch_finish(cx, ep, cp, epoch, deadline_ns, count, row_bytes, 0, 0,
-                                     out_x, NULL, NULL, NULL, 0, NULL, call_row);
+    return moe_small_direct_finish(cx, ep, cp, epoch, deadline_ns, count, row_bytes, 0, out_x,
+                                   NULL, NULL, 0, NULL, call_row, x, T, ids, first, NULL, NULL);
 }
 
 /* A small combine straight from the caller's arguments (host/direct.py): x [N, hidden] of

@@ -223,10 +223,11 @@ class HostComm:
         """When the call in progress times out (``time.monotonic()`` seconds)."""
         return self._deadline
 
-    def refresh_deadline(self) -> None:
+    def refresh_deadline(self) -> float:
         """A fresh deadline for the next round of a call that streams through the heap in
-        rounds (each round is one exchange with its peers, bounded on its own)."""
+        rounds (each round is one exchange with its peers, bounded on its own). Returns it."""
         self._deadline = time.monotonic() + self.timeout_s
+        return self._deadline
 
     def wait(self, waits: dict, epoch: int, op: str, on_ready=None, patient=()) -> set:
         """Wait for the tagged words ``waits`` (rank -> view of *this* rank's header) of the

@@ -29,7 +29,6 @@ is waited for, or raised on, by small._drive, as on the small path.
 from __future__ import annotations
 
 from collections import namedtuple
-import time
 
 import numpy as np
 import torch
@@ -90,9 +89,9 @@ class DirectCalls:
         Python protocol takes them (HostComm), but only read: :meth:`_take` takes them once
         C took the call."""
         comm = self.comm
-        comm.refresh_deadline()
+        deadline = comm.refresh_deadline()
         return ((comm.normal_seq + 1) % 2, comm.epoch % MAX_EPOCH + 1, comm.call_seq % 2,
-                int(comm.deadline * 1e9))
+                int(deadline * 1e9))
 
     def _take(self, epoch):
         comm = self.comm
@@ -105,6 +104,13 @@ class DirectCalls:
             return [None if s is None else torch.empty((s[0], s[1]), dtype=s[2])
                     for s in shapes]
         return small._outputs(self.comm, key, shapes)
+
+    def _sources(self, counts):
+        """The rows each source sends this rank, as small._drive waits for their slots: none
+        from this rank, whose rows a dispatch here takes from x."""
+        counts = counts.copy()
+        counts[self.comm.rank] = 0
+        return counts
 
     def _of_handle(self, handle) -> bool:
         return (handle.__class__ is DispatchHandle and handle.buffer_key is self.key and
@@ -164,9 +170,13 @@ class DirectCalls:
             return None
         call_row, p_call_row, row_bytes, slot_rows, heap_rows = self._shape(H, dtype, K, E)
         parity, epoch, cp, deadline_ns = self._numbers()
-        ids = torch.empty(T * R, dtype=torch.int64)
-        first, matrix = np.empty(R + 1, dtype=np.int64), np.empty((R, R), dtype=np.int64)
-        p_first, p_matrix, p_recv_count = first.ctypes.data, matrix.ctypes.data, self.p_info + 16
+        # what the handle keeps, in one allocation (a numpy array's address costs more than
+        # a tensor's): the token ids by rank [T * R], their offsets [R + 1], the count matrix
+        ids = torch.empty(T * R + R + 1 + R * R, dtype=torch.int64)
+        p_first = ids.data_ptr() + 8 * T * R
+        p_matrix, p_recv_count = p_first + 8 * (R + 1), self.p_info + 16
+        block = ids.numpy()
+        first, matrix = block[T * R:T * R + R + 1], block[T * R + R + 1:].reshape(R, R)
         lib, cx = self.lib, self.cx
         rc = lib.moe_small_dispatch_direct(
             cx, parity, cp, epoch, deadline_ns, idx.data_ptr(), T, K, E, per_rank.data_ptr(),
@@ -184,21 +194,26 @@ class DirectCalls:
             lib.moe_small_matrix_info(p_matrix, R, comm.rank, slot_rows, heap_rows,
                                       self.p_info, p_recv_count)
         num_recv, eager_everywhere = int(self.info[0]), self.info[1]
-        ids = ids[:int(first[R])]
         if not eager_everywhere:      # another rank's rows beyond a slot: the whole protocol
+            lib.moe_small_send_own(cx, parity, epoch, ids.data_ptr(), p_first, x.data_ptr(), T,
+                                   row_bytes, idx.data_ptr(), w.data_ptr(), K, E // R)
             return self._go_on(backend, Started(parity, epoch, (matrix, ids, first)), x, idx,
                                w, E, alignment, in_rank, per_rank, per_expert)
-        recv_x, recv_i, recv_w = self._empty("dispatch", num_recv * (row_bytes + 12 * K), [
-            (num_recv, H, dtype), (num_recv, K, torch.int64), (num_recv, K, torch.float32)])
-        num_local = E // R
-        out = (recv_x.data_ptr(), 0, recv_i.data_ptr(), recv_w.data_ptr())
-        rc = lib.moe_small_dispatch_finish(cx, parity, 0, epoch, deadline_ns, p_recv_count,
-                                           row_bytes, 0, K, *out, num_local, self.p_local, 0)
+        if comm.poison is None and num_recv * (row_bytes + 12 * K) < small.POOLED_BYTES:
+            recv_x = torch.empty((num_recv, H), dtype=dtype)        # (_empty, inlined)
+            recv_i = torch.empty((num_recv, K), dtype=torch.int64)
+            recv_w = torch.empty((num_recv, K), dtype=torch.float32)
+        else:
+            recv_x, recv_i, recv_w = self._empty("dispatch", 0, [
+                (num_recv, H, dtype), (num_recv, K, torch.int64), (num_recv, K, torch.float32)])
+        args = (cx, parity, 0, epoch, deadline_ns, p_recv_count, row_bytes, K,
+                recv_x.data_ptr(), recv_i.data_ptr(), recv_w.data_ptr(), E // R, self.p_local,
+                0, x.data_ptr(), T, ids.data_ptr(), p_first, idx.data_ptr(), w.data_ptr())
+        rc = lib.moe_small_direct_finish(*args)
         if rc:                        # (a fresh dispatch's finish checks no signatures)
-            small._drive(comm, lambda resume: lib.moe_small_dispatch_finish(
-                cx, parity, 0, epoch, deadline_ns, p_recv_count, row_bytes, 0, K, *out,
-                num_local, self.p_local, 0), "dispatch", epoch, parity, cp,
-                counts=self.info[2:].copy(), rc=rc)
+            small._drive(comm, lambda resume: lib.moe_small_direct_finish(*args), "dispatch",
+                         epoch, parity, cp, counts=self._sources(self.info[2:]), rc=rc)
+        num_local = E // R
         counts = self.local[:num_local].tolist()
         if alignment != 1:
             counts = [(c + alignment - 1) // alignment * alignment for c in counts]
@@ -245,10 +260,11 @@ class DirectCalls:
             return None
         self._take(epoch)
         if rc or self.a.differ[0]:    # late or differing peers: the waits go on there
-            small._drive(self.comm, lambda resume: lib.moe_small_dispatch_finish(
-                cx, parity, cp, epoch, deadline_ns, self.p_counts, row_bytes, 0, 0,
-                recv_x.data_ptr(), 0, 0, 0, 0, 0, p_call_row), "dispatch", epoch, parity, cp,
-                counts=self.counts[:self.comm.num_ranks].copy(), rc=rc)
+            small._drive(self.comm, lambda resume: lib.moe_small_direct_finish(
+                cx, parity, cp, epoch, deadline_ns, self.p_counts, row_bytes, 0,
+                recv_x.data_ptr(), 0, 0, 0, 0, p_call_row, x.data_ptr(), T, ids.data_ptr(),
+                first.ctypes.data, 0, 0), "dispatch", epoch, parity, cp,
+                counts=self._sources(self.counts[:self.comm.num_ranks]), rc=rc)
         return recv_x, None, None, None, None, EventOverlap()
 
     def combine(self, x, handle, w, bias, active_ranks):

@@ -70,6 +70,9 @@ _SIGNATURES = {
     "moe_small_matrix_info": (_P, _I, _I, _I, _I, _P, _P),
     "moe_small_dispatch_direct": (_P, _I, _I, _I, _I, _P, _I, _I, _I, _P, _P, _P, _P, _I, _P,
                                   _I, _I, _P, _P, _P, _P, _P, _P),
+    "moe_small_direct_finish": (_P, _I, _I, _I, _I, _P, _I, _I, _P, _P, _P, _I, _P, _P, _P, _I,
+                                _P, _P, _P, _P),
+    "moe_small_send_own": (_P, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I),
     "moe_small_cached_direct": (_P, _I, _I, _I, _I, _P, _I, _I, _P, _P, _P, _I, _I, _P, _P,
                                 _P),
     "moe_small_combine_direct": (_P, _I, _I, _I, _I, _P, _I, _I, _P, _P, _P, ctypes.c_int, _I,
@@ -83,7 +86,7 @@ _RETURNS = {"moe_copy_rows": ctypes.c_int, "moe_ll_route": _I, "moe_ll_send": ct
             "moe_ll_combine": ctypes.c_int, "moe_small_context_words": _I,
             "moe_small_dispatch_start": _I, "moe_small_dispatch_finish": _I,
             "moe_small_combine_finish": _I, "moe_small_dispatch_direct": _I,
-            "moe_small_cached_direct": _I, "moe_small_combine_direct": _I,
+            "moe_small_cached_direct": _I, "moe_small_direct_finish": _I, "moe_small_combine_direct": _I,
             "moe_dispatch_layout": ctypes.c_int,
             "moe_layout_matches": ctypes.c_int}
 
