@@ -11,7 +11,7 @@ every rank active), without num_worst_tokens, active_ranks or bias, all tensors 
 on the CPU:
 
 - a fresh dispatch of a bf16, fp16 or float32 x [T, H] with topk_idx int64 [T, K],
-  topk_weights float32 [T, K] and get_dispatch_layout's three tensors;
+  topk_weights float32 [T, K] or None, and get_dispatch_layout's three tensors;
 - a cached dispatch of such an x on a handle of this Buffer;
 - a combine of bf16 or float32 rows, with or without float32 weights.
 
@@ -149,25 +149,26 @@ class DirectCalls:
         comm, Tensor = self.comm, torch.Tensor
         if not (self.usable(active_ranks, num_worst_tokens) and
                 alignment.__class__ is int and alignment >= 1 and
-                x.__class__ is Tensor and idx.__class__ is Tensor and w.__class__ is Tensor and
-                per_rank.__class__ is Tensor and in_rank.__class__ is Tensor and
-                per_expert.__class__ is Tensor):
+                x.__class__ is Tensor and idx.__class__ is Tensor and
+                (w is None or w.__class__ is Tensor) and per_rank.__class__ is Tensor and
+                in_rank.__class__ is Tensor and per_expert.__class__ is Tensor):
             return None
         dtype, R = x.dtype, comm.num_ranks
         if not (dtype in ROW_DTYPES and idx.dtype is torch.int64 and
-                w.dtype is torch.float32 and per_rank.dtype is torch.int32 and
+                (w is None or w.dtype is torch.float32) and per_rank.dtype is torch.int32 and
                 per_expert.dtype is torch.int32 and in_rank.dtype is torch.bool and
                 x.dim() == 2 and idx.dim() == 2 and per_expert.dim() == 1):
             return None
         (T, H), K, E = x.shape, idx.shape[1], per_expert.shape[0]
-        if not (H > 0 and idx.shape[0] == T and w.shape == idx.shape and
+        if not (H > 0 and idx.shape[0] == T and (w is None or w.shape == idx.shape) and
                 in_rank.shape == (T, R) and per_rank.shape == (R,) and 0 < E and
                 E % R == 0 and E <= native.LAYOUT_CHECK_MAX and
-                x.is_contiguous() and idx.is_contiguous() and w.is_contiguous() and
-                in_rank.is_contiguous() and per_rank.is_contiguous() and
-                per_expert.is_contiguous() and x.is_cpu and idx.is_cpu and w.is_cpu and
-                in_rank.is_cpu and per_rank.is_cpu and per_expert.is_cpu):
+                x.is_contiguous() and idx.is_contiguous() and in_rank.is_contiguous() and
+                per_rank.is_contiguous() and per_expert.is_contiguous() and x.is_cpu and
+                idx.is_cpu and in_rank.is_cpu and per_rank.is_cpu and per_expert.is_cpu and
+                (w is None or (w.is_contiguous() and w.is_cpu))):
             return None
+        p_w = 0 if w is None else w.data_ptr()     # none: the weights received are 0
         call_row, p_call_row, row_bytes, slot_rows, heap_rows = self._shape(H, dtype, K, E)
         parity, epoch, cp, deadline_ns = self._numbers()
         # what the handle keeps, in one allocation (a numpy array's address costs more than
@@ -180,7 +181,7 @@ class DirectCalls:
         lib, cx = self.lib, self.cx
         rc = lib.moe_small_dispatch_direct(
             cx, parity, cp, epoch, deadline_ns, idx.data_ptr(), T, K, E, per_rank.data_ptr(),
-            per_expert.data_ptr(), in_rank.data_ptr(), x.data_ptr(), row_bytes, w.data_ptr(),
+            per_expert.data_ptr(), in_rank.data_ptr(), x.data_ptr(), row_bytes, p_w,
             slot_rows, heap_rows, p_call_row, ids.data_ptr(), p_first, p_matrix, self.p_info,
             p_recv_count)
         if rc == DECLINED:
@@ -196,7 +197,7 @@ class DirectCalls:
         num_recv, eager_everywhere = int(self.info[0]), self.info[1]
         if not eager_everywhere:      # another rank's rows beyond a slot: the whole protocol
             lib.moe_small_send_own(cx, parity, epoch, ids.data_ptr(), p_first, x.data_ptr(), T,
-                                   row_bytes, idx.data_ptr(), w.data_ptr(), K, E // R)
+                                   row_bytes, idx.data_ptr(), p_w, K, E // R)
             return self._go_on(backend, Started(parity, epoch, (matrix, ids, first)), x, idx,
                                w, E, alignment, in_rank, per_rank, per_expert)
         if comm.poison is None and num_recv * (row_bytes + 12 * K) < small.POOLED_BYTES:
@@ -208,7 +209,7 @@ class DirectCalls:
                 (num_recv, H, dtype), (num_recv, K, torch.int64), (num_recv, K, torch.float32)])
         args = (cx, parity, 0, epoch, deadline_ns, p_recv_count, row_bytes, K,
                 recv_x.data_ptr(), recv_i.data_ptr(), recv_w.data_ptr(), E // R, self.p_local,
-                0, x.data_ptr(), T, ids.data_ptr(), p_first, idx.data_ptr(), w.data_ptr())
+                0, x.data_ptr(), T, ids.data_ptr(), p_first, idx.data_ptr(), p_w)
         rc = lib.moe_small_direct_finish(*args)
         if rc:                        # (a fresh dispatch's finish checks no signatures)
             small._drive(comm, lambda resume: lib.moe_small_direct_finish(*args), "dispatch",
