@@ -31,7 +31,8 @@ GB/s follow DeepEP's convention: real payload bytes a rank receives in dispatch 
 back in combine) divided by the call's time. ``copy_gbps`` is what one process copies per
 second while all ranks copy at once: a copy-based exchange cannot beat it. Times are the
 median over repeats of the slowest rank (each repeat: --iters calls back to back after a
-barrier); the JSON keeps min/median/max of every time. copy_gbps is measured several times in
+barrier, or as many more as fill 20 ms where those would not: one late wake-up weighs less);
+the JSON keeps min/median/max of every time and the calls a repeat made. copy_gbps is measured several times in
 each case (after moe_comm's dispatch and after each baseline's) and reported as the median, its
 samples and spread beside it. The JSON is {"run": versions, machine and settings, "rows": [...]}.
 
@@ -62,7 +63,7 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(BENCH), BENCH]
 import moe_comm  # noqa: E402
 from a2a_baseline import PaddedExchange, byte_rows, normal_exchange  # noqa: E402
-from call_timing import copy_gbps, timed_across_ranks, timed_spread  # noqa: E402
+from call_timing import calls_to_time, copy_gbps, timed_across_ranks, timed_spread  # noqa: E402
 from hosts import measure as measure_link  # noqa: E402
 from moe_comm.testing import netns  # noqa: E402
 from moe_comm.testing.processes import run_ranks  # noqa: E402
@@ -82,6 +83,7 @@ DEFAULT_DTYPE = {"normal": ["bfloat16"], "ll": ["fp8"]}
 BASELINE = {"normal": "all_to_all_single", "ll": "the padded all_to_all_single exchange"}
 MPI_BASELINE = {"normal": "MPICH Alltoallv", "ll": "MPICH's padded Alltoall"}
 REPEATS = 3                     # timed repeats per call; each is --iters calls back to back
+MIN_REPEAT_S = 0.02             # or more calls, where --iters would take less (calls_to_time)
 CASE_TIMEOUT_S = 600
 
 
@@ -107,19 +109,24 @@ class _RankEnv:
         comm = mpi_ranks.world()
         self.mpi_a2a = None if comm is None else mpi_all_to_all_single(comm)
         self.spread = {}
+        self.calls = {}
         self.copy_samples = []
 
     def timed(self, column, fn, iters):
-        """Seconds per call of fn (the median over repeats), its spread kept for ``column``."""
-        self.spread[column] = timed_spread(fn, iters, self.device, REPEATS)
+        """Seconds per call of fn (the median over repeats), its spread kept for ``column``
+        and the calls a repeat made (at least ``iters``: calls_to_time) in ``calls``."""
+        fn()                                                  # warm-up
+        calls = self.calls[column] = calls_to_time(fn, iters, self.device, MIN_REPEAT_S)
+        self.spread[column] = timed_spread(fn, calls, self.device, REPEATS)
         return self.spread[column][1]
 
     def sample_copy(self, nbytes, iters):
         """One more copy bandwidth sample: copies of ``nbytes`` (at least 1 MiB), every rank
         at once. Several per case, as it swings with what the other processes do."""
-        self.copy_samples.append(copy_gbps(
-            max(nbytes, 1 << 20), self.device,
-            lambda fn: timed_across_ranks(fn, iters, self.device, REPEATS)))
+        def time_call(fn):
+            return timed_across_ranks(fn, calls_to_time(fn, iters, self.device, MIN_REPEAT_S),
+                                      self.device, REPEATS)
+        self.copy_samples.append(copy_gbps(max(nbytes, 1 << 20), self.device, time_call))
 
 
 def _inputs(case, rank, device):
@@ -261,7 +268,8 @@ def _row(n, case, iters, env, baselines, y, recv_bytes, combine_bytes, wire_rati
                 copy_gbps=statistics.median(copies), wire_ratio=wire_ratio,
                 mpi_dispatch_us=us.get("mpi_dispatch_us"), mpi_combine_us=us.get("mpi_combine_us"),
                 copy_gbps_samples=copies, copy_gbps_min=min(copies), copy_gbps_max=max(copies),
-                spread_us={c: dict(min=lo * 1e6, median=med * 1e6, max=hi * 1e6)
+                spread_us={c: dict(min=lo * 1e6, median=med * 1e6, max=hi * 1e6,
+                                   calls=env.calls[c])
                            for c, (lo, med, hi) in env.spread.items()})
 
 
@@ -701,7 +709,8 @@ def build_parser():
                    help="leave out the MPI baseline even when mpi4py is installed: the ranks "
                         "are then forked, as without MPI")
     p.add_argument("--iters", type=int, default=10,
-                   help="back-to-back calls per timed repeat (default: 10)")
+                   help="back-to-back calls per timed repeat, at least; more where they "
+                        "would take less than 20 ms (default: 10)")
     p.add_argument("--json", metavar="PATH",
                    help='write {"run": versions, machine, settings, "rows": [...]} as JSON')
     p.add_argument("--plot", metavar="PATH",
@@ -744,7 +753,8 @@ def _run_record(argv, args, backend, rows, launcher, no_mpi):
     mpi_library = getattr(launcher, "library_version", None)
     info = run_info(None if no_mpi else mpi_ranks.versions(), mpi_library)
     med, lo, hi, n = copy_summary(rows)
-    return dict(info, backend=backend, iters=args.iters, repeats=REPEATS,
+    return dict(info, backend=backend, iters=args.iters, min_repeat_s=MIN_REPEAT_S,
+                repeats=REPEATS,
                 buffer_mb=args.buffer_mb,
                 argv=list(sys.argv[1:] if argv is None else argv),
                 mpi_baselines=None if no_mpi else MPI_BASELINE, no_mpi_reason=no_mpi,

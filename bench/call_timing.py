@@ -56,6 +56,22 @@ def timed_spread(fn, iters, device, repeats=3):
     return min(slowest), statistics.median(slowest), max(slowest)
 
 
+def calls_to_time(fn, iters, device, min_seconds):
+    """How many back-to-back calls of ``fn()`` a timed repeat makes: ``iters``, or more where
+    that many would take less than ``min_seconds`` (one call timed on every rank, the slowest
+    rank's time deciding, so every rank makes the same number of collective calls). A repeat
+    of a few 100-us calls is as long as one late wake-up of one rank, and its median swings
+    with it."""
+    sync(device)
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return max(iters, min(int(min_seconds / max(float(took), 1e-9)) + 1, 100 * iters))
+
+
 def timed_across_ranks(fn, iters, device, repeats=3):
     """The median of timed_spread: seconds per call of ``fn()`` across the ranks."""
     return timed_spread(fn, iters, device, repeats)[1]
