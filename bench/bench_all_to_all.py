@@ -32,8 +32,9 @@ back in combine) divided by the call's time. ``copy_gbps`` is what one process c
 second while all ranks copy at once: a copy-based exchange cannot beat it. Times are the
 median over repeats of the slowest rank (each repeat: --iters calls back to back after a
 barrier, or as many more as fill 20 ms where those would not: one late wake-up weighs less);
-the JSON keeps min/median/max of every time and the calls a repeat made. copy_gbps is measured several times in
-each case (after moe_comm's dispatch and after each baseline's) and reported as the median, its
+the JSON keeps min/median/max of every time and the calls a repeat made. copy_gbps is
+measured several times in each case (after moe_comm's dispatch and after each baseline's) and
+reported as the median, its
 samples and spread beside it. The JSON is {"run": versions, machine and settings, "rows": [...]}.
 
 Backends: ``host`` runs CPU tensors over the shared-memory backend (gloo for the baseline);

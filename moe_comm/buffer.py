@@ -443,7 +443,8 @@ class Buffer:
                 self._be, x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
                 topk_idx, topk_weights, expert_alignment, num_worst_tokens, active_ranks) \
                 if handle is None else self._direct.cached(
-                    x, handle, topk_idx, topk_weights, num_worst_tokens, active_ranks)
+                    x, handle, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+                    active_ranks)
             if got is not None:
                 return got
         args = validate.dispatch_args(

@@ -18,6 +18,7 @@ import moe_comm
 from checks import check_normal
 from inputs import expert_fn, make_inputs
 from ranks import run_ranks
+from moe_comm.handle import DispatchHandle
 from moe_comm.host import direct, small
 
 
@@ -212,3 +213,64 @@ def test_a_silent_peer_is_a_deadline_on_the_small_path():
     # the deadline, plus what a loaded 2-core machine may add (a wait polls every 0.2 ms)
     assert timeout_s <= took < timeout_s + 3, took
     assert "1" in message, message
+
+
+def _edge_calls(rank, n, use_direct):
+    """Calls at the edges of what direct.py takes, on a Buffer with it or without it (the
+    Buffer's whole path): each one's results (shapes, dtypes, values) or error."""
+    buf = moe_comm.Buffer(None, 8 << 20, timeout_s=20)
+    if not use_direct:
+        buf._direct = None
+    T, H, E = 6, 64, 4 * n
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    out = {}
+
+    def record(name, call):
+        try:
+            got = call()
+        except Exception as e:      # noqa: BLE001 - the error is the result
+            got = f"{type(e).__name__}: {e}"
+        out[name] = [t.clone() if isinstance(t, torch.Tensor) else t
+                     for t in (got if isinstance(got, tuple) else (got,))
+                     if not isinstance(t, (moe_comm.EventOverlap, DispatchHandle))]
+        return got
+
+    def layout(idx):
+        ntr, _, nte, itr, _ = buf.get_dispatch_layout(idx, E)
+        return dict(num_tokens_per_rank=ntr, is_token_in_rank=itr, num_tokens_per_expert=nte)
+
+    none = torch.empty(T, 0, dtype=torch.int64)                   # top-k of width 0
+    record("top-0 dispatch", lambda: buf.dispatch(x, topk_idx=none, **layout(none)))
+    idx = torch.randint(-1, E, (T, 2), generator=g)
+    w = torch.rand(T, 2, generator=g)
+    got = record("dispatch", lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w,
+                                                  expert_alignment=4, **layout(idx)))
+    rx, handle = got[0], got[4]
+    record("combine, weights of width 0",
+           lambda: buf.combine(rx, handle, topk_weights=torch.empty(rx.shape[0], 0)))
+    record("combine, no weights", lambda: buf.combine(rx, handle))
+    record("cached, alignment 0", lambda: buf.dispatch(x, handle=handle, expert_alignment=0))
+    record("cached", lambda: buf.dispatch(x, handle=handle))
+    record("dispatch, no weights", lambda: buf.dispatch(x, topk_idx=idx, **layout(idx)))
+    buf.destroy()
+    return out
+
+
+def test_the_direct_path_and_the_whole_path_agree_at_the_edges():
+    """direct.py declines what it does not take (nothing moved), and what it takes comes out
+    as the Buffer's whole path gives it: the same tensors (or None), values and errors."""
+    n = 2
+    direct_out = run_ranks(_edge_calls, n, True, timeout=60)
+    whole_out = run_ranks(_edge_calls, n, False, timeout=60)
+    for rank in range(n):
+        assert direct_out[rank].keys() == whole_out[rank].keys()
+        for name, got in direct_out[rank].items():
+            want = whole_out[rank][name]
+            assert len(got) == len(want), (rank, name, got, want)
+            for a, b in zip(got, want):
+                if isinstance(b, torch.Tensor):
+                    assert isinstance(a, torch.Tensor) and a.dtype == b.dtype and \
+                        a.shape == b.shape and torch.equal(a, b), (rank, name, a, b)
+                else:
+                    assert a == b, (rank, name, a, b)

@@ -160,7 +160,7 @@ class DirectCalls:
                 x.dim() == 2 and idx.dim() == 2 and per_expert.dim() == 1):
             return None
         (T, H), K, E = x.shape, idx.shape[1], per_expert.shape[0]
-        if not (H > 0 and idx.shape[0] == T and (w is None or w.shape == idx.shape) and
+        if not (H > 0 and K > 0 and idx.shape[0] == T and (w is None or w.shape == idx.shape) and
                 in_rank.shape == (T, R) and per_rank.shape == (R,) and 0 < E and
                 E % R == 0 and E <= native.LAYOUT_CHECK_MAX and
                 x.is_contiguous() and idx.is_contiguous() and in_rank.is_contiguous() and
@@ -204,8 +204,8 @@ class DirectCalls:
             recv_x = torch.empty((num_recv, H), dtype=dtype)        # (_empty, inlined)
             recv_i = torch.empty((num_recv, K), dtype=torch.int64)
             recv_w = torch.empty((num_recv, K), dtype=torch.float32)
-        else:
-            recv_x, recv_i, recv_w = self._empty("dispatch", 0, [
+        else:                         # poisoned (tests), or large: reused bases
+            recv_x, recv_i, recv_w = small._outputs(comm, "dispatch", [
                 (num_recv, H, dtype), (num_recv, K, torch.int64), (num_recv, K, torch.float32)])
         args = (cx, parity, 0, epoch, deadline_ns, p_recv_count, row_bytes, K,
                 recv_x.data_ptr(), recv_i.data_ptr(), recv_w.data_ptr(), E // R, self.p_local,
@@ -234,10 +234,11 @@ class DirectCalls:
                                        alignment)
         return recv_x, recv_i, recv_w, counts, handle, EventOverlap()
 
-    def cached(self, x, handle, idx, w, num_worst_tokens, active_ranks):
+    def cached(self, x, handle, idx, w, alignment, num_worst_tokens, active_ranks):
         """Buffer.dispatch's result for a cached call (``handle``) this path takes, else
         None (nothing moved)."""
         if not (self.usable(active_ranks, num_worst_tokens) and idx is None and w is None and
+                alignment.__class__ is int and alignment >= 1 and
                 self._of_handle(handle) and x.__class__ is torch.Tensor):
             return None
         dtype, T, H = x.dtype, handle.num_tokens, handle.hidden
@@ -253,8 +254,9 @@ class DirectCalls:
         recv_x, = self._empty("dispatch", num_recv * row_bytes, [(num_recv, H, dtype)])
         parity, epoch, cp, deadline_ns = self._numbers()
         lib, cx, p_call_row = self.lib, self.cx, call_row.ctypes.data
+        matrix = self._matrix(handle)                 # (held while C reads it)
         rc = lib.moe_small_cached_direct(
-            cx, parity, cp, epoch, deadline_ns, self._matrix(handle).ctypes.data, slot_rows,
+            cx, parity, cp, epoch, deadline_ns, matrix.ctypes.data, slot_rows,
             heap_rows, ids.data_ptr(), first.ctypes.data, x.data_ptr(), T, row_bytes,
             recv_x.data_ptr(), p_call_row, self.p_counts)
         if rc == DECLINED:
@@ -281,7 +283,8 @@ class DirectCalls:
         K = 0
         if w is not None:
             if not (w.__class__ is torch.Tensor and w.dtype is torch.float32 and
-                    w.dim() == 2 and w.shape[0] == n and w.is_contiguous() and w.is_cpu):
+                    w.dim() == 2 and w.shape[0] == n and w.shape[1] > 0 and
+                    w.is_contiguous() and w.is_cpu):
                 return None
             K = w.shape[1]
         row_bytes = H * dtype.itemsize
@@ -291,8 +294,9 @@ class DirectCalls:
         ids, first = small.handle_ids(handle)
         R = comm.num_ranks
         self._scratch(1, T + 1 + int(first[R]), H)
-        out, out_w = self._empty("combine", T * (row_bytes + 4 * K), [
-            (T, H, dtype), (T, K, torch.float32) if w is not None else None])
+        # (two keys: the two results are separate tensors, as small.receive_combine's)
+        out, = self._empty("combine", T * row_bytes, [(T, H, dtype)])
+        out_w, = self._empty("combine_w", T * 4 * K, [(T, K, torch.float32) if K else None])
         parity, epoch, cp, deadline_ns = self._numbers()
         lib, cx, p_call_row, dt = self.lib, self.cx, call_row.ctypes.data, small.SUM_DTYPES[dtype]
         args = (ids.data_ptr(), first.ctypes.data, dt, H, K, T, 0, 0, out.data_ptr(), dt,
