@@ -732,6 +732,22 @@ static void sleep_on(int64_t bell_addr, int64_t ns) {
     __atomic_store_n(bell_at(bell_addr), 0, __ATOMIC_RELAXED);
 }
 
+/* The doorbells from Python (host/doorbell.py): a Python wait arms its rank's doorbell
+ * (stores 1, then a full fence), takes a second look at its words, and sleeps on it for at
+ * most `ns` unless they came (moe_bell_sleep clears it after); a Python writer, after its
+ * words, rings the reader's (moe_ring_bell: a full fence, then a wake if the bell is set). */
+void moe_arm_bell(int64_t bell_addr) {
+    __atomic_store_n(bell_at(bell_addr), 1, __ATOMIC_SEQ_CST);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+}
+
+void moe_bell_sleep(int64_t bell_addr, int64_t ns) { sleep_on(bell_addr, ns); }
+
+void moe_ring_bell(int64_t bell_addr) {
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);          /* the words stored before, then */
+    ring(bell_addr);
+}
+
 /* Token ids each rank gets: in_rank bool [T, R] (strides in elements) -> ids, grouped by rank
  * and ascending within it, and first [R + 1] (rank d's ids are ids[first[d]:first[d+1]]). */
 static void small_ids(const uint8_t *in_rank, int64_t T, int64_t R, int64_t st, int64_t sr,

@@ -40,6 +40,8 @@ from ..transport import open_transport
 from ..wire import (CALL_WORDS, MAGIC, MAX_EPOCH, PAGE, VERSION, HeaderLayout, agree_round_tag,
                     agree_rounds, eager_slot_bytes, ll_stride, mask_bits, mask_words, round_up,
                     tag_value)
+from . import native
+from .doorbell import Doorbells
 from .heap import PageHeap
 from .late_rows import LateRows
 from ..relay_map import Relays
@@ -134,6 +136,10 @@ class HostComm:
         self._ll = [torch.from_numpy(m[self.ll_offset:size]) for m in mem]
         self._ll_words = [m[self.ll_offset:size].view(np.int64) for m in mem]
         self._mem = mem
+        # every local rank's doorbell: the Python waits sleep on this rank's, the Python
+        # writers ring the reader's (host/doorbell.py); None without the C library
+        lib = native.library()
+        self.bells = None if lib is None else Doorbells(self.words, self.rank, lib)
         if self.remote_ranks:
             self.transport = open_transport(
                 group, self._own.bytes, self.remote_ranks, kind=transport,
@@ -190,6 +196,8 @@ class HostComm:
             self._remote_signal(rank, word * 8, (epoch << 32) | vals)
             return
         atomics.store_words(self.slot(rank, word, vals.size), (epoch << 32) | vals)
+        if self.bells is not None:
+            self.bells.ring(rank)
 
     def signal_each(self, ranks, word: int, epoch: int, values) -> None:
         """:meth:`signal` of the same ``values`` into the same slot of every rank in
@@ -199,6 +207,9 @@ class HostComm:
         n = tagged.size
         atomics.store_each([self.slot(r, word, n) for r in ranks
                             if self.words[r] is not None], tagged)
+        if self.bells is not None:
+            for r in ranks:
+                self.bells.ring(r)
         for r in ranks:
             if self.words[r] is None:
                 self._remote_signal(r, word * 8, tagged)
@@ -242,14 +253,16 @@ class HostComm:
         waits = {r: w for r, w in waits.items() if self.active[r]}
         silent = atomics.wait_words(waits, epoch, self._deadline, op, self.timeout_s,
                                     on_ready, raise_on_timeout=not self.elastic,
-                                    check=self.check_fence, crowded=self.crowded)
+                                    check=self.check_fence, crowded=self.crowded,
+                                    bell=self.bells)
         slow = [r for r in silent if r in patient and not self.gone(r)]
         if slow:
             later = atomics.wait_words({r: waits[r] for r in slow}, epoch,
                                        time.monotonic() + PATIENT_TIMEOUTS * self.timeout_s,
                                        op, self.timeout_s,
                                        on_ready, raise_on_timeout=False,
-                                       check=self.check_fence, crowded=self.crowded)
+                                       check=self.check_fence, crowded=self.crowded,
+                                       bell=self.bells)
             silent = (silent - set(slow)) | later
         if silent:
             self.mask(silent, op)
@@ -408,6 +421,8 @@ class HostComm:
             self._remote_signal(rank, self.heap_offset + byte_offset, tagged)
             return
         atomics.store_words(self.heap_slot(rank, byte_offset, tagged.size), tagged)
+        if self.bells is not None:
+            self.bells.ring(rank)
 
     def peer_ll(self, rank: int) -> torch.Tensor:
         """Byte tensor over ``rank``'s low-latency region."""
@@ -424,6 +439,8 @@ class HostComm:
             self._remote_signal(rank, self.ll_offset + byte_offset, (epoch << 32) | vals)
             return
         atomics.store_words(self.ll_slot(rank, byte_offset, vals.size), (epoch << 32) | vals)
+        if self.bells is not None:
+            self.bells.ring(rank)
 
     def reset_ll(self) -> None:
         """Zero this rank's low-latency region and LL header slots (callers barrier around)."""
@@ -448,6 +465,7 @@ class HostComm:
             self.transport.close()
             self.transport = None
         self._heaps = self._ll = self._ll_words = self.words = self._mem = None
+        self.bells = None                # (addresses in the segments, and a view of one)
         self.ll_cache = {}
         self.heap = None
         for s in self.segments:

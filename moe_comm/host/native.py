@@ -60,6 +60,7 @@ _SIGNATURES = {
     "moe_ll_combine": (_P, _I, _P, _P, _I, _P, _I, _I, _I, _P, ctypes.c_int, _P, _P, _P),
     # small normal calls (host/small.py): addresses travel as int64, every one checked there
     "moe_small_context_words": (),
+    "moe_arm_bell": (_I,), "moe_bell_sleep": (_I, _I), "moe_ring_bell": (_I,),
     "moe_small_dispatch_start": (_P, _I, _I, _I, _I, _I, _I, _P, _I, _I, _I, _P, _P, _P, _I, _I,
                                  _P, _I, _I, _P, _P, _I, _I, _P, _P),
     "moe_small_dispatch_finish": (_P, _I, _I, _I, _I, _P, _I, _I, _I, _P, _P, _P, _P, _I, _P,

@@ -72,32 +72,48 @@ class Backoff:
     wait is as long as the work of many peers sharing the cores, and every poll of a waiting
     rank takes a slice from a rank with work to do: it yields only briefly, then sleeps,
     doubling the sleep up to :data:`CROWDED_MAX_SLEEP_S` (a poll costs ~10 us, so polling
-    takes ~1% of a core, and a wait ends at most that much late)."""
+    takes ~1% of a core, and a wait ends at most that much late).
 
-    __slots__ = ("spins", "crowded", "sleep_s")
+    ``woken``: the caller sleeps on a doorbell its writers ring (host/doorbell.py), so a
+    sleep ends when the words come: :meth:`pause` returns the seconds to sleep instead of
+    sleeping, and a crowded wait polls and yields only a few times before it sleeps.
+    """
 
-    def __init__(self, crowded: bool = False):
+    __slots__ = ("spins", "crowded", "sleep_s", "polls", "yields", "woken")
+
+    def __init__(self, crowded: bool = False, woken: bool = False):
         self.spins = 0
         self.crowded = crowded
         self.sleep_s = 20e-6
+        # spins that only poll, then (until ``yields``) that yield; the sleeps after
+        self.polls, self.yields = (4, 8) if crowded and woken else (32, 64)
+        self.woken = woken
 
-    def pause(self) -> None:
+    def pause(self) -> float:
+        """One step; the seconds to sleep where the caller sleeps (``woken``), else 0."""
         self.spins += 1
-        if self.spins < 32:
-            return
+        if self.spins < self.polls:
+            return 0.0
         if self.crowded:
-            self._pause_crowded()
-        elif self.spins < 1024:
+            return self._pause_crowded()
+        if self.spins < 1024:
             os.sched_yield()
-        else:
-            time.sleep(20e-6 if self.spins < 4096 else 200e-6)
+            return 0.0
+        return self._sleep(20e-6 if self.spins < 4096 else 200e-6)
 
-    def _pause_crowded(self) -> None:
-        if self.spins < 64:
+    def _pause_crowded(self) -> float:
+        if self.spins < self.yields:
             os.sched_yield()
-            return
-        time.sleep(self.sleep_s)
+            return 0.0
+        slept = self._sleep(self.sleep_s)
         self.sleep_s = min(2 * self.sleep_s, CROWDED_MAX_SLEEP_S)
+        return slept
+
+    def _sleep(self, seconds: float) -> float:
+        if self.woken:
+            return seconds
+        time.sleep(seconds)
+        return 0.0
 
 
 def _root(view: np.ndarray) -> np.ndarray:
@@ -142,6 +158,13 @@ class SlotPoll:
         self._gather = _gathered(self._views) if len(self._views) >= GATHER_MIN_SLOTS \
             else None
 
+    def any_ready(self, epoch: int) -> bool:
+        """Whether a slot still polled now carries ``epoch`` in every word (nothing taken)."""
+        if self._gather is not None:
+            words, index = self._gather
+            return bool((tag_epoch(words[index]) == epoch).all(1).any())
+        return any(all(tag_epoch(w) == epoch for w in v.tolist()) for v in self._views)
+
     def take(self, epoch: int) -> list:
         """``[(rank, words)]`` of the slots whose every word now carries ``epoch``, removed
         from the poll; ``words`` is the copy the check read (tags and values of one load).
@@ -178,7 +201,7 @@ class SlotPoll:
 
 def wait_words(waits: dict, epoch: int, deadline: float, op: str, timeout_s: float,
                on_ready=None, raise_on_timeout: bool = True, check=None,
-               crowded: bool = False) -> set:
+               crowded: bool = False, bell=None) -> set:
     """Wait until, for every ``rank -> numpy int64 view`` in ``waits``, all words of the view
     carry ``epoch``. ``on_ready(rank, words)`` runs (after an acquire fence) for each rank as
     soon as its words are complete, with the words as read, so independent work starts early.
@@ -187,9 +210,11 @@ def wait_words(waits: dict, epoch: int, deadline: float, op: str, timeout_s: flo
     ``raise_on_timeout`` is False; otherwise raises :class:`CommTimeoutError` naming them.
     ``check()`` runs while words are missing and may raise (a rank that learns it was masked
     stops waiting). ``crowded``: more ranks than cores on this host (:class:`Backoff`).
+    ``bell``: this rank's doorbell (host/doorbell.py Doorbells), which the writers ring: the
+    sleeps are on it, and end when it rings.
     """
     poll = SlotPoll(waits)
-    backoff = Backoff(crowded)
+    backoff = Backoff(crowded, woken=bell is not None)
     while poll.ranks:
         arrived = poll.take(epoch)
         if arrived:
@@ -201,11 +226,18 @@ def wait_words(waits: dict, epoch: int, deadline: float, op: str, timeout_s: flo
             break
         if check is not None:
             check()
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             if raise_on_timeout:
                 raise CommTimeoutError(op, poll.ranks, timeout_s)
             return set(poll.ranks)
-        backoff.pause()
+        sleep_s = backoff.pause()
+        if sleep_s:                   # (only with a bell) armed, one more look, then asleep
+            bell.arm()
+            if poll.any_ready(epoch):
+                bell.disarm()
+            else:
+                bell.sleep(min(sleep_s, deadline - now))
     return set()
 
 
