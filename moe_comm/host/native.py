@@ -87,7 +87,8 @@ _RETURNS = {"moe_copy_rows": ctypes.c_int, "moe_ll_route": _I, "moe_ll_send": ct
             "moe_ll_combine": ctypes.c_int, "moe_small_context_words": _I,
             "moe_small_dispatch_start": _I, "moe_small_dispatch_finish": _I,
             "moe_small_combine_finish": _I, "moe_small_dispatch_direct": _I,
-            "moe_small_cached_direct": _I, "moe_small_direct_finish": _I, "moe_small_combine_direct": _I,
+            "moe_small_cached_direct": _I, "moe_small_direct_finish": _I,
+            "moe_small_combine_direct": _I,
             "moe_dispatch_layout": ctypes.c_int,
             "moe_layout_matches": ctypes.c_int}
 
