@@ -65,6 +65,8 @@ class LateRows:
         buffer its combine will use) avoid every hold and stay within ``capacity`` rows;
         None if there is none."""
         self._release()
+        if not self._holds:           # (the common case: no masked rank ever wrote late)
+            return 0 if rows <= capacity else None
         shifts = {0} | {max(0, -(-(h.end - off) // row_bytes)) for h in self._holds
                         for off in offsets}
         for shift in sorted(shifts):
