@@ -31,7 +31,7 @@ GB/s follow DeepEP's convention: real payload bytes a rank receives in dispatch 
 back in combine) divided by the call's time. ``copy_gbps`` is what one process copies per
 second while all ranks copy at once: a copy-based exchange cannot beat it. Times are the
 median over repeats of the slowest rank (each repeat: --iters calls back to back after a
-barrier, or as many more as fill 20 ms where those would not: one late wake-up weighs less);
+barrier, or as many more as fill 0.1 s where those would not: one late wake-up weighs less);
 the JSON keeps min/median/max of every time and the calls a repeat made. copy_gbps is
 measured several times in each case (after moe_comm's dispatch and after each baseline's) and
 reported as the median, its samples and spread beside it. The JSON is {"run": versions, machine and settings, "rows": [...]}.
@@ -83,7 +83,7 @@ DEFAULT_DTYPE = {"normal": ["bfloat16"], "ll": ["fp8"]}
 BASELINE = {"normal": "all_to_all_single", "ll": "the padded all_to_all_single exchange"}
 MPI_BASELINE = {"normal": "MPICH Alltoallv", "ll": "MPICH's padded Alltoall"}
 REPEATS = 3                     # timed repeats per call; each is --iters calls back to back
-MIN_REPEAT_S = 0.02             # or more calls, where --iters would take less (calls_to_time)
+MIN_REPEAT_S = 0.1              # or more calls, where --iters would take less (calls_to_time)
 CASE_TIMEOUT_S = 600
 
 
@@ -710,7 +710,7 @@ def build_parser():
                         "are then forked, as without MPI")
     p.add_argument("--iters", type=int, default=10,
                    help="back-to-back calls per timed repeat, at least; more where they "
-                        "would take less than 20 ms (default: 10)")
+                        "would take less than 0.1 s (default: 10)")
     p.add_argument("--json", metavar="PATH",
                    help='write {"run": versions, machine, settings, "rows": [...]} as JSON')
     p.add_argument("--plot", metavar="PATH",
