@@ -34,7 +34,8 @@ median over repeats of the slowest rank (each repeat: --iters calls back to back
 barrier, or as many more as fill 0.1 s where those would not: one late wake-up weighs less);
 the JSON keeps min/median/max of every time and the calls a repeat made. copy_gbps is
 measured several times in each case (after moe_comm's dispatch and after each baseline's) and
-reported as the median, its samples and spread beside it. The JSON is {"run": versions, machine and settings, "rows": [...]}.
+reported as the median, its samples and spread beside it. The JSON is {"run": versions,
+machine and settings, "rows": [...]}.
 
 Backends: ``host`` runs CPU tensors over the shared-memory backend (gloo for the baseline);
 ``cuda`` puts every tensor on the GPU (rank r on GPU r) and runs the baseline through an NCCL
