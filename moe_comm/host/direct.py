@@ -200,13 +200,8 @@ class DirectCalls:
                                    row_bytes, idx.data_ptr(), p_w, K, E // R)
             return self._go_on(backend, Started(parity, epoch, (matrix, ids, first)), x, idx,
                                w, E, alignment, in_rank, per_rank, per_expert)
-        if comm.poison is None and num_recv * (row_bytes + 12 * K) < small.POOLED_BYTES:
-            recv_x = torch.empty((num_recv, H), dtype=dtype)        # (_empty, inlined)
-            recv_i = torch.empty((num_recv, K), dtype=torch.int64)
-            recv_w = torch.empty((num_recv, K), dtype=torch.float32)
-        else:                         # poisoned (tests), or large: reused bases
-            recv_x, recv_i, recv_w = small._outputs(comm, "dispatch", [
-                (num_recv, H, dtype), (num_recv, K, torch.int64), (num_recv, K, torch.float32)])
+        recv_x, recv_i, recv_w = self._empty("dispatch", num_recv * (row_bytes + 12 * K), [
+            (num_recv, H, dtype), (num_recv, K, torch.int64), (num_recv, K, torch.float32)])
         args = (cx, parity, 0, epoch, deadline_ns, p_recv_count, row_bytes, K,
                 recv_x.data_ptr(), recv_i.data_ptr(), recv_w.data_ptr(), E // R, self.p_local,
                 0, x.data_ptr(), T, ids.data_ptr(), p_first, idx.data_ptr(), p_w)
@@ -299,15 +294,14 @@ class DirectCalls:
         out_w, = self._empty("combine_w", T * 4 * K, [(T, K, torch.float32) if K else None])
         parity, epoch, cp, deadline_ns = self._numbers()
         lib, cx, p_call_row, dt = self.lib, self.cx, call_row.ctypes.data, small.SUM_DTYPES[dtype]
-        args = (ids.data_ptr(), first.ctypes.data, dt, H, K, T, 0, 0, out.data_ptr(), dt,
-                0 if w is None else out_w.data_ptr(), self.index.data_ptr(),
-                self.sums.data_ptr(), p_call_row)
+        p_ids, p_first, p_out = ids.data_ptr(), first.ctypes.data, out.data_ptr()
+        p_out_w = 0 if w is None else out_w.data_ptr()
+        p_index, p_sums = self.index.data_ptr(), self.sums.data_ptr()
         matrix = self._matrix(handle)
         rc = lib.moe_small_combine_direct(
             cx, parity, cp, epoch, deadline_ns, matrix.ctypes.data, slot_rows, heap_rows,
-            ids.data_ptr(), first.ctypes.data, x.data_ptr(), dt, H,
-            0 if w is None else w.data_ptr(), K, T, out.data_ptr(), args[10], args[11],
-            args[12], p_call_row, self.p_counts)
+            p_ids, p_first, x.data_ptr(), dt, H, 0 if w is None else w.data_ptr(), K, T, p_out,
+            p_out_w, p_index, p_sums, p_call_row, self.p_counts)
         if rc == DECLINED:
             return None
         self._take(epoch)
@@ -315,6 +309,7 @@ class DirectCalls:
             own = int(matrix[:comm.rank, comm.rank].sum())   # my rows for myself, in x
             own_x, own_w = x[own:].data_ptr(), 0 if w is None else w[own:].data_ptr()
             small._drive(comm, lambda resume: lib.moe_small_combine_finish(
-                cx, parity, cp, epoch, deadline_ns, self.p_counts + 8 * R, *args, own_x,
-                own_w), "combine", epoch, parity, cp, counts=self.counts[R:].copy(), rc=rc)
+                cx, parity, cp, epoch, deadline_ns, self.p_counts + 8 * R, p_ids, p_first, dt,
+                H, K, T, 0, 0, p_out, dt, p_out_w, p_index, p_sums, p_call_row, own_x, own_w),
+                "combine", epoch, parity, cp, counts=self.counts[R:].copy(), rc=rc)
         return out, out_w, EventOverlap()
