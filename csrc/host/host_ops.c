@@ -1253,25 +1253,31 @@ int moe_layout_matches(const int64_t *topk, int64_t T, int64_t K, int64_t E, int
     return 1;
 }
 
+/* Whether a call on count matrix [R, R] (rows s sends d; `by_row`: each rank's rows are those
+ * its row sums, else its column's) goes all in eager slots: every pair within slot_rows and
+ * every rank's rows within heap_rows (small._in_slots). */
+static int small_all_eager(const int64_t *matrix, int64_t R, int64_t slot_rows,
+                           int64_t heap_rows, int by_row) {
+    for (int64_t i = 0; i < R; i++) {
+        int64_t sum = 0;
+        for (int64_t j = 0; j < R; j++) {
+            const int64_t m = by_row ? matrix[i * R + j] : matrix[j * R + i];
+            if (m > slot_rows) return 0;
+            sum += m;
+        }
+        if (sum > heap_rows) return 0;
+    }
+    return 1;
+}
+
 /* What a dispatch's count matrix [R, R] (rows s send to d) means for rank me: info[0] the
- * rows it receives, info[1] 1 if every pair fits an eager slot of slot_rows rows and every
- * rank's rows fit its heap (heap_rows) in one region (small._in_slots: the call is then
- * eager everywhere), recv_count[s] = matrix[s, me]. */
+ * rows it receives, info[1] whether the call goes all in eager slots (small_all_eager, by
+ * column), recv_count[s] = matrix[s, me]. */
 void moe_small_matrix_info(const int64_t *matrix, int64_t R, int64_t me, int64_t slot_rows,
                            int64_t heap_rows, int64_t *info, int64_t *recv_count) {
-    int64_t fits = 1;
-    for (int64_t d = 0; d < R; d++) {
-        int64_t col = 0;
-        for (int64_t s = 0; s < R; s++) {
-            const int64_t m = matrix[s * R + d];
-            col += m;
-            fits &= m <= slot_rows;
-            if (d == me) recv_count[s] = m;
-        }
-        fits &= col <= heap_rows;
-        if (d == me) info[0] = col;
-    }
-    info[1] = fits;
+    info[0] = 0;
+    for (int64_t s = 0; s < R; s++) info[0] += recv_count[s] = matrix[s * R + me];
+    info[1] = small_all_eager(matrix, R, slot_rows, heap_rows, 0);
 }
 
 /* The rest of a dispatch begun by moe_small_dispatch_direct or moe_small_cached_direct,
@@ -1351,23 +1357,6 @@ int64_t moe_small_dispatch_direct(const int64_t *cx, int64_t ep, int64_t cp, int
     if (rc == SMALL_OK)
         moe_small_matrix_info(matrix, R, cx[CX_ME], slot_rows, heap_rows, info, recv_count);
     return rc;
-}
-
-/* Whether a call on count matrix [R, R] (rows s sends d; `by_row`: each rank's rows are those
- * its row sums, else its column's) goes all in eager slots: every pair within slot_rows and
- * every rank's rows within heap_rows (small._in_slots). */
-static int small_all_eager(const int64_t *matrix, int64_t R, int64_t slot_rows,
-                           int64_t heap_rows, int by_row) {
-    for (int64_t i = 0; i < R; i++) {
-        int64_t sum = 0;
-        for (int64_t j = 0; j < R; j++) {
-            const int64_t m = by_row ? matrix[i * R + j] : matrix[j * R + i];
-            if (m > slot_rows) return 0;
-            sum += m;
-        }
-        if (sum > heap_rows) return 0;
-    }
-    return 1;
 }
 
 /* A cached small dispatch straight from the caller's arguments (host/direct.py): the rows of
