@@ -172,6 +172,10 @@ class Buffer:
         # the backend's path for small calls (host/direct.py), or None
         direct = getattr(self._be, "direct_calls", None)
         self._direct = direct(self._key) if direct is not None else None
+        # and for low-latency calls (host/ll_direct.py), or None
+        ll_direct = getattr(self._be, "ll_direct_calls", None)
+        self._ll_direct = ll_direct(self._key) if ll_direct is not None and \
+            self.low_latency_mode else None
         self._owner_lock = threading.Lock()
         self._owner = None                  # (thread id, call) of the call in progress
         self._depth = 0
@@ -629,6 +633,16 @@ class Buffer:
                 no-op when return_recv_hook is False).
         """
         comm = self._live()
+        if self._ll_direct is not None:      # each half one C call (or None)
+            got = self._ll_direct.dispatch(
+                x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
+                round_scale, use_ue8m0, active_ranks,
+                lambda: self._ll_reserve("dispatch", comm.ll_seq["dispatch"] + 1))
+            if got is not None:
+                out_x, recv_count, handle, receive = got
+                return (out_x, recv_count, handle, self._be.event(),
+                        self._ll_finish("dispatch", handle.buf, receive, return_recv_hook))
         lay = validate.ll_dispatch_args(
             self._facts, comm.ll_bytes, x, topk_idx, num_max_dispatch_tokens_per_rank,
             num_experts, cumulative_local_expert_recv_stats, use_fp8, round_scale, use_ue8m0,
@@ -718,6 +732,15 @@ class Buffer:
             combined_x bf16 [T, H], event, hook.
         """
         comm = self._live()
+        if self._ll_direct is not None and (zero_copy is False or zero_copy is True):
+            got = self._ll_direct.combine(
+                self.get_next_low_latency_combine_buffer(handle) if zero_copy else x,
+                topk_idx, topk_weights, handle, use_logfmt, out, combine_wait_recv_cost_stats,
+                active_ranks, lambda: self._ll_reserve("combine", comm.ll_seq["combine"] + 1))
+            if got is not None:
+                out, buf, receive = got
+                return out, self._be.event(), self._ll_finish("combine", buf, receive,
+                                                              return_recv_hook)
         lay = validate.ll_combine_args(self._facts, comm.ll_bytes, x, topk_idx, topk_weights,
                                        handle, use_logfmt, zero_copy, out, active_ranks)
         validate.wait_cost_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats,

@@ -1414,3 +1414,7 @@ int64_t moe_small_combine_direct(const int64_t *cx, int64_t ep, int64_t cp, int6
                                     call_row, x + own * row_bytes,
                                     topk_w ? topk_w + own * K : NULL);
 }
+
+/* Low-latency calls straight from the Buffer's arguments (moe_comm/host/ll_direct.py), in a
+ * file of their own, built as part of this one: they use the waits and doorbells above. */
+#include "ll_direct.c"

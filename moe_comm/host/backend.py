@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import direct, ll, native, normal
+from . import direct, ll, ll_direct, native, normal
 from ..errors import refuse_if_masked
 from ..event import EventOverlap
 from ..layout import DispatchLayout, aligned_expert_counts, dispatch_layout
@@ -37,6 +37,10 @@ class HostBackend:
     def direct_calls(self, buffer_key):
         """Small calls straight from the Buffer's arguments (host/direct.py)."""
         return direct.DirectCalls(self.comm, buffer_key)
+
+    def ll_direct_calls(self, buffer_key):
+        """Low-latency halves straight from the Buffer's arguments (host/ll_direct.py)."""
+        return ll_direct.LLDirectCalls(self.comm, buffer_key, self.empty)
 
     def layout(self, topk_idx, num_experts, num_ranks) -> DispatchLayout:
         per_rank, per_expert, in_rank = native.dispatch_layout(

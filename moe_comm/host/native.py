@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 
 ENV = "MOE_COMM_HOST_NATIVE"
 SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "host" / "host_ops.c"
+# the files SOURCE includes (built as part of it: the cache key covers them too)
+INCLUDED = (SOURCE.parent / "ll_direct.c",)
 FLAGS = ("-O3", "-ffp-contract=off", "-fno-trapping-math", "-fPIC", "-shared", "-Wall", "-Werror")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}       # host_ops.c's DT_F32, DT_BF16
 
@@ -78,6 +80,15 @@ _SIGNATURES = {
                                 _P),
     "moe_small_combine_direct": (_P, _I, _I, _I, _I, _P, _I, _I, _P, _P, _P, ctypes.c_int, _I,
                                  _P, _I, _I, _P, _P, _P, _P, _P, _P),
+    # low-latency halves (host/ll_direct.py)
+    "moe_ll_context_words": (),
+    "moe_ll_direct_send": (_P, _I, _I, _I, _I, _I, _P, _I, _I, _P, _I, _I, _I, _P, _I, _P, _P,
+                           _P, _P, _P, _P, _P, _P, _P),
+    "moe_ll_direct_recv": (_P, _I, _I, _I, _P, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P,
+                           _P, _P, _P, _I, _P, _P, _P),
+    "moe_ll_direct_combine_send": (_P, _I, _I, _I, _I, _I, _P, _I, _P, _P, _P),
+    "moe_ll_direct_combine_recv": (_P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _I, _I, _P, _P, _P,
+                                   _P),
     "moe_dispatch_layout": (_P, _I, _I, _I, _I, _P, _P, _P),
     "moe_layout_matches": (_P, _I, _I, _I, _I, _P, _P, _P),
 }
@@ -88,7 +99,9 @@ _RETURNS = {"moe_copy_rows": ctypes.c_int, "moe_ll_route": _I, "moe_ll_send": ct
             "moe_small_dispatch_start": _I, "moe_small_dispatch_finish": _I,
             "moe_small_combine_finish": _I, "moe_small_dispatch_direct": _I,
             "moe_small_cached_direct": _I, "moe_small_direct_finish": _I,
-            "moe_small_combine_direct": _I,
+            "moe_small_combine_direct": _I, "moe_ll_context_words": _I,
+            "moe_ll_direct_send": _I, "moe_ll_direct_recv": _I,
+            "moe_ll_direct_combine_send": _I, "moe_ll_direct_combine_recv": _I,
             "moe_dispatch_layout": ctypes.c_int,
             "moe_layout_matches": ctypes.c_int}
 
@@ -103,8 +116,8 @@ def _build(cc: str) -> Path:
     be written, the temporary copy is loaded."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     target = subprocess.run([cc, "-dumpmachine"], capture_output=True, text=True).stdout
-    digest = key(SOURCE.read_bytes().hex(), version, target, platform.machine(),
-                 " ".join(FLAGS))
+    digest = key(*(f.read_bytes().hex() for f in (SOURCE, *INCLUDED)), version, target,
+                 platform.machine(), " ".join(FLAGS))
     path = cache_dir("host") / f"host_ops-{digest[:40]}.so"
     if path.is_file():
         return path

@@ -1,0 +1,232 @@
+"""Low-latency halves straight from the Buffer's arguments (moe_comm/host/ll_direct.py):
+the direct path and host/ll.py's Python path give the same bits, ranks on either pair with
+each other, a peer late past a wait's slice is waited for, and the direct path is the one
+that runs where it should."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import moe_comm
+from moe_comm.host import ll
+from checks import check_ll, expert_ll, ll_inputs
+from moe_comm.quant import dequantize_fp8, quantize_fp8
+from ranks import run_ranks
+
+
+def _buffer(case, n, timeout_s=30):
+    return moe_comm.Buffer(None, 1 << 20, moe_comm.Buffer.get_low_latency_rdma_size_hint(
+        case["max_tokens"], case["hidden"], n, case["experts"]), low_latency_mode=True,
+        timeout_s=timeout_s)
+
+
+class _Counting:
+    """Counts the Python path's send halves (the direct path never calls them)."""
+
+    def __init__(self, monkey):
+        self.sends = 0
+        for name in ("dispatch_send", "combine_send"):
+            real = getattr(ll, name)
+            monkey.setattr(ll, name, self._counted(real))
+
+    def _counted(self, real):
+        def call(*args, **kwargs):
+            self.sends += 1
+            return real(*args, **kwargs)
+        return call
+
+
+def _call(buf, case, rank, stats, python):
+    """One dispatch and combine of ``case``; ``python``: on host/ll.py's path."""
+    if python:
+        buf._ll_direct = None
+    x, idx, w = ll_inputs(case, rank)
+    rx, cnt, handle, _, hook = buf.low_latency_dispatch(
+        x, idx, case["max_tokens"], case["experts"], cumulative_local_expert_recv_stats=stats,
+        use_fp8=case["fp8"], return_recv_hook=case["hook"])
+    hook()
+    y = expert_ll(rx, rank)
+    if case["zero_copy"]:
+        buf.get_next_low_latency_combine_buffer(handle).copy_(y)
+        combined, _, hook = buf.low_latency_combine(torch.empty(0), idx, w, handle,
+                                                    zero_copy=True,
+                                                    return_recv_hook=case["hook"])
+    else:
+        dest = torch.full(x.shape, float("nan")).bfloat16() if case["out"] else None
+        combined, _, hook = buf.low_latency_combine(y, idx, w, handle, out=dest,
+                                                    return_recv_hook=case["hook"])
+    hook()
+    rx = tuple(t.clone() for t in rx) if isinstance(rx, tuple) else rx.clone()
+    return dict(rx=rx, cnt=cnt.clone(), stats=stats.clone(), y=y, combined=combined.clone(),
+                meta=handle.recv_meta.clone(), ranges=handle.recv_ranges.clone(),
+                base=handle.return_base.clone(), tok=handle.send_tok.clone())
+
+
+def _cases(n):
+    M = 16
+    specs = [  # (hidden, fp8, hook, zero_copy, out, routing, stats dtype)
+        (128, False, False, False, False, "random", torch.int32),
+        (256, True, True, False, True, "holes", torch.int64),
+        (512, True, False, True, False, "skewed", torch.int32),
+        (1024, True, True, True, False, "random", torch.int64),
+    ]
+    return [dict(seed=40 + s, hidden=h, fp8=fp8, round_scale=False, ue8m0=False, hook=hook,
+                 zero_copy=zc, out=out, routing=rt, stats=sd, max_tokens=M,
+                 tokens=[M if r == 0 else (0 if r == 1 else (2 + 5 * r) % M + 1)
+                         for r in range(n)],
+                 experts=4 * n, topk=min(4, 4 * n))
+            for s, (h, fp8, hook, zc, out, rt, sd) in enumerate(specs)]
+
+
+def _mixed(rank, n, cases, python_ranks, monkeypatch_sends):
+    """Every case on ``python_ranks`` through ll.py, on the others directly; returns the
+    results and how many Python send halves ran on this rank."""
+    mp = pytest.MonkeyPatch()
+    counting = _Counting(mp) if monkeypatch_sends else None
+    out = []
+    try:
+        for case in cases:
+            buf = _buffer(case, n)
+            stats = torch.full((case["experts"] // n,), 5, dtype=case["stats"])
+            out.append(_call(buf, case, rank, stats, rank in python_ranks))
+            buf.destroy()
+    finally:
+        mp.undo()
+    return out, None if counting is None else counting.sends
+
+
+@pytest.mark.parametrize("n,python_ranks", [(1, ()), (2, ()), (3, (1,)), (4, (0, 3))])
+def test_direct_and_python_halves_pair_and_match_the_reference(n, python_ranks):
+    cases = _cases(n)
+    results = run_ranks(_mixed, n, cases, python_ranks, True, timeout=300)
+    check_ll(n, cases, [[dict(r, stats=r["stats"].int()) for r in res] for res, _ in results],
+             quantize_fp8)
+    for rank, (_, sends) in enumerate(results):
+        # the direct path ran on every other rank (rank 1's dispatches are of no tokens)
+        want = 2 * len(cases) if rank in python_ranks else 0
+        assert sends == want, (rank, sends, want)
+
+
+def _both(rank, n, case):
+    """The same calls on both paths of one Buffer, the direct path first."""
+    buf = _buffer(case, n)
+    got = []
+    for python in (False, True):
+        stats = torch.zeros(case["experts"] // n, dtype=torch.int32)
+        got.append(_call(buf, case, rank, stats, python))
+    buf.destroy()
+    return got
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+def test_the_direct_path_gives_the_python_paths_bits(fp8):
+    case = dict(seed=7, hidden=512, fp8=fp8, round_scale=False, ue8m0=False, hook=False,
+                zero_copy=False, out=False, routing="skewed", max_tokens=12, tokens=[12, 9],
+                experts=8, topk=3)
+    for direct, python in run_ranks(_both, 2, case, timeout=120):
+        for key in ("cnt", "stats", "meta", "ranges", "base", "tok", "combined"):
+            assert torch.equal(direct[key], python[key]), key
+        counts = direct["cnt"].tolist()
+        for part, want in zip(direct["rx"] if fp8 else (direct["rx"],),
+                              python["rx"] if fp8 else (python["rx"],)):
+            for le, c in enumerate(counts):       # rows past an expert's count are undefined
+                assert torch.equal(part[le, :c].view(torch.uint8),
+                                   want[le, :c].view(torch.uint8)), le
+
+
+LATE_S = 0.3          # several of a C wait's 50 ms slices: the halves go on past a slice
+
+
+def _late(rank, n, case, rounds):
+    """``rounds`` dispatch + combine rounds; the last rank sleeps before each call and each
+    receive, so the others' receives wait past a slice, and from the third call on their
+    sends wait for its FREE pushes."""
+    buf = _buffer(case, n)
+    out = []
+    for _ in range(rounds):
+        x, idx, w = ll_inputs(case, rank)
+        if rank == n - 1:
+            time.sleep(LATE_S)
+        rx, _, handle, _, hook = buf.low_latency_dispatch(
+            x, idx, case["max_tokens"], case["experts"], use_fp8=case["fp8"],
+            return_recv_hook=True)
+        if rank == n - 1:
+            time.sleep(LATE_S)
+        hook()
+        combined, _, _ = buf.low_latency_combine(expert_ll(rx, rank), idx, w, handle)
+        out.append(combined.clone())
+    sent_by_python = buf._ll_direct is None
+    dist.barrier()
+    buf.destroy()
+    return out, sent_by_python
+
+
+def test_a_late_peer_is_waited_for_past_a_slice():
+    case = dict(seed=3, hidden=256, fp8=True, round_scale=False, ue8m0=False, routing="random",
+                max_tokens=8, tokens=[8, 6, 7], experts=6, topk=2)
+    n, rounds = 3, 4
+    results = run_ranks(_late, n, case, rounds, timeout=120)
+    for rank, (outs, by_python) in enumerate(results):
+        assert not by_python
+        # the same inputs every round: the same sums (a round that read a stale buffer, or
+        # lost a peer's rows, would differ from the first)
+        for got in outs[1:]:
+            assert torch.equal(got, outs[0]), rank
+        # each row came back from its expert's rank r scaled by r + 1 (expert_ll)
+        x, idx, w = ll_inputs(case, rank)
+        row = dequantize_fp8(*quantize_fp8(x))
+        owner = torch.where(idx >= 0, idx // (case["experts"] // n), -1)
+        want = sum(torch.where(owner[:, k:k + 1] >= 0, w[:, k:k + 1], 0.0) *
+                   (row * (owner[:, k:k + 1] + 1)).bfloat16().float()
+                   for k in range(case["topk"]))
+        torch.testing.assert_close(outs[0].float(), want, rtol=1e-2, atol=1e-2)
+
+
+def _send_waits(rank, n, case):
+    """Two dispatches and two combines that the last rank receives only after LATE_S (both
+    through receive hooks), then a third of each: the other ranks' third sends wait for its
+    FREE pushes, past several slices. Returns the three sums and how often a send half went
+    on in Python after its C call stopped."""
+    buf = _buffer(case, n)
+    direct = type(buf._ll_direct)
+    drives = []
+    mp = pytest.MonkeyPatch()
+    real = direct._drive_send
+    mp.setattr(direct, "_drive_send", lambda self, *a: drives.append(1) or real(self, *a))
+    late = rank == n - 1
+    x, idx, w = ll_inputs(case, rank)
+    M, E = case["max_tokens"], case["experts"]
+    try:
+        calls = [buf.low_latency_dispatch(x, idx, M, E, return_recv_hook=late)
+                 for _ in range(2)]
+        if late:
+            time.sleep(LATE_S)
+            for call in calls:
+                call[4]()
+        calls.append(buf.low_latency_dispatch(x, idx, M, E))
+        ys = [expert_ll(call[0], rank) for call in calls]
+        sums = [buf.low_latency_combine(ys[i], idx, w, calls[i][2], return_recv_hook=late)
+                for i in range(2)]
+        if late:
+            time.sleep(LATE_S)
+            for s in sums:
+                s[2]()
+        sums.append(buf.low_latency_combine(ys[2], idx, w, calls[2][2]))
+    finally:
+        mp.undo()
+    out = [s[0].clone() for s in sums]
+    dist.barrier()
+    buf.destroy()
+    return out, len(drives)
+
+
+def test_sends_wait_for_a_late_receivers_free_push_past_a_slice():
+    case = dict(seed=5, hidden=256, fp8=True, round_scale=False, ue8m0=False, routing="random",
+                max_tokens=8, tokens=[8, 5, 8], experts=6, topk=2)
+    n = 3
+    for rank, (sums, drives) in enumerate(run_ranks(_send_waits, n, case, timeout=120)):
+        assert torch.equal(sums[0], sums[1]) and torch.equal(sums[0], sums[2]), rank
+        assert drives >= (0 if rank == n - 1 else 2), (rank, drives)
