@@ -31,7 +31,6 @@ from .. import signature
 from ..handle import LowLatencyHandle
 from ..wire import CALL_WORDS, LL_MAX_TOPK, LL_NUM_BUFFERS, LLLayout, ll_msg_stride
 from . import ll, native, small
-from .pool import OutputPool
 
 # what the C halves return (ll_direct.c LL_*)
 OK, AGAIN, LATE, DIFFER, DECLINED = 0, 1, 2, 3, 5
@@ -101,7 +100,10 @@ class LLDirectCalls:
         self.lib = native.library() if self.on else None
         self.layouts = {}                 # (M, H, E) -> (LLLayout, Context), or None: too big
         self.rows = {}                    # the signature of each dispatch shape
-        self.msgs = OutputPool()          # fp8 message rows, one base per buffer
+        # fp8 message rows, per buffer: only this path and a handle's receive read them, and
+        # buffer b's serve call s + 2 only once call s has received (the Buffer's reserve)
+        self.msgs = [torch.empty(0, dtype=torch.uint8)] * LL_NUM_BUFFERS
+        self.everyone = np.ones(comm.num_ranks, dtype=bool)    # the handles' sent_to
         self.sent = np.zeros(comm.num_ranks, dtype=np.uint8)
         self.p_sent = self.sent.ctypes.data
         self.scratch = torch.empty(0, dtype=torch.float32)
@@ -123,6 +125,11 @@ class LLDirectCalls:
             row = self.rows[key] = signature.low_latency(
                 hidden=H, use_fp8=True, round_scale=False, topk=K, num_experts=E, max_tokens=M)
         return row
+
+    def _msgs(self, b, nbytes) -> torch.Tensor:
+        if self.msgs[b].numel() < nbytes:
+            self.msgs[b] = torch.empty(nbytes, dtype=torch.uint8)
+        return self.msgs[b][:nbytes]
 
     def _scratch(self, n) -> torch.Tensor:
         if self.scratch.numel() < n:
@@ -166,7 +173,7 @@ class LLDirectCalls:
         seq = comm.ll_seq["dispatch"] + 1
         b = seq % LL_NUM_BUFFERS
         stride = ll_msg_stride(H, use_fp8)
-        msgs = self.msgs.empty(b, (T, stride), torch.uint8) if use_fp8 else x
+        msgs = self._msgs(b, T * stride).view(T, stride) if use_fp8 else x
         scratch = self._scratch(T * (H // 128) + H)
         # the route (tok, slot [T * K], first [E + 1], per-expert counts [E]) and the receive's
         # results (recv_meta [L, R*M], ranges [L, R, 2], per_expert [L], return_base [R])
@@ -191,11 +198,11 @@ class LLDirectCalls:
         if rc:                            # resumed: only the waits and sends are left
             self._drive_send(self.lib.moe_ll_direct_send, args, rc,
                              comm.layout.ll_dispatch_free, b, seq, "low_latency_dispatch/free")
-        n = int(block[2 * T * K + E])
+        n = int(block.numpy()[2 * T * K + E])
         tok, slot = block[:n], block[T * K:T * K + n]
         first = block[2 * T * K:2 * T * K + E + 1]
         handle = LowLatencyHandle(self.key, seq, b, M, H, E, T, K, send_tok=tok, send_slot=slot,
-                                  call_row=call_row, sent_to=np.ones(R, dtype=bool),
+                                  call_row=call_row, sent_to=self.everyone,
                                   own_rows=(comm.rank, msgs, tok, slot, first) if use_fp8
                                   else None)
         rows = R * M
