@@ -230,3 +230,57 @@ def test_sends_wait_for_a_late_receivers_free_push_past_a_slice():
     for rank, (sums, drives) in enumerate(run_ranks(_send_waits, n, case, timeout=120)):
         assert torch.equal(sums[0], sums[1]) and torch.equal(sums[0], sums[2]), rank
         assert drives >= (0 if rank == n - 1 else 2), (rank, drives)
+
+
+MASKED = dict(seed=11, hidden=512, routing="random", max_tokens=12, tokens=[12, 7, 9],
+              experts=6, topk=3)
+
+
+def _masked_before_hook(rank, n, python, half):
+    """Ranks 0 and 1 mask rank 2 after every rank's send of ``half`` is out, before their
+    receive hook runs: the receive leaves rank 2's rows out on either path."""
+    buf = moe_comm.Buffer(None, 1 << 20, 1 << 24, low_latency_mode=True, timeout_s=10)
+    if python:
+        buf._ll_direct = None
+    x, idx, w = ll_inputs(MASKED, rank)
+    rx, cnt, handle, _, hook = buf.low_latency_dispatch(x, idx, 12, 6, use_fp8=False,
+                                                         return_recv_hook=half == "dispatch")
+    if half == "dispatch":
+        dist.barrier()
+        if rank != 2:
+            buf.low_latency_update_mask_buffer(2, True)
+        hook()
+        if rank == 2:
+            return None
+    out, _, hook = buf.low_latency_combine(expert_ll(rx, rank), idx, w, handle,
+                                           return_recv_hook=half == "combine")
+    if half == "combine":
+        dist.barrier()
+        if rank != 2:
+            buf.low_latency_update_mask_buffer(2, True)
+    hook()
+    return None if rank == 2 else (cnt.clone(), out.clone())
+
+
+@pytest.mark.parametrize("half", ["dispatch", "combine"])
+def test_a_rank_masked_between_send_and_hook_is_left_out_on_both_paths(half):
+    direct, python = (run_ranks(_masked_before_hook, 3, p, half, timeout=60)
+                      for p in (False, True))
+    for rank in (0, 1):
+        assert torch.equal(direct[rank][0], python[rank][0]), rank
+        assert torch.equal(direct[rank][1], python[rank][1]), rank
+    if half == "dispatch":        # rank 2's rows are missing from the counts
+        full = run_ranks(_masked_before_hook, 3, False, "none", timeout=60)
+        assert not torch.equal(direct[0][0], full[0][0])
+
+
+def _zero_max_tokens(rank, n):
+    buf = moe_comm.Buffer(None, 1 << 20, 1 << 24, low_latency_mode=True, timeout_s=10)
+    x, idx = torch.empty(0, 512).bfloat16(), torch.empty(0, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="num_max_dispatch_tokens_per_rank"):
+        buf.low_latency_dispatch(x, idx, 0, 6)
+    buf.destroy()
+
+
+def test_zero_max_tokens_is_refused_on_every_rank():
+    run_ranks(_zero_max_tokens, 2, timeout=60)

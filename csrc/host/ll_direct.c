@@ -207,7 +207,9 @@ int64_t moe_ll_direct_recv(const int64_t *lx, int64_t b, int64_t seq, int64_t de
     for (int64_t le = 0; le < L; le++) {
         recv_count[le] = (int32_t)per_expert[le];
         if (stats && stats64) ((int64_t *)stats)[le] += per_expert[le];
-        else if (stats) ((int32_t *)stats)[le] += (int32_t)per_expert[le];
+        else if (stats)       /* (unsigned: a sum past INT32_MAX wraps, as torch's does) */
+            ((int32_t *)stats)[le] = (int32_t)((uint32_t)((int32_t *)stats)[le] +
+                                               (uint32_t)per_expert[le]);
     }
     for (int64_t s = 0; s < R; s++) return_base[s] = rows_in[s * (L + 1) + L];
     const int64_t zero = 0;

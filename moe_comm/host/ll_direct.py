@@ -16,13 +16,17 @@ Which calls, on a Buffer whose peers are all on this host, not elastic, every ra
 
 The C send half checks the values before it writes anything (ids in [-1, E), no expert
 over M messages, this rank not fenced) and declines otherwise: the Buffer's whole path then
-runs and raises what is wrong. A send that a peer holds up past a wait's slice or its
-deadline goes on waiting in Python (HostComm.wait: the timeout's error), then resumes in C; a
-receive that does not find everything in time, or finds signatures that differ, is handed to
-host/ll.py's receive, which has read nothing less: it waits, raises, or packs. The words and
+runs and raises what is wrong. A C wait returns after a slice of 50 ms, so that Python's
+signal handlers run: a send then resumes in C; past its deadline (or with this rank fenced) it
+waits in Python for the ranks it has not reached (HostComm.wait: the timeout's error), then
+resumes. A receive that does not find everything within a slice, finds signatures that
+differ, or runs after a rank was masked since its send, is handed to host/ll.py's receive,
+which has read nothing less: it waits, raises, or packs. The words and
 places are ll.py's, so a rank here pairs with a rank on the Python path.
 """
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import torch
@@ -34,6 +38,7 @@ from . import ll, native, small
 
 # what the C halves return (ll_direct.c LL_*)
 OK, AGAIN, LATE, DIFFER, DECLINED = 0, 1, 2, 3, 5
+ENV = "MOE_COMM_LL_DIRECT"        # "0": every low-latency call on ll.py's path
 
 
 class Context:
@@ -86,7 +91,7 @@ class Context:
             [p for name in per_buffer for p in per_buffer[name]], dtype=np.int64)
         self.keep = keep
         self.p = self.words.ctypes.data
-        if a.lib.moe_ll_context_words() != len(self.words):
+        if native.library().moe_ll_context_words() != len(self.words):
             raise RuntimeError("host/ll_direct.py and ll_direct.c disagree on the context words")
 
 
@@ -96,8 +101,10 @@ class LLDirectCalls:
 
     def __init__(self, comm, buffer_key, empty):
         self.comm, self.key, self.empty = comm, buffer_key, empty
-        self.on = small.usable(comm)          # one host, not elastic, the C library here
-        self.lib = native.library() if self.on else None
+        self.lib = native.library() if os.environ.get(ENV, "1") != "0" else None
+        # what cannot change over the Buffer's life: one host, not elastic, the C library
+        self.on = (self.lib is not None and comm.transport is None and comm.relays is None and
+                   not comm.elastic)
         self.layouts = {}                 # (M, H, E) -> (LLLayout, Context), or None: too big
         self.rows = {}                    # the signature of each dispatch shape
         # fp8 message rows, per buffer: only this path and a handle's receive read them, and
@@ -154,7 +161,7 @@ class LLDirectCalls:
                 idx.dtype is torch.int64 and x.dim() == 2 and idx.dim() == 2):
             return None
         (T, H), K, R = x.shape, idx.shape[1], comm.num_ranks
-        if not (T <= M and H > 0 and H % 128 == 0 and 0 < K <= LL_MAX_TOPK and
+        if not (0 < M and T <= M and H > 0 and H % 128 == 0 and 0 < K <= LL_MAX_TOPK and
                 idx.shape[0] == T and 0 < E and E % R == 0 and x.is_contiguous() and
                 idx.is_contiguous() and x.is_cpu and idx.is_cpu):
             return None
@@ -210,7 +217,7 @@ class LLDirectCalls:
                             torch.float8_e4m3fn if use_fp8 else torch.bfloat16)
         recv_scales = self.empty(("ll_s", b), (L, rows, H // 128), torch.float32) \
             if use_fp8 else None
-        recv_count = torch.empty(L, dtype=torch.int32)
+        recv_count = torch.zeros(L, dtype=torch.int32)     # (zeros until received)
         at = n_route
         recv_meta = block[at:at + L * rows].view(L, rows)
         ranges = block[at + L * rows:at + L * rows + 2 * L * R].view(L, R, 2)
@@ -220,7 +227,9 @@ class LLDirectCalls:
 
         def receive():
             own = handle.own_rows
-            rc = self.lib.moe_ll_direct_recv(
+            # a rank masked since the send (an update_mask call, another call's active_ranks)
+            # sends nothing: ll.py's receive leaves it out
+            rc = AGAIN if not self._usable(None, None) else self.lib.moe_ll_direct_recv(
                 cx.p, b, seq, int(comm.refresh_deadline() * 1e9), call_row.ctypes.data,
                 stride, H if use_fp8 else 2 * H, H, recv_x.data_ptr(),
                 recv_scales.data_ptr() if use_fp8 else 0, recv_meta.data_ptr(),
@@ -254,7 +263,7 @@ class LLDirectCalls:
         views = ll._header_views(comm, word_of, b)
         args[2] = 1                        # resume
         while rc:
-            if rc < 0:
+            if rc < 0:                    # (only a combine's: a base from rank -rc - 1)
                 raise IndexError(
                     f"low-latency combine: rank {-rc - 1} announced where this rank's rows go "
                     "back outside its combine rows (a peer with another layout?)")
@@ -294,6 +303,9 @@ class LLDirectCalls:
         seq = comm.ll_seq["combine"] + 1
         b = seq % LL_NUM_BUFFERS
         ranges, bases = handle.recv_ranges, handle.return_base
+        tok, slot = handle.send_tok, handle.send_slot
+        if not (ranges.is_contiguous() and tok.is_contiguous() and slot.is_contiguous()):
+            return None                   # (never, as both receives make them)
         if not bases.is_contiguous():     # (the Python receive's is a column of its counts)
             bases = handle.return_base = bases.contiguous()
         wait_free = seq > comm.ll_base["combine"] + LL_NUM_BUFFERS
@@ -306,13 +318,12 @@ class LLDirectCalls:
         if rc:
             self._drive_send(self.lib.moe_ll_direct_combine_send, args, rc,
                              comm.layout.ll_combine_free, b, seq, "low_latency_combine/free")
-        tok, slot = handle.send_tok, handle.send_slot
 
         def receive():
             n = tok.numel()
             index = torch.empty(n + T + 1, dtype=torch.int64)
             scratch = self._scratch(n + 2 * H)
-            rc = self.lib.moe_ll_direct_combine_recv(
+            rc = AGAIN if not self._usable(None, None) else self.lib.moe_ll_direct_combine_recv(
                 cx.p, b, seq, int(comm.refresh_deadline() * 1e9), 0, tok.data_ptr(),
                 slot.data_ptr(), n, w.data_ptr(), T, K, H, out.data_ptr(), index.data_ptr(),
                 scratch.data_ptr(), scratch.data_ptr() + 4 * n)
