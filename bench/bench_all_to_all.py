@@ -116,7 +116,8 @@ class _RankEnv:
     def timed(self, column, fn, iters):
         """Seconds per call of fn (the median over repeats), its spread kept for ``column``
         and the calls a repeat made (at least ``iters``: calls_to_time) in ``calls``."""
-        fn()                                                  # warm-up
+        fn()             # warm-up: both of a call's buffers (LL calls and eager slots
+        fn()             # alternate between two; each one's outputs fault in on first use)
         calls = self.calls[column] = calls_to_time(fn, iters, self.device, MIN_REPEAT_S)
         self.spread[column] = timed_spread(fn, calls, self.device, REPEATS)
         return self.spread[column][1]

@@ -56,18 +56,22 @@ def timed_spread(fn, iters, device, repeats=3):
     return min(slowest), statistics.median(slowest), max(slowest)
 
 
-def calls_to_time(fn, iters, device, min_seconds):
+def calls_to_time(fn, iters, device, min_seconds, probe=3):
     """How many back-to-back calls of ``fn()`` a timed repeat makes: ``iters``, or more where
-    that many would take less than ``min_seconds`` (one call timed on every rank, the slowest
-    rank's time deciding, so every rank makes the same number of collective calls). A repeat
-    of a few 100-us calls is as long as one late wake-up of one rank, and its median swings
-    with it."""
+    that many would take less than ``min_seconds`` (``probe`` calls timed on every rank after
+    a barrier, the slowest rank's time deciding, so every rank makes the same number of
+    collective calls). A repeat of a few 100-us calls is as long as one late wake-up of one
+    rank, and its median swings with it. Several calls probed, not one: the first call after a
+    barrier can take several times a call's time where ranks share cores (3-4 ms calls of 4
+    ranks on 2 cores probed at over 10 ms), and a repeat sized by it was 10 calls, which it
+    then weighed on."""
     sync(device)
     dist.barrier()
     t0 = time.perf_counter()
-    fn()
+    for _ in range(probe):
+        fn()
     sync(device)
-    took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    took = torch.tensor([(time.perf_counter() - t0) / probe], dtype=torch.float64)
     dist.all_reduce(took, op=dist.ReduceOp.MAX)
     return max(iters, min(int(min_seconds / max(float(took), 1e-9)) + 1, 100 * iters))
 
