@@ -243,21 +243,22 @@ def _masked_before_hook(rank, n, python, half):
     if python:
         buf._ll_direct = None
     x, idx, w = ll_inputs(MASKED, rank)
+
+    def mask_rank_2(now):
+        if now:
+            dist.barrier()                  # every rank's send is out
+            if rank != 2:
+                buf.low_latency_update_mask_buffer(2, True)
+
     rx, cnt, handle, _, hook = buf.low_latency_dispatch(x, idx, 12, 6, use_fp8=False,
                                                          return_recv_hook=half == "dispatch")
-    if half == "dispatch":
-        dist.barrier()
-        if rank != 2:
-            buf.low_latency_update_mask_buffer(2, True)
-        hook()
-        if rank == 2:
-            return None
+    mask_rank_2(half == "dispatch")
+    hook()
+    if half == "dispatch" and rank == 2:
+        return None
     out, _, hook = buf.low_latency_combine(expert_ll(rx, rank), idx, w, handle,
                                            return_recv_hook=half == "combine")
-    if half == "combine":
-        dist.barrier()
-        if rank != 2:
-            buf.low_latency_update_mask_buffer(2, True)
+    mask_rank_2(half == "combine")
     hook()
     return None if rank == 2 else (cnt.clone(), out.clone())
 
