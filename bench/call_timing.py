@@ -39,8 +39,12 @@ def timed_spread(fn, iters, device, repeats=3):
     times back to back on every rank of the default group between barriers, each repeat
     counted at its slowest rank, after one warm-up call. Back-to-back calls measure what ranks
     sharing the cores sustain together (per-call timing would let them take turns). Every
-    rank returns the same numbers."""
-    fn()
+    rank returns the same numbers. One untimed repeat first: on this project's virtual
+    machines memory first touched, or idle for a second or two, is slow for its next ~10 uses
+    (a 14.7 MB row copy into the receive heap took 10, 3.5, 2, ... 1.4 ms on its first
+    calls; docs/PERF.md, session 16), and every column and copy sample is then timed warm."""
+    for _ in range(iters):
+        fn()
     per_call = []
     for _ in range(repeats):
         sync(device)
