@@ -214,11 +214,14 @@ def test_a_ranks_sweep_is_plotted_against_the_rank_count(tmp_path, monkeypatch):
     assert set(labels) == {"ranks"}
 
 
-def test_small_calls_loop_runs_and_reports_every_call():
+@pytest.mark.parametrize("mode,names", [("normal", ["dispatch", "combine", "cached"]),
+                                        ("ll", ["ll", "ll"])])
+def test_small_calls_loop_runs_and_reports_every_call(mode, names):
     script = os.path.join(os.path.dirname(BENCH), "small_calls.py")
-    done = subprocess.run([sys.executable, script, "--ranks", "2", "--tokens", "8", "--hidden",
-                           "128", "--calls", "5"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, script, "--mode", mode, "--ranks", "2", "--tokens",
+                           "8", "--hidden", "128", "--calls", "5"], capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     rows = [line.split() for line in done.stdout.splitlines()[1:]]
-    assert [r[0] for r in rows] == ["dispatch", "combine", "cached"], done.stdout
+    assert [r[0] for r in rows] == names, done.stdout
     assert all(float(r[-1]) > 0 for r in rows), done.stdout
