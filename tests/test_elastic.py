@@ -28,6 +28,7 @@ from moe_comm import eplb
 from moe_comm.jit import emulator
 from moe_comm.cuda import comm as cuda_comm
 from moe_comm.cuda import normal as cuda_normal
+from moe_comm.host import native
 from moe_comm.host.comm import AGREE_GRACE_S, HostComm
 from moe_comm.testing.processes import run_ranks
 from moe_comm.wire import agree_round_tag, mask_words, tag
@@ -594,16 +595,25 @@ def _ll_victim(buf, x, phy, pw, point, flag):
     """The victim's LL step: it stops between its fence check and its first write into a
     peer (in the dispatch send, or the combine send; CUDA: block 0 of that kernel, stopped
     by the emulator); resumed, it must raise."""
-    armed = {"on": point == "dispatch"}
+    armed = {"on": False}
+    # the host backend's direct halves write in C (host/ll_direct.py): stopped there
+    lib = native.library() if isinstance(buf._comm, HostComm) else None
+
+    def arm(on):
+        armed["on"] = on
+        if lib is not None:
+            lib.moe_ll_stop_before_peer_write(int(on))
+
     if isinstance(buf._comm, HostComm):
         _freeze_on_first_peer_write(buf._comm, armed)
     else:
         os.environ["MOE_EMU_STOP_AT_OP"] = str(cuda_comm.OP[f"low_latency_{point}/send"])
     try:
+        arm(point == "dispatch")
         rx, _, handle, _, hook = buf.low_latency_dispatch(
             x, phy, MAX_TOKENS, _slots(buf), use_fp8=False, return_recv_hook=True)
         hook()
-        armed["on"] = point == "combine"
+        arm(point == "combine")
         buf.low_latency_combine(rx, phy, pw, handle)
         _ll_step(buf, x, phy, pw)
         outcome = "finished"

@@ -14,6 +14,8 @@
  *
  * `lx`: the addresses of one low-latency layout (ll_direct.py's Context, built once), int64
  * words in this order: */
+#include <signal.h>
+
 enum {
     LX_R, LX_ME, LX_L, LX_M, LX_CROWDED, LX_FENCE, LX_BELL, LX_BELLS, LX_ROTATION, LX_READY,
     LX_NW_CALL, LX_NW_COUNT, LX_NW_ONE, LX_CALL_WORDS, LX_CAPACITY,
@@ -62,11 +64,18 @@ static int64_t lx_wait(const int64_t *lx, const int64_t *where, const int64_t *n
     return until < deadline_ns && !*LX_PTR(lx, LX_FENCE) ? LL_AGAIN : LL_LATE;
 }
 
+/* Tests (tests/test_elastic.py): stop this process (SIGSTOP) once, after a send's fence check
+ * and before its first write into a peer, as a rank frozen mid-call would. */
+static int stop_before_peer_write;
+
+void moe_ll_stop_before_peer_write(int64_t on) { stop_before_peer_write = (int)on; }
+
 /* One send of a half to rank r (the rank's buffer is free). */
 typedef void (*ll_send_fn)(void *state, int64_t r);
 
-/* Run send(state, r) for every rank r not yet sent[] once its FREE push (free_in[r], this
- * rank's header) carries free_epoch (free_epoch < 0: none awaited, the first two calls), in
+/* Run send(state, r) for every rank r not yet sent[] (each after a look at this rank's FENCE
+ * word: LL_LATE once it is set) once its FREE push (free_in[r], this rank's header) carries
+ * free_epoch (free_epoch < 0: none awaited, the first two calls), in
  * the rotation (the next rank first, this one last) where several are free; sent[r] set
  * after each. Sleeps on this rank's doorbell while none is free. Returns LL_OK, or LL_AGAIN
  * / LL_LATE with sent[] saying who is done (a call again goes on with the others). */
@@ -86,6 +95,12 @@ static int64_t ll_each_free(const int64_t *lx, const int64_t *free_in, int64_t f
             if (free_epoch >= 0 && (__atomic_load_n(w, __ATOMIC_ACQUIRE) >> 32) != free_epoch) {
                 left++;
                 continue;
+            }
+            /* a rank the survivors masked writes nothing more (ll.py's check_fence) */
+            if (__atomic_load_n(fence, __ATOMIC_RELAXED)) return LL_LATE;
+            if (stop_before_peer_write && r != lx[LX_ME]) {
+                stop_before_peer_write = 0;
+                raise(SIGSTOP);
             }
             send(state, r);
             sent[r] = 1;
@@ -171,8 +186,14 @@ int64_t moe_ll_direct_send(const int64_t *lx, int64_t b, int64_t resume, int64_t
                         sent, ll_dispatch_to, &d);
 }
 
-/* A low-latency dispatch's receive half (ll.py dispatch_recv) on buffer b for call seq:
- * every source's signature compared with call_row (LL_DIFFER: nothing read), every count row
+/* A receive half's steps: LL_WAITS, the waits (and their checks); LL_READS, what reads what
+ * came, then the FREE pushes. An elastic Buffer runs them apart, the survivors' agreement
+ * between them (ll_direct.py); else both at once. */
+enum { LL_WAITS = 1, LL_READS = 2 };
+
+/* A low-latency dispatch's receive half (ll.py dispatch_recv) on buffer b for call seq, the
+ * `steps` asked: every source's signature compared with call_row (LL_DIFFER: nothing read;
+ * LL_LATE at once where this rank's FENCE word is set), every count row
  * (rows_in int64 [R, L + 1] gets their values), the rows packed (moe_ll_recv into recv_x of
  * x_bytes a row, recv_scales (or NULL), recv_meta, ranges, per_expert; this rank's own
  * messages read from own_msgs / own_tok / own_slot / own_first when not NULL; canon int64
@@ -180,21 +201,25 @@ int64_t moe_ll_direct_send(const int64_t *lx, int64_t b, int64_t resume, int64_t
  * += per_expert; return_base [R] = each source's base; then this rank's FREE push to every
  * rank. Returns LL_OK, LL_AGAIN / LL_LATE / LL_DIFFER (nothing read: the Python receive goes
  * on), or moe_ll_recv's error (-1, -2). */
-int64_t moe_ll_direct_recv(const int64_t *lx, int64_t b, int64_t seq, int64_t deadline_ns,
-                           const int64_t *call_row, int64_t stride, int64_t x_bytes,
-                           int64_t H, uint8_t *recv_x, float *recv_scales, int64_t *recv_meta,
-                           int64_t *ranges, int64_t *per_expert, int32_t *recv_count,
-                           void *stats, int64_t stats64, int64_t *return_base, int64_t *rows_in,
-                           int64_t *canon, const uint8_t *own_msgs, int64_t own_stride,
-                           const int64_t *own_tok, const int64_t *own_slot,
-                           const int64_t *own_first) {
+int64_t moe_ll_direct_recv(const int64_t *lx, int64_t b, int64_t steps, int64_t seq,
+                           int64_t deadline_ns, const int64_t *call_row, int64_t stride,
+                           int64_t x_bytes, int64_t H, uint8_t *recv_x, float *recv_scales,
+                           int64_t *recv_meta, int64_t *ranges, int64_t *per_expert,
+                           int32_t *recv_count, void *stats, int64_t stats64,
+                           int64_t *return_base, int64_t *rows_in, int64_t *canon,
+                           const uint8_t *own_msgs, int64_t own_stride, const int64_t *own_tok,
+                           const int64_t *own_slot, const int64_t *own_first) {
     const int64_t R = lx[LX_R], me = lx[LX_ME], L = lx[LX_L];
-    int64_t rc = lx_wait(lx, LX_PTR(lx, LX_CALL_IN + b), LX_PTR(lx, LX_NW_CALL), call_row, seq,
-                         deadline_ns);
-    if (rc != LL_OK) return rc;
     const int64_t *count_in = LX_PTR(lx, LX_COUNT_IN + b);
-    rc = lx_wait(lx, count_in, LX_PTR(lx, LX_NW_COUNT), NULL, seq, deadline_ns);
-    if (rc != LL_OK) return rc;
+    if (steps & LL_WAITS) {
+        if (*LX_PTR(lx, LX_FENCE)) return LL_LATE;    /* the survivors masked this rank */
+        int64_t rc = lx_wait(lx, LX_PTR(lx, LX_CALL_IN + b), LX_PTR(lx, LX_NW_CALL), call_row,
+                             seq, deadline_ns);
+        if (rc != LL_OK) return rc;
+        rc = lx_wait(lx, count_in, LX_PTR(lx, LX_NW_COUNT), NULL, seq, deadline_ns);
+        if (rc != LL_OK) return rc;
+    }
+    if (!(steps & LL_READS)) return LL_OK;
     for (int64_t s = 0; s < R; s++)
         for (int64_t i = 0; i <= L; i++)
             rows_in[s * (L + 1) + i] = ((const int64_t *)(intptr_t)count_in[s])[i] & 0xFFFFFFFFll;
@@ -271,23 +296,28 @@ int64_t moe_ll_direct_combine_send(const int64_t *lx, int64_t b, int64_t resume,
 }
 
 /* A low-latency combine's receive half (ll.py combine_recv, every rank active, no LogFMT) on
- * buffer b for call seq: every rank's DONE (LL_DIFFER where one says LogFMT: nothing read),
+ * buffer b for call seq, the `steps` asked: every rank's DONE (LL_DIFFER where one says
+ * LogFMT: nothing read; LL_LATE at once where this rank's FENCE word is set),
  * then out [T, H] (bf16) = per token the float32 sum of its weighted rows (moe_ll_combine of
  * the n rows from row `shift` of this rank's combine rows, tok / slot its messages; index
  * int64 [n + T + 1], w float32 [n], scratch float32 [2H]), then this rank's FREE push to
  * every rank. Returns LL_OK, LL_AGAIN / LL_LATE / LL_DIFFER, or -1 (a message outside
  * weights [T, K]). */
-int64_t moe_ll_direct_combine_recv(const int64_t *lx, int64_t b, int64_t seq,
+int64_t moe_ll_direct_combine_recv(const int64_t *lx, int64_t b, int64_t steps, int64_t seq,
                                    int64_t deadline_ns, int64_t shift, const int64_t *tok,
                                    const int64_t *slot, int64_t n, const float *weights,
                                    int64_t T, int64_t K, int64_t H, void *out, int64_t *index,
                                    float *w, float *scratch) {
     const int64_t R = lx[LX_R], me = lx[LX_ME];
     const int64_t *done = LX_PTR(lx, LX_DONE_IN + b);
-    const int64_t rc = lx_wait(lx, done, LX_PTR(lx, LX_NW_ONE), NULL, seq, deadline_ns);
-    if (rc != LL_OK) return rc;
-    for (int64_t s = 0; s < R; s++)
-        if (*(const int64_t *)(intptr_t)done[s] & LL_DONE_LOGFMT) return LL_DIFFER;
+    if (steps & LL_WAITS) {
+        if (*LX_PTR(lx, LX_FENCE)) return LL_LATE;    /* the survivors masked this rank */
+        const int64_t rc = lx_wait(lx, done, LX_PTR(lx, LX_NW_ONE), NULL, seq, deadline_ns);
+        if (rc != LL_OK) return rc;
+        for (int64_t s = 0; s < R; s++)
+            if (*(const int64_t *)(intptr_t)done[s] & LL_DONE_LOGFMT) return LL_DIFFER;
+    }
+    if (!(steps & LL_READS)) return LL_OK;
     const uint8_t *rows = (const uint8_t *)(intptr_t)LX_PTR(lx, LX_COMBINE + b)[me] + shift * H * 2;
     if (moe_ll_combine(rows, 2 * H, tok, slot, n, weights, T, K, H, out, DT_BF16, index, w,
                        scratch))

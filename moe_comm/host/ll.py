@@ -293,20 +293,34 @@ def dispatch_recv(comm, handle: LowLatencyHandle, lay: LLLayout, *, recv_x, recv
     """Wait for every source's counts, pack rows per local expert into ``recv_x`` (and
     ``recv_scales``), fill ``recv_count`` and the handle; then free the buffer for reuse.
     ``wait_stats``: int64 [R] or None, adds the ns waited for each source's counts."""
-    me, R, num_local, buf = comm.rank, comm.num_ranks, lay.num_local, handle.buf
-    hidden, M = handle.hidden, lay.max_tokens
-    stride = ll_msg_stride(hidden, use_fp8)
-    off = _offsets(comm, lay, buf)
     comm.start_call()
     start_ns = time.monotonic_ns()
     _check_signatures(comm, handle)
-    # every source's count row, one block of this rank's region: [src, count_row_words]
-    rows_words = comm.ll_slot(me, off["counts"], R * lay.count_row_words).reshape(R, -1)
-    waits = {s: rows_words[s, :num_local + 1] for s in range(R)}
-    _timed_wait(comm, waits, handle.seq, "low_latency_dispatch/recv", wait_stats, start_ns)
+    rows = _count_rows(comm, lay, handle.buf)
+    _timed_wait(comm, {s: rows[s] for s in range(comm.num_ranks)}, handle.seq,
+                "low_latency_dispatch/recv", wait_stats, start_ns)
     if comm.elastic:
         comm.agree("low_latency_dispatch")
-    rows_in = tag_value(rows_words[:, :num_local + 1])     # a copy, read once
+    dispatch_pack(comm, handle, lay, recv_x=recv_x, recv_scales=recv_scales,
+                  recv_count=recv_count, use_fp8=use_fp8, use_ue8m0=use_ue8m0, stats=stats)
+
+
+def _count_rows(comm, lay: LLLayout, buf: int) -> np.ndarray:
+    """Every source's count row in this rank's region: a view [R, counts and base]."""
+    rows_words = comm.ll_slot(comm.rank, _offsets(comm, lay, buf)["counts"],
+                              comm.num_ranks * lay.count_row_words).reshape(comm.num_ranks, -1)
+    return rows_words[:, :lay.num_local + 1]
+
+
+def dispatch_pack(comm, handle: LowLatencyHandle, lay: LLLayout, *, recv_x, recv_scales,
+                  recv_count, use_fp8, use_ue8m0, stats):
+    """:func:`dispatch_recv` from the point where every source's count row is there (or its
+    source masked) and, in elastic mode, the survivors agreed: the pack, then the FREE
+    pushes."""
+    me, num_local, buf = comm.rank, lay.num_local, handle.buf
+    hidden, M = handle.hidden, lay.max_tokens
+    stride = ll_msg_stride(hidden, use_fp8)
+    rows_in = tag_value(_count_rows(comm, lay, buf))      # a copy, read once
     rows_in[~comm.active] = 0                              # inactive sources sent nothing
     region_rows, meta = _blocks(comm, lay, buf, me, stride)
     row_bytes = hidden if use_fp8 else hidden * 2
@@ -427,13 +441,22 @@ def combine_recv(comm, seq, buf, lay: LLLayout, *, handle, topk_idx, topk_weight
                  use_logfmt=False, wait_stats=None):
     """Wait for every rank's rows; ``out`` [T, H] = sum_k w[t, k] * row(t, k) (float32).
     ``wait_stats``: int64 [R] or None, adds the ns waited for each rank's rows."""
-    me, R = comm.rank, comm.num_ranks
     comm.start_call()
     waits = _header_views(comm, comm.layout.ll_combine_done, buf)
     _timed_wait(comm, waits, seq, "low_latency_combine/recv", wait_stats,
                 time.monotonic_ns())
     if comm.elastic:
         comm.agree("low_latency_combine")
+    return combine_sum(comm, seq, buf, lay, handle=handle, topk_idx=topk_idx,
+                       topk_weights=topk_weights, out=out, use_logfmt=use_logfmt)
+
+
+def combine_sum(comm, seq, buf, lay: LLLayout, *, handle, topk_idx, topk_weights, out,
+                use_logfmt=False):
+    """:func:`combine_recv` from the point where every rank's DONE is there (or the rank
+    masked) and, in elastic mode, the survivors agreed: the sums, then the FREE pushes."""
+    me, R = comm.rank, comm.num_ranks
+    waits = _header_views(comm, comm.layout.ll_combine_done, buf)
     hidden = out.shape[1]
     comb_off = _offsets(comm, lay, buf)["combine"]
     tok, slot = handle.send_tok, handle.send_slot          # my messages, in return order

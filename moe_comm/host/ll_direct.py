@@ -6,7 +6,7 @@ checks, the route's and messages' tensors, a signal and a wait per peer), and wi
 on 2 cores half of each rank's CPU in a 128 x 7168 dispatch was Python and polling, CPU the
 other ranks needed (docs/PERF.md, session 16).
 
-Which calls, on a Buffer whose peers are all on this host, not elastic, every rank active:
+Which calls, on a Buffer whose peers are all on this host, while every rank is active:
 
 - a dispatch of a contiguous bf16 x [T, H] with topk_idx int64 [T, K], without
   round_scale, use_ue8m0, dispatch_wait_recv_cost_stats or active_ranks (the stats of
@@ -21,7 +21,11 @@ signal handlers run: a send then resumes in C; past its deadline (or with this r
 waits in Python for the ranks it has not reached (HostComm.wait: the timeout's error), then
 resumes. A receive that does not find everything within a slice, finds signatures that
 differ, or runs after a rank was masked since its send, is handed to host/ll.py's receive,
-which has read nothing less: it waits, raises, or packs. The words and
+which has read nothing less: it waits, raises, or packs. In an elastic Buffer a receive's C
+waits and its reads are two calls with the survivors' agreement between them, as in ll.py
+(reads in ll.py where the agreement masked a rank), and a send's Python wait masks the ranks
+that stay silent instead of raising; once a rank is masked, the Buffer's calls take ll.py's
+path. The words and
 places are ll.py's, so a rank here pairs with a rank on the Python path.
 """
 from __future__ import annotations
@@ -36,8 +40,10 @@ from ..handle import LowLatencyHandle
 from ..wire import CALL_WORDS, LL_MAX_TOPK, LL_NUM_BUFFERS, LLLayout, ll_msg_stride
 from . import ll, native, small
 
-# what the C halves return (ll_direct.c LL_*)
-OK, AGAIN, LATE, DIFFER, DECLINED = 0, 1, 2, 3, 5
+# what the C halves return (ll_direct.c LL_*), and FINISHED: the reads ran in ll.py
+OK, AGAIN, LATE, DIFFER, DECLINED, FINISHED = 0, 1, 2, 3, 5, 6
+WAITS, READS = 1, 2               # a receive half's steps (ll_direct.c LL_WAITS, LL_READS)
+SKIPPED = 2                       # a send's sent[r]: rank r masked before it was sent to
 ENV = "MOE_COMM_LL_DIRECT"        # "0": every low-latency call on ll.py's path
 
 
@@ -102,9 +108,8 @@ class LLDirectCalls:
     def __init__(self, comm, buffer_key, empty):
         self.comm, self.key, self.empty = comm, buffer_key, empty
         self.lib = native.library() if os.environ.get(ENV, "1") != "0" else None
-        # what cannot change over the Buffer's life: one host, not elastic, the C library
-        self.on = (self.lib is not None and comm.transport is None and comm.relays is None and
-                   not comm.elastic)
+        # what cannot change over the Buffer's life: one host, the C library
+        self.on = self.lib is not None and comm.transport is None and comm.relays is None
         self.layouts = {}                 # (M, H, E) -> (LLLayout, Context), or None: too big
         self.rows = {}                    # the signature of each dispatch shape
         # fp8 message rows, per buffer: only this path and a handle's receive read them, and
@@ -208,8 +213,9 @@ class LLDirectCalls:
         n = int(block.numpy()[2 * T * K + E])
         tok, slot = block[:n], block[T * K:T * K + n]
         first = block[2 * T * K:2 * T * K + E + 1]
+        sent_to = self.everyone if comm.all_active else self.sent == 1
         handle = LowLatencyHandle(self.key, seq, b, M, H, E, T, K, send_tok=tok, send_slot=slot,
-                                  call_row=call_row, sent_to=self.everyone,
+                                  call_row=call_row, sent_to=sent_to,
                                   own_rows=(comm.rank, msgs, tok, slot, first) if use_fp8
                                   else None)
         rows = R * M
@@ -227,32 +233,53 @@ class LLDirectCalls:
 
         def receive():
             own = handle.own_rows
-            # a rank masked since the send (an update_mask call, another call's active_ranks)
-            # sends nothing: ll.py's receive leaves it out
-            rc = AGAIN if not self._usable(None, None) else self.lib.moe_ll_direct_recv(
-                cx.p, b, seq, int(comm.refresh_deadline() * 1e9), call_row.ctypes.data,
-                stride, H if use_fp8 else 2 * H, H, recv_x.data_ptr(),
-                recv_scales.data_ptr() if use_fp8 else 0, recv_meta.data_ptr(),
-                ranges.data_ptr(), per_expert.data_ptr(), recv_count.data_ptr(), p_stats,
-                stats64, return_base.data_ptr(), p_rows_in, p_rows_in + 8 * R * (L + 1),
-                *((msgs.data_ptr(), stride, tok.data_ptr(), slot.data_ptr(),
-                   first.data_ptr() + 8 * comm.rank * L) if own else (0, 0, 0, 0, 0)))
+            args = [cx.p, b, 0, seq, int(comm.refresh_deadline() * 1e9), call_row.ctypes.data,
+                    stride, H if use_fp8 else 2 * H, H, recv_x.data_ptr(),
+                    recv_scales.data_ptr() if use_fp8 else 0, recv_meta.data_ptr(),
+                    ranges.data_ptr(), per_expert.data_ptr(), recv_count.data_ptr(), p_stats,
+                    stats64, return_base.data_ptr(), p_rows_in, p_rows_in + 8 * R * (L + 1),
+                    *((msgs.data_ptr(), stride, tok.data_ptr(), slot.data_ptr(),
+                       first.data_ptr() + 8 * comm.rank * L) if own else (0, 0, 0, 0, 0))]
+            outs = dict(recv_x=recv_x, recv_scales=recv_scales, recv_count=recv_count,
+                        use_fp8=use_fp8, use_ue8m0=False, stats=stats)
+            rc = self._receive(self.lib.moe_ll_direct_recv, args, "low_latency_dispatch",
+                               lambda: ll.dispatch_pack(comm, handle, lay, **outs))
             if rc == OK:
                 handle.recv_meta, handle.recv_ranges, handle.return_base = \
                     recv_meta, ranges, return_base
                 handle.received, handle.own_rows = True, None
-                return
-            if rc < 0:
+            elif rc < 0:
                 raise ValueError(
                     f"low-latency dispatch: a source announced more than {M} rows for one "
                     "expert (a peer with another layout?)" if rc == -1 else
                     "low-latency dispatch: this rank's own count row disagrees with its "
                     "messages")
-            ll.dispatch_recv(comm, handle, lay, recv_x=recv_x, recv_scales=recv_scales,
-                             recv_count=recv_count, use_fp8=use_fp8, use_ue8m0=False,
-                             stats=stats)
+            elif rc != FINISHED:
+                ll.dispatch_recv(comm, handle, lay, **outs)
 
         return (recv_x, recv_scales) if use_fp8 else recv_x, recv_count, handle, receive
+
+    def _receive(self, half, args, op, reads_in_python) -> int:
+        """A receive half ``half(*args)`` (``args[2]``: its steps): both steps in one call;
+        in an elastic Buffer the waits, the survivors' agreement (HostComm.agree, as ll.py's
+        receive), then the reads, or ``reads_in_python()`` (ll.py's) where the agreement
+        masked a rank. Returns the C half's code, FINISHED where ll.py read, or AGAIN without
+        a C call where a rank was masked since the send (ll.py's receive leaves it out)."""
+        if not self._usable(None, None):
+            return AGAIN
+        if not self.comm.elastic:
+            args[2] = WAITS | READS
+            return half(*args)
+        args[2] = WAITS
+        rc = half(*args)
+        if rc != OK:
+            return rc
+        self.comm.agree(op)
+        if not self._usable(None, None):
+            reads_in_python()
+            return FINISHED
+        args[2] = READS
+        return half(*args)
 
     def _drive_send(self, half, args, rc, word_of, b, seq, op):
         """A send half the C call ``half(*args)`` left (AGAIN: its slice ran out, Python's
@@ -271,6 +298,9 @@ class LLDirectCalls:
                 comm.check_fence()
                 comm.wait({r: views[r] for r in np.flatnonzero(self.sent == 0)},
                           seq - LL_NUM_BUFFERS, op)
+                # elastic: the ranks that stayed silent are masked now, and sent nothing
+                self.sent[(self.sent == 0) & ~comm.active] = SKIPPED
+                args[5] = int(comm.deadline * 1e9)
             rc = half(*args)
 
     def combine(self, x, idx, w, handle, use_logfmt, out, wait_stats, active_ranks, reserve):
@@ -323,15 +353,15 @@ class LLDirectCalls:
             n = tok.numel()
             index = torch.empty(n + T + 1, dtype=torch.int64)
             scratch = self._scratch(n + 2 * H)
-            rc = AGAIN if not self._usable(None, None) else self.lib.moe_ll_direct_combine_recv(
-                cx.p, b, seq, int(comm.refresh_deadline() * 1e9), 0, tok.data_ptr(),
-                slot.data_ptr(), n, w.data_ptr(), T, K, H, out.data_ptr(), index.data_ptr(),
-                scratch.data_ptr(), scratch.data_ptr() + 4 * n)
-            if rc == OK:
-                return
+            args = [cx.p, b, 0, seq, int(comm.refresh_deadline() * 1e9), 0, tok.data_ptr(),
+                    slot.data_ptr(), n, w.data_ptr(), T, K, H, out.data_ptr(),
+                    index.data_ptr(), scratch.data_ptr(), scratch.data_ptr() + 4 * n]
+            outs = dict(handle=handle, topk_idx=idx, topk_weights=w, out=out)
+            rc = self._receive(self.lib.moe_ll_direct_combine_recv, args, "low_latency_combine",
+                               lambda: ll.combine_sum(comm, seq, b, lay, **outs))
             if rc < 0:
                 raise IndexError("low-latency combine: a (token, slot) outside topk_weights")
-            ll.combine_recv(comm, seq, b, lay, handle=handle, topk_idx=idx, topk_weights=w,
-                            out=out)
+            if rc not in (OK, FINISHED):
+                ll.combine_recv(comm, seq, b, lay, **outs)
 
         return out, b, receive
