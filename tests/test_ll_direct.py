@@ -20,7 +20,7 @@ from ranks import run_ranks
 def _buffer(case, n, timeout_s=30):
     return moe_comm.Buffer(None, 1 << 20, moe_comm.Buffer.get_low_latency_rdma_size_hint(
         case["max_tokens"], case["hidden"], n, case["experts"]), low_latency_mode=True,
-        timeout_s=timeout_s)
+        timeout_s=timeout_s, elastic=case.get("elastic", False))
 
 
 class _Counting:
@@ -111,22 +111,30 @@ def test_direct_and_python_halves_pair_and_match_the_reference(n, python_ranks):
 
 
 def _both(rank, n, case):
-    """The same calls on both paths of one Buffer, the direct path first."""
+    """The same calls on both paths of one Buffer, the direct path first; and how many of the
+    Python path's send halves ran in the direct path's calls."""
     buf = _buffer(case, n)
     got = []
-    for python in (False, True):
-        stats = torch.zeros(case["experts"] // n, dtype=torch.int32)
-        got.append(_call(buf, case, rank, stats, python))
+    mp = pytest.MonkeyPatch()
+    counting = _Counting(mp)
+    try:
+        for python in (False, True):
+            stats = torch.zeros(case["experts"] // n, dtype=torch.int32)
+            got.append(_call(buf, case, rank, stats, python))
+            got.append(counting.sends)
+    finally:
+        mp.undo()
     buf.destroy()
-    return got
+    return got[0], got[2], got[1]
 
 
-@pytest.mark.parametrize("fp8", [True, False])
-def test_the_direct_path_gives_the_python_paths_bits(fp8):
-    case = dict(seed=7, hidden=512, fp8=fp8, round_scale=False, ue8m0=False, hook=False,
+@pytest.mark.parametrize("fp8,elastic", [(True, False), (False, False), (True, True)])
+def test_the_direct_path_gives_the_python_paths_bits(fp8, elastic):
+    case = dict(seed=7, hidden=512, fp8=fp8, round_scale=False, ue8m0=False, hook=elastic,
                 zero_copy=False, out=False, routing="skewed", max_tokens=12, tokens=[12, 9],
-                experts=8, topk=3)
-    for direct, python in run_ranks(_both, 2, case, timeout=120):
+                experts=8, topk=3, elastic=elastic)
+    for direct, python, python_sends in run_ranks(_both, 2, case, timeout=120):
+        assert python_sends == 0
         for key in ("cnt", "stats", "meta", "ranges", "base", "tok", "combined"):
             assert torch.equal(direct[key], python[key]), key
         counts = direct["cnt"].tolist()
