@@ -42,14 +42,14 @@ def _ll_ops(buf, x, idx, w, experts):
             "ll combine": lambda: buf.low_latency_combine(y, idx, w, state["out"][2])}
 
 
-def _rank(rank, n, mode, tokens, hidden, experts, topk, calls):
+def _rank(rank, n, mode, tokens, hidden, experts, topk, calls, elastic):
     x, idx, w = random_routed_inputs(tokens, hidden, experts, topk, seed=1234 + rank)
     x = x.bfloat16()
     if mode == "ll":
         buf = moe_comm.Buffer(None, 1 << 20, moe_comm.Buffer.get_low_latency_rdma_size_hint(
-            tokens, hidden, n, experts), low_latency_mode=True, timeout_s=60)
+            tokens, hidden, n, experts), low_latency_mode=True, timeout_s=60, elastic=elastic)
         return _timed(buf, _ll_ops(buf, x, idx, w, experts), calls)
-    buf = moe_comm.Buffer(None, 64 << 20, timeout_s=60)
+    buf = moe_comm.Buffer(None, 64 << 20, timeout_s=60, elastic=elastic)
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
 
     def dispatch():
@@ -80,9 +80,10 @@ def main(argv=None):
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--calls", type=int, default=500)
+    p.add_argument("--elastic", action="store_true", help="an elastic Buffer (shrink mode)")
     a = p.parse_args(argv)
     results = run_ranks(_rank, a.ranks, a.mode, a.tokens, a.hidden, a.experts, a.topk, a.calls,
-                        timeout=600)
+                        a.elastic, timeout=600)
     print(f"{a.ranks} ranks, {a.tokens} tokens of H={a.hidden} "
           f"{'bf16' if a.mode == 'normal' else 'fp8, low-latency'}, top-{a.topk} of "
           f"{a.experts} experts, {a.calls} calls back to back (us per call):")
