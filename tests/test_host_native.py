@@ -281,6 +281,16 @@ def test_dispatch_rows_for_a_destination_are_torchs(with_scales, with_weights):
         native.put_rows(x, scales, idx, w, torch.tensor([1, tokens]), 0, num_local, outs())
 
 
+def test_expert_counts_are_torchs():
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(-1, 6, (300, 8), generator=gen)           # -1: no local expert
+    want = torch.bincount(ids[ids >= 0], minlength=6).tolist()
+    assert native.expert_counts(ids, 6) == want
+    assert native.expert_counts(ids[:, :3], 6) is None             # not contiguous: torch
+    assert native.expert_counts(ids, 5) is None                     # an id past num_local
+    assert native.expert_counts(torch.empty(0, 8, dtype=torch.int64), 3) == [0, 0, 0]
+
+
 def test_inconsistent_arguments_are_refused_not_read_past(monkeypatch):
     """What the callers never pass must still not reach the C loops: wrong dtypes and row
     counts raise, and sums with shapes or ids that do not fit go to torch, which raises."""

@@ -398,6 +398,18 @@ int moe_put_rows(const uint8_t *x, int64_t x_stride, int64_t num_tokens, const i
     return 0;
 }
 
+/* counts [num_local] = how many of the n ids (received top-k ids, -1 for none) name each
+ * local expert: layout.aligned_expert_counts's bincount in one pass. Returns -1 (counts
+ * unfinished) for an id at or past num_local. */
+int moe_count_experts(const int64_t *ids, int64_t n, int64_t num_local, int64_t *counts) {
+    for (int64_t e = 0; e < num_local; e++) counts[e] = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (ids[i] >= num_local) return -1;
+        if (ids[i] >= 0) counts[ids[i]]++;
+    }
+    return 0;
+}
+
 /* ---- Low-latency mode: each phase of a call in one C call (moe_comm/host/ll.py) ----------
  * A low-latency call moves few bytes; as torch operations its bookkeeping (sorts, index
  * tensors, one small copy per expert) cost ~1 ms of Python per call, several times the copies

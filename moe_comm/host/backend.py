@@ -71,9 +71,11 @@ class HostBackend:
 
     def expert_counts(self, recv_idx, handle, num_local, alignment) -> list:
         counted = getattr(handle, "recv_expert_counts", None)     # host/small.py counted them
-        if counted is not None:
-            return [(int(c) + alignment - 1) // alignment * alignment for c in counted]
-        return aligned_expert_counts(recv_idx, num_local, alignment)
+        if counted is None:
+            counted = native.expert_counts(recv_idx, num_local)    # (None: torch counts them)
+        if counted is None:
+            return aligned_expert_counts(recv_idx, num_local, alignment)
+        return [(int(c) + alignment - 1) // alignment * alignment for c in counted]
 
     def empty(self, key, shape, dtype) -> torch.Tensor:
         return self._pool.empty(key, shape, dtype)

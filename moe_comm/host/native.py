@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 
+import numpy as np
 import torch
 
 from ..jit.cache import cache_dir, key, write_atomic
@@ -53,6 +54,7 @@ _SIGNATURES = {
     "moe_fp8_cast": (_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P, _I),
     "moe_fp8_quantize": (_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P, _I),
     "moe_copy_rows": (_P, _I, _P, _I, _P, _I, _P, _I, _I, _I),
+    "moe_count_experts": (_P, _I, _I, _P),
     "moe_put_rows": (_P, _I, _I, _P, _I, _I, _P, _I, _I, _P, _P, _I, _I, _I, _P, _P, _P, _P),
     "moe_ll_route": (_P, _I, _I, _I, _P, _P, _P, _P),
     "moe_ll_send": (_P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _I, _P, _I, _P, _I, _P),
@@ -92,7 +94,8 @@ _SIGNATURES = {
     "moe_dispatch_layout": (_P, _I, _I, _I, _I, _P, _P, _P),
     "moe_layout_matches": (_P, _I, _I, _I, _I, _P, _P, _P),
 }
-_RETURNS = {"moe_copy_rows": ctypes.c_int, "moe_ll_route": _I, "moe_ll_send": ctypes.c_int,
+_RETURNS = {"moe_copy_rows": ctypes.c_int, "moe_count_experts": ctypes.c_int,
+            "moe_ll_route": _I, "moe_ll_send": ctypes.c_int,
             "moe_sum_segments": ctypes.c_int, "moe_put_rows": ctypes.c_int,
             "moe_ll_recv": ctypes.c_int, "moe_ll_return": ctypes.c_int,
             "moe_ll_combine": ctypes.c_int, "moe_small_context_words": _I,
@@ -356,6 +359,20 @@ def copy_rows(src: torch.Tensor, src_rows, dst: torch.Tensor, dst_rows) -> None:
     if err:
         side, rows = ("source", src) if err == -1 else ("destination", dst)
         raise IndexError(f"copy_rows: a {side} row outside [0, {rows.shape[0]})")
+
+
+def expert_counts(recv_idx: torch.Tensor, num_local: int) -> list | None:
+    """How many received top-k ids name each local expert (layout.aligned_expert_counts's
+    bincount, before rounding), or None where the C loop cannot run it."""
+    lib = library()
+    if lib is None or recv_idx.dtype != torch.int64 or not recv_idx.is_contiguous() or \
+            recv_idx.device.type != "cpu":
+        return None
+    counts = np.zeros(num_local, dtype=np.int64)
+    if lib.moe_count_experts(recv_idx.data_ptr(), recv_idx.numel(), num_local,
+                             counts.ctypes.data):
+        return None
+    return counts.tolist()
 
 
 def put_rows(x_bytes: torch.Tensor, scales, topk_idx, topk_weights, ids: torch.Tensor,
