@@ -600,11 +600,13 @@ def _ll_victim(buf, x, phy, pw, point, flag):
     lib = native.library() if isinstance(buf._comm, HostComm) else None
 
     def arm(on):
+        """Returns whether the C stop was still armed (it never fired)."""
         armed["on"] = on
-        if lib is not None:
-            lib.moe_ll_stop_before_peer_write(int(on))
+        return lib is not None and bool(lib.moe_ll_stop_before_peer_write(int(on)))
 
     if isinstance(buf._comm, HostComm):
+        if buf._ll_direct is not None:     # its addresses (peer_ll views) built before
+            buf._ll_direct._layout(MAX_TOKENS, HIDDEN, _slots(buf))
         _freeze_on_first_peer_write(buf._comm, armed)
     else:
         os.environ["MOE_EMU_STOP_AT_OP"] = str(cuda_comm.OP[f"low_latency_{point}/send"])
@@ -619,8 +621,12 @@ def _ll_victim(buf, x, phy, pw, point, flag):
         outcome = "finished"
     except moe_comm.RankMaskedError:
         outcome = "RankMaskedError"
+    finally:
+        never_stopped = arm(False)
     with open(flag, "w") as f:            # the survivors go on reading after this
         f.write(outcome)
+    if never_stopped:
+        raise AssertionError(f"the victim's {point} send ran without reaching its stop in C")
     return outcome
 
 

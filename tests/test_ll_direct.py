@@ -244,42 +244,63 @@ MASKED = dict(seed=11, hidden=512, routing="random", max_tokens=12, tokens=[12, 
               experts=6, topk=3)
 
 
-def _masked_before_hook(rank, n, python, half):
-    """Ranks 0 and 1 mask rank 2 after every rank's send of ``half`` is out, before their
-    receive hook runs: the receive leaves rank 2's rows out on either path."""
-    buf = moe_comm.Buffer(None, 1 << 20, 1 << 24, low_latency_mode=True, timeout_s=10)
+def _masked_before_hook(rank, n, python, half, elastic):
+    """Rank 2 is masked after every rank's send of ``half`` is out, before the receive hooks
+    run: by ranks 0 and 1 (not elastic), or by rank 1 alone (elastic: rank 0 hears all its
+    words, then learns of the mask from the survivors' agreement; rank 2, fenced, raises).
+    Returns what the survivors received and hold, and which of ll.py's receives ran."""
+    buf = moe_comm.Buffer(None, 1 << 20, 1 << 24, low_latency_mode=True, timeout_s=10,
+                          elastic=elastic)
     if python:
         buf._ll_direct = None
+    ran = []
+    mp = pytest.MonkeyPatch()
+    for name in ("dispatch_recv", "dispatch_pack", "combine_recv", "combine_sum"):
+        real = getattr(ll, name)
+        mp.setattr(ll, name, lambda *a, _r=real, _n=name, **k: ran.append(_n) or _r(*a, **k))
     x, idx, w = ll_inputs(MASKED, rank)
 
     def mask_rank_2(now):
         if now:
             dist.barrier()                  # every rank's send is out
-            if rank != 2:
+            if rank == 1 or (rank == 0 and not elastic):
                 buf.low_latency_update_mask_buffer(2, True)
 
-    rx, cnt, handle, _, hook = buf.low_latency_dispatch(x, idx, 12, 6, use_fp8=False,
-                                                         return_recv_hook=half == "dispatch")
-    mask_rank_2(half == "dispatch")
-    hook()
-    if half == "dispatch" and rank == 2:
+    try:
+        rx, cnt, handle, _, hook = buf.low_latency_dispatch(
+            x, idx, 12, 6, use_fp8=False, return_recv_hook=half == "dispatch")
+        mask_rank_2(half == "dispatch")
+        hook()
+        if half == "dispatch" and rank == 2:      # its peers left it: no combine with them
+            return None
+        out, _, hook = buf.low_latency_combine(expert_ll(rx, rank), idx, w, handle,
+                                               return_recv_hook=half == "combine")
+        mask_rank_2(half == "combine")
+        hook()
+    except moe_comm.RankMaskedError:     # rank 2, fenced by the survivors (elastic)
         return None
-    out, _, hook = buf.low_latency_combine(expert_ll(rx, rank), idx, w, handle,
-                                           return_recv_hook=half == "combine")
-    mask_rank_2(half == "combine")
-    hook()
-    return None if rank == 2 else (cnt.clone(), out.clone())
+    finally:
+        mp.undo()
+    if rank == 2:
+        return None
+    return (cnt.clone(), out.clone(), handle.sent_to.copy(),
+            [h[:3] for h in buf._comm.late_rows.held], ran)
 
 
 @pytest.mark.parametrize("half", ["dispatch", "combine"])
-def test_a_rank_masked_between_send_and_hook_is_left_out_on_both_paths(half):
-    direct, python = (run_ranks(_masked_before_hook, 3, p, half, timeout=60)
+@pytest.mark.parametrize("elastic", [False, True])
+def test_a_rank_masked_between_send_and_hook_is_left_out_on_both_paths(half, elastic):
+    direct, python = (run_ranks(_masked_before_hook, 3, p, half, elastic, timeout=60)
                       for p in (False, True))
     for rank in (0, 1):
-        assert torch.equal(direct[rank][0], python[rank][0]), rank
-        assert torch.equal(direct[rank][1], python[rank][1]), rank
+        for got, want in zip(direct[rank][:2], python[rank][:2]):
+            assert torch.equal(got, want), rank
+        assert (direct[rank][2] == python[rank][2]).all() and \
+            direct[rank][3] == python[rank][3], rank
+    if elastic:       # rank 0's direct receive read in ll.py once the agreement masked rank 2
+        assert direct[0][4][0] == ("dispatch_pack" if half == "dispatch" else "combine_sum")
     if half == "dispatch":        # rank 2's rows are missing from the counts
-        full = run_ranks(_masked_before_hook, 3, False, "none", timeout=60)
+        full = run_ranks(_masked_before_hook, 3, False, "none", elastic, timeout=60)
         assert not torch.equal(direct[0][0], full[0][0])
 
 
@@ -293,3 +314,69 @@ def _zero_max_tokens(rank, n):
 
 def test_zero_max_tokens_is_refused_on_every_rank():
     run_ranks(_zero_max_tokens, 2, timeout=60)
+
+
+MID_SEND_TIMEOUT_S = 1.0
+
+
+def _masked_mid_send(rank, n, python, kind):
+    """Elastic: rank 2 stalls (2.5 deadlines) after the agreement of its first receive of
+    ``kind``, before its FREE push; ranks 0 and 1 have two calls of ``kind`` out (hooks) and
+    send a third, which waits for that push: rank 2 is masked in the middle of their send,
+    which goes on without it (sent_to says so)."""
+    buf = moe_comm.Buffer(None, 1 << 20, 1 << 24, low_latency_mode=True,
+                          timeout_s=MID_SEND_TIMEOUT_S, elastic=True)
+    if python:
+        buf._ll_direct = None
+    comm = buf._comm
+    x, idx, w = ll_inputs(MASKED, rank)
+    if rank == 2:
+        real, agreed = comm.agree, []
+
+        def agree(op, *args, **kwargs):
+            real(op, *args, **kwargs)
+            agreed.append(op)
+            if len(agreed) == (1 if kind == "dispatch" else 2):
+                time.sleep(2.5 * MID_SEND_TIMEOUT_S)
+        comm.agree = agree
+    try:
+        if kind == "dispatch":
+            calls = [buf.low_latency_dispatch(x, idx, 12, 6, use_fp8=False,
+                                              return_recv_hook=True) for _ in range(2)]
+            calls[0][4]()
+            calls.append(buf.low_latency_dispatch(x, idx, 12, 6, use_fp8=False,
+                                                  return_recv_hook=True))
+            calls[1][4]()
+            calls[2][4]()
+            rx, cnt, handle = calls[2][:3]
+            out, _, _ = buf.low_latency_combine(expert_ll(rx, rank), idx, w, handle)
+        else:
+            rx, cnt, handle, _, _ = buf.low_latency_dispatch(x, idx, 12, 6, use_fp8=False)
+            y = expert_ll(rx, rank)
+            sums = [buf.low_latency_combine(y, idx, w, handle, return_recv_hook=True)
+                    for _ in range(2)]
+            sums[0][2]()
+            sums.append(buf.low_latency_combine(y, idx, w, handle, return_recv_hook=True))
+            sums[1][2]()
+            sums[2][2]()
+            out = sums[2][0]
+    except moe_comm.RankMaskedError:
+        return None
+    return (cnt.clone(), out.clone(), handle.sent_to.copy(),
+            [h[:3] for h in comm.late_rows.held], buf.active_ranks.clone())
+
+
+@pytest.mark.parametrize("kind", ["dispatch", "combine"])
+def test_a_destination_masked_mid_send_is_left_out_alike_on_both_paths(kind):
+    direct, python = (run_ranks(_masked_mid_send, 3, p, kind, timeout=60)
+                      for p in (False, True))
+    assert direct[2] is None and python[2] is None
+    for rank in (0, 1):
+        for got, want in zip(direct[rank][:2] + direct[rank][4:],
+                             python[rank][:2] + python[rank][4:]):
+            assert torch.equal(got, want), rank
+        assert direct[rank][4].tolist() == [1, 1, 0]
+        assert (direct[rank][2] == python[rank][2]).all() and \
+            direct[rank][3] == python[rank][3], rank
+    if kind == "dispatch":        # the third dispatch went to ranks 0 and 1 only
+        assert direct[0][2].tolist() == [True, True, False]

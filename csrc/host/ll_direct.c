@@ -68,7 +68,11 @@ static int64_t lx_wait(const int64_t *lx, const int64_t *where, const int64_t *n
  * and before its first write into a peer, as a rank frozen mid-call would. */
 static int stop_before_peer_write;
 
-void moe_ll_stop_before_peer_write(int64_t on) { stop_before_peer_write = (int)on; }
+int64_t moe_ll_stop_before_peer_write(int64_t on) {      /* returns the setting it ends */
+    const int64_t was = stop_before_peer_write;
+    stop_before_peer_write = (int)on;
+    return was;
+}
 
 /* One send of a half to rank r (the rank's buffer is free). */
 typedef void (*ll_send_fn)(void *state, int64_t r);

@@ -296,7 +296,7 @@ class LLDirectCalls:
                     "back outside its combine rows (a peer with another layout?)")
             if rc == LATE:
                 comm.check_fence()
-                comm.wait({r: views[r] for r in np.flatnonzero(self.sent == 0)},
+                comm.wait({r: views[r] for r in np.flatnonzero(self.sent == 0).tolist()},
                           seq - LL_NUM_BUFFERS, op)
                 # elastic: the ranks that stayed silent are masked now, and sent nothing
                 self.sent[(self.sent == 0) & ~comm.active] = SKIPPED
