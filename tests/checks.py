@@ -104,6 +104,24 @@ def expert_ll(rx, rank):
     return (rx.float() * (rank + 1)).bfloat16()
 
 
+def ll_combine(buf, case, y, idx, w, handle, out_rows):
+    """An LL case's combine of the expert output ``y``: through the Buffer's combine buffer
+    (case["zero_copy"]), or from y into a NaN-filled out= of ``out_rows`` rows (None: no
+    out=). Returns (combined, hook)."""
+    if case["zero_copy"]:
+        buf.get_next_low_latency_combine_buffer(handle).copy_(y)
+        combined, _, hook = buf.low_latency_combine(torch.empty(0), idx, w, handle,
+                                                    zero_copy=True,
+                                                    return_recv_hook=case["hook"])
+        return combined, hook
+    dest = None if out_rows is None else \
+        torch.full((out_rows, handle.hidden), float("nan")).bfloat16()
+    combined, _, hook = buf.low_latency_combine(y, idx, w, handle, out=dest,
+                                                return_recv_hook=case["hook"])
+    assert dest is None or combined is dest
+    return combined, hook
+
+
 def check_ll(n, cases, results, quantize):
     """``results[rank][case]``: dict with rx, cnt, stats (started at 5), y, combined.
     ``quantize(x, round_scale) -> (fp8, scales)`` is the backend's cast, checked bit by bit."""

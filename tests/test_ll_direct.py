@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import moe_comm
 from moe_comm.host import ll
-from checks import check_ll, expert_ll, ll_inputs
+from checks import check_ll, expert_ll, ll_combine, ll_inputs
 from moe_comm.quant import dequantize_fp8, quantize_fp8
 from ranks import run_ranks
 
@@ -49,15 +49,8 @@ def _call(buf, case, rank, stats, python):
         use_fp8=case["fp8"], return_recv_hook=case["hook"])
     hook()
     y = expert_ll(rx, rank)
-    if case["zero_copy"]:
-        buf.get_next_low_latency_combine_buffer(handle).copy_(y)
-        combined, _, hook = buf.low_latency_combine(torch.empty(0), idx, w, handle,
-                                                    zero_copy=True,
-                                                    return_recv_hook=case["hook"])
-    else:
-        dest = torch.full(x.shape, float("nan")).bfloat16() if case["out"] else None
-        combined, _, hook = buf.low_latency_combine(y, idx, w, handle, out=dest,
-                                                    return_recv_hook=case["hook"])
+    combined, hook = ll_combine(buf, case, y, idx, w, handle,
+                                x.shape[0] if case["out"] else None)
     hook()
     rx = tuple(t.clone() for t in rx) if isinstance(rx, tuple) else rx.clone()
     return dict(rx=rx, cnt=cnt.clone(), stats=stats.clone(), y=y, combined=combined.clone(),

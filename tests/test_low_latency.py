@@ -15,7 +15,7 @@ import moe_comm
 from moe_comm.host.late_rows import LateRows
 from moe_comm.quant import quantize_fp8
 from moe_comm.wire import tag
-from checks import check_ll, expert_ll, ll_inputs
+from checks import check_ll, expert_ll, ll_combine, ll_inputs
 from moe_comm.reference import reference_ll_combine, reference_ll_dispatch
 from ranks import run_ranks
 
@@ -49,20 +49,11 @@ def _run(rank, n, cases):
             round_scale=case["round_scale"], use_ue8m0=case["ue8m0"],
             return_recv_hook=case["hook"])
         if case["hook"]:
-            busy = torch.randn(64, 64) @ torch.randn(64, 64)     # overlap: work before hook
+            torch.randn(64, 64) @ torch.randn(64, 64)     # overlap: work before the hook
             hook()
         y = expert_ll(rx, rank)
         _poison(buf)
-        if case["zero_copy"]:
-            buf.get_next_low_latency_combine_buffer(handle).copy_(y)
-            combined, _, hook = buf.low_latency_combine(torch.empty(0), idx, w, handle,
-                                                        zero_copy=True,
-                                                        return_recv_hook=case["hook"])
-        else:
-            dest = torch.full((x.shape[0], x.shape[1]), float("nan")).bfloat16()
-            combined, _, hook = buf.low_latency_combine(y, idx, w, handle, out=dest,
-                                                        return_recv_hook=case["hook"])
-            assert combined is dest
+        combined, hook = ll_combine(buf, case, y, idx, w, handle, x.shape[0])
         hook()
         out.append(dict(rx=tuple(t.clone() for t in rx) if isinstance(rx, tuple)
                         else rx.clone(), cnt=cnt, stats=stats, y=y, combined=combined,
