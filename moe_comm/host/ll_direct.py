@@ -113,7 +113,8 @@ class LLDirectCalls:
         self.layouts = {}                 # (M, H, E) -> (LLLayout, Context), or None: too big
         self.rows = {}                    # the signature of each dispatch shape
         # fp8 message rows, per buffer: only this path and a handle's receive read them, and
-        # buffer b's serve call s + 2 only once call s has received (the Buffer's reserve)
+        # buffer b's rows serve call s + 2 only once call s has received (the Buffer's
+        # reserve refuses a third call in flight)
         self.msgs = [torch.empty(0, dtype=torch.uint8)] * LL_NUM_BUFFERS
         self.everyone = np.ones(comm.num_ranks, dtype=bool)    # the handles' sent_to
         self.sent = np.zeros(comm.num_ranks, dtype=np.uint8)
@@ -130,12 +131,13 @@ class LLDirectCalls:
                 if lay.nbytes <= self.comm.ll_bytes else None
         return self.layouts[key]
 
-    def _call_row(self, H, K, E, M) -> np.ndarray:
-        key = (H, K, E, M)
+    def _call_row(self, H, use_fp8, K, E, M) -> np.ndarray:
+        key = (H, use_fp8, K, E, M)
         row = self.rows.get(key)
         if row is None:
             row = self.rows[key] = signature.low_latency(
-                hidden=H, use_fp8=True, round_scale=False, topk=K, num_experts=E, max_tokens=M)
+                hidden=H, use_fp8=use_fp8, round_scale=False, topk=K, num_experts=E,
+                max_tokens=M)
         return row
 
     def _msgs(self, b, nbytes) -> torch.Tensor:
@@ -195,8 +197,7 @@ class LLDirectCalls:
         p = block.data_ptr()
         p_tok, p_slot, p_first = p, p + 8 * T * K, p + 16 * T * K
         p_seen = p + 8 * (n_route + n_recv + R * (L + 1) + R * M)
-        call_row = self._call_row(H, K, E, M) if use_fp8 else signature.low_latency(
-            hidden=H, use_fp8=False, round_scale=False, topk=K, num_experts=E, max_tokens=M)
+        call_row = self._call_row(H, use_fp8, K, E, M)
         wait_free = seq > comm.ll_base["dispatch"] + LL_NUM_BUFFERS
         args = [cx.p, b, 0, seq, wait_free, int(comm.refresh_deadline() * 1e9), x.data_ptr(),
                 T, H, idx.data_ptr(), K, E, int(use_fp8), msgs.data_ptr(), stride,
