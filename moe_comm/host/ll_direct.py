@@ -112,14 +112,14 @@ class LLDirectCalls:
         self.on = self.lib is not None and comm.transport is None and comm.relays is None
         self.layouts = {}                 # (M, H, E) -> (LLLayout, Context), or None: too big
         self.rows = {}                    # the signature of each dispatch shape
-        # fp8 message rows, per buffer: only this path and a handle's receive read them, and
-        # buffer b's rows serve call s + 2 only once call s has received (the Buffer's
-        # reserve refuses a third call in flight)
-        self.msgs = [torch.empty(0, dtype=torch.uint8)] * LL_NUM_BUFFERS
+        # tensors grown as calls need (_grown): float32 scratch, and the fp8 message rows of
+        # each buffer b, which only this path and a handle's receive read - buffer b's rows
+        # serve call s + 2 only once call s has received (the Buffer's reserve refuses a
+        # third call in flight)
+        self.grown = {}
         self.everyone = np.ones(comm.num_ranks, dtype=bool)    # the handles' sent_to
         self.sent = np.zeros(comm.num_ranks, dtype=np.uint8)
         self.p_sent = self.sent.ctypes.data
-        self.scratch = torch.empty(0, dtype=torch.float32)
 
     def _layout(self, M, H, E):
         """(LLLayout, Context) of these shapes, or None where they do not fit the region (the
@@ -140,15 +140,13 @@ class LLDirectCalls:
                 max_tokens=M)
         return row
 
-    def _msgs(self, b, nbytes) -> torch.Tensor:
-        if self.msgs[b].numel() < nbytes:
-            self.msgs[b] = torch.empty(nbytes, dtype=torch.uint8)
-        return self.msgs[b][:nbytes]
-
-    def _scratch(self, n) -> torch.Tensor:
-        if self.scratch.numel() < n:
-            self.scratch = torch.empty(n, dtype=torch.float32)
-        return self.scratch
+    def _grown(self, name, n, dtype) -> torch.Tensor:
+        """The first ``n`` elements of this path's tensor ``name``, grown where too small (a
+        tensor a caller's handle still holds stays alive as it was)."""
+        t = self.grown.get(name)
+        if t is None or t.numel() < n:
+            t = self.grown[name] = torch.empty(n, dtype=dtype)
+        return t[:n]
 
     def _usable(self, active_ranks, wait_stats) -> bool:
         comm = self.comm
@@ -187,8 +185,9 @@ class LLDirectCalls:
         seq = comm.ll_seq["dispatch"] + 1
         b = seq % LL_NUM_BUFFERS
         stride = ll_msg_stride(H, use_fp8)
-        msgs = self._msgs(b, T * stride).view(T, stride) if use_fp8 else x
-        scratch = self._scratch(T * (H // 128) + H)
+        msgs = self._grown(("msgs", b), T * stride, torch.uint8).view(T, stride) if use_fp8 \
+            else x
+        scratch = self._grown("scratch", T * (H // 128) + H, torch.float32)
         # the route (tok, slot [T * K], first [E + 1], per-expert counts [E]) and the receive's
         # results (recv_meta [L, R*M], ranges [L, R, 2], per_expert [L], return_base [R])
         # with its scratch (count rows [R, L + 1], canon [R*M]), in one allocation
@@ -353,7 +352,7 @@ class LLDirectCalls:
         def receive():
             n = tok.numel()
             index = torch.empty(n + T + 1, dtype=torch.int64)
-            scratch = self._scratch(n + 2 * H)
+            scratch = self._grown("scratch", n + 2 * H, torch.float32)
             args = [cx.p, b, 0, seq, int(comm.refresh_deadline() * 1e9), 0, tok.data_ptr(),
                     slot.data_ptr(), n, w.data_ptr(), T, K, H, out.data_ptr(),
                     index.data_ptr(), scratch.data_ptr(), scratch.data_ptr() + 4 * n]
