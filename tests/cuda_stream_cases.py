@@ -10,8 +10,9 @@ tests (tests/test_cuda_gpu.py), like tests/cuda_cases.py for the single copy.
   every call (cuda_cases.normal_rank) and so is every tensor the calls allocate (outputs, the
   combine's staging rows): a row no round wrote shows up as NaN / -1.
 * A row larger than half the data region is refused on every rank, and the buffer works after.
-* A rank that fails in the middle of a streamed call (its error word set before round 1) makes
-  its peer fail at once, naming it, not at the deadline, and leaves no block counter behind.
+* A rank that fails in the middle of a streamed call (its error word set before round 0 or 1)
+  makes its peer fail at once, naming it, not at the deadline, and leaves no block counter
+  behind - also when the peer reaches that round after the failed rank ran through the rest.
 * Elastic: a rank silent from the start is masked at the first notify's deadline and the
   survivors stream the rest without it; their outputs equal the reference over them.
 """
@@ -165,13 +166,19 @@ def check_row_too_big_refused_everywhere(n, device):
 
 
 # ---- a rank failing in the middle of a streamed call -------------------------------------------
-def _failing_round(original, failing_round):
+def _failing_round(original, failing_round, lag_s):
     """cn._dispatch_round, except that rank 1 sets its device error word before round
     ``failing_round`` - the state of a rank one of whose kernels failed in the round before
-    (an overflow code: its kernels from there on skip their work and mark their signals)."""
+    (an overflow code: its kernels from there on skip their work and mark their signals) -
+    and rank 0 starts that round ``lag_s`` late: the failed rank, which waits for nobody,
+    runs through the rounds after and overwrites its failure marks of that round with later
+    ones before rank 0 reads them."""
     def round_hook(comm, k, plan, epoch, first, rows, *rest):
-        if comm.rank == 1 and plan.chunk and first == failing_round * plan.chunk:
-            comm.err_dev[0] = 2
+        if plan.chunk and first == failing_round * plan.chunk:
+            if comm.rank == 1:
+                comm.err_dev[0] = 2
+            else:
+                time.sleep(lag_s)
         original(comm, k, plan, epoch, first, rows, *rest)
     return round_hook
 
@@ -196,10 +203,10 @@ def _streamed_call(comm):
     return error, time.monotonic() - t0, comm.counters.cpu().tolist()
 
 
-def check_failure_mid_stream_fails_peers_at_once(device, failing_round=1):
+def check_failure_mid_stream_fails_peers_at_once(device, failing_round=1, lag_s=0.0):
     comms = _group(2, device, SMALL_HEAP, timeout_s=FAULT_TIMEOUT_S)
     saved = cn._dispatch_round
-    cn._dispatch_round = _failing_round(saved, failing_round)
+    cn._dispatch_round = _failing_round(saved, failing_round, lag_s)
     try:
         results = run_local(_streamed_call, comms, timeout=C.outer_timeout(4 * FAULT_TIMEOUT_S),
                             check=False)

@@ -30,8 +30,11 @@ def test_a_row_larger_than_half_the_buffer_is_refused_on_every_rank():
 
 
 @pytest.mark.parametrize("failing_round", [0, 1])
-def test_a_rank_failing_mid_stream_fails_its_peer_at_once(failing_round):
-    S.check_failure_mid_stream_fails_peers_at_once(CPU, failing_round)
+@pytest.mark.parametrize("lag_s", [0.0, 2.0])
+def test_a_rank_failing_mid_stream_fails_its_peer_at_once(failing_round, lag_s):
+    """lag_s: the peer reaches that round late, after the failed rank has run through the
+    rounds after it (its failure marks of the round overwritten by later ones)."""
+    S.check_failure_mid_stream_fails_peers_at_once(CPU, failing_round, lag_s)
 
 
 def test_elastic_survivors_stream_without_a_silent_rank():

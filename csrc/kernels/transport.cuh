@@ -93,9 +93,13 @@ struct Transport {
     // One look at a tagged word in this rank's own memory that a peer signals: its value if it
     // carries `epoch`, else -1. NVSHMEM build: NVSHMEM's consistency step runs before the
     // value is trusted (RDMA writes of the payload may reach memory relaxed-ordered).
-    MOE_DEVICE i64 poll_local(const u64* p, u32 epoch) const {
+    // `failure_marks`: a kFailedValue of another epoch counts too. Its sender has failed for
+    // good (errors are sticky but for a mismatch, which never marks) and, waiting for nobody,
+    // may have run through later operations whose marks overwrote this one's.
+    MOE_DEVICE i64 poll_local(const u64* p, u32 epoch, bool failure_marks = false) const {
         const u64 w = ld_acquire_sys(p);
-        if (tag_epoch(w) != epoch) return -1;
+        const bool marked = failure_marks && w != 0 && tag_value(w) == kFailedValue;
+        if (tag_epoch(w) != epoch && !marked) return -1;
 #ifdef MOE_WITH_NVSHMEM
         if (!moe_ibgda::consistent(p, w)) return -1;
 #endif
@@ -104,10 +108,11 @@ struct Transport {
 
     // Wait for a tagged word in this rank's own memory that `rank` signals (the push model:
     // every wait is on local memory). Returns the value, or -1 after the deadline (reported).
-    MOE_DEVICE i64 wait_local(const u64* p, u32 epoch, u64 timeout_ns, int rank) const {
+    MOE_DEVICE i64 wait_local(const u64* p, u32 epoch, u64 timeout_ns, int rank,
+                              bool failure_marks = false) const {
         const u64 deadline = globaltimer_ns() + timeout_ns;
         for (;;) {
-            const i64 v = poll_local(p, epoch);
+            const i64 v = poll_local(p, epoch, failure_marks);
             if (v >= 0) return v;
             if (globaltimer_ns() > deadline) {
                 err.report(kErrTimeout, epoch, rank, 0);
@@ -239,12 +244,12 @@ MOE_DEVICE i64 wait_from(const Transport& t, const Active& live, const u64* p, u
     if (!live.on(rank)) return -1;
     i64 v = -1;
     if (!live.elastic()) {
-        v = t.wait_local(p, epoch, timeout_ns, rank);
+        v = t.wait_local(p, epoch, timeout_ns, rank, failure_marks);
     } else {
         const u64 deadline = globaltimer_ns() + (u64)timeout_ns;
         while (v < 0) {
             if (!live.on(rank)) return -1;
-            v = t.poll_local(p, epoch);
+            v = t.poll_local(p, epoch, failure_marks);
             if (v < 0 && globaltimer_ns() > deadline) {
                 live.drop(rank);
                 return -1;
