@@ -281,6 +281,30 @@ def test_dispatch_rows_for_a_destination_are_torchs(with_scales, with_weights):
         native.put_rows(x, scales, idx, w, torch.tensor([1, tokens]), 0, num_local, outs())
 
 
+def test_a_large_dispatch_payload_streams_like_torch():
+    """A destination's payload of 2 MiB and more is written with non-temporal stores: the
+    same bytes as torch's gather, into rows that start 3 bytes past a 16-byte boundary."""
+    g = torch.Generator().manual_seed(8)
+    tokens, topk, num_local, row_bytes = 200, 4, 2, 14336 + 6
+    x = torch.randint(0, 256, (tokens, row_bytes), generator=g, dtype=torch.uint8)
+    idx = _routing(tokens, topk, 4 * num_local, seed=9)
+    w = torch.rand(tokens, topk, generator=g)
+    ids = torch.randperm(tokens, generator=g)[:190]
+    assert ids.numel() * row_bytes >= 2 << 20
+
+    def outs():
+        x_out = torch.full((ids.numel() * row_bytes + 3,), 0xEE, dtype=torch.uint8)[3:]
+        return (x_out.view(ids.numel(), row_bytes), None,
+                torch.full((ids.numel(), topk), 99, dtype=torch.int64),
+                torch.full((ids.numel(), topk), 9.0))
+
+    fast, slow = outs(), outs()
+    assert native.put_rows(x, None, idx, w, ids, num_local, num_local, fast)
+    exchange._put_rows_torch(x, None, idx, w, ids, 1, num_local, slow)
+    assert torch.equal(fast[0], x[ids]) and torch.equal(fast[0], slow[0])
+    assert _same(fast[2], slow[2]) and _same(fast[3], slow[3])
+
+
 def test_expert_counts_are_torchs():
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(-1, 6, (300, 8), generator=gen)           # -1: no local expert
