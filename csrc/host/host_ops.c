@@ -60,25 +60,72 @@ static inline void load_row(const void *src, int dt, int64_t hidden, float *dst)
  * convert (that cost about a third more time with two ranks sharing the memory bandwidth). */
 #define SUM_CHUNK 256
 
-/* acc[0, n) += channels [h0, h0 + n) of the row at src (dtype in_dt), each times wt first
- * (rounded, then added) when weighted: the per-channel order of the torch code. */
-static inline void add_chunk(float *acc, const void *src, int in_dt, int weighted, float wt,
-                             int64_t h0, int64_t n) {
-    if (in_dt == DT_BF16) {
-        const uint16_t *s = (const uint16_t *)src + h0;
-        if (weighted) {
-            for (int64_t h = 0; h < n; h++) { float p = bf16_to_f32(s[h]) * wt; acc[h] += p; }
-        } else {
-            for (int64_t h = 0; h < n; h++) acc[h] += bf16_to_f32(s[h]);
-        }
-    } else {
-        const float *s = (const float *)src + h0;
-        if (weighted) {
-            for (int64_t h = 0; h < n; h++) { float p = s[h] * wt; acc[h] += p; }
-        } else {
-            for (int64_t h = 0; h < n; h++) acc[h] += s[h];
-        }
+/* Channel h of the row at src (bfloat16 when bf16, else float32) as float32, times wt
+ * (rounded) when weighted: one term of a token's sum, as the torch code forms it. Inlined
+ * with constant flags, so each dtype and weighting gets a loop of its own. */
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+static ALWAYS_INLINE float term(const void *src, int bf16, int weighted, float wt, int64_t h) {
+    const float v = bf16 ? bf16_to_f32(((const uint16_t *)src)[h]) : ((const float *)src)[h];
+    if (!weighted) return v;
+    const float p = v * wt;
+    return p;
+}
+
+/* out[h] for h < n from a float32 accumulator value (out_dt bf16 or float32). */
+static ALWAYS_INLINE void put_out(void *out, int out_bf16, int64_t h, float v) {
+    if (out_bf16)
+        ((uint16_t *)out)[h] = f32_to_bf16(v);
+    else
+        ((float *)out)[h] = v;
+}
+
+/* Channels [h0, h0 + n) of one token's sum: acc = 0, + each of its `rows` rows' terms (rows
+ * at addr, weights wt), + each float32 bias row (bias_at elements into each), then into out
+ * (already at the token's channel h0). Rows are taken two at a time, and a token of at most
+ * two rows and no bias (every token of a two-rank combine) goes straight to out: each pass
+ * over the chunk reads and writes the accumulator once, not once per row. The sum was
+ * compute-bound that way: 1024 tokens of 2 x 7168 bf16 rows took 2.7 ms in one process,
+ * 2.0 ms now. Each channel still sees exactly acc = 0, acc += t0, acc += t1, ...,
+ * acc += bias, in that order. */
+static ALWAYS_INLINE void sum_chunk(const int64_t *addr, const float *wt, int64_t rows,
+                                    int bf16, int weighted, const int64_t *bias_addr,
+                                    int num_bias, int64_t bias_at, int64_t h0, int64_t n,
+                                    void *out, int out_bf16, float *acc) {
+#define ROW(i) ((const void *)(intptr_t)addr[i])
+#define W(i) (weighted ? wt[i] : 1.0f)
+#define TERM(i, h) term(ROW(i), bf16, weighted, W(i), h0 + (h))
+    if (num_bias == 0 && rows <= 2) {
+        if (rows == 0)
+            for (int64_t h = 0; h < n; h++) put_out(out, out_bf16, h, 0.0f);
+        else if (rows == 1)
+            for (int64_t h = 0; h < n; h++) put_out(out, out_bf16, h, 0.0f + TERM(0, h));
+        else
+            for (int64_t h = 0; h < n; h++)
+                put_out(out, out_bf16, h, (0.0f + TERM(0, h)) + TERM(1, h));
+        return;
     }
+    int64_t i = 0;
+    if (rows >= 2) {
+        for (int64_t h = 0; h < n; h++) acc[h] = (0.0f + TERM(0, h)) + TERM(1, h);
+        i = 2;
+    } else if (rows == 1) {
+        for (int64_t h = 0; h < n; h++) acc[h] = 0.0f + TERM(0, h);
+        i = 1;
+    } else {
+        for (int64_t h = 0; h < n; h++) acc[h] = 0.0f;
+    }
+    for (; i + 2 <= rows; i += 2)
+        for (int64_t h = 0; h < n; h++) acc[h] = (acc[h] + TERM(i, h)) + TERM(i + 1, h);
+    if (i < rows)
+        for (int64_t h = 0; h < n; h++) acc[h] += TERM(i, h);
+    for (int k = 0; k < num_bias; k++) {
+        const float *b = (const float *)(intptr_t)bias_addr[k] + bias_at + h0;
+        for (int64_t h = 0; h < n; h++) acc[h] += b[h];
+    }
+    for (int64_t h = 0; h < n; h++) put_out(out, out_bf16, h, acc[h]);
+#undef TERM
+#undef W
+#undef ROW
 }
 
 /* Per-token sums of rows given by address.
@@ -86,29 +133,32 @@ static inline void add_chunk(float *acc, const void *src, int in_dt, int weighte
  * `hidden` channels of dtype in_dt), in the order they are added: acc = 0; acc += w * row
  * (or acc += row without weights); then acc += bias_k[t] for each float32 [T, hidden]
  * bias; out[t] = acc converted to out_dt. Each channel sees exactly these operations; the
- * channels go SUM_CHUNK at a time. `scratch` (float32 [2 * hidden]) is no longer used. */
+ * channels go SUM_CHUNK at a time (sum_chunk). `scratch` is no longer used. */
 MOE_CLONES void moe_sum_rows(const int64_t *row_addr, const float *weight, const int64_t *first,
                   int in_dt, int64_t hidden, int64_t num_tokens, const int64_t *bias_addr,
                   int num_bias, void *out, int out_dt, float *scratch) {
     (void)scratch;
     float acc[SUM_CHUNK];
+    const int bf16 = in_dt == DT_BF16, out_bf16 = out_dt == DT_BF16;
+    const size_t out_elem = out_bf16 ? 2 : 4;
     for (int64_t t = 0; t < num_tokens; t++) {
+        const int64_t *addr = row_addr + first[t], rows = first[t + 1] - first[t];
+        const float *wt = weight ? weight + first[t] : NULL;
         for (int64_t h0 = 0; h0 < hidden; h0 += SUM_CHUNK) {
             const int64_t n = hidden - h0 < SUM_CHUNK ? hidden - h0 : SUM_CHUNK;
-            for (int64_t h = 0; h < n; h++) acc[h] = 0.0f;
-            for (int64_t i = first[t]; i < first[t + 1]; i++)
-                add_chunk(acc, (const void *)(intptr_t)row_addr[i], in_dt, weight != NULL,
-                          weight ? weight[i] : 1.0f, h0, n);
-            for (int k = 0; k < num_bias; k++) {
-                const float *b = (const float *)(intptr_t)bias_addr[k] + t * hidden + h0;
-                for (int64_t h = 0; h < n; h++) acc[h] += b[h];
-            }
-            if (out_dt == DT_BF16) {
-                uint16_t *o = (uint16_t *)out + t * hidden + h0;
-                for (int64_t h = 0; h < n; h++) o[h] = f32_to_bf16(acc[h]);
-            } else {
-                memcpy((float *)out + t * hidden + h0, acc, (size_t)n * 4);
-            }
+            void *o = (char *)out + (size_t)(t * hidden + h0) * out_elem;
+            /* one loop nest per input dtype, weighting and output dtype: constant flags */
+#define SUM_CHUNK_AS(B, WD, OB) \
+    sum_chunk(addr, wt, rows, B, WD, bias_addr, num_bias, t * hidden, h0, n, o, OB, acc)
+            if (bf16 && !weight && out_bf16) SUM_CHUNK_AS(1, 0, 1);
+            else if (bf16 && !weight) SUM_CHUNK_AS(1, 0, 0);
+            else if (bf16 && out_bf16) SUM_CHUNK_AS(1, 1, 1);
+            else if (bf16) SUM_CHUNK_AS(1, 1, 0);
+            else if (!weight && out_bf16) SUM_CHUNK_AS(0, 0, 1);
+            else if (!weight) SUM_CHUNK_AS(0, 0, 0);
+            else if (out_bf16) SUM_CHUNK_AS(0, 1, 1);
+            else SUM_CHUNK_AS(0, 1, 0);
+#undef SUM_CHUNK_AS
         }
     }
 }
