@@ -29,7 +29,9 @@ data. Without mpi4py (or with --hosts) the MPI columns are None and a note says 
 
 GB/s follow DeepEP's convention: real payload bytes a rank receives in dispatch (and sends
 back in combine) divided by the call's time. ``copy_gbps`` is what one process copies per
-second while all ranks copy at once: a copy-based exchange cannot beat it. Times are the
+second while all ranks copy at once (on the CPU the faster of torch's copy and one with
+non-temporal stores, as a large dispatch writes its rows): a copy-based exchange cannot beat
+it. Times are the
 median over repeats of the slowest rank (each repeat: --iters calls back to back after a
 barrier, or as many more as fill 0.1 s where those would not: one late wake-up weighs less);
 the JSON keeps min/median/max of every time and the calls a repeat made. copy_gbps is

@@ -305,6 +305,16 @@ def test_a_large_dispatch_payload_streams_like_torch():
     assert _same(fast[2], slow[2]) and _same(fast[3], slow[3])
 
 
+def test_a_streamed_copy_is_a_copy():
+    """native.copy_stream (the bench's copy bar): the bytes of src, unaligned ends included;
+    a size mismatch copies nothing."""
+    src = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8,
+                        generator=torch.Generator().manual_seed(4))[5:]
+    dst = torch.zeros(src.numel() + 16, dtype=torch.uint8)[3:3 + src.numel()]
+    assert native.copy_stream(dst, src) and torch.equal(dst, src)
+    assert not native.copy_stream(dst[1:], src)
+
+
 def test_expert_counts_are_torchs():
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(-1, 6, (300, 8), generator=gen)           # -1: no local expert

@@ -439,6 +439,14 @@ static inline void stream_done(void) {
 #endif
 }
 
+/* n bytes from src to dst with non-temporal stores (copy_stream): the benchmark's copy bar
+ * (bench/call_timing.py) times it beside torch's plain copy, since the exchange's large
+ * dispatch payloads are written this way and a plain copy is no upper bound for them. */
+void moe_copy_stream(uint8_t *dst, const uint8_t *src, int64_t n) {
+    copy_stream(dst, src, (size_t)n);
+    stream_done();
+}
+
 /* dst row dst_rows[i] (or i when dst_rows is NULL) = src row src_rows[i] (or i), nbytes
  * each: a gather and a scatter in one pass (rows stride bytes apart on each side). Every
  * index is checked against src_count / dst_count first: returns -1 (nothing copied) for a

@@ -92,6 +92,7 @@ _SIGNATURES = {
     "moe_ll_direct_combine_recv": (_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, _I, _I, _P, _P,
                                    _P, _P),
     "moe_dispatch_layout": (_P, _I, _I, _I, _I, _P, _P, _P),
+    "moe_copy_stream": (_P, _P, _I),
     "moe_layout_matches": (_P, _I, _I, _I, _I, _P, _P, _P),
 }
 _RETURNS = {"moe_copy_rows": ctypes.c_int, "moe_count_experts": ctypes.c_int,
@@ -360,6 +361,20 @@ def copy_rows(src: torch.Tensor, src_rows, dst: torch.Tensor, dst_rows) -> None:
     if err:
         side, rows = ("source", src) if err == -1 else ("destination", dst)
         raise IndexError(f"copy_rows: a {side} row outside [0, {rows.shape[0]})")
+
+
+def copy_stream(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """``dst`` = ``src`` (contiguous CPU tensors of as many bytes) with non-temporal stores,
+    as the large dispatch payloads are written (moe_put_rows); False (nothing copied) where
+    the C loops cannot run it."""
+    lib = library()
+    nbytes = src.numel() * src.element_size()
+    if lib is None or src.device.type != "cpu" or dst.device.type != "cpu" or \
+            not src.is_contiguous() or not dst.is_contiguous() or \
+            dst.numel() * dst.element_size() != nbytes:
+        return False
+    lib.moe_copy_stream(dst.data_ptr(), src.data_ptr(), nbytes)
+    return True
 
 
 def expert_counts(recv_idx: torch.Tensor, num_local: int) -> list | None:
