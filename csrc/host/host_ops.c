@@ -1428,11 +1428,11 @@ int64_t moe_small_dispatch_direct(const int64_t *cx, int64_t ep, int64_t cp, int
                                   const int64_t *call_row, int64_t *ids, int64_t *first,
                                   int64_t *matrix, int64_t *info, int64_t *recv_count) {
     const int64_t R = cx[CX_R];
+    for (int64_t d = 0; d < R; d++)        /* first: the cheap reason a large call declines */
+        if (per_rank[d] > slot_rows) return SMALL_DECLINED;
     if (*CX_PTR(cx, CX_FENCE) || !moe_layout_matches(topk, T, K, E, R, per_rank, per_expert,
                                                      in_rank))
         return SMALL_DECLINED;
-    for (int64_t d = 0; d < R; d++)
-        if (per_rank[d] > slot_rows) return SMALL_DECLINED;
     const int64_t rc = small_start(cx, ep, cp, cp, 0, epoch, deadline_ns, in_rank, T, R, 1, ids,
                                    first, x, row_bytes, row_bytes, NULL, 0, 0, topk, topk_w, K,
                                    E / R, call_row, matrix, cx[CX_ME]);

@@ -170,6 +170,8 @@ class DirectCalls:
             return None
         p_w = 0 if w is None else w.data_ptr()     # none: the weights received are 0
         call_row, p_call_row, row_bytes, slot_rows, heap_rows = self._shape(H, dtype, K, E)
+        if T > slot_rows and per_rank.numpy().max() > slot_rows:
+            return None       # (C declines it too) a large call: no allocations for nothing
         parity, epoch, cp, deadline_ns = self._numbers()
         # what the handle keeps, in one allocation (a numpy array's address costs more than
         # a tensor's): the token ids by rank [T * R], their offsets [R + 1], the count matrix
