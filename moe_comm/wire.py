@@ -268,12 +268,13 @@ class SlabLayout:
 
 def eager_slot_bytes(num_ranks: int) -> int:
     """Bytes of one eager slot of a host-backend segment (moe_comm/host/eager.py): one per
-    (parity, source rank), so a sender's small rows need no grant. 1 MiB and its flag's page
-    (a 64-token call of H=7168 bf16 rows with top-8 ids per pair: DeepEP's decode batch) up
-    to 4 ranks, shrinking to 64 KiB at 64 ranks: the two parities of all sources stay within
-    8 MiB a rank. (Calls that fit go as small calls, host/small.py: at 64 x 7168 on 2 ranks
-    about 2x faster than granted regions.)"""
-    return round_up(max(16 << 10, min((1 << 20) + PAGE, (4 << 20) // max(1, num_ranks))),
+    (parity, source rank), so a sender's small rows need no grant. 2 MiB and its flag's page
+    (a 128-token call of H=7168 bf16 rows with top-8 ids per pair, or 512 tokens of H=1024)
+    up to 4 ranks, shrinking to 128 KiB at 64 ranks: the two parities of all sources stay
+    within 16 MiB a rank. (Calls that fit go as small calls, host/small.py: at 64 x 7168 on
+    2 ranks about 2x faster than granted regions. With 1 MiB slots a 2-rank 512 x 1024 call
+    just missed them, and its dispatch took 774 us, against MPICH's 704.)"""
+    return round_up(max(16 << 10, min((2 << 20) + PAGE, (8 << 20) // max(1, num_ranks))),
                     PAGE)
 
 
