@@ -98,6 +98,12 @@ def copy_gbps(nbytes, device, time_call):
     dst = torch.empty_like(src)
     dst.copy_(src)                          # first touch of dst: not what a copy costs
     plain = nbytes / time_call(lambda: dst.copy_(src)) / 1e9
-    if device.type != "cpu" or native.library() is None:   # (alike on every rank)
+    if device.type != "cpu":
+        return plain
+    streamed = torch.tensor([int(native.library() is not None)])
+    if dist.is_available() and dist.is_initialized():
+        # time_call may be a collective: every rank times the streamed copy, or none does
+        dist.all_reduce(streamed, op=dist.ReduceOp.MIN)
+    if not streamed.item():
         return plain
     return max(plain, nbytes / time_call(lambda: native.copy_stream(dst, src)) / 1e9)

@@ -13,6 +13,9 @@ tests (tests/test_cuda_gpu.py), like tests/cuda_cases.py for the single copy.
 * A rank that fails in the middle of a streamed call (its error word set before round 0 or 1)
   makes its peer fail at once, naming it, not at the deadline, and leaves no block counter
   behind - also when the peer reaches that round after the failed rank ran through the rest.
+* A signature mismatch found in the first round of a streamed combine leaves the buffer
+  usable: the failure marks its later rounds left in the signature slots do not fail the
+  next call of a peer that reads them before they are rewritten.
 * Elastic: a rank silent from the start is masked at the first notify's deadline and the
   survivors stream the rest without it; their outputs equal the reference over them.
 """
@@ -218,6 +221,54 @@ def check_failure_mid_stream_fails_peers_at_once(device, failing_round=1, lag_s=
     assert error and "rank(s) [1] failed this call" in error, error
     assert seconds < FAST_S and seconds1 < FAST_S, (seconds, seconds1)
     assert counters == [0] * len(counters) and counters1 == [0] * len(counters1)
+
+
+# ---- a signature mismatch in a streamed combine ------------------------------------------------
+def _mismatch_then_fine(comm, lag_s):
+    """A streamed combine of bf16 rows on rank 0 and the same bytes as fp16 on rank 1 (the
+    same rounds): the first round's notify reports the mismatch, every round still runs, and
+    the notifies of the rounds after mark the signature and count slots failed. The next
+    meeting with the host raises the mismatch and clears it; then a dispatch and a combine
+    must work, rank 1 starting them ``lag_s`` late, while rank 0 reads slots that still hold
+    those marks of an earlier epoch."""
+    x = torch.randn(300, 256, generator=torch.Generator().manual_seed(comm.rank)).bfloat16()
+    x = x.to(comm.device)
+    idx = torch.tensor([[0, 4]] * 300, device=comm.device)   # every token to both ranks
+
+    def dispatch():
+        return cn.dispatch(comm, x_bytes=x.view(torch.uint8), dtype=x.dtype, hidden=256,
+                           scales=None, topk_idx=idx, topk_weights=None, layout=None,
+                           handle=None, num_experts=8, num_worst_tokens=0, buffer_key=C.KEY)
+
+    rx, _, _, _, handle = dispatch()
+    y = rx if comm.rank == 0 else rx.view(torch.float16)
+    cn.combine(comm, x=y, handle=handle, topk_weights=None, bias=())
+    errors = []
+    try:
+        comm.synchronize()
+    except (moe_comm.CallMismatchError, CudaCommError) as e:
+        # (CudaCommError where the later rounds' marks overwrote the rows that differed)
+        errors.append(str(e))
+    if comm.rank == 1:
+        time.sleep(lag_s)
+    rx, _, _, _, handle = dispatch()
+    out, _ = cn.combine(comm, x=rx, handle=handle, topk_weights=None, bias=())
+    comm.synchronize()
+    return errors, handle.streamed, C._cpu(out), C._cpu(x)
+
+
+def check_mismatch_mid_stream_leaves_the_buffer_usable(device, lag_s=2.0):
+    comms = _group(2, device, SMALL_HEAP, timeout_s=FAULT_TIMEOUT_S)
+    try:
+        results = run_local(_mismatch_then_fine, comms, lag_s,
+                            timeout=C.outer_timeout(4 * FAULT_TIMEOUT_S))
+    finally:
+        for c in comms:
+            c.destroy(barrier=False)
+    for errors, streamed, out, x in results:
+        assert len(errors) == 1 and ("dtype" in errors[0] or "differ" in errors[0]), errors
+        assert streamed
+        assert torch.equal(out, x * 2)        # back from both ranks, unchanged
 
 
 # ---- elastic: a rank silent from the start, the survivors stream ---------------------------------

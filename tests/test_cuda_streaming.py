@@ -37,5 +37,9 @@ def test_a_rank_failing_mid_stream_fails_its_peer_at_once(failing_round, lag_s):
     S.check_failure_mid_stream_fails_peers_at_once(CPU, failing_round, lag_s)
 
 
+def test_a_mismatch_mid_stream_leaves_the_buffer_usable():
+    S.check_mismatch_mid_stream_leaves_the_buffer_usable(CPU)
+
+
 def test_elastic_survivors_stream_without_a_silent_rank():
     S.check_elastic_survivors_stream(CPU)

@@ -76,6 +76,12 @@ static_assert(kValueBits == 32, "tagged words split into two u32 halves");
 MOE_DEVICE u64 tag(u32 epoch, u32 value) { return ((u64)epoch << kValueBits) | (u64)value; }
 MOE_DEVICE u32 tag_epoch(u64 word) { return (u32)(word >> kValueBits); }
 MOE_DEVICE u32 tag_value(u64 word) { return (u32)word; }
+// Whether epoch `e` comes after `than` (epochs run 1..kMaxEpoch and wrap to 1): within half
+// the cycle ahead of it.
+MOE_DEVICE bool later_epoch(u32 e, u32 than) {
+    const u64 ahead = ((u64)e + kMaxEpoch - (u64)than) % kMaxEpoch;
+    return e != 0 && ahead != 0 && ahead < kMaxEpoch / 2;
+}
 
 // ---- errors ------------------------------------------------------------------------------
 // The codes kErr*, the error word's layout (kErrorHeader ints, then one per rank up to

@@ -93,13 +93,15 @@ struct Transport {
     // One look at a tagged word in this rank's own memory that a peer signals: its value if it
     // carries `epoch`, else -1. NVSHMEM build: NVSHMEM's consistency step runs before the
     // value is trusted (RDMA writes of the payload may reach memory relaxed-ordered).
-    // `failure_marks`: a kFailedValue of another epoch counts too. Its sender has failed for
-    // good (errors are sticky but for a mismatch, which never marks) and, waiting for nobody,
-    // may have run through later operations whose marks overwrote this one's.
+    // `failure_marks`: a kFailedValue of a later epoch counts too. Its sender has failed and,
+    // waiting for nobody, may have run through later operations whose marks overwrote this
+    // one's. Not one of an earlier epoch: a signature mismatch, the one error that clears,
+    // can leave marks of the rounds that followed it in slots the next call reads.
     MOE_DEVICE i64 poll_local(const u64* p, u32 epoch, bool failure_marks = false) const {
         const u64 w = ld_acquire_sys(p);
-        const bool marked = failure_marks && w != 0 && tag_value(w) == kFailedValue;
-        if (tag_epoch(w) != epoch && !marked) return -1;
+        if (tag_epoch(w) != epoch &&
+            !(failure_marks && tag_value(w) == kFailedValue && later_epoch(tag_epoch(w), epoch)))
+            return -1;
 #ifdef MOE_WITH_NVSHMEM
         if (!moe_ibgda::consistent(p, w)) return -1;
 #endif
