@@ -77,10 +77,12 @@ MOE_DEVICE u64 tag(u32 epoch, u32 value) { return ((u64)epoch << kValueBits) | (
 MOE_DEVICE u32 tag_epoch(u64 word) { return (u32)(word >> kValueBits); }
 MOE_DEVICE u32 tag_value(u64 word) { return (u32)word; }
 // Whether epoch `e` comes after `than` (epochs run 1..kMaxEpoch and wrap to 1): within half
-// the cycle ahead of it.
+// the cycle ahead of it. Not a word that is no tag at all (0, or the all-ones of an int64 -1
+// that an LL buffer of another layout left where a count word now lies).
 MOE_DEVICE bool later_epoch(u32 e, u32 than) {
+    if (e == 0 || e > kMaxEpoch) return false;
     const u64 ahead = ((u64)e + kMaxEpoch - (u64)than) % kMaxEpoch;
-    return e != 0 && ahead != 0 && ahead < kMaxEpoch / 2;
+    return ahead != 0 && ahead < kMaxEpoch / 2;
 }
 
 // ---- errors ------------------------------------------------------------------------------
