@@ -439,6 +439,14 @@ static inline void stream_done(void) {
 #endif
 }
 
+/* copy_stream where `stream` (a run of at least STREAM_MIN_BYTES in all), else memcpy. */
+static inline void copy_run(uint8_t *d, const uint8_t *s, size_t n, int stream) {
+    if (stream)
+        copy_stream(d, s, n);
+    else
+        memcpy(d, s, n);
+}
+
 /* n bytes from src to dst with non-temporal stores (copy_stream): the benchmark's copy bar
  * (bench/call_timing.py) times it beside torch's plain copy, since the exchange's large
  * dispatch payloads are written this way and a plain copy is no upper bound for them. */
@@ -487,14 +495,10 @@ int moe_put_rows(const uint8_t *x, int64_t x_stride, int64_t num_tokens, const i
      * reading all of recv_x after (the reads then come from memory, not the cache, but
      * the writes no longer read every destination line first). The normal combine's rows
      * stay plain memcpy: their owner sums them at once, and streaming them was slower. */
-    if (n * row_bytes >= STREAM_MIN_BYTES) {
-        for (int64_t j = 0; j < n; j++)
-            copy_stream(dst_x + j * row_bytes, x + ids[j] * x_stride, (size_t)row_bytes);
-        stream_done();
-    } else {
-        for (int64_t j = 0; j < n; j++)
-            memcpy(dst_x + j * row_bytes, x + ids[j] * x_stride, (size_t)row_bytes);
-    }
+    const int stream = n * row_bytes >= STREAM_MIN_BYTES;
+    for (int64_t j = 0; j < n; j++)
+        copy_run(dst_x + j * row_bytes, x + ids[j] * x_stride, (size_t)row_bytes, stream);
+    if (stream) stream_done();
     if (scale_bytes)
         for (int64_t j = 0; j < n; j++)
             memcpy(dst_scales + j * scale_bytes, scales + ids[j] * scales_stride,
@@ -660,10 +664,7 @@ int moe_ll_recv(const uint8_t *payload, int64_t stride, const int64_t *meta,
                 const uint8_t *msg = own ? own_msgs + own_tok[m] * own_stride
                                          : payload + source_row(meta, row0 + i, src, M, canon) *
                                                      stride;
-                if (stream)
-                    copy_stream(recv_x + packed * x_bytes, msg, (size_t)x_bytes);
-                else
-                    memcpy(recv_x + packed * x_bytes, msg, (size_t)x_bytes);
+                copy_run(recv_x + packed * x_bytes, msg, (size_t)x_bytes, stream);
                 if (recv_scales)
                     memcpy(recv_scales + packed * scale_bytes, msg + scales_at,
                            (size_t)scale_bytes);
@@ -698,10 +699,8 @@ int moe_ll_return(const uint8_t *src, int64_t src_stride, int64_t src_count,
         const int64_t first = ranges[(le * R + owner) * 2], c = ranges[(le * R + owner) * 2 + 1];
         const uint8_t *from = src + (le * rows_per_expert + first) * src_stride;
         if (src_stride == nbytes && dst_stride == nbytes) {      /* one run, one copy */
-            if (total * nbytes >= STREAM_MIN_BYTES)
-                copy_stream(dst + at * dst_stride, from, (size_t)(c * nbytes));
-            else
-                memcpy(dst + at * dst_stride, from, (size_t)(c * nbytes));
+            copy_run(dst + at * dst_stride, from, (size_t)(c * nbytes),
+                     total * nbytes >= STREAM_MIN_BYTES);
         } else {
             for (int64_t j = 0; j < c; j++)
                 memcpy(dst + (at + j) * dst_stride, from + j * src_stride, (size_t)nbytes);
