@@ -23,7 +23,10 @@ def _cases(n):
     return [case(1, [48 + 7 * r for r in range(n)], "random", "bfloat16", 7168, 2),
             case(2, [40] * n, "holes", "float32", 300, 1),           # -1 slots
             case(3, [0] + [33] * (n - 1), "skewed", "bfloat16", 256, 0),  # a rank without tokens
-            case(4, [21] * n, "one_rank", "bfloat16", 130, 1)]       # all to one rank
+            case(4, [21] * n, "one_rank", "bfloat16", 130, 1),       # all to one rank
+            # an output of 2 MiB and more: from the Buffer's reused bases (host/pool.py), the
+            # C sum writing it with non-temporal stores
+            case(5, [170 + 5 * r for r in range(n)], "random", "bfloat16", 7168, 0)]
 
 
 def _biases(case, bias):
@@ -74,3 +77,30 @@ def test_combine_sums_are_the_references_bit_for_bit(n):
                 (case, r)
             sent = ins[r][1] >= 0      # each weight comes back once, 0 from the other ranks
             assert torch.equal(got["comb_w"], torch.where(sent, ins[r][2], 0.0)), (case, r)
+
+
+def _held_outputs(rank, n):
+    """Three combines of 2 MiB outputs, the caller holding all three, then one more after
+    dropping them: every held output keeps its sums (the scales are powers of two, so the
+    sums scale exactly), and the last one reuses the memory of an earlier one."""
+    buf = moe_comm.Buffer(None, 32 << 20, timeout_s=30)
+    case = _cases(n)[-1]
+    x, idx, w, _ = make_inputs(case, rank)
+    ntr, _, nte, itr, _ = buf.get_dispatch_layout(idx, case["experts"])
+    rx, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=ntr, is_token_in_rank=itr,
+                                          num_tokens_per_expert=nte, topk_idx=idx,
+                                          topk_weights=w)
+    y = expert_fn(rx, rank)
+    held = [buf.combine(y * s, handle)[0] for s in (1, 2, 4)]
+    ok = all(torch.equal(h, held[0] * s) for h, s in zip(held, (1, 2, 4)))
+    ptrs = {h.data_ptr() for h in held}
+    first = held[0].clone()
+    del held
+    again = buf.combine(y, handle)[0]
+    buf.destroy()
+    return ok, len(ptrs), again.data_ptr() in ptrs, torch.equal(again, first)
+
+
+def test_held_combine_outputs_are_never_overwritten_and_dropped_ones_reused():
+    for ok, distinct, reused, same in run_ranks(_held_outputs, 2, timeout=120):
+        assert ok and distinct == 3 and reused and same

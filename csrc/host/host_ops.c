@@ -54,6 +54,58 @@ static inline void load_row(const void *src, int dt, int64_t hidden, float *dst)
     }
 }
 
+/* A receive that packs at least this many bytes, a combine that returns as many to one
+ * owner, and a normal dispatch's payload for one destination write them with non-temporal
+ * stores (see copy_stream); smaller ones stay in the cache, where the caller (or the owner's
+ * sum) reads them next. */
+#ifndef STREAM_MIN_BYTES
+#define STREAM_MIN_BYTES (2 << 20)
+#endif
+
+/* memcpy for output written once and not read back during the call: non-temporal stores
+ * where the CPU has them (x86-64: SSE2), which skip reading the destination's lines into
+ * the cache first and leave the cache to what the call reads (the peers' messages). 25-30%
+ * faster than memcpy for the rows of a large receive. The caller ends with stream_done(). */
+static inline void copy_stream(uint8_t *d, const uint8_t *s, size_t n) {
+#if defined(__SSE2__)
+    size_t head = (16 - ((uintptr_t)d & 15)) & 15;          /* to a 16-byte boundary */
+    if (head > n) head = n;
+    memcpy(d, s, head);
+    d += head, s += head, n -= head;
+    size_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        const __m128i a = _mm_loadu_si128((const __m128i *)(s + i));
+        const __m128i b = _mm_loadu_si128((const __m128i *)(s + i + 16));
+        const __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32));
+        const __m128i e = _mm_loadu_si128((const __m128i *)(s + i + 48));
+        _mm_stream_si128((__m128i *)(d + i), a);
+        _mm_stream_si128((__m128i *)(d + i + 16), b);
+        _mm_stream_si128((__m128i *)(d + i + 32), c);
+        _mm_stream_si128((__m128i *)(d + i + 48), e);
+    }
+    for (; i + 16 <= n; i += 16)
+        _mm_stream_si128((__m128i *)(d + i), _mm_loadu_si128((const __m128i *)(s + i)));
+    memcpy(d + i, s + i, n - i);
+#else
+    memcpy(d, s, n);
+#endif
+}
+
+/* Non-temporal stores are weakly ordered: fence them before anything that follows. */
+static inline void stream_done(void) {
+#if defined(__SSE2__)
+    _mm_sfence();
+#endif
+}
+
+/* copy_stream where `stream` (a run of at least STREAM_MIN_BYTES in all), else memcpy. */
+static inline void copy_run(uint8_t *d, const uint8_t *s, size_t n, int stream) {
+    if (stream)
+        copy_stream(d, s, n);
+    else
+        memcpy(d, s, n);
+}
+
 /* Channels a token's sum takes at a time: a float32 accumulator of 256 channels (1 KB) stays
  * in registers and L1 while the token's rows stream through it, so each row is read once and
  * each output written once, with no accumulator row of `hidden` floats to zero, reread and
@@ -141,12 +193,22 @@ MOE_CLONES void moe_sum_rows(const int64_t *row_addr, const float *weight, const
     float acc[SUM_CHUNK];
     const int bf16 = in_dt == DT_BF16, out_bf16 = out_dt == DT_BF16;
     const size_t out_elem = out_bf16 ? 2 : 4;
+    const int64_t in_elem = bf16 ? 2 : 4;
+    const int stream = (size_t)(num_tokens * hidden) * out_elem >= STREAM_MIN_BYTES;
+    uint8_t staged[SUM_CHUNK * 4] __attribute__((aligned(64)));
     for (int64_t t = 0; t < num_tokens; t++) {
         const int64_t *addr = row_addr + first[t], rows = first[t + 1] - first[t];
         const float *wt = weight ? weight + first[t] : NULL;
+        const int64_t *next = t + 1 < num_tokens ? row_addr + first[t + 1] : NULL;
+        const int64_t next_rows = next ? first[t + 2] - first[t + 1] : 0;
         for (int64_t h0 = 0; h0 < hidden; h0 += SUM_CHUNK) {
             const int64_t n = hidden - h0 < SUM_CHUNK ? hidden - h0 : SUM_CHUNK;
-            void *o = (char *)out + (size_t)(t * hidden + h0) * out_elem;
+            char *o0 = (char *)out + (size_t)(t * hidden + h0) * out_elem;
+            void *o = stream ? (void *)staged : (void *)o0;
+            for (int64_t j = 0; j < next_rows; j++) {
+                const char *p = (const char *)(intptr_t)next[j] + h0 * in_elem;
+                for (int64_t b = 0; b < n * in_elem; b += 64) __builtin_prefetch(p + b, 0, 3);
+            }
             /* one loop nest per input dtype, weighting and output dtype: constant flags */
 #define SUM_CHUNK_AS(B, WD, OB) \
     sum_chunk(addr, wt, rows, B, WD, bias_addr, num_bias, t * hidden, h0, n, o, OB, acc)
@@ -159,8 +221,10 @@ MOE_CLONES void moe_sum_rows(const int64_t *row_addr, const float *weight, const
             else if (out_bf16) SUM_CHUNK_AS(0, 1, 1);
             else SUM_CHUNK_AS(0, 1, 0);
 #undef SUM_CHUNK_AS
+            if (stream) copy_stream((uint8_t *)o0, staged, (size_t)n * out_elem);
         }
     }
+    if (stream) stream_done();
 }
 
 /* reduce.sum_rows_per_token (and the low-latency weighted sum) over segments of rows, the
@@ -393,58 +457,6 @@ void moe_fp8_quantize(const void *x, int in_dt, int64_t num_tokens, int64_t hidd
         moe_fp8_cast(row, in_dt, 1, hidden, x_stride, scales + t * groups,
                      out + t * out_stride, out_stride, scratch, scales_at);
     }
-}
-
-/* A receive that packs at least this many bytes, a combine that returns as many to one
- * owner, and a normal dispatch's payload for one destination write them with non-temporal
- * stores (see copy_stream); smaller ones stay in the cache, where the caller (or the owner's
- * sum) reads them next. */
-#ifndef STREAM_MIN_BYTES
-#define STREAM_MIN_BYTES (2 << 20)
-#endif
-
-/* memcpy for output written once and not read back during the call: non-temporal stores
- * where the CPU has them (x86-64: SSE2), which skip reading the destination's lines into
- * the cache first and leave the cache to what the call reads (the peers' messages). 25-30%
- * faster than memcpy for the rows of a large receive. The caller ends with stream_done(). */
-static inline void copy_stream(uint8_t *d, const uint8_t *s, size_t n) {
-#if defined(__SSE2__)
-    size_t head = (16 - ((uintptr_t)d & 15)) & 15;          /* to a 16-byte boundary */
-    if (head > n) head = n;
-    memcpy(d, s, head);
-    d += head, s += head, n -= head;
-    size_t i = 0;
-    for (; i + 64 <= n; i += 64) {
-        const __m128i a = _mm_loadu_si128((const __m128i *)(s + i));
-        const __m128i b = _mm_loadu_si128((const __m128i *)(s + i + 16));
-        const __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32));
-        const __m128i e = _mm_loadu_si128((const __m128i *)(s + i + 48));
-        _mm_stream_si128((__m128i *)(d + i), a);
-        _mm_stream_si128((__m128i *)(d + i + 16), b);
-        _mm_stream_si128((__m128i *)(d + i + 32), c);
-        _mm_stream_si128((__m128i *)(d + i + 48), e);
-    }
-    for (; i + 16 <= n; i += 16)
-        _mm_stream_si128((__m128i *)(d + i), _mm_loadu_si128((const __m128i *)(s + i)));
-    memcpy(d + i, s + i, n - i);
-#else
-    memcpy(d, s, n);
-#endif
-}
-
-/* Non-temporal stores are weakly ordered: fence them before anything that follows. */
-static inline void stream_done(void) {
-#if defined(__SSE2__)
-    _mm_sfence();
-#endif
-}
-
-/* copy_stream where `stream` (a run of at least STREAM_MIN_BYTES in all), else memcpy. */
-static inline void copy_run(uint8_t *d, const uint8_t *s, size_t n, int stream) {
-    if (stream)
-        copy_stream(d, s, n);
-    else
-        memcpy(d, s, n);
 }
 
 /* n bytes from src to dst with non-temporal stores (copy_stream): the benchmark's copy bar

@@ -44,6 +44,7 @@ from . import native
 from .doorbell import Doorbells
 from .heap import PageHeap
 from .late_rows import LateRows
+from .pool import OutputPool
 from ..relay_map import Relays
 from .relay import PATIENT_TIMEOUTS
 
@@ -150,6 +151,7 @@ class HostComm:
         self.ll_base = {"dispatch": 0, "combine": 0}
         self.ll_cache = {}               # ll.py, small.py: views and addresses, built once
         self.poison = None               # tests: the byte fresh outputs start as (small.py)
+        self.outputs = OutputPool()      # reused bases of large outputs (pool.outputs)
         self._told = self.active.copy()     # whom agreements tell: the last decision
         self.heap = PageHeap(self._own.bytes, self.heap_offset, self.heap_bytes)
         self.late_rows = LateRows(self.gone)     # LL combine rows a masked rank may write
@@ -467,6 +469,7 @@ class HostComm:
         self._heaps = self._ll = self._ll_words = self.words = self._mem = None
         self.bells = None                # (addresses in the segments, and a view of one)
         self.ll_cache = {}
+        self.outputs.clear()
         self.heap = None
         for s in self.segments:
             if s is not None:

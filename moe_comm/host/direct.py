@@ -39,6 +39,7 @@ from ..handle import DispatchHandle, TokenIds
 from ..layout import DispatchLayout
 from ..wire import MAX_EPOCH
 from . import native, small
+from .pool import POOLED_BYTES
 
 # x dtypes a dispatch here moves (as rows of bytes: the dtype only sizes them); a combine
 # sums small.SUM_DTYPES
@@ -100,7 +101,7 @@ class DirectCalls:
     def _empty(self, key, nbytes, shapes) -> list:
         """New output tensors of ``shapes`` ((rows, cols, dtype) or None); ``nbytes``
         together: from reused bases where large or poisoned (small._outputs)."""
-        if self.comm.poison is None and nbytes < small.POOLED_BYTES:
+        if self.comm.poison is None and nbytes < POOLED_BYTES:
             return [None if s is None else torch.empty((s[0], s[1]), dtype=s[2])
                     for s in shapes]
         return small._outputs(self.comm, key, shapes)

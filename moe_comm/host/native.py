@@ -190,7 +190,12 @@ def empty_output(rows: int, cols: int, dtype) -> torch.Tensor:
     (where the kernel lets a process ask: ``enabled`` = madvise or always), 2 MiB a fault.
     Smaller outputs come from memory glibc reuses and are left alone (advising part of its
     heap would split the heap's mapping)."""
-    out = torch.empty(rows, cols, dtype=dtype)
+    return advise_huge_pages(torch.empty(rows, cols, dtype=dtype))
+
+
+def advise_huge_pages(out: torch.Tensor) -> torch.Tensor:
+    """``out`` (contiguous, fresh), advised to transparent huge pages where it is a mapping of
+    its own (FRESH_MAPPING_BYTES or more: see empty_output)."""
     nbytes = out.numel() * out.element_size()
     madvise = _madvise() if nbytes >= FRESH_MAPPING_BYTES else None
     if madvise is not None:

@@ -45,6 +45,7 @@ from . import eager, relay, relay_rounds, small
 from .exchange import (ReceiverFailed, done_words, exchange_counts, grant, keeps_in_step,
                        put_rows, release_on_error, send_when_granted, settle,
                        signature_check)
+from .pool import outputs
 from .reduce import sum_rows_per_token
 
 log = logging.getLogger("moe_comm")
@@ -650,7 +651,9 @@ def _reduce(comm, rows, weights, counts, send_ids, num_tokens, bias, own):
 
     segments = [part(d, rows, own[0]) for d in live]
     ids = [send_ids[d] for d in live]
-    out = sum_rows_per_token(segments, ids, num_tokens, rows.dtype, bias)
+    out, = outputs(comm.outputs, "combine", [(num_tokens, rows.shape[1], rows.dtype)],
+                   comm.poison)
+    out = sum_rows_per_token(segments, ids, num_tokens, rows.dtype, bias, out=out)
     combined_w = None
     if weights is not None:
         combined_w = torch.zeros(num_tokens, weights.shape[1], dtype=torch.float32)

@@ -18,15 +18,18 @@ BLOCK_TOKENS = 64
 WEIGHTED_CHUNK_ROWS = 64           # float32 copy of 64 returned rows stays in cache
 
 
-def sum_rows_per_token(segments, ids_per_segment, num_tokens: int, out_dtype, biases=()):
+def sum_rows_per_token(segments, ids_per_segment, num_tokens: int, out_dtype, biases=(),
+                       out=None):
     """``segments[i]`` [n_i, H] rows for tokens ``ids_per_segment[i]`` (ascending int64).
-    Returns ``[num_tokens, H]`` in ``out_dtype``: for each token the float32 sum of its rows
-    plus ``biases`` (float32 [num_tokens, H] each); tokens with no row get the bias (or 0)."""
-    fast = native.sum_rows(segments, ids_per_segment, num_tokens, out_dtype, biases)
+    Returns ``[num_tokens, H]`` in ``out_dtype`` (into ``out``, contiguous, where given): for
+    each token the float32 sum of its rows plus ``biases`` (float32 [num_tokens, H] each);
+    tokens with no row get the bias (or 0)."""
+    fast = native.sum_rows(segments, ids_per_segment, num_tokens, out_dtype, biases, out=out)
     if fast is not None:
         return fast
     hidden = segments[0].shape[1] if segments else (biases[0].shape[1] if biases else 0)
-    out = torch.empty(num_tokens, hidden, dtype=out_dtype)
+    if out is None:
+        out = torch.empty(num_tokens, hidden, dtype=out_dtype)
     if num_tokens == 0:
         return out
     acc = torch.empty(BLOCK_TOKENS, hidden, dtype=torch.float32)

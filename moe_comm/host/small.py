@@ -38,14 +38,10 @@ from ..handle import TokenIds
 from ..wire import CALL_WORDS, DOORBELL_WORD, PAGE, SLAB_ALIGN
 from . import eager, native
 from .exchange import DONE_WRITTEN
-from .pool import OutputPool
+from .pool import outputs
 
 # dtype codes of host_ops.c (native.DTYPES): the rows a combine's C sum reads and writes
 SUM_DTYPES = native.DTYPES
-# outputs this large come from reused bases (_outputs): glibc serves smaller ones from memory
-# it has touched, larger ones from fresh mappings, a page fault every 4 KiB
-POOLED_BYTES = 1 << 20
-
 
 ENV = "MOE_COMM_SMALL"       # "0": every call takes the Python protocol (tests, A/B timing)
 
@@ -122,7 +118,6 @@ class Addresses:
         if self.lib is not None and self.lib.moe_small_context_words() != len(self.context):
             raise RuntimeError("host/small.py and host_ops.c disagree on the context words")
         self.max_rows = {}
-        self.pool = OutputPool()              # the outputs of small calls (_outputs)
 
 
 def addresses(comm) -> Addresses:
@@ -178,21 +173,9 @@ def _ptr(t) -> int:
 
 
 def _outputs(comm, key: str, shapes) -> list:
-    """Output tensors of ``shapes`` (``(rows, cols, dtype)`` each, or None) carved from one
-    reused base (host/pool.py OutputPool.carve: no first-touch page faults), as a granted
-    region holds all of a dispatch's; filled with ``comm.poison`` where a test asked for it."""
-    wanted = [s for s in shapes if s is not None]
-    sizes = [r * c * dt.itemsize for r, c, dt in wanted]
-    if sum(sizes) < POOLED_BYTES:        # the allocator's own reuse: no fresh pages
-        outs = [torch.empty(r, c, dtype=dt) for r, c, dt in wanted]
-        spans = [t.view(torch.uint8) for t in outs] if comm.poison is not None else []
-    else:
-        spans = addresses(comm).pool.carve(key, sizes)
-        outs = [t.view(dt).view(r, c) for t, (r, c, dt) in zip(spans, wanted)]
-    for t in spans if comm.poison is not None else ():
-        t.fill_(comm.poison)
-    outs = iter(outs)
-    return [None if s is None else next(outs) for s in shapes]
+    """Output tensors of ``shapes`` from the Buffer's pool (host/pool.py outputs: no
+    first-touch page faults), as a granted region holds all of a dispatch's."""
+    return outputs(comm.outputs, key, shapes, comm.poison)
 
 
 # what a C phase returns when it could not finish (host_ops.c SMALL_*); a negative value
