@@ -368,6 +368,10 @@ def copy_rows(src: torch.Tensor, src_rows, dst: torch.Tensor, dst_rows) -> None:
         raise IndexError(f"copy_rows: a {side} row outside [0, {rows.shape[0]})")
 
 
+# host_ops.c's STREAM_MIN_BYTES: the runs worth non-temporal stores (copy_stream)
+STREAM_MIN_BYTES = 2 << 20
+
+
 def copy_stream(dst: torch.Tensor, src: torch.Tensor) -> bool:
     """``dst`` = ``src`` (contiguous CPU tensors of as many bytes) with non-temporal stores,
     as the large dispatch payloads are written (moe_put_rows); False (nothing copied) where
