@@ -305,6 +305,41 @@ def test_a_large_dispatch_payload_streams_like_torch():
     assert _same(fast[2], slow[2]) and _same(fast[3], slow[3])
 
 
+@pytest.mark.parametrize("tokens,row_bytes", [(70, 88), (400, 14336)])
+def test_several_destinations_in_one_pass_are_torchs(tokens, row_bytes):
+    """native.put_rows_multi (a dispatch's destinations in one pass over x, PUT_BLOCK tokens
+    at a time) writes for each destination what _put_rows_torch writes: ascending ids that
+    overlap between destinations, unsorted ones, a destination without rows, one of 2 MiB
+    and more (non-temporal stores) beside small ones."""
+    g = torch.Generator().manual_seed(10)
+    topk, num_local = 4, 3
+    x = torch.randint(0, 256, (tokens, row_bytes), generator=g, dtype=torch.uint8)
+    scales = torch.randn(tokens, 2, generator=g)
+    idx = _routing(tokens, topk, 4 * num_local, seed=11)
+    w = torch.rand(tokens, topk, generator=g)
+    every = torch.arange(tokens)
+    ids_of = [every[every % 3 != 1], torch.randperm(tokens, generator=g)[:tokens // 2],
+              every[:0], every]
+    assert ids_of[3].numel() * row_bytes >= 2 << 20 or tokens < 100
+
+    def outs(n):
+        return (torch.full((n, row_bytes), 0xEE, dtype=torch.uint8), torch.full((n, 2), 9.0),
+                torch.full((n, topk), 99, dtype=torch.int64), torch.full((n, topk), 9.0))
+
+    fast = [outs(i.numel()) for i in ids_of]
+    assert native.put_rows_multi(x, scales, idx, w, num_local,
+                                 [(i, d * num_local, o) for d, (i, o) in
+                                  enumerate(zip(ids_of, fast))])
+    for d, (ids, got) in enumerate(zip(ids_of, fast)):
+        want = outs(ids.numel())
+        exchange._put_rows_torch(x, scales, idx, w, ids, d, num_local, want)
+        assert all(_same(a, b) for a, b in zip(got, want)), d
+    with pytest.raises(IndexError, match="token id"):
+        native.put_rows_multi(x, scales, idx, w, num_local,
+                              [(ids_of[0], 0, fast[0]), (torch.tensor([0, tokens]), 3,
+                                                         outs(2))])
+
+
 def test_a_streamed_copy_is_a_copy():
     """native.copy_stream (the bench's copy bar): the bytes of src, unaligned ends included;
     a size mismatch copies nothing."""

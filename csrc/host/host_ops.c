@@ -486,45 +486,91 @@ int moe_copy_rows(const uint8_t *src, int64_t src_stride, const int64_t *src_row
     return 0;
 }
 
-/* A normal dispatch's rows for one destination (exchange.put_rows), in one pass instead of a
- * dozen torch operations per destination: for j < n, token t = ids[j] of this rank's
- * num_tokens gives row j of each of the destination's sub-arrays: its payload (row_bytes of
- * x, rows x_stride bytes apart) into dst_x (row_bytes apart), its scales (scale_bytes of
- * scales, scales_stride apart; none when scale_bytes is 0) into dst_scales, its K top-k ids
- * made local to the destination (id - lo where lo <= id < lo + num_local, else -1) into
- * dst_idx and their weights (0 on the slots made -1; all 0 without topk_w) into dst_w (none
- * when K is 0): layout.local_topk's values. Every id is checked first: returns -1 (nothing
- * written) for a token outside [0, num_tokens), else 0. */
-int moe_put_rows(const uint8_t *x, int64_t x_stride, int64_t num_tokens, const int64_t *ids,
-                 int64_t n, int64_t row_bytes, const uint8_t *scales, int64_t scales_stride,
-                 int64_t scale_bytes, const int64_t *topk_idx, const float *topk_w, int64_t K,
-                 int64_t lo, int64_t num_local, uint8_t *dst_x, uint8_t *dst_scales,
-                 int64_t *dst_idx, float *dst_w) {
-    for (int64_t j = 0; j < n; j++)
-        if (ids[j] < 0 || ids[j] >= num_tokens) return -1;
-    /* Non-temporal for a large payload: 2 ranks of 1024 x 7168 bf16 dispatched in 3.7-4.0
-     * ms a call instead of 4.7-4.9, and 6.6-7.1 ms instead of 7.2-7.5 with the receiver
-     * reading all of recv_x after (the reads then come from memory, not the cache, but
-     * the writes no longer read every destination line first). The normal combine's rows
-     * stay plain memcpy: their owner sums them at once, and streaming them was slower. */
-    const int stream = n * row_bytes >= STREAM_MIN_BYTES;
-    for (int64_t j = 0; j < n; j++)
-        copy_run(dst_x + j * row_bytes, x + ids[j] * x_stride, (size_t)row_bytes, stream);
-    if (stream) stream_done();
+/* The words that describe one destination of moe_put_rows_multi. */
+enum { PUT_IDS, PUT_N, PUT_LO, PUT_X, PUT_SCALES, PUT_IDX, PUT_W, PUT_WORDS };
+
+/* Row j of one destination's sub-arrays from this rank's token t (moe_put_rows_multi). */
+static inline void put_row(int64_t j, int64_t t, const uint8_t *x, int64_t x_stride,
+                           int64_t row_bytes, const uint8_t *scales, int64_t scales_stride,
+                           int64_t scale_bytes, const int64_t *topk_idx, const float *topk_w,
+                           int64_t K, int64_t lo, int64_t num_local, const int64_t *dest,
+                           int stream) {
+    copy_run((uint8_t *)(intptr_t)dest[PUT_X] + j * row_bytes, x + t * x_stride,
+             (size_t)row_bytes, stream);
     if (scale_bytes)
-        for (int64_t j = 0; j < n; j++)
-            memcpy(dst_scales + j * scale_bytes, scales + ids[j] * scales_stride,
-                   (size_t)scale_bytes);
-    for (int64_t j = 0; j < n && K; j++) {
-        const int64_t *e = topk_idx + ids[j] * K;
-        for (int64_t k = 0; k < K; k++) {
-            const int64_t local = e[k] - lo;
-            const int mine = e[k] >= 0 && local >= 0 && local < num_local;
-            dst_idx[j * K + k] = mine ? local : -1;
-            dst_w[j * K + k] = mine && topk_w ? topk_w[ids[j] * K + k] : 0.0f;
+        memcpy((uint8_t *)(intptr_t)dest[PUT_SCALES] + j * scale_bytes,
+               scales + t * scales_stride, (size_t)scale_bytes);
+    if (!K) return;
+    int64_t *dst_idx = (int64_t *)(intptr_t)dest[PUT_IDX] + j * K;
+    float *dst_w = (float *)(intptr_t)dest[PUT_W] + j * K;
+    for (int64_t k = 0; k < K; k++) {
+        const int64_t e = topk_idx[t * K + k], local = e - lo;
+        const int mine = e >= 0 && local >= 0 && local < num_local;
+        dst_idx[k] = mine ? local : -1;
+        dst_w[k] = mine && topk_w ? topk_w[t * K + k] : 0.0f;
+    }
+}
+
+/* A normal dispatch's rows for `ndest` destinations (exchange.put_rows), in one pass over x
+ * instead of a dozen torch operations per destination. dest[PUT_WORDS * d ...] describes
+ * destination d: its `n` token ids (ids), lo (its first expert), and the addresses of its
+ * sub-arrays. For j < n, token t = ids[j] of this rank's num_tokens gives row j of each: its
+ * payload (row_bytes of x, rows x_stride bytes apart) into dst_x (row_bytes apart), its scales
+ * (scale_bytes of scales, scales_stride apart; none when scale_bytes is 0) into dst_scales, its
+ * K top-k ids made local to the destination (id - lo where lo <= id < lo + num_local, else -1)
+ * into dst_idx and their weights (0 on the slots made -1; all 0 without topk_w) into dst_w
+ * (none when K is 0): layout.local_topk's values.
+ *
+ * The destinations advance together, PUT_BLOCK tokens of x at a time (their ids ascend, as
+ * a dispatch sends them; any order is still copied right): a token going to several ranks
+ * is read from memory once and from the cache after, where one destination after the other
+ * read all of x again for each. A destination's payload of STREAM_MIN_BYTES or more goes with
+ * non-temporal stores: 2 ranks of 1024 x 7168 bf16 dispatched in 3.7-4.0 ms a call instead of
+ * 4.7-4.9 (session 17). Every id is checked first: returns -1 (nothing written) for a token
+ * outside [0, num_tokens), else 0. */
+#define PUT_BLOCK 32
+int moe_put_rows_multi(const uint8_t *x, int64_t x_stride, int64_t num_tokens,
+                       int64_t row_bytes, const uint8_t *scales, int64_t scales_stride,
+                       int64_t scale_bytes, const int64_t *topk_idx, const float *topk_w,
+                       int64_t K, int64_t num_local, const int64_t *dests, int64_t ndest) {
+    int stream = 0;
+    for (int64_t d = 0; d < ndest; d++) {
+        const int64_t *dest = dests + d * PUT_WORDS;
+        const int64_t *ids = (const int64_t *)(intptr_t)dest[PUT_IDS];
+        for (int64_t j = 0; j < dest[PUT_N]; j++)
+            if (ids[j] < 0 || ids[j] >= num_tokens) return -1;
+        stream |= dest[PUT_N] * row_bytes >= STREAM_MIN_BYTES;
+    }
+    int64_t at[ndest > 0 ? ndest : 1];              /* each destination's next row */
+    for (int64_t d = 0; d < ndest; d++) at[d] = 0;
+    for (int64_t bound = PUT_BLOCK, left = 1; left; bound += PUT_BLOCK) {
+        left = 0;
+        for (int64_t d = 0; d < ndest; d++) {
+            const int64_t *dest = dests + d * PUT_WORDS;
+            const int64_t *ids = (const int64_t *)(intptr_t)dest[PUT_IDS], n = dest[PUT_N];
+            const int big = n * row_bytes >= STREAM_MIN_BYTES;
+            int64_t j = at[d];
+            for (; j < n && (ids[j] < bound || bound >= num_tokens); j++)
+                put_row(j, ids[j], x, x_stride, row_bytes, scales, scales_stride, scale_bytes,
+                        topk_idx, topk_w, K, dest[PUT_LO], num_local, dest, big);
+            at[d] = j;
+            left |= j < n;
         }
     }
+    if (stream) stream_done();
     return 0;
+}
+
+/* moe_put_rows_multi for one destination, its sub-arrays given one by one. */
+static int moe_put_rows(const uint8_t *x, int64_t x_stride, int64_t num_tokens,
+                        const int64_t *ids, int64_t n, int64_t row_bytes, const uint8_t *scales,
+                        int64_t scales_stride, int64_t scale_bytes, const int64_t *topk_idx,
+                        const float *topk_w, int64_t K, int64_t lo, int64_t num_local,
+                        uint8_t *dst_x, uint8_t *dst_scales, int64_t *dst_idx, float *dst_w) {
+    const int64_t dest[PUT_WORDS] = {(intptr_t)ids, n, lo, (intptr_t)dst_x,
+                                     (intptr_t)dst_scales, (intptr_t)dst_idx, (intptr_t)dst_w};
+    return moe_put_rows_multi(x, x_stride, num_tokens, row_bytes, scales, scales_stride,
+                              scale_bytes, topk_idx, topk_w, K, num_local, dest, 1);
 }
 
 /* counts [num_local] = how many of the n ids (received top-k ids, -1 for none) name each

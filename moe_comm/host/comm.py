@@ -242,7 +242,8 @@ class HostComm:
         self._deadline = time.monotonic() + self.timeout_s
         return self._deadline
 
-    def wait(self, waits: dict, epoch: int, op: str, on_ready=None, patient=()) -> set:
+    def wait(self, waits: dict, epoch: int, op: str, on_ready=None, patient=(),
+             on_batch=None) -> set:
         """Wait for the tagged words ``waits`` (rank -> view of *this* rank's header) of the
         active ranks until the call's deadline. Returns the ranks that missed it (elastic
         mode: now masked) or raises :class:`CommTimeoutError` naming them.
@@ -251,12 +252,13 @@ class HostComm:
         waits out dead peers of its own (a relay, relay.py: up to PATIENT_TIMEOUTS of them one
         after the other, each a fresh deadline). In elastic mode those still silent at the
         deadline get PATIENT_TIMEOUTS more timeouts, unless their process is known to be gone
-        (ranks on this host): a dead one there costs one deadline, as elsewhere."""
+        (ranks on this host): a dead one there costs one deadline, as elsewhere.
+        ``on_batch``: atomics.wait_words's, in place of on_ready."""
         waits = {r: w for r, w in waits.items() if self.active[r]}
         silent = atomics.wait_words(waits, epoch, self._deadline, op, self.timeout_s,
                                     on_ready, raise_on_timeout=not self.elastic,
                                     check=self.check_fence, crowded=self.crowded,
-                                    bell=self.bells)
+                                    bell=self.bells, on_batch=on_batch)
         slow = [r for r in silent if r in patient and not self.gone(r)]
         if slow:
             later = atomics.wait_words({r: waits[r] for r in slow}, epoch,
@@ -264,7 +266,7 @@ class HostComm:
                                        op, self.timeout_s,
                                        on_ready, raise_on_timeout=False,
                                        check=self.check_fence, crowded=self.crowded,
-                                       bell=self.bells)
+                                       bell=self.bells, on_batch=on_batch)
             silent = (silent - set(slow)) | later
         if silent:
             self.mask(silent, op)
@@ -283,6 +285,15 @@ class HostComm:
         self.signal_each(np.flatnonzero(self.active), lay.call(parity, me), epoch, row)
         return {s: self.slot(me, lay.call(parity, s), CALL_WORDS)
                 for s in range(self.num_ranks)}
+
+    def gather(self, waits: dict, epoch: int, op: str, seconds: float) -> None:
+        """Wait up to ``seconds`` (never past the call's deadline) for every active rank's
+        tagged words of ``waits``, without taking them: a later :meth:`wait` then finds
+        whatever came in one look. Silent ranks are not masked or raised on here."""
+        waits = {r: w for r, w in waits.items() if self.active[r]}
+        atomics.wait_words(waits, epoch, min(self._deadline, time.monotonic() + seconds), op,
+                           self.timeout_s, raise_on_timeout=False, check=self.check_fence,
+                           crowded=self.crowded, bell=self.bells)
 
     def verify_call(self, waits: dict, epoch: int, op: str) -> None:
         """Wait for every active rank's signature; CallMismatchError on every rank if any two

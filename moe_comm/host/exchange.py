@@ -69,33 +69,55 @@ def grant(comm, epoch: int, nbytes: int, what: str, senders, refuse=None):
     return page, error
 
 
-def send_when_granted(comm, epoch, dests, write, need, op, agrees=None, written=DONE_WRITTEN):
+# How long a sender with write_many waits for all its grants before it writes to those it
+# has: a pass over x for all of them reads x once (the grants come within tens of us of each
+# other when every rank is in the call), a late rank costs the others at most this much.
+GATHER_S = 200e-6
+
+
+def send_when_granted(comm, epoch, dests, write, need, op, agrees=None, written=DONE_WRITTEN,
+                      write_many=None):
     """Wait for each destination's grant and call ``write(dst, page)``, then DONE
     (``written``); returns the ranks whose grant said they could not allocate, and those whose
     granted pages were fewer than ``need(dst)`` bytes (nothing is written there: no write
     leaves the region granted for the call, whatever the sender computed). ``agrees(dst)``:
     whether dst signed this call as this rank did (its signature came before its grant);
-    nothing is written to a rank that did not (the caller then raises CallMismatchError)."""
+    nothing is written to a rank that did not (the caller then raises CallMismatchError).
+    ``write_many([(dst, page)])``: writes to several destinations at once, called for those
+    whose grants came together (after a wait of up to GATHER_S for all of them)."""
     failed, short = [], []
     me = comm.rank
 
-    def on_ready(dst, words):
+    def verdict(dst, words):
+        """(page to write, DONE word): page None where nothing is written."""
         page, pages = int(tag_value(words[0])), int(tag_value(words[1]))
         if page == GRANT_FAILED:
             failed.append(dst)         # DONE (nothing sent) all the same: the receiver
-            done = DONE_NOTHING        # waits for it before granting again
-        elif agrees is not None and not agrees(dst):
-            done = DONE_REFUSED
-        elif need(dst) > pages * PAGE:
+            return None, DONE_NOTHING  # waits for it before granting again
+        if agrees is not None and not agrees(dst):
+            return None, DONE_REFUSED
+        if need(dst) > pages * PAGE:
             short.append(dst)
-            done = DONE_REFUSED
-        else:
-            comm.check_fence()         # a rank the survivors masked writes nothing
-            write(dst, page)
-            done = written
-        comm.signal(dst, comm.layout.done(me), epoch, done)
+            return None, DONE_REFUSED
+        return page, written
 
-    comm.wait({d: comm.slot(me, comm.layout.grant(d), 2) for d in dests}, epoch, op, on_ready)
+    def on_batch(arrived):
+        verdicts = [(dst, *verdict(dst, words)) for dst, words in arrived]
+        ready = [(dst, page) for dst, page, _ in verdicts if page is not None]
+        if ready:
+            comm.check_fence()         # a rank the survivors masked writes nothing
+            if write_many is not None and len(ready) > 1:
+                write_many(ready)
+            else:
+                for dst, page in ready:
+                    write(dst, page)
+        for dst, _, done in verdicts:
+            comm.signal(dst, comm.layout.done(me), epoch, done)
+
+    grants = {d: comm.slot(me, comm.layout.grant(d), 2) for d in dests}
+    if write_many is not None and len(grants) > 1:
+        comm.gather(grants, epoch, op, GATHER_S)
+    comm.wait(grants, epoch, op, on_batch=on_batch)
     return failed, short
 
 
@@ -104,23 +126,33 @@ def put_rows(comm, dst, base, lay, row, ids, x_bytes, scales, topk_idx, topk_wei
     """This rank's tokens ``ids`` as rows ``row..`` of the slab ``lay`` at byte ``base`` of
     ``dst``'s heap view (a granted region or an eager slot), top-k ids made local to dst;
     committed (ranks on other hosts)."""
-    c, heap, offs, spans = len(ids), comm.peer_heap(dst), lay.offsets, []
+    put_rows_multi(comm, [(dst, base, lay, row, ids)], x_bytes, scales, topk_idx,
+                   topk_weights, num_local)
 
-    def rows(sub, width, elem, dt):
-        start = base + offs[sub] + row * width * elem
-        spans.append((start, c * width * elem))
-        return heap[start:start + c * width * elem].view(dt).view(c, width)
 
+def put_rows_multi(comm, parts, x_bytes, scales, topk_idx, topk_weights, num_local):
+    """put_rows for each ``(dst, base, lay, row, ids)`` of ``parts``, in one C pass over x
+    where it runs (a token for several destinations read once)."""
     topk = 0 if topk_idx is None else topk_idx.shape[1]
-    outs = (rows(0, x_bytes.shape[1], 1, torch.uint8),
-            None if scales is None else rows(1, scales.shape[1], 4, scales.dtype),
-            None if topk_idx is None else rows(2, topk, 8, torch.int64),
-            None if topk_idx is None else rows(3, topk, 4, torch.float32))
+    spans, dests = [], []
+    for dst, base, lay, row, ids in parts:
+        c, heap, offs = len(ids), comm.peer_heap(dst), lay.offsets
+
+        def rows(sub, width, elem, dt):
+            start = base + offs[sub] + row * width * elem
+            spans.append((dst, start, c * width * elem))
+            return heap[start:start + c * width * elem].view(dt).view(c, width)
+
+        outs = (rows(0, x_bytes.shape[1], 1, torch.uint8),
+                None if scales is None else rows(1, scales.shape[1], 4, scales.dtype),
+                None if topk_idx is None else rows(2, topk, 8, torch.int64),
+                None if topk_idx is None else rows(3, topk, 4, torch.float32))
+        dests.append((ids, dst * num_local, outs))
     # one C pass where it runs: the torch code below is ~a dozen operations per destination
-    if not native.put_rows(x_bytes, scales, topk_idx, topk_weights, ids, dst * num_local,
-                           num_local, outs):
-        _put_rows_torch(x_bytes, scales, topk_idx, topk_weights, ids, dst, num_local, outs)
-    for start, nbytes in spans:
+    if not native.put_rows_multi(x_bytes, scales, topk_idx, topk_weights, num_local, dests):
+        for (dst, *_), (ids, _, outs) in zip(parts, dests):
+            _put_rows_torch(x_bytes, scales, topk_idx, topk_weights, ids, dst, num_local, outs)
+    for dst, start, nbytes in spans:
         comm.commit(dst, "heap", start, nbytes)
 
 

@@ -55,7 +55,7 @@ _SIGNATURES = {
     "moe_fp8_quantize": (_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P, _I),
     "moe_copy_rows": (_P, _I, _P, _I, _P, _I, _P, _I, _I, _I),
     "moe_count_experts": (_P, _I, _I, _P),
-    "moe_put_rows": (_P, _I, _I, _P, _I, _I, _P, _I, _I, _P, _P, _I, _I, _I, _P, _P, _P, _P),
+    "moe_put_rows_multi": (_P, _I, _I, _I, _P, _I, _I, _P, _P, _I, _I, _P, _I),
     "moe_ll_route": (_P, _I, _I, _I, _P, _P, _P, _P),
     "moe_ll_send": (_P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _I, _P, _I, _P, _I, _P),
     "moe_ll_recv": (_P, _I, _P, _P, _I, _I, _I, _I, _P, _I, _P, _I, _I, _P, _P, _P,
@@ -97,7 +97,7 @@ _SIGNATURES = {
 }
 _RETURNS = {"moe_copy_rows": ctypes.c_int, "moe_count_experts": ctypes.c_int,
             "moe_ll_route": _I, "moe_ll_send": ctypes.c_int,
-            "moe_sum_segments": ctypes.c_int, "moe_put_rows": ctypes.c_int,
+            "moe_sum_segments": ctypes.c_int, "moe_put_rows_multi": ctypes.c_int,
             "moe_ll_recv": ctypes.c_int, "moe_ll_return": ctypes.c_int,
             "moe_ll_combine": ctypes.c_int, "moe_small_context_words": _I,
             "moe_small_dispatch_start": _I, "moe_small_dispatch_finish": _I,
@@ -402,33 +402,45 @@ def expert_counts(recv_idx: torch.Tensor, num_local: int) -> list | None:
 
 def put_rows(x_bytes: torch.Tensor, scales, topk_idx, topk_weights, ids: torch.Tensor,
              lo: int, num_local: int, outs) -> bool:
-    """exchange.put_rows's copies in one C pass: tokens ``ids`` of ``x_bytes`` (uint8 rows),
-    ``scales`` (4-byte columns) and ``topk_idx``/``topk_weights`` (made local to the experts
-    ``[lo, lo + num_local)``, layout.local_topk) into ``outs`` = (payload, scales, top-k ids,
-    weights) rows of the destination's region (None where the call has none). False (nothing
-    written) where the C loops cannot run it; IndexError for a token id out of range."""
+    """exchange.put_rows's copies for one destination (put_rows_multi)."""
+    return put_rows_multi(x_bytes, scales, topk_idx, topk_weights, num_local, [(ids, lo, outs)])
+
+
+# words per destination of moe_put_rows_multi (host_ops.c PUT_WORDS)
+PUT_WORDS = 7
+
+
+def put_rows_multi(x_bytes: torch.Tensor, scales, topk_idx, topk_weights, num_local: int,
+                   dests) -> bool:
+    """exchange.put_rows's copies for several destinations in one C pass over x:
+    ``dests`` = [(ids, lo, outs)]: tokens ``ids`` of ``x_bytes`` (uint8 rows), ``scales``
+    (4-byte columns) and ``topk_idx``/``topk_weights`` (made local to the experts ``[lo, lo +
+    num_local)``, layout.local_topk) into ``outs`` = (payload, scales, top-k ids, weights) rows
+    of that destination's region (None where the call has none). False (nothing written)
+    where the C loops cannot run it; IndexError for a token id out of range."""
     lib = library()
-    if lib is None or ids.dtype != torch.int64 or not ids.is_contiguous() or \
-            x_bytes.dtype != torch.uint8 or x_bytes.stride(1) != 1 or \
+    if lib is None or x_bytes.dtype != torch.uint8 or x_bytes.stride(1) != 1 or \
             (scales is not None and (scales.element_size() != 4 or scales.stride(1) != 1)) or \
             (topk_idx is not None and (topk_idx.dtype != torch.int64 or
                                        not topk_idx.is_contiguous())) or \
             (topk_weights is not None and (topk_weights.dtype != torch.float32 or
                                            not topk_weights.is_contiguous())) or \
-            any(o is not None and not o.is_contiguous() for o in outs):
+            any(ids.dtype != torch.int64 or not ids.is_contiguous() or
+                any(o is not None and not o.is_contiguous() for o in outs)
+                for ids, _, outs in dests):
         return False
-    out_x, out_scales, out_idx, out_w = outs
+    table = torch.tensor([[ids.data_ptr(), ids.numel(), lo] +
+                          [0 if o is None else o.data_ptr() for o in outs]
+                          for ids, lo, outs in dests], dtype=torch.int64)
     K = 0 if topk_idx is None else topk_idx.shape[1]
-    err = lib.moe_put_rows(
-        x_bytes.data_ptr(), x_bytes.stride(0), x_bytes.shape[0], ids.data_ptr(), ids.numel(),
-        x_bytes.shape[1], None if scales is None else scales.data_ptr(),
+    err = lib.moe_put_rows_multi(
+        x_bytes.data_ptr(), x_bytes.stride(0), x_bytes.shape[0], x_bytes.shape[1],
+        None if scales is None else scales.data_ptr(),
         0 if scales is None else scales.stride(0) * 4,
         0 if scales is None else scales.shape[1] * 4,
         None if topk_idx is None else topk_idx.data_ptr(),
-        None if topk_weights is None else topk_weights.data_ptr(), K, lo, num_local,
-        out_x.data_ptr(), None if out_scales is None else out_scales.data_ptr(),
-        None if out_idx is None else out_idx.data_ptr(),
-        None if out_w is None else out_w.data_ptr())
+        None if topk_weights is None else topk_weights.data_ptr(), K, num_local,
+        table.data_ptr(), len(dests))
     if err:
         raise IndexError(f"put_rows: a token id outside [0, {x_bytes.shape[0]})")
     return True

@@ -43,7 +43,7 @@ from ..layout import tokens_per_host
 from ..wire import PAGE, SlabLayout, stream_chunk_rows
 from . import eager, native, relay, relay_rounds, small
 from .exchange import (ReceiverFailed, done_words, exchange_counts, grant, keeps_in_step,
-                       put_rows, release_on_error, send_when_granted, settle,
+                       put_rows, put_rows_multi, release_on_error, send_when_granted, settle,
                        signature_check)
 from .pool import outputs
 from .reduce import sum_rows_per_token
@@ -118,7 +118,7 @@ def _row_error(comm, what: str, plan: RoundPlan, layout_of):
 
 
 def _exchange(comm, epoch, op, *, page, own_error, dests, sources, write, need, calls=None,
-              call_row=None, flags=None, sizes=None):
+              call_row=None, flags=None, sizes=None, write_many=None):
     """The payload phase after this rank's grant: write to each destination once it grants,
     wait for every source's DONE (even without a region of our own: their DONE ends their use
     of this op's GRANT slot), agree on the mask (elastic), then raise what went wrong. The
@@ -127,11 +127,12 @@ def _exchange(comm, epoch, op, *, page, own_error, dests, sources, write, need, 
     checked before writing to it, and all of them at the end (CallMismatchError on every
     rank), so the call costs no extra round. ``flags``: the eager slots' flags of the sources
     that wrote without a grant (eager.py), waited for like DONE words, and ``sizes`` the bytes
-    this rank expects in each."""
+    this rank expects in each. ``write_many``: send_when_granted's."""
     dones = {**done_words(comm, sources), **(flags or {})}
     try:
         failed, short = send_when_granted(comm, epoch, dests, write, need, op + "/grant",
-                                          signature_check(comm, epoch, op, calls, call_row))
+                                          signature_check(comm, epoch, op, calls, call_row),
+                                          write_many=write_many)
         comm.wait(dones, epoch, op + "/payload")
         settle(comm, epoch, op, pages=[page], own_error=own_error, dones=dones, failed=failed,
                short=short, calls=calls, sizes=sizes)
@@ -276,11 +277,16 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
             handle.relay = routes     # (else flat: it streams what does not fit)
 
     def write_round(r):
-        def write(dst, dst_page):
+        """(write, write_many) of round r for send_when_granted."""
+        def part(dst, dst_page):
             first, last, local = plan.part(me, dst, r)
             at = first - int(plan.row0[me, dst])
-            put(dst, dst_page * PAGE, slab(dst), local, send_ids[dst][at:at + last - first])
-        return write
+            return dst, dst_page * PAGE, slab(dst), local, send_ids[dst][at:at + last - first]
+
+        def write_many(ready):
+            put_rows_multi(comm, [part(dst, page) for dst, page in ready], x_bytes, scales,
+                           topk_idx, topk_weights, num_local)
+        return lambda dst, dst_page: put(*part(dst, dst_page)), write_many
 
     widths, wanted = _widths(row_bytes, scales, topk)
     if rounds is not None:
@@ -316,8 +322,9 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
         if r == 0:
             first_page = page
         try:
+            write, write_many = write_round(r)
             _exchange(comm, ep, "dispatch", page=page, own_error=own_error,
-                      write=write_round(r), need=lambda d: slab(d).nbytes,
+                      write=write, write_many=write_many, need=lambda d: slab(d).nbytes,
                       calls=calls if r == 0 else None, call_row=call_row,
                       dests=[d for d in plan.dests(me, r) if not eagerly[me, d]],
                       sources=sources,

@@ -201,7 +201,7 @@ class SlotPoll:
 
 def wait_words(waits: dict, epoch: int, deadline: float, op: str, timeout_s: float,
                on_ready=None, raise_on_timeout: bool = True, check=None,
-               crowded: bool = False, bell=None) -> set:
+               crowded: bool = False, bell=None, on_batch=None) -> set:
     """Wait until, for every ``rank -> numpy int64 view`` in ``waits``, all words of the view
     carry ``epoch``. ``on_ready(rank, words)`` runs (after an acquire fence) for each rank as
     soon as its words are complete, with the words as read, so independent work starts early.
@@ -211,7 +211,8 @@ def wait_words(waits: dict, epoch: int, deadline: float, op: str, timeout_s: flo
     ``check()`` runs while words are missing and may raise (a rank that learns it was masked
     stops waiting). ``crowded``: more ranks than cores on this host (:class:`Backoff`).
     ``bell``: this rank's doorbell (host/doorbell.py Doorbells), which the writers ring: the
-    sleeps are on it, and end when it rings.
+    sleeps are on it, and end when it rings. ``on_batch([(rank, words)])``, in place of
+    on_ready: every rank found complete in one look at once.
     """
     poll = SlotPoll(waits)
     backoff = Backoff(crowded, woken=bell is not None)
@@ -219,9 +220,10 @@ def wait_words(waits: dict, epoch: int, deadline: float, op: str, timeout_s: flo
         arrived = poll.take(epoch)
         if arrived:
             acquire()
-            for rank, words in arrived:
-                if on_ready is not None:
-                    on_ready(rank, words)
+            if on_batch is not None:
+                on_batch(arrived)
+            for rank, words in arrived if on_ready is not None else ():
+                on_ready(rank, words)
         if not poll.ranks:
             break
         if check is not None:
