@@ -98,6 +98,9 @@ static inline void stream_done(void) {
 #endif
 }
 
+/* STREAM_MIN_BYTES, for native.py (which checks its own copy against it). */
+int64_t moe_stream_min_bytes(void) { return STREAM_MIN_BYTES; }
+
 /* copy_stream where `stream` (a run of at least STREAM_MIN_BYTES in all), else memcpy. */
 static inline void copy_run(uint8_t *d, const uint8_t *s, size_t n, int stream) {
     if (stream)
@@ -459,9 +462,10 @@ void moe_fp8_quantize(const void *x, int in_dt, int64_t num_tokens, int64_t hidd
     }
 }
 
-/* n bytes from src to dst with non-temporal stores (copy_stream): the benchmark's copy bar
- * (bench/call_timing.py) times it beside torch's plain copy, since the exchange's large
- * dispatch payloads are written this way and a plain copy is no upper bound for them. */
+/* n bytes from src to dst with non-temporal stores (copy_stream), fenced: a normal combine's
+ * large return to its owner (normal.py put_back), and the benchmark's copy bar
+ * (bench/call_timing.py), which times it beside torch's plain copy since the exchange's large
+ * payloads are written this way and a plain copy is no upper bound for them. */
 void moe_copy_stream(uint8_t *dst, const uint8_t *src, int64_t n) {
     copy_stream(dst, src, (size_t)n);
     stream_done();

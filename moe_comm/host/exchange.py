@@ -102,17 +102,24 @@ def send_when_granted(comm, epoch, dests, write, need, op, agrees=None, written=
         return page, written
 
     def on_batch(arrived):
-        verdicts = [(dst, *verdict(dst, words)) for dst, words in arrived]
-        ready = [(dst, page) for dst, page, _ in verdicts if page is not None]
-        if ready:
-            comm.check_fence()         # a rank the survivors masked writes nothing
-            if write_many is not None and len(ready) > 1:
-                write_many(ready)
+        ready = []
+        for dst, words in arrived:
+            page, done = verdict(dst, words)
+            if page is None:           # told at once (nothing to wait for, even if a write
+                comm.signal(dst, comm.layout.done(me), epoch, done)     # below raises)
             else:
-                for dst, page in ready:
-                    write(dst, page)
-        for dst, _, done in verdicts:
-            comm.signal(dst, comm.layout.done(me), epoch, done)
+                ready.append((dst, page))
+        if not ready:
+            return
+        comm.check_fence()             # a rank the survivors masked writes nothing
+        if write_many is not None and len(ready) > 1:
+            write_many(ready)
+            for dst, _ in ready:
+                comm.signal(dst, comm.layout.done(me), epoch, written)
+            return
+        for dst, page in ready:
+            write(dst, page)
+            comm.signal(dst, comm.layout.done(me), epoch, written)
 
     grants = {d: comm.slot(me, comm.layout.grant(d), 2) for d in dests}
     if write_many is not None and len(grants) > 1:

@@ -93,11 +93,13 @@ _SIGNATURES = {
                                    _P, _P),
     "moe_dispatch_layout": (_P, _I, _I, _I, _I, _P, _P, _P),
     "moe_copy_stream": (_P, _P, _I),
+    "moe_stream_min_bytes": (),
     "moe_layout_matches": (_P, _I, _I, _I, _I, _P, _P, _P),
 }
 _RETURNS = {"moe_copy_rows": ctypes.c_int, "moe_count_experts": ctypes.c_int,
             "moe_ll_route": _I, "moe_ll_send": ctypes.c_int,
             "moe_sum_segments": ctypes.c_int, "moe_put_rows_multi": ctypes.c_int,
+            "moe_stream_min_bytes": _I,
             "moe_ll_recv": ctypes.c_int, "moe_ll_return": ctypes.c_int,
             "moe_ll_combine": ctypes.c_int, "moe_small_context_words": _I,
             "moe_small_dispatch_start": _I, "moe_small_dispatch_finish": _I,
@@ -148,6 +150,8 @@ def _library() -> ctypes.CDLL | None:
     for name, args in _SIGNATURES.items():
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = _RETURNS.get(name)
+    if lib.moe_stream_min_bytes() != STREAM_MIN_BYTES:
+        raise RuntimeError("host_ops.c and native.py disagree on STREAM_MIN_BYTES")
     return lib
 
 
@@ -238,9 +242,10 @@ def sum_rows(segments, ids_per_segment, num_tokens: int, out_dtype, biases=(),
     bias_addr = torch.tensor([b.data_ptr() for b in biases] or [0], dtype=torch.int64)
     index = torch.empty(n + num_tokens + 1, dtype=torch.int64)
     w_sorted = None if w is None else torch.empty(n, dtype=torch.float32)
-    # the output last, after the temporaries: allocated before them, glibc handed a combine's
-    # output fresh pages from the kernel on about one call in seven (measured: ~500 page
-    # faults a call at 1024 tokens x 7168, most of a millisecond)
+    # a new output last, after the temporaries: allocated before them, glibc handed a
+    # combine's output fresh pages from the kernel on about one call in seven (measured: ~500
+    # page faults a call at 1024 tokens x 7168, most of a millisecond); the normal combine
+    # passes one from the Buffer's pool (pool.outputs)
     if out is None:
         out = empty_output(num_tokens, hidden, out_dtype)
     err = lib.moe_sum_segments(table.data_ptr(), len(segments),
@@ -368,14 +373,15 @@ def copy_rows(src: torch.Tensor, src_rows, dst: torch.Tensor, dst_rows) -> None:
         raise IndexError(f"copy_rows: a {side} row outside [0, {rows.shape[0]})")
 
 
-# host_ops.c's STREAM_MIN_BYTES: the runs worth non-temporal stores (copy_stream)
+# host_ops.c's STREAM_MIN_BYTES (checked when the library loads): the runs worth
+# non-temporal stores (copy_stream)
 STREAM_MIN_BYTES = 2 << 20
 
 
 def copy_stream(dst: torch.Tensor, src: torch.Tensor) -> bool:
     """``dst`` = ``src`` (contiguous CPU tensors of as many bytes) with non-temporal stores,
-    as the large dispatch payloads are written (moe_put_rows); False (nothing copied) where
-    the C loops cannot run it."""
+    as the large dispatch payloads are written (moe_put_rows_multi): a large combine return,
+    the benchmark's copy bar. False (nothing copied) where the C loops cannot run it."""
     lib = library()
     nbytes = src.numel() * src.element_size()
     if lib is None or src.device.type != "cpu" or dst.device.type != "cpu" or \

@@ -20,22 +20,31 @@ def _only_ours(base: torch.Tensor) -> bool:
     return _use_count is not None and _use_count(base.untyped_storage()._cdata) <= 2
 
 
+def _on(base: torch.Tensor, at: int, shape, dtype) -> torch.Tensor:
+    """A tensor of ``shape`` and ``dtype`` on ``base``'s storage from byte ``at`` (a multiple
+    of the dtype's size): not a view of base, so autograd lets the caller change it in place
+    (a view returned by a custom Function may not be), and its use of the storage still
+    counts (_only_ours)."""
+    return torch.empty(0, dtype=dtype).set_(base.untyped_storage(), at // dtype.itemsize,
+                                            shape)
+
+
 class OutputPool:
     def __init__(self):
         self._bases = {}
         self._spans = {}
 
-    def carve(self, key, sizes) -> list:
-        """Uint8 tensors of ``sizes`` bytes each (64-byte aligned, one base tensor under them),
-        for outputs whose shapes change from call to call (host/small.py): a base of ``key``
-        that no tensor of the caller still views and is large enough is reused (its pages are
-        touched already: a fresh one of a few MB costs a page fault every 4 KiB, as much as the
-        call's copies); two per key, so the results the caller holds while it makes the next
-        call do not force a new one each call."""
+    def carve(self, key, shapes) -> list:
+        """Tensors of ``shapes`` (``(rows, cols, dtype)`` each; 64-byte aligned, one base
+        tensor under them), for outputs whose shapes change from call to call (host/small.py,
+        the normal combine): a base of ``key`` that no tensor of the caller still uses and is
+        large enough is reused (its pages are touched already: a fresh one of a few MB costs a
+        page fault every 4 KiB, as much as the call's copies); two per key, so the results the
+        caller holds while it makes the next call do not force a new one each call."""
         offsets, total = [], 0
-        for n in sizes:
+        for r, c, dt in shapes:
             offsets.append(total)
-            total += -(-n // 64) * 64
+            total += -(-(r * c * dt.itemsize) // 64) * 64
         bases = self._spans.setdefault(key, [])
         base = next((b for b in bases if b.numel() >= total and _only_ours(b)), None)
         if base is None:
@@ -43,14 +52,14 @@ class OutputPool:
             base = native.advise_huge_pages(torch.empty(total, dtype=torch.uint8))
             bases.insert(0, base)
             del bases[2:]
-        return [base[at:at + n] for at, n in zip(offsets, sizes)]
+        return [_on(base, at, (r, c), dt) for at, (r, c, dt) in zip(offsets, shapes)]
 
     def empty(self, key, shape, dtype) -> torch.Tensor:
         base = self._bases.get(key)
         if base is None or tuple(base.shape) != tuple(shape) or base.dtype != dtype or \
                 not _only_ours(base):
             base = self._bases[key] = torch.empty(shape, dtype=dtype)
-        return base.view(base.shape)
+        return _on(base, 0, tuple(shape), dtype)
 
     def clear(self):
         self._bases.clear()
@@ -72,11 +81,9 @@ def outputs(pool: OutputPool, key: str, shapes, poison=None) -> list:
     sizes = [r * c * dt.itemsize for r, c, dt in wanted]
     if sum(sizes) < POOLED_BYTES:        # the allocator's own reuse: no fresh pages
         outs = [torch.empty(r, c, dtype=dt) for r, c, dt in wanted]
-        spans = [t.view(torch.uint8) for t in outs] if poison is not None else []
     else:
-        spans = pool.carve(key, sizes)
-        outs = [t.view(dt).view(r, c) for t, (r, c, dt) in zip(spans, wanted)]
-    for t in spans if poison is not None else ():
-        t.fill_(poison)
+        outs = pool.carve(key, wanted)
+    for t in outs if poison is not None else ():
+        t.view(torch.uint8).fill_(poison)
     outs = iter(outs)
     return [None if s is None else next(outs) for s in shapes]
