@@ -11,9 +11,9 @@ wheel are installed), and against the machine's copy bandwidth, all in one run.
 Every shape option takes a comma list; the run sweeps the cross product (per mode; a
 combination a mode cannot run, such as low-latency float32, is skipped with a note). Rows go
 to stdout as a table, then one summary line per mode: geometric means over its cases of the
-speed-up over the baseline and of dispatch's share of copy bandwidth, with the best and worst
-case when there are several. A progress line (case i/n, elapsed) goes to stderr when it is a
-terminal.
+speed-up over the baseline and of dispatch's and combine's share of copy bandwidth, with the
+best and worst case when there are several. A progress line (case i/n, elapsed) goes to
+stderr when it is a terminal.
 
 Normal mode's baseline is all_to_all_single doing the same exchange (permute, exchange counts,
 exchange payloads, unpermute). Low-latency mode's baseline is the plain padded exchange a
@@ -35,9 +35,12 @@ it. Times are the
 median over repeats of the slowest rank (each repeat: --iters calls back to back after a
 barrier, or as many more as fill 0.1 s where those would not: one late wake-up weighs less);
 the JSON keeps min/median/max of every time and the calls a repeat made. copy_gbps is
-measured several times in each case (after moe_comm's dispatch and after each baseline's) and
-reported as the median, its samples and spread beside it. The JSON is {"run": versions,
-machine and settings, "rows": [...]}.
+measured several times in each case (before moe_comm's dispatch, between its dispatch and its
+combine, after its combine, and after each baseline's calls) and reported as the median, its
+samples and spread beside it. The machine's copy bandwidth swings within seconds (one run here:
+5 to 56 GB/s), so the summary's shares of it set each call beside the samples taken just
+before and after it (``dispatch_copy_gbps``, ``combine_copy_gbps``: their mean). The JSON is
+{"run": versions, machine and settings, "rows": [...]}.
 
 Backends: ``host`` runs CPU tensors over the shared-memory backend (gloo for the baseline);
 ``cuda`` puts every tensor on the GPU (rank r on GPU r) and runs the baseline through an NCCL
@@ -209,14 +212,17 @@ def _run_ll(rank, n, case, iters, env):
     def dispatch():
         state["out"] = buf.low_latency_dispatch(x, idx, t, e, use_fp8=fp8)
 
-    env.timed("dispatch_us", dispatch, iters)
-    recv_x, recv_count, handle, _, _ = state["out"]
-    msgs = int(recv_count.sum())
+    dispatch()                        # (its result sizes the copy samples)
+    msgs = int(state["out"][1].sum())
     recv_bytes = msgs * token_bytes(h, fp8)
+    env.sample_copy(recv_bytes, iters)                  # copy samples around each column
+    env.timed("dispatch_us", dispatch, iters)
     env.sample_copy(recv_bytes, iters)
+    recv_x, recv_count, handle, _, _ = state["out"]
     y = torch.randn(e // n, n * t, h).bfloat16().to(env.device)
     env.timed("combine_us", lambda: buf.low_latency_combine(y, idx, w, handle), iters)
     combine_bytes = msgs * 2 * h
+    env.sample_copy(recv_bytes, iters)
     buf.destroy()
     baselines = {prefix: _ll_baseline(x, idx, w, e, t, fp8, a2a)
                  for prefix, a2a in _baseline_transports(env)}
@@ -270,6 +276,9 @@ def _row(n, case, iters, env, baselines, y, recv_bytes, combine_bytes, wire_rati
                 baseline_dispatch_us=us["baseline_dispatch_us"],
                 baseline_combine_us=us["baseline_combine_us"],
                 copy_gbps=statistics.median(copies), wire_ratio=wire_ratio,
+                # the samples taken just before and after each column (_run_normal, _run_ll)
+                dispatch_copy_gbps=(copies[0] + copies[1]) / 2,
+                combine_copy_gbps=(copies[1] + copies[2]) / 2,
                 mpi_dispatch_us=us.get("mpi_dispatch_us"), mpi_combine_us=us.get("mpi_combine_us"),
                 copy_gbps_samples=copies, copy_gbps_min=min(copies), copy_gbps_max=max(copies),
                 spread_us={c: dict(min=lo * 1e6, median=med * 1e6, max=hi * 1e6,
@@ -288,14 +297,18 @@ def _run_normal(rank, n, case, iters, env):
         state["out"] = buf.dispatch(x, num_tokens_per_rank=ntr, is_token_in_rank=itr,
                                     num_tokens_per_expert=nte, topk_idx=idx, topk_weights=w)
 
-    env.timed("dispatch_us", dispatch, iters)
+    dispatch()                        # (its result sizes the copy samples)
     recv_x, _, recv_w, _, handle, _ = state["out"]
     recv_bytes = sum(t.numel() * t.element_size()
                      for t in (recv_x if isinstance(recv_x, tuple) else (recv_x,)))
+    env.sample_copy(recv_bytes, iters)                  # copy samples around each column
+    env.timed("dispatch_us", dispatch, iters)
     env.sample_copy(recv_bytes, iters)
+    recv_x, _, recv_w, _, handle, _ = state["out"]
     y = (recv_x[0].float() if isinstance(recv_x, tuple) else recv_x.float()).bfloat16()
     env.timed("combine_us", lambda: buf.combine(y, handle), iters)
     combine_bytes = y.numel() * y.element_size()
+    env.sample_copy(recv_bytes, iters)
     wire = None
     if per_host is not None:            # ranks on several hosts
         payload = x[0] if isinstance(x, tuple) else x
@@ -420,15 +433,18 @@ def _has_mpi(rows):
 
 def summarize(rows):
     """One line per mode: speed-ups over the baseline (and over MPI when it ran) and
-    dispatch's share of copy bandwidth (geometric means over the mode's cases; best and worst
-    case when there are several)."""
+    dispatch's and combine's shares of the copy bandwidth measured beside them (geometric means
+    over the mode's cases; best and worst case when there are several)."""
     lines = []
     for mode in dict.fromkeys(r["mode"] for r in rows):
         rs = [r for r in rows if r["mode"] == mode]
         ratios = {
             "dispatch": [r["baseline_dispatch_us"] / r["dispatch_us"] for r in rs],
             "combine": [r["baseline_combine_us"] / r["combine_us"] for r in rs],
-            "copy": [r["dispatch_gbps"] / r["copy_gbps"] for r in rs]}
+            "copy": [r["dispatch_gbps"] / r.get("dispatch_copy_gbps", r["copy_gbps"])
+                     for r in rs],
+            "combine copy": [r["combine_gbps"] / r.get("combine_copy_gbps", r["copy_gbps"])
+                             for r in rs]}
         g = {k: _geomean(v) for k, v in ratios.items()}
         over_mpi = ""
         if _has_mpi(rs):
@@ -437,7 +453,8 @@ def summarize(rows):
             over_mpi = (f", {g_mpi['dispatch']:.1f}x / {g_mpi['combine']:.1f}x over "
                         f"{MPI_BASELINE[mode]}")
         head = (f"dispatch {g['dispatch']:.1f}x / combine {g['combine']:.1f}x speed-up over "
-                f"{BASELINE[mode]}{over_mpi}; dispatch at {_pct(g['copy'])} of copy bandwidth")
+                f"{BASELINE[mode]}{over_mpi}; dispatch / combine at {_pct(g['copy'])} / "
+                f"{_pct(g['combine copy'])} of copy bandwidth")
         wires = [r["wire_ratio"] for r in rs if r.get("wire_ratio") is not None]
         if wires:
             head += f"; host links carried {max(wires):.2f}x the ideal bytes (worst case)"
@@ -675,7 +692,8 @@ def build_parser():
                "cross product for each mode, skipping with a note the combinations a mode "
                "cannot run. Output: the table on stdout, then one summary line per mode "
                "(geometric means over its cases of the speed-up over the baseline and of "
-               "dispatch's share of copy bandwidth, with the best and worst case); a progress "
+               "dispatch's and combine's share of copy bandwidth, with the best and worst case); "
+               "a progress "
                "line (case i/n, elapsed) on stderr when it is a terminal.")
     p.add_argument("--mode", type=_modes, default=list(MODES), metavar="MODE[,MODE]",
                    help="normal, ll or both (default: both)")

@@ -62,15 +62,18 @@ def test_tiny_sweep_end_to_end(tmp_path):
         for c in times:
             spread = row["spread_us"][c]
             assert 0 < spread["min"] <= spread["median"] == row[c] <= spread["max"], (c, spread)
-        # copy bandwidth: sampled after moe_comm's calls and after the baseline's
-        assert len(row["copy_gbps_samples"]) == 2, row
+        # copy bandwidth: sampled around moe_comm's calls and after the baseline's
+        assert len(row["copy_gbps_samples"]) == 4, row
+        samples = row["copy_gbps_samples"]
+        assert row["dispatch_copy_gbps"] == pytest.approx((samples[0] + samples[1]) / 2)
+        assert row["combine_copy_gbps"] == pytest.approx((samples[1] + samples[2]) / 2)
         assert row["copy_gbps_min"] <= row["copy_gbps"] <= row["copy_gbps_max"], row
     run = saved["run"]
     assert run["versions"]["torch"] == torch.__version__ and run["versions"]["mpi"] is None
     assert run["versions"]["moe_comm"] and run["versions"]["python"]
     assert run["machine"]["cores"] >= 1 and "cpu_model" in run["machine"]
     assert (run["iters"], run["repeats"], run["backend"]) == (2, bench.REPEATS, "host")
-    assert run["copy_gbps"]["samples"] == 2 * len(rows)
+    assert run["copy_gbps"]["samples"] == 4 * len(rows)
     assert run["copy_gbps"]["min"] <= run["copy_gbps"]["median"] <= run["copy_gbps"]["max"]
     assert len(lines) == 1 + len(rows) + 3 + (1 if HAVE_MPL else 0), r.stdout
     for mode in ("normal", "ll"):
@@ -114,12 +117,12 @@ def _row(mode, tokens, speed_d, speed_c, share):
 def test_summary_geometric_mean_best_worst():
     one = bench.summarize([_row("normal", 64, 8.0, 2.0, 0.5)])
     assert one == ["summary normal ranks=2 tokens=64: dispatch 8.0x / combine 2.0x speed-up "
-                   "over all_to_all_single; dispatch at 50% of copy bandwidth"]
+                   "over all_to_all_single; dispatch / combine at 50% / 100% of copy bandwidth"]
     lines = bench.summarize([_row("ll", 64, 2.0, 1.0, 0.02), _row("ll", 128, 8.0, 4.0, 0.5)])
     assert len(lines) == 1
     assert lines[0].startswith("summary ll, geometric mean of 2 cases: dispatch 4.0x / combine "
                                "2.0x speed-up over the padded")
-    assert "dispatch at 10% of copy bandwidth" in lines[0]
+    assert "dispatch / combine at 10% / 100% of copy bandwidth" in lines[0]
     assert "dispatch 8.0x (tokens=128) / 2.0x (tokens=64)" in lines[0]
     assert "dispatch vs copy 50% (tokens=128) / 2% (tokens=64)" in lines[0]
 
@@ -133,11 +136,11 @@ def test_summary_with_mpi_gives_both_speed_ups():
     rows = [dict(_row("normal", 64, 4.0, 2.0, 0.5), mpi_dispatch_us=300.0, mpi_combine_us=50.0)]
     assert bench.summarize(rows) == [
         "summary normal ranks=2 tokens=64: dispatch 4.0x / combine 2.0x speed-up over "
-        "all_to_all_single, 3.0x / 0.5x over MPICH Alltoallv; dispatch at 50% of copy "
-        "bandwidth"]
+        "all_to_all_single, 3.0x / 0.5x over MPICH Alltoallv; dispatch / combine at 50% / "
+        "100% of copy bandwidth"]
     rows[0]["mpi_dispatch_us"] = None              # MPI absent: the line is unchanged
-    assert bench.summarize(rows)[0].endswith("over all_to_all_single; dispatch at 50% of copy "
-                                             "bandwidth")
+    assert bench.summarize(rows)[0].endswith("over all_to_all_single; dispatch / combine at "
+                                             "50% / 100% of copy bandwidth")
     rows = [dict(_row("ll", 64, 1, 1, 1), copy_gbps_samples=s) for s in ([4.0, 9.0], [1.0])]
     assert bench.copy_line(rows) == ("summary copy bandwidth: median 4.0 GB/s over 3 samples "
                                      "(min 1.0, max 9.0)")
