@@ -195,3 +195,9 @@ class KernelProxy:
         self._thread.join(timeout=2.0)
         for lane in self._lanes:         # a lane stuck on a full channel: left to the daemon
             lane.close(timeout_s=1.0)
+        # Each lane holds self._execute, a reference cycle that would keep the mirrors (a
+        # Buffer's size per remote rank) until the next garbage collection, long after the
+        # Buffer was destroyed: a process that makes Buffer after Buffer (tests, elastic
+        # rebuilds) grew by GBs. Nothing reads them once the proxy thread stopped.
+        self._lanes, self._lane_of = [], {}
+        self.mirrors, self._mirror_tensors = {}, {}

@@ -324,7 +324,11 @@ class Job:
             p.stop(0.0)
         if errors:
             r = min(errors)
-            raise RankFailure(f"rank {r} failed:\n{errors[r]}")
+            # (the other failures and the rank's own log, where its warnings went: a proxy
+            # that cut a peer off, say; the logs go with the hosts' folder)
+            others = "".join(f"\n(rank {o} too: {str(errors[o]).partition(chr(10))[0]})"
+                             for o in sorted(errors) if o != r)
+            raise RankFailure(f"rank {r} failed:\n{errors[r]}{others}{self.procs[r].log_tail()}")
         missing = expected - set(results)
         if missing:
             logs = "".join(self.procs[r].log_tail() for r in sorted(missing))
