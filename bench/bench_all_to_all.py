@@ -298,7 +298,7 @@ def _run_normal(rank, n, case, iters, env):
                                     num_tokens_per_expert=nte, topk_idx=idx, topk_weights=w)
 
     dispatch()                        # (its result sizes the copy samples)
-    recv_x, _, recv_w, _, handle, _ = state["out"]
+    recv_x = state["out"][0]
     recv_bytes = sum(t.numel() * t.element_size()
                      for t in (recv_x if isinstance(recv_x, tuple) else (recv_x,)))
     env.sample_copy(recv_bytes, iters)                  # copy samples around each column
