@@ -653,6 +653,14 @@ int moe_ll_send(const uint8_t *msgs, int64_t msg_stride, int64_t nbytes, const i
     return 0;
 }
 
+/* The row a message's bytes are read from: its token's first row from source src (canon,
+ * filled by first_rows), or its own row when the token in its meta is outside [0, M). */
+static inline int64_t source_row(const int64_t *meta, int64_t row, int64_t src, int64_t M,
+                                 const int64_t *canon) {
+    const int64_t t = meta[row] >> 8;
+    return t >= 0 && t < M ? canon[src * M + t] : row;
+}
+
 /* canon [R][M]: for every source (but this rank when its own messages are read in place) and
  * token, the first row of its blocks, in block order (expert, then place), whose meta names
  * that token. Only rows within the (checked) counts are read. */
@@ -686,12 +694,8 @@ static void first_rows(const int64_t *meta, const int64_t *counts, int64_t count
  * A message's bytes are read from its token's first row from the same source (first in block
  * order: expert, then place), found by the token in the meta; moe_ll_send writes only that
  * row. A token outside [0, M) in a peer's meta is not looked up: its own row is read.
- * The copies run token by token, not in packed order: each (source, token) row is read once
- * and written to every packed row of it while it is in L1 (a token reaches ~2 of a rank's
- * experts at top-8 over 4 ranks; packed order read each row again from another core's cache
- * or memory, and the pack took 3x the senders' writes of the same rows).
- * `canon` int64 [2 * R * M + L * R * M] scratch. Returns -1 (nothing copied) when a count
- * lies outside [0, M], -2 when this rank's own count row disagrees with own_first. */
+ * `canon` int64 [R * M] scratch. Returns -1 (nothing copied) when a count lies outside [0, M],
+ * -2 when this rank's own count row disagrees with own_first. */
 int moe_ll_recv(const uint8_t *payload, int64_t stride, const int64_t *meta,
                 const int64_t *counts, int64_t count_stride, int64_t L, int64_t R, int64_t M,
                 uint8_t *recv_x, int64_t x_bytes, uint8_t *recv_scales, int64_t scale_bytes,
@@ -707,10 +711,6 @@ int moe_ll_recv(const uint8_t *payload, int64_t stride, const int64_t *meta,
             total += c;
         }
     first_rows(meta, counts, count_stride, L, R, M, me, own_msgs != NULL, canon);
-    /* head [R * M]: per (source, token) the last packed row of it, chained through next
-     * [L * R * M] to its earlier ones (-1 ends a chain) */
-    int64_t *head = canon + R * M, *next = head + R * M;
-    for (int64_t i = 0; i < R * M; i++) head[i] = -1;
     const int stream = total * x_bytes >= STREAM_MIN_BYTES;
     for (int64_t le = 0; le < L; le++) {
         int64_t packed = le * R * M;
@@ -723,36 +723,18 @@ int moe_ll_recv(const uint8_t *payload, int64_t stride, const int64_t *meta,
             ranges[(le * R + src) * 2 + 1] = c;
             for (int64_t i = 0; i < c; i++, packed++) {
                 const int64_t m = own ? own_first[le] + i : 0;
-                recv_meta[packed] = own ? own_tok[m] << 8 | own_slot[m] : meta[row0 + i];
-                const int64_t t = recv_meta[packed] >> 8;
-                if (own || (t >= 0 && t < M)) {     /* (own tokens are < T <= M) */
-                    next[packed] = head[src * M + t];
-                    head[src * M + t] = packed;
-                    continue;
-                }
-                const uint8_t *msg = payload + (row0 + i) * stride;    /* not looked up */
+                const uint8_t *msg = own ? own_msgs + own_tok[m] * own_stride
+                                         : payload + source_row(meta, row0 + i, src, M, canon) *
+                                                     stride;
                 copy_run(recv_x + packed * x_bytes, msg, (size_t)x_bytes, stream);
                 if (recv_scales)
                     memcpy(recv_scales + packed * scale_bytes, msg + scales_at,
                            (size_t)scale_bytes);
+                recv_meta[packed] = own ? own_tok[m] << 8 | own_slot[m] : meta[row0 + i];
             }
         }
         per_expert[le] = packed - start;
         for (; packed < start + R * M; packed++) recv_meta[packed] = -1;
-    }
-    for (int64_t src = 0; src < R; src++) {
-        const int own = own_msgs && src == me;
-        for (int64_t t = 0; t < M; t++) {
-            int64_t p = head[src * M + t];
-            if (p < 0) continue;
-            const uint8_t *msg = own ? own_msgs + t * own_stride
-                                     : payload + canon[src * M + t] * stride;
-            for (; p >= 0; p = next[p]) {
-                copy_run(recv_x + p * x_bytes, msg, (size_t)x_bytes, stream);
-                if (recv_scales)
-                    memcpy(recv_scales + p * scale_bytes, msg + scales_at, (size_t)scale_bytes);
-            }
-        }
     }
     if (stream) stream_done();
     return 0;

@@ -201,7 +201,7 @@ enum { LL_WAITS = 1, LL_READS = 2 };
  * (rows_in int64 [R, L + 1] gets their values), the rows packed (moe_ll_recv into recv_x of
  * x_bytes a row, recv_scales (or NULL), recv_meta, ranges, per_expert; this rank's own
  * messages read from own_msgs / own_tok / own_slot / own_first when not NULL; canon int64
- * [(2 + L) * R * M] scratch); recv_count int32 [L] and, when not NULL, stats (int32 or int64: stats64)
+ * [R * M] scratch); recv_count int32 [L] and, when not NULL, stats (int32 or int64: stats64)
  * += per_expert; return_base [R] = each source's base; then this rank's FREE push to every
  * rank. Returns LL_OK, LL_AGAIN / LL_LATE / LL_DIFFER (nothing read: the Python receive goes
  * on), or moe_ll_recv's error (-1, -2). */

@@ -190,14 +190,12 @@ class LLDirectCalls:
         scratch = self._grown("scratch", T * (H // 128) + H, torch.float32)
         # the route (tok, slot [T * K], first [E + 1], per-expert counts [E]) and the receive's
         # results (recv_meta [L, R*M], ranges [L, R, 2], per_expert [L], return_base [R])
-        # with its scratch (count rows [R, L + 1], canon [2 * R*M + L * R*M]: moe_ll_recv's),
-        # in one allocation
+        # with its scratch (count rows [R, L + 1], canon [R*M]), in one allocation
         n_route, n_recv = 2 * T * K + 2 * E + 1, L * R * M + 2 * L * R + L + R
-        n_canon = (2 + L) * R * M
-        block = torch.empty(n_route + n_recv + R * (L + 1) + n_canon + T, dtype=torch.int64)
+        block = torch.empty(n_route + n_recv + R * (L + 1) + R * M + T, dtype=torch.int64)
         p = block.data_ptr()
         p_tok, p_slot, p_first = p, p + 8 * T * K, p + 16 * T * K
-        p_seen = p + 8 * (n_route + n_recv + R * (L + 1) + n_canon)
+        p_seen = p + 8 * (n_route + n_recv + R * (L + 1) + R * M)
         call_row = self._call_row(H, use_fp8, K, E, M)
         wait_free = seq > comm.ll_base["dispatch"] + LL_NUM_BUFFERS
         args = [cx.p, b, 0, seq, wait_free, int(comm.refresh_deadline() * 1e9), x.data_ptr(),

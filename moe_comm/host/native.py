@@ -517,7 +517,7 @@ def ll_recv(payload: torch.Tensor, meta: torch.Tensor, counts, max_tokens: int,
     recv_meta = torch.empty(num_local, R * max_tokens, dtype=torch.int64)
     ranges = torch.empty(num_local, R, 2, dtype=torch.int64)
     per_expert = torch.empty(num_local, dtype=torch.int64)
-    canon = torch.empty((2 + num_local) * R * max_tokens, dtype=torch.int64)
+    canon = torch.empty(R * max_tokens, dtype=torch.int64)
     scale_bytes = 0 if recv_scales is None else recv_scales[0, 0].numel() * 4
     me, msgs, tok, slot, first = own if own is not None else (-1, None, None, None, None)
     err = lib.moe_ll_recv(payload.data_ptr(), payload.stride(0), meta.data_ptr(),
