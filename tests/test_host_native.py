@@ -73,6 +73,18 @@ def cast_version(request):
     native.fp8_avx512(before)
 
 
+@pytest.fixture(params=[True, False], ids=["lines", "sse2"])
+def stream_version(request):
+    """Each test of the non-temporal copies runs with 64-byte AVX-512 stores (where the CPU
+    has them) and with 16-byte ones."""
+    before = native.stream_avx512()
+    if request.param and not before:
+        pytest.skip("no AVX-512 here")
+    native.stream_avx512(request.param)
+    yield request.param
+    native.stream_avx512(before)
+
+
 def _near_edges(dtype, blocks=4096, seed=1) -> torch.Tensor:
     """Blocks of 128 whose quotients by their scale land on, and a few ulps either side of,
     the e4m3 rounding edges (midpoints, the subnormal range, the clamp): the first value
@@ -281,7 +293,7 @@ def test_dispatch_rows_for_a_destination_are_torchs(with_scales, with_weights):
         native.put_rows(x, scales, idx, w, torch.tensor([1, tokens]), 0, num_local, outs())
 
 
-def test_a_large_dispatch_payload_streams_like_torch():
+def test_a_large_dispatch_payload_streams_like_torch(stream_version):
     """A destination's payload of 2 MiB and more is written with non-temporal stores: the
     same bytes as torch's gather, into rows that start 3 bytes past a 16-byte boundary."""
     g = torch.Generator().manual_seed(8)
@@ -306,7 +318,7 @@ def test_a_large_dispatch_payload_streams_like_torch():
 
 
 @pytest.mark.parametrize("tokens,row_bytes", [(70, 88), (400, 14336)])
-def test_several_destinations_in_one_pass_are_torchs(tokens, row_bytes):
+def test_several_destinations_in_one_pass_are_torchs(tokens, row_bytes, stream_version):
     """native.put_rows_multi (a dispatch's destinations in one pass over x, PUT_BLOCK tokens
     at a time) writes for each destination what _put_rows_torch writes: ascending ids that
     overlap between destinations, unsorted ones, a destination without rows, one of 2 MiB
@@ -340,7 +352,7 @@ def test_several_destinations_in_one_pass_are_torchs(tokens, row_bytes):
                                                          outs(2))])
 
 
-def test_a_streamed_copy_is_a_copy():
+def test_a_streamed_copy_is_a_copy(stream_version):
     """native.copy_stream (the bench's copy bar): the bytes of src, unaligned ends included;
     a size mismatch copies nothing."""
     src = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8,
@@ -555,7 +567,7 @@ def test_low_latency_send_writes_a_token_once_per_rank(monkeypatch):
             assert _same(a, b)
 
 
-def test_low_latency_large_return_and_pack_stream_like_torch(monkeypatch):
+def test_low_latency_large_return_and_pack_stream_like_torch(monkeypatch, stream_version):
     """Runs of 2 MiB and more are written with non-temporal stores (the combine's return, the
     dispatch's pack): the same bytes as torch's copies, unaligned starts included."""
     num_local, R, M, hidden = 2, 2, 96, 7168

@@ -62,11 +62,62 @@ static inline void load_row(const void *src, int dt, int64_t hidden, float *dst)
 #define STREAM_MIN_BYTES (2 << 20)
 #endif
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#define MOE_AVX512_STREAM 1
+#include <immintrin.h>
+
+/* copy_stream with 64-byte stores, each a whole line: a low-latency receive's pack of
+ * 7 KB rows (4 ranks, 128 x 7168 fp8) took 7-12% less of the dispatch's time than with
+ * 16-byte ones, calls alternating in one run; one large copy is as fast either way. */
+__attribute__((target("avx512f"))) static void copy_stream_avx512(uint8_t *d, const uint8_t *s,
+                                                                   size_t n) {
+    size_t head = (64 - ((uintptr_t)d & 63)) & 63;          /* to a line boundary */
+    if (head > n) head = n;
+    memcpy(d, s, head);
+    d += head, s += head, n -= head;
+    size_t i = 0;
+    for (; i + 64 <= n; i += 64)
+        _mm512_stream_si512((__m512i *)(d + i), _mm512_loadu_si512((const void *)(s + i)));
+    memcpy(d + i, s + i, n - i);
+}
+
+/* -1: not asked yet; moe_stream_avx512 may turn it off (tests check both versions' bytes) */
+static int stream_avx512 = -1;
+
+static inline int use_stream_avx512(void) {
+    if (__builtin_expect(stream_avx512 < 0, 0)) {
+        __builtin_cpu_init();
+        stream_avx512 = __builtin_cpu_supports("avx512f");
+    }
+    return stream_avx512;
+}
+#endif
+
+/* Whether copy_stream uses 64-byte stores: on = 0 turns them off, 1 back on where the CPU
+ * has them, -1 only asks. Returns the setting now. */
+int moe_stream_avx512(int on) {
+#ifdef MOE_AVX512_STREAM
+    if (on == 0) stream_avx512 = 0;
+    if (on == 1) stream_avx512 = -1;
+    return use_stream_avx512();
+#else
+    (void)on;
+    return 0;
+#endif
+}
+
 /* memcpy for output written once and not read back during the call: non-temporal stores
- * where the CPU has them (x86-64: SSE2), which skip reading the destination's lines into
- * the cache first and leave the cache to what the call reads (the peers' messages). 25-30%
- * faster than memcpy for the rows of a large receive. The caller ends with stream_done(). */
+ * where the CPU has them (x86-64: SSE2, or AVX-512's whole lines), which skip reading the
+ * destination's lines into the cache first and leave the cache to what the call reads (the
+ * peers' messages). 25-30% faster than memcpy for the rows of a large receive. The caller
+ * ends with stream_done(). */
 static inline void copy_stream(uint8_t *d, const uint8_t *s, size_t n) {
+#ifdef MOE_AVX512_STREAM
+    if (use_stream_avx512()) {
+        copy_stream_avx512(d, s, n);
+        return;
+    }
+#endif
 #if defined(__SSE2__)
     size_t head = (16 - ((uintptr_t)d & 15)) & 15;          /* to a 16-byte boundary */
     if (head > n) head = n;

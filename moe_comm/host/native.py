@@ -337,6 +337,15 @@ def fp8_avx512(on: bool | None = None) -> bool:
     return bool(switch(-1 if on is None else int(on)))
 
 
+def stream_avx512(on: bool | None = None) -> bool:
+    """Whether the non-temporal copies (copy_stream and the large receives' rows) store whole
+    64-byte lines with AVX-512 (where the CPU has it); ``on=False`` turns that off, ``True``
+    back on (tests check the bytes of both versions)."""
+    switch = library().moe_stream_avx512       # a test hook: typed here, not in _SIGNATURES
+    switch.argtypes, switch.restype = (ctypes.c_int,), ctypes.c_int
+    return bool(switch(-1 if on is None else int(on)))
+
+
 def copy_rows(src: torch.Tensor, src_rows, dst: torch.Tensor, dst_rows) -> None:
     """``dst[dst_rows[i]] = src[src_rows[i]]`` for uint8 matrices (rows contiguous, any row
     stride; the row width is ``src``'s, at most ``dst``'s), ``None`` rows meaning 0, 1, ...:
