@@ -567,6 +567,27 @@ def test_low_latency_send_writes_a_token_once_per_rank(monkeypatch):
             assert _same(a, b)
 
 
+def test_low_latency_send_with_non_temporal_stores_writes_the_same_region(stream_version):
+    """ll_send's ``stream`` (a large call's messages, ll_direct.c): the same rows and meta as
+    regular stores, with a token's row once per rank and rows that start off a line."""
+    num_local, R, M, hidden, me = 4, 3, 48, 7168, 1
+    stride = hidden + hidden // 32 + 8                      # not a multiple of 64
+    idx = _routing(tokens=M, topk=6, experts=num_local * R, seed=31)
+    tok, slot, first = ll._route(idx, num_local * R)
+    msgs = torch.randint(0, 256, (M, stride), generator=torch.Generator().manual_seed(32),
+                         dtype=torch.uint8)
+    regions = []
+    for stream in (False, True):
+        rows, meta, _ = _region(num_local, R, M, stride, torch.zeros(R, num_local,
+                                                                     dtype=torch.long))
+        for dst in range(R):
+            native.ll_send(msgs, tok, slot, first, dst * num_local, num_local, R, me, M, rows,
+                           meta, once=True, stream=stream)
+        regions.append((rows, meta))
+    assert torch.equal(regions[0][0], regions[1][0]) and torch.equal(regions[0][1],
+                                                                      regions[1][1])
+
+
 def test_low_latency_large_return_and_pack_stream_like_torch(monkeypatch, stream_version):
     """Runs of 2 MiB and more are written with non-temporal stores (the combine's return, the
     dispatch's pack): the same bytes as torch's copies, unaligned starts included."""

@@ -135,6 +135,7 @@ struct ll_dispatch {
     const int64_t *tok, *slot, *first, *call_row;
     int own_in_place;            /* fp8: the messages to itself stay in msgs (its receive) */
     uint8_t *seen;               /* uint8 [T] scratch of moe_ll_send */
+    int stream;                  /* moe_ll_send's: the messages to other ranks are large */
 };
 
 /* ll.py's dispatch_send to rank r: the signature, the messages (a token's row once), then the
@@ -152,7 +153,8 @@ static void ll_dispatch_to(void *p, int64_t r) {
     if (d->first[e_lo + L] > d->first[e_lo] && !(r == me && d->own_in_place))
         moe_ll_send(d->msgs, d->stride, d->stride, d->tok, d->slot, d->first, e_lo, L, R, me,
                     lx[LX_M], (uint8_t *)(intptr_t)LX_PTR(lx, LX_PAYLOAD + b)[r], d->stride,
-                    (int64_t *)(intptr_t)LX_PTR(lx, LX_META + b)[r], d->T, d->seen);
+                    (int64_t *)(intptr_t)LX_PTR(lx, LX_META + b)[r], d->T, d->seen,
+                    d->stream);
     int64_t row[L + 1];
     for (int64_t le = 0; le < L; le++) row[le] = d->first[e_lo + le + 1] - d->first[e_lo + le];
     row[L] = d->first[e_lo];
@@ -184,8 +186,10 @@ int64_t moe_ll_direct_send(const int64_t *lx, int64_t b, int64_t resume, int64_t
             moe_fp8_quantize(x, DT_BF16, T, H, H, scales, msgs, stride, scratch, H);
         memset(sent, 0, (size_t)R);
     }
+    const int64_t L = lx[LX_L], own = first[(lx[LX_ME] + 1) * L] - first[lx[LX_ME] * L];
     struct ll_dispatch d = {lx, b, seq, fp8 ? msgs : (const uint8_t *)x, stride, T, tok,
-                                  slot, first, call_row, (int)fp8, seen};
+                            slot, first, call_row, (int)fp8, seen,
+                            (first[E] - own) * stride >= STREAM_MIN_BYTES};
     return ll_each_free(lx, LX_PTR(lx, LX_DFREE_IN + b), wait_free ? seq - 2 : -1, deadline_ns,
                         sent, ll_dispatch_to, &d);
 }

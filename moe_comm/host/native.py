@@ -57,7 +57,8 @@ _SIGNATURES = {
     "moe_count_experts": (_P, _I, _I, _P),
     "moe_put_rows_multi": (_P, _I, _I, _I, _P, _I, _I, _P, _P, _I, _I, _P, _I),
     "moe_ll_route": (_P, _I, _I, _I, _P, _P, _P, _P),
-    "moe_ll_send": (_P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _I, _P, _I, _P, _I, _P),
+    "moe_ll_send": (_P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _I, _P, _I, _P, _I, _P,
+                    ctypes.c_int),
     "moe_ll_recv": (_P, _I, _P, _P, _I, _I, _I, _I, _P, _I, _P, _I, _I, _P, _P, _P,
                     _I, _P, _I, _P, _P, _P, _P),
     "moe_ll_return": (_P, _I, _I, _P, _I, _I, _I, _I, _P, _I, _I, _I),
@@ -487,18 +488,19 @@ def ll_route(topk_idx: torch.Tensor, num_experts: int):
 
 def ll_send(msgs: torch.Tensor, tok, slot, first, expert_lo: int, num_local: int,
             num_ranks: int, me: int, max_tokens: int, payload: torch.Tensor,
-            meta: torch.Tensor, once: bool = False) -> None:
+            meta: torch.Tensor, once: bool = False, stream: bool = False) -> None:
     """Write this rank's messages to experts [expert_lo, expert_lo + num_local) into one
     receiver's blocks: ``payload`` uint8 [slots, msg bytes] and ``meta`` uint8 [slots * 8] of
     its region (ll_route's ``tok``, ``slot``, ``first``). ``once``: a token's row only into its
-    first message to that rank (every receive reads it there; meta goes into every one)."""
+    first message to that rank (every receive reads it there; meta goes into every one).
+    ``stream``: with non-temporal stores (as ll_direct.c sends a large call's messages)."""
     tokens = msgs.shape[0]
     seen = torch.empty(tokens if once else 0, dtype=torch.uint8)
     err = library().moe_ll_send(msgs.data_ptr(), msgs.stride(0), msgs.shape[1], tok.data_ptr(),
                                 slot.data_ptr(), first.data_ptr(), expert_lo, num_local,
                                 num_ranks, me, max_tokens, payload.data_ptr(),
                                 payload.stride(0), meta.data_ptr(), tokens,
-                                seen.data_ptr() if once else None)
+                                seen.data_ptr() if once else None, int(stream))
     if err == -2:
         raise IndexError(f"low-latency dispatch: a message of a token outside [0, {tokens})")
     if err:
