@@ -681,9 +681,10 @@ int64_t moe_ll_route(const int64_t *topk, int64_t T, int64_t K, int64_t E, int64
  * every message of it from that first row (moe_ll_recv). `stream`: the rows with
  * non-temporal stores (copy_stream), for a call whose messages to other ranks come to
  * STREAM_MIN_BYTES or more: the receiver reads them from memory, not from the lines of this
- * core's cache, which regular stores first read for ownership (4 ranks on 2 cores, 128 x 7168
- * fp8: dispatch 3-10% faster, 2 ranks 0-7%). Returns -1 (nothing written) when an expert has more than M
- * messages (they would run into the next block), -2 for a token outside [0, num_tokens). */
+ * core's cache, which regular stores first read for ownership (128 x 7168 fp8: dispatch
+ * 3-10% faster on 4 ranks, 0-7% on 2). Returns -1 (nothing written) when an expert has more
+ * than M messages (they would run into the next block), -2 for a token outside
+ * [0, num_tokens). */
 int moe_ll_send(const uint8_t *msgs, int64_t msg_stride, int64_t nbytes, const int64_t *tok,
                 const int64_t *slot, const int64_t *first, int64_t e_lo, int64_t num_local,
                 int64_t R, int64_t me, int64_t M, uint8_t *payload, int64_t payload_stride,
