@@ -73,6 +73,9 @@ FAILED_VALUE = VALUE_MASK
 # The bit of a LL_COMBINE_DONE value (rows | this) that says the sender's rows are
 # LogFMT-encoded (moe_comm/logfmt.py): the receiver compares it with its own use_logfmt.
 LL_DONE_LOGFMT = 1 << 30
+# a dispatch count row's base word: the source wrote its rows straight into the receiver's
+# area (host/ll_direct.py), not into its blocks
+LL_ROWS_DIRECT = 1 << 30
 
 # The CUDA kernels' error word (int32, pinned host memory, read by moe_comm/cuda/comm.py):
 # [0] code, [1] op id, [2] epoch, [3] detail, [ERROR_HEADER + r] = 1 if rank r is silent.
@@ -297,6 +300,9 @@ def stream_chunk_rows(rows: int, row_bytes: int, scale_cols: int, topk: int,
 
 
 LL_MAX_TOPK = 16                     # combine slots per token in the LL receive region
+# receive areas a rank gives its low-latency senders to write recv_x into (host/ll_direct.py):
+# the call it receives, the next one's, and two its caller may still hold
+LL_RECV_AREAS = 4
 
 
 @dataclass(frozen=True)
@@ -315,7 +321,10 @@ class LLLayout:
       order (src sorts its (token, slot) messages by expert, then token);
     - combine rows ``[max_tokens * LL_MAX_TOPK]`` of ``hidden`` bf16 in this rank's message
       order: an expert rank returns the rows of its block at ``base`` + packed position, so
-      every return is a contiguous copy and the owner finds (token, slot) from its own sort.
+      every return is a contiguous copy and the owner finds (token, slot) from its own sort;
+    - announce rows ``[src]`` (as the count rows): src's counts, written before its rows by a
+      sender that writes them straight into this rank's receive area (host/ll_direct.py):
+      the senders after it place their rows after src's from them.
     """
 
     max_tokens: int
@@ -338,14 +347,16 @@ class LLLayout:
     def _sizes(self):
         slots = self.num_local * self.num_ranks * self.max_tokens
         return (slots * self.msg_bytes, slots * 8, self.num_ranks * self.count_row_words * 8,
-                self.max_tokens * LL_MAX_TOPK * self.hidden * 2)
+                self.max_tokens * LL_MAX_TOPK * self.hidden * 2,
+                self.num_ranks * self.count_row_words * 8)
 
     @property
     def buffer_bytes(self) -> int:
         return round_up(sum(round_up(s, PAGE) for s in self._sizes()), PAGE)
 
     def offset(self, buf: int, part: str, stride: int) -> int:
-        """Byte offset of ``part`` in {"payload", "meta", "counts", "combine"} of ``buf``.
+        """Byte offset of ``part`` in {"payload", "meta", "counts", "combine", "announce"} of
+        ``buf``.
 
         ``stride``: bytes between the two buffers, the region's own (:func:`ll_stride`), not
         this layout's size: buffer ``buf`` of any layout that fits lies in the same half of
@@ -355,7 +366,8 @@ class LLLayout:
             raise ValueError(f"a low-latency buffer of {self.buffer_bytes} bytes does not fit "
                              f"the region's {stride}")
         at = buf * stride
-        for name, size in zip(("payload", "meta", "counts", "combine"), self._sizes()):
+        for name, size in zip(("payload", "meta", "counts", "combine", "announce"),
+                              self._sizes()):
             if name == part:
                 return at
             at += round_up(size, PAGE)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import moe_comm
-from moe_comm.host import ll
+from moe_comm.host import ll, native
 from checks import check_ll, expert_ll, ll_combine, ll_inputs
 from moe_comm.quant import dequantize_fp8, quantize_fp8
 from ranks import run_ranks
@@ -136,6 +136,82 @@ def test_the_direct_path_gives_the_python_paths_bits(fp8, elastic):
             for le, c in enumerate(counts):       # rows past an expert's count are undefined
                 assert torch.equal(part[le, :c].view(torch.uint8),
                                    want[le, :c].view(torch.uint8)), le
+
+
+def _in_areas(comm, t) -> bool:
+    """Whether tensor ``t`` lies in this rank's receive areas (host/ll_direct.py)."""
+    base = comm.ll_areas[comm.rank].ctypes.data
+    return base <= t.data_ptr() < base + comm.ll_areas[comm.rank].nbytes
+
+
+PY_RANK = 1       # the rank on ll.py's path in some rounds: one before it, one after
+
+
+def _rounds_held(rank, n, case, rounds, python_rounds):
+    """``rounds`` dispatches and combines of ``case`` (its seed + the round: new tokens and
+    routes each time) on one Buffer, every received tensor held unchanged to the end; rank
+    PY_RANK on ll.py's path in ``python_rounds`` (rank 2's rows then go through the blocks
+    after it waited for PY_RANK's announce in vain, and PY_RANK's receive copies rank 0's
+    out of its area). Returns each round's results and whether its recv_x was an area of
+    this rank, and which of its ll.py receives found rows in its area."""
+    buf = _buffer(case, n)
+    direct = buf._ll_direct
+    held = []
+    copied = []                 # ll.py receives that took rows out of this rank's area
+    mp = pytest.MonkeyPatch()
+    real = native.ll_recv
+    mp.setattr(native, "ll_recv", lambda *a, **k: copied.append(
+        k.get("direct") is not None and k["direct"].any()) or real(*a, **k))
+    for i in range(rounds):
+        c = dict(case, seed=case["seed"] + i)
+        buf._ll_direct = None if rank == PY_RANK and i in python_rounds else direct
+        x, idx, w = ll_inputs(c, rank)
+        stats = torch.full((c["experts"] // n,), 5, dtype=torch.int64)
+        rx, cnt, handle, _, hook = buf.low_latency_dispatch(
+            x, idx, c["max_tokens"], c["experts"], cumulative_local_expert_recv_stats=stats,
+            use_fp8=c["fp8"], return_recv_hook=c["hook"])
+        hook()
+        y = expert_ll(rx, rank)
+        combined, hook = ll_combine(buf, c, y, idx, w, handle, None)
+        hook()
+        held.append((dict(rx=rx, cnt=cnt, stats=stats, y=y, combined=combined.clone(),
+                          meta=handle.recv_meta.clone()),
+                     _in_areas(direct.comm, rx[0] if c["fp8"] else rx)))
+    mp.undo()
+    buf._ll_direct = direct
+    dist.barrier()
+    buf.destroy()
+    return held, copied
+
+
+@pytest.mark.parametrize("n,fp8,python_rounds", [(2, True, ()), (3, False, ()),
+                                                 (3, True, (3, 4))])
+def test_receive_areas_never_overwrite_what_the_caller_holds(n, fp8, python_rounds):
+    """From a Buffer's third dispatch on, senders write their rows straight into a receive
+    area the receiver gave (recv_x is a view of it): every round's result, all of them held
+    to the end, matches the reference; once the caller holds every area, the rows go through
+    the region's blocks into a tensor of the pool; ranks on ll.py's path pair with them."""
+    case = dict(seed=60, hidden=256, fp8=fp8, round_scale=False, ue8m0=False, hook=True,
+                zero_copy=False, out=False, routing="random", max_tokens=16,
+                tokens=[16, 11, 7][:n], experts=4 * n, topk=4)
+    rounds = 8
+    results = run_ranks(_rounds_held, n, case, rounds, python_rounds, timeout=300)
+    cases = [dict(case, seed=case["seed"] + i) for i in range(rounds)]
+    check_ll(n, cases, [[got for got, _ in res] for res, _ in results], quantize_fp8)
+    for rank, (res, copied) in enumerate(results):
+        # PY_RANK's receives on ll.py's path found rank 0's rows in its area
+        want = [True] * len(python_rounds) if rank == PY_RANK else []
+        assert copied == want, (rank, copied)
+        in_areas = [area for _, area in res]
+        # the first two calls have no area; then one per call until the caller holds all
+        # four (PY_RANK on ll.py's path never gets one)
+        want = [False, False] + [True] * 4 + [False] * (rounds - 6)
+        if rank == PY_RANK:
+            want = [a and i not in python_rounds for i, a in enumerate(want)]
+        if not python_rounds:
+            assert in_areas == want, (rank, in_areas)
+        else:
+            assert not any(in_areas[i] for i in python_rounds if rank == PY_RANK), in_areas
 
 
 LATE_S = 0.3          # several of a C wait's 50 ms slices: the halves go on past a slice

@@ -750,14 +750,18 @@ static void first_rows(const int64_t *meta, const int64_t *counts, int64_t count
  * A message's bytes are read from its token's first row from the same source (first in block
  * order: expert, then place), found by the token in the meta; moe_ll_send writes only that
  * row. A token outside [0, M) in a peer's meta is not looked up: its own row is read.
- * `canon` int64 [R * M] scratch. Returns -1 (nothing copied) when a count lies outside [0, M],
+ * `canon` int64 [R * M] scratch. direct (uint8 [R], or NULL): the sources that wrote their
+ * rows straight into a receive area (host/ll_direct.py) at their packed places, rows then
+ * scales as in recv_x and recv_scales: direct_x and direct_scales; they are copied from there
+ * unless recv_x is that area. Returns -1 (nothing copied) when a count lies outside [0, M],
  * -2 when this rank's own count row disagrees with own_first. */
 int moe_ll_recv(const uint8_t *payload, int64_t stride, const int64_t *meta,
                 const int64_t *counts, int64_t count_stride, int64_t L, int64_t R, int64_t M,
                 uint8_t *recv_x, int64_t x_bytes, uint8_t *recv_scales, int64_t scale_bytes,
                 int64_t scales_at, int64_t *recv_meta, int64_t *ranges, int64_t *per_expert,
                 int64_t me, const uint8_t *own_msgs, int64_t own_stride, const int64_t *own_tok,
-                const int64_t *own_slot, const int64_t *own_first, int64_t *canon) {
+                const int64_t *own_slot, const int64_t *own_first, int64_t *canon,
+                const uint8_t *direct, const uint8_t *direct_x, const uint8_t *direct_scales) {
     int64_t total = 0;
     for (int64_t src = 0; src < R; src++)
         for (int64_t le = 0; le < L; le++) {
@@ -777,6 +781,17 @@ int moe_ll_recv(const uint8_t *payload, int64_t stride, const int64_t *meta,
             const int own = own_msgs && src == me;
             ranges[(le * R + src) * 2] = packed - start;
             ranges[(le * R + src) * 2 + 1] = c;
+            if (direct && direct[src]) {           /* its rows are at their places already */
+                if (direct_x != recv_x) {
+                    copy_run(recv_x + packed * x_bytes, direct_x + packed * x_bytes,
+                             (size_t)(c * x_bytes), stream);
+                    if (recv_scales)
+                        memcpy(recv_scales + packed * scale_bytes,
+                               direct_scales + packed * scale_bytes, (size_t)(c * scale_bytes));
+                }
+                for (int64_t i = 0; i < c; i++, packed++) recv_meta[packed] = meta[row0 + i];
+                continue;
+            }
             for (int64_t i = 0; i < c; i++, packed++) {
                 const int64_t m = own ? own_first[le] + i : 0;
                 const uint8_t *msg = own ? own_msgs + own_tok[m] * own_stride

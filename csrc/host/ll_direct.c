@@ -19,6 +19,10 @@
 enum {
     LX_R, LX_ME, LX_L, LX_M, LX_CROWDED, LX_FENCE, LX_BELL, LX_BELLS, LX_ROTATION, LX_READY,
     LX_NW_CALL, LX_NW_COUNT, LX_NW_ONE, LX_CALL_WORDS, LX_CAPACITY,
+    LX_AREA,                       /* int64 [R]: rank r's first receive area (0: no areas) */
+    LX_AREA_STRIDE,                /* bytes from one of a rank's receive areas to the next */
+    LX_AREA_BYTES,                 /* bytes of all of a rank's receive areas */
+    LX_COUNT_ROW,                  /* bytes from one count (or announce) row to the next */
     /* then two (buffers 0 and 1) of each, an int64 [R] array of addresses: */
     LX_PAYLOAD,                    /* rank r's dispatch payload blocks (row 0 of [le][src]) */
     LX_META = LX_PAYLOAD + 2,      /* rank r's dispatch meta blocks */
@@ -33,7 +37,8 @@ enum {
     LX_DONE_IN = LX_CFREE_OUT + 2, /* rank r's combine DONE in this rank's header */
     LX_DONE_OUT = LX_DONE_IN + 2,  /* this rank's combine DONE in rank r's header */
     LX_COMBINE = LX_DONE_OUT + 2,  /* rank r's combine rows */
-    LX_WORDS = LX_COMBINE + 2
+    LX_ANNOUNCE = LX_COMBINE + 2,  /* rank r's announce rows (row 0) */
+    LX_WORDS = LX_ANNOUNCE + 2
 };
 
 /* What a half returns: LL_OK; LL_AGAIN: a wait's slice (WAIT_SLICE_NS) ran out before the
@@ -47,6 +52,16 @@ enum { LL_OK = 0, LL_AGAIN = 1, LL_LATE = 2, LL_DIFFER = 3, LL_DECLINED = 5 };
 
 #define LX_PTR(lx, i) ((const int64_t *)(intptr_t)(lx)[i])
 #define LL_DONE_LOGFMT (1ll << 30)      /* wire.LL_DONE_LOGFMT: the rows are LogFMT-encoded */
+#define LL_ROWS_DIRECT (1ll << 30)      /* wire.LL_ROWS_DIRECT: a count row's base word flag */
+/* A dispatch FREE push's value (ll_direct.py): 0, or the receive area the pusher gives the
+ * call two on (its index + 1 in the low AREA_BITS) with the bytes reserved of it (in pages
+ * above them): its senders may write their rows straight there. */
+#define AREA_BITS 4
+#define AREA_PAGE 4096ll
+/* How long a sender that announced its counts to a rank waits for the announces of the
+ * sources before it (its rows go after theirs) before it writes into the rank's blocks
+ * instead (a source on ll.py's path never announces). */
+#define DIRECT_WAIT_NS 2000000ll
 
 int64_t moe_ll_context_words(void) { return LX_WORDS; }
 
@@ -74,18 +89,27 @@ int64_t moe_ll_stop_before_peer_write(int64_t on) {      /* returns the setting 
     return was;
 }
 
-/* One send of a half to rank r (the rank's buffer is free). */
-typedef void (*ll_send_fn)(void *state, int64_t r);
+/* One send of a half to rank r (the rank's buffer is free): 1 when it is done, 0 when it
+ * needs another call later (a dispatch waiting for announces; sent[r] says LL_ANNOUNCED). */
+typedef int (*ll_send_fn)(void *state, int64_t r);
+/* Whether a send that returned 0 to rank r can go on now (the look before sleeping). */
+typedef int (*ll_ready_fn)(void *state, int64_t r);
+
+/* sent[r] of a dispatch that announced its counts to r and has not written its rows yet
+ * (ll_direct.py's _drive_send waits only for ranks at 0) */
+#define LL_ANNOUNCED 3
 
 /* Run send(state, r) for every rank r not yet sent[] (each after a look at this rank's FENCE
  * word: LL_LATE once it is set) once its FREE push (free_in[r], this rank's header) carries
  * free_epoch (free_epoch < 0: none awaited, the first two calls), in
  * the rotation (the next rank first, this one last) where several are free; sent[r] set
- * after each. Sleeps on this rank's doorbell while none is free. Returns LL_OK, or LL_AGAIN
- * / LL_LATE with sent[] saying who is done (a call again goes on with the others). */
+ * after each that is done (a send that returns 0 is called again later; ready, or NULL,
+ * says before a sleep whether it could go on now). Sleeps on this rank's doorbell while
+ * none can go on. Returns LL_OK, or LL_AGAIN / LL_LATE with sent[] saying who is done (a call
+ * again goes on with the others). */
 static int64_t ll_each_free(const int64_t *lx, const int64_t *free_in, int64_t free_epoch,
                             int64_t deadline_ns, uint8_t *sent, ll_send_fn send,
-                            void *state) {
+                            ll_ready_fn ready, void *state) {
     const int64_t R = lx[LX_R], *rotation = LX_PTR(lx, LX_ROTATION);
     const int64_t slice_end = now_ns() + WAIT_SLICE_NS;
     const int64_t until = slice_end < deadline_ns ? slice_end : deadline_ns;
@@ -94,7 +118,7 @@ static int64_t ll_each_free(const int64_t *lx, const int64_t *free_in, int64_t f
         int64_t left = 0;
         for (int64_t j = 0; j < R; j++) {
             const int64_t r = rotation[j];
-            if (sent[r]) continue;
+            if (sent[r] && sent[r] != LL_ANNOUNCED) continue;
             const int64_t *w = (const int64_t *)(intptr_t)free_in[r];
             if (free_epoch >= 0 && (__atomic_load_n(w, __ATOMIC_ACQUIRE) >> 32) != free_epoch) {
                 left++;
@@ -106,8 +130,8 @@ static int64_t ll_each_free(const int64_t *lx, const int64_t *free_in, int64_t f
                 stop_before_peer_write = 0;
                 raise(SIGSTOP);
             }
-            send(state, r);
-            sent[r] = 1;
+            if (send(state, r)) sent[r] = 1;
+            else left++;
         }
         if (!left) return LL_OK;
         if (__atomic_load_n(fence, __ATOMIC_RELAXED)) return LL_LATE;
@@ -118,7 +142,8 @@ static int64_t ll_each_free(const int64_t *lx, const int64_t *free_in, int64_t f
         __atomic_thread_fence(__ATOMIC_SEQ_CST);
         int any = 0;
         for (int64_t r = 0; r < R && !any; r++)
-            any = !sent[r] && (__atomic_load_n((const int64_t *)(intptr_t)free_in[r],
+            any = sent[r] == LL_ANNOUNCED ? !ready || ready(state, r)
+                : !sent[r] && (__atomic_load_n((const int64_t *)(intptr_t)free_in[r],
                                                __ATOMIC_RELAXED) >> 32) == free_epoch;
         if (!any) sleep_on(bell, ns);
         else __atomic_store_n(bell_at(bell), 0, __ATOMIC_RELAXED);
@@ -136,29 +161,130 @@ struct ll_dispatch {
     int own_in_place;            /* fp8: the messages to itself stay in msgs (its receive) */
     uint8_t *seen;               /* uint8 [T] scratch of moe_ll_send */
     int stream;                  /* moe_ll_send's: the messages to other ranks are large */
+    int wait_free;               /* the FREE pushes were awaited (their values hold) */
+    int64_t x_bytes, scale_bytes; /* a receive row's bytes, its scales' (fp8; else 0) */
+    uint8_t *sent;               /* ll_each_free's */
+    int64_t *announced;          /* int64 [R]: when this rank announced to each rank (ns) */
 };
+
+/* Rank r's receive area for this call (its FREE push's value, ll_direct.py), or NULL: none
+ * given, or too small for this layout's receive (recv_x, then its scales). */
+static uint8_t *area_of(const struct ll_dispatch *d, int64_t r) {
+    const int64_t *lx = d->lx;
+    if (!d->wait_free || !lx[LX_AREA]) return NULL;
+    const int64_t *push = (const int64_t *)(intptr_t)LX_PTR(lx, LX_DFREE_IN + d->b)[r];
+    const int64_t v = __atomic_load_n(push, __ATOMIC_ACQUIRE) & 0xFFFFFFFFll;
+    const int64_t k = v & ((1 << AREA_BITS) - 1), reserved = (v >> AREA_BITS) * AREA_PAGE;
+    const int64_t rows = lx[LX_L] * lx[LX_R] * lx[LX_M];
+    const int64_t need = rows * (d->x_bytes + d->scale_bytes);
+    if (!k || need > reserved || need > lx[LX_AREA_STRIDE] ||
+        (k - 1) * lx[LX_AREA_STRIDE] + need > lx[LX_AREA_BYTES])
+        return NULL;
+    return (uint8_t *)(intptr_t)(LX_PTR(lx, LX_AREA)[r] + (k - 1) * lx[LX_AREA_STRIDE]);
+}
+
+/* Whether every source before this rank announced its counts to rank r for this call; off
+ * [L] then holds where this rank's rows go in each of r's experts (after theirs). */
+static int announces_in(const struct ll_dispatch *d, int64_t r, int64_t *off) {
+    const int64_t *lx = d->lx, L = lx[LX_L];
+    const uint8_t *rows = (const uint8_t *)(intptr_t)LX_PTR(lx, LX_ANNOUNCE + d->b)[r];
+    for (int64_t le = 0; le < L; le++) off[le] = 0;
+    for (int64_t s = 0; s < lx[LX_ME]; s++) {
+        const int64_t *w = (const int64_t *)(rows + s * lx[LX_COUNT_ROW]);
+        for (int64_t le = 0; le < L; le++) {
+            const int64_t v = __atomic_load_n(&w[le], __ATOMIC_ACQUIRE);
+            if (v >> 32 != d->seq) return 0;
+            off[le] += v & 0xFFFFFFFFll;
+        }
+    }
+    return 1;
+}
+
+static int ll_announces_ready(void *p, int64_t r) {
+    const struct ll_dispatch *d = p;
+    int64_t off[d->lx[LX_L]];
+    return announces_in(d, r, off) || now_ns() - d->announced[r] >= DIRECT_WAIT_NS;
+}
+
+/* This rank's messages to rank r's experts straight into r's receive area: expert le's at
+ * rows le * R * M + off[le] on (recv_x rows, x_bytes each, then their scales after all
+ * rows), their meta into r's blocks as moe_ll_send writes it. Returns 0 (nothing written)
+ * where a run would leave its expert's rows. */
+static int direct_rows(const struct ll_dispatch *d, int64_t r, uint8_t *area,
+                       const int64_t *off) {
+    const int64_t *lx = d->lx, R = lx[LX_R], M = lx[LX_M], L = lx[LX_L], me = lx[LX_ME];
+    const int64_t e_lo = r * L, xb = d->x_bytes, sb = d->scale_bytes;
+    for (int64_t le = 0; le < L; le++)
+        if (off[le] < 0 || off[le] + d->first[e_lo + le + 1] - d->first[e_lo + le] > R * M)
+            return 0;
+    uint8_t *scales = area + L * R * M * xb;
+    int64_t *meta = (int64_t *)(intptr_t)LX_PTR(lx, LX_META + d->b)[r];
+    for (int64_t le = 0; le < L; le++) {
+        const int64_t lo = d->first[e_lo + le], hi = d->first[e_lo + le + 1];
+        for (int64_t i = lo; i < hi; i++) {
+            const int64_t row = le * R * M + off[le] + i - lo, t = d->tok[i];
+            const uint8_t *msg = d->msgs + t * d->stride;
+            copy_run(area + row * xb, msg, (size_t)xb, 1);
+            if (sb) memcpy(scales + row * sb, msg + xb, (size_t)sb);
+            meta[(le * R + me) * M + i - lo] = t << 8 | d->slot[i];
+        }
+    }
+    stream_done();
+    return 1;
+}
 
 /* ll.py's dispatch_send to rank r: the signature, the messages (a token's row once), then the
  * count row (a count per local expert, then where r's messages start in this rank's order),
- * then r's doorbell. */
-static void ll_dispatch_to(void *p, int64_t r) {
-    const struct ll_dispatch *d = p;
+ * then r's doorbell. Where r gave a receive area for this call, this rank first announces its
+ * counts to r (and rings the ranks after it, which may wait for them); then, once the
+ * sources before it announced theirs, writes its rows straight into r's area and flags its
+ * count row (LL_ROWS_DIRECT); after DIRECT_WAIT_NS without them, into r's blocks. */
+static int ll_dispatch_to(void *p, int64_t r) {
+    struct ll_dispatch *d = p;
     const int64_t *lx = d->lx, b = d->b;
     const int64_t R = lx[LX_R], me = lx[LX_ME], L = lx[LX_L], e_lo = r * L;
     const int64_t *bells = LX_PTR(lx, LX_BELLS);
-    int64_t *call = (int64_t *)(intptr_t)LX_PTR(lx, LX_CALL_OUT + b)[r];
-    __atomic_thread_fence(__ATOMIC_RELEASE);
-    for (int64_t i = 0; i < lx[LX_CALL_WORDS]; i++)
-        __atomic_store_n(&call[i], (d->seq << 32) | d->call_row[i], __ATOMIC_RELAXED);
+    int64_t row[L + 1];
+    for (int64_t le = 0; le < L; le++) row[le] = d->first[e_lo + le + 1] - d->first[e_lo + le];
+    row[L] = d->first[e_lo];
+    uint8_t *area = NULL;
+    if (d->sent[r] != LL_ANNOUNCED) {
+        int64_t *call = (int64_t *)(intptr_t)LX_PTR(lx, LX_CALL_OUT + b)[r];
+        __atomic_thread_fence(__ATOMIC_RELEASE);
+        for (int64_t i = 0; i < lx[LX_CALL_WORDS]; i++)
+            __atomic_store_n(&call[i], (d->seq << 32) | d->call_row[i], __ATOMIC_RELAXED);
+        area = area_of(d, r);
+        if (area) {
+            int64_t *to = (int64_t *)(intptr_t)(LX_PTR(lx, LX_ANNOUNCE + b)[r] +
+                                                me * lx[LX_COUNT_ROW]);
+            __atomic_thread_fence(__ATOMIC_RELEASE);
+            for (int64_t le = 0; le < L; le++)
+                __atomic_store_n(&to[le], (d->seq << 32) | row[le], __ATOMIC_RELAXED);
+            __atomic_thread_fence(__ATOMIC_SEQ_CST);
+            for (int64_t s = me + 1; s < R; s++) ring(bells[s]);
+            d->announced[r] = now_ns();
+            /* (its own rows are its receive's to pack; without rows there is nothing to place) */
+            if (r != me && d->first[e_lo + L] > d->first[e_lo]) d->sent[r] = LL_ANNOUNCED;
+        }
+    }
+    if (d->sent[r] == LL_ANNOUNCED) {
+        int64_t off[L];
+        if (!area) area = area_of(d, r);
+        if (area && announces_in(d, r, off) && direct_rows(d, r, area, off)) {
+            row[L] |= LL_ROWS_DIRECT;
+            publish((int64_t *)(intptr_t)LX_PTR(lx, LX_COUNT_OUT + b)[r], bells[r], d->seq, row,
+                    L + 1);
+            return 1;
+        }
+        if (area && now_ns() - d->announced[r] < DIRECT_WAIT_NS) return 0;
+    }
     if (d->first[e_lo + L] > d->first[e_lo] && !(r == me && d->own_in_place))
         moe_ll_send(d->msgs, d->stride, d->stride, d->tok, d->slot, d->first, e_lo, L, R, me,
                     lx[LX_M], (uint8_t *)(intptr_t)LX_PTR(lx, LX_PAYLOAD + b)[r], d->stride,
                     (int64_t *)(intptr_t)LX_PTR(lx, LX_META + b)[r], d->T, d->seen,
                     d->stream);
-    int64_t row[L + 1];
-    for (int64_t le = 0; le < L; le++) row[le] = d->first[e_lo + le + 1] - d->first[e_lo + le];
-    row[L] = d->first[e_lo];
     publish((int64_t *)(intptr_t)LX_PTR(lx, LX_COUNT_OUT + b)[r], bells[r], d->seq, row, L + 1);
+    return 1;
 }
 
 /* A low-latency dispatch's send half (ll.py dispatch_send) on buffer b for call seq: x bf16
@@ -175,7 +301,8 @@ int64_t moe_ll_direct_send(const int64_t *lx, int64_t b, int64_t resume, int64_t
                            int64_t H, const int64_t *topk, int64_t K, int64_t E, int64_t fp8,
                            uint8_t *msgs, int64_t stride, float *scales, float *scratch,
                            int64_t *tok, int64_t *slot, int64_t *first, int64_t *counts,
-                           const int64_t *call_row, uint8_t *sent, uint8_t *seen) {
+                           const int64_t *call_row, uint8_t *sent, uint8_t *seen,
+                           int64_t *announced) {
     const int64_t R = lx[LX_R];
     if (!resume) {
         if (*LX_PTR(lx, LX_FENCE) || moe_ll_route(topk, T, K, E, counts, first, tok, slot) < 0)
@@ -189,9 +316,10 @@ int64_t moe_ll_direct_send(const int64_t *lx, int64_t b, int64_t resume, int64_t
     const int64_t L = lx[LX_L], own = first[(lx[LX_ME] + 1) * L] - first[lx[LX_ME] * L];
     struct ll_dispatch d = {lx, b, seq, fp8 ? msgs : (const uint8_t *)x, stride, T, tok,
                             slot, first, call_row, (int)fp8, seen,
-                            (first[E] - own) * stride >= STREAM_MIN_BYTES};
+                            (first[E] - own) * stride >= STREAM_MIN_BYTES, (int)wait_free,
+                            fp8 ? H : 2 * H, fp8 ? H / 128 * 4 : 0, sent, announced};
     return ll_each_free(lx, LX_PTR(lx, LX_DFREE_IN + b), wait_free ? seq - 2 : -1, deadline_ns,
-                        sent, ll_dispatch_to, &d);
+                        sent, ll_dispatch_to, ll_announces_ready, &d);
 }
 
 /* A receive half's steps: LL_WAITS, the waits (and their checks); LL_READS, what reads what
@@ -216,7 +344,8 @@ int64_t moe_ll_direct_recv(const int64_t *lx, int64_t b, int64_t steps, int64_t 
                            int32_t *recv_count, void *stats, int64_t stats64,
                            int64_t *return_base, int64_t *rows_in, int64_t *canon,
                            const uint8_t *own_msgs, int64_t own_stride, const int64_t *own_tok,
-                           const int64_t *own_slot, const int64_t *own_first) {
+                           const int64_t *own_slot, const int64_t *own_first,
+                           int64_t area_given, int64_t free_value) {
     const int64_t R = lx[LX_R], me = lx[LX_ME], L = lx[LX_L];
     const int64_t *count_in = LX_PTR(lx, LX_COUNT_IN + b);
     if (steps & LL_WAITS) {
@@ -228,14 +357,22 @@ int64_t moe_ll_direct_recv(const int64_t *lx, int64_t b, int64_t steps, int64_t 
         if (rc != LL_OK) return rc;
     }
     if (!(steps & LL_READS)) return LL_OK;
-    for (int64_t s = 0; s < R; s++)
+    uint8_t direct[R];            /* the sources whose rows are in recv_x already */
+    int any_direct = 0;
+    for (int64_t s = 0; s < R; s++) {
         for (int64_t i = 0; i <= L; i++)
             rows_in[s * (L + 1) + i] = ((const int64_t *)(intptr_t)count_in[s])[i] & 0xFFFFFFFFll;
+        direct[s] = (rows_in[s * (L + 1) + L] & LL_ROWS_DIRECT) != 0;
+        rows_in[s * (L + 1) + L] &= ~LL_ROWS_DIRECT;
+        any_direct |= direct[s];
+    }
+    if (any_direct && !area_given) return -3;
     const int err = moe_ll_recv(
         (const uint8_t *)(intptr_t)LX_PTR(lx, LX_PAYLOAD + b)[me], stride,
         (const int64_t *)(intptr_t)LX_PTR(lx, LX_META + b)[me], rows_in, L + 1, L, R, lx[LX_M],
         recv_x, x_bytes, (uint8_t *)recv_scales, H / 128 * 4, H, recv_meta, ranges, per_expert,
-        me, own_msgs, own_stride, own_tok, own_slot, own_first, canon);
+        me, own_msgs, own_stride, own_tok, own_slot, own_first, canon,
+        any_direct ? direct : NULL, recv_x, (const uint8_t *)recv_scales);
     if (err) return err;
     for (int64_t le = 0; le < L; le++) {
         recv_count[le] = (int32_t)per_expert[le];
@@ -245,8 +382,7 @@ int64_t moe_ll_direct_recv(const int64_t *lx, int64_t b, int64_t steps, int64_t 
                                                (uint32_t)per_expert[le]);
     }
     for (int64_t s = 0; s < R; s++) return_base[s] = rows_in[s * (L + 1) + L];
-    const int64_t zero = 0;
-    small_signal(R, LX_PTR(lx, LX_DFREE_OUT + b), LX_PTR(lx, LX_BELLS), seq, &zero, 1);
+    small_signal(R, LX_PTR(lx, LX_DFREE_OUT + b), LX_PTR(lx, LX_BELLS), seq, &free_value, 1);
     return LL_OK;
 }
 
@@ -263,7 +399,7 @@ struct ll_combine {
 /* ll.py's combine_send to owner r: this rank's rows for it, expert by expert (moe_ll_return),
  * at its base in r's combine rows, then the DONE word (the rows' count), then r's doorbell.
  * A base or run outside the combine rows sends nothing and sets err. */
-static void ll_combine_to(void *p, int64_t r) {
+static int ll_combine_to(void *p, int64_t r) {
     struct ll_combine *c = p;
     const int64_t *lx = c->lx, b = c->b;
     const int64_t R = lx[LX_R], L = lx[LX_L], M = lx[LX_M], cap = lx[LX_CAPACITY];
@@ -276,11 +412,12 @@ static void ll_combine_to(void *p, int64_t r) {
             moe_ll_return(c->x, c->row_bytes, L * R * M, c->ranges, L, R, r, R * M,
                           dst + base * c->row_bytes, c->row_bytes, cap - base, c->row_bytes)) {
             if (!c->err) c->err = -(r + 1);
-            return;
+            return 1;
         }
     }
     publish((int64_t *)(intptr_t)LX_PTR(lx, LX_DONE_OUT + b)[r], LX_PTR(lx, LX_BELLS)[r],
             c->seq, &n, 1);
+    return 1;
 }
 
 /* A low-latency combine's send half (ll.py combine_send, bf16 rows) on buffer b for call seq:
@@ -299,7 +436,7 @@ int64_t moe_ll_direct_combine_send(const int64_t *lx, int64_t b, int64_t resume,
     }
     struct ll_combine c = {lx, b, seq, 2 * H, x, ranges, bases, 0};
     const int64_t rc = ll_each_free(lx, LX_PTR(lx, LX_CFREE_IN + b), wait_free ? seq - 2 : -1,
-                                    deadline_ns, sent, ll_combine_to, &c);
+                                    deadline_ns, sent, ll_combine_to, NULL, &c);
     return c.err ? c.err : rc;
 }
 

@@ -37,9 +37,9 @@ from ..shm import atomics
 from ..shm.identity import host_identity, ranks_by_host
 from ..shm.segment import Segment, pid_alive, reclaim_stale_segments, segment_name, segment_pid
 from ..transport import open_transport
-from ..wire import (CALL_WORDS, MAGIC, MAX_EPOCH, PAGE, VERSION, HeaderLayout, agree_round_tag,
-                    agree_rounds, eager_slot_bytes, ll_stride, mask_bits, mask_words, round_up,
-                    tag_value)
+from ..wire import (CALL_WORDS, LL_RECV_AREAS, MAGIC, MAX_EPOCH, PAGE, VERSION, HeaderLayout,
+                    agree_round_tag, agree_rounds, eager_slot_bytes, ll_stride, mask_bits,
+                    mask_words, round_up, tag_value)
 from . import native
 from .doorbell import Doorbells
 from .heap import PageHeap
@@ -52,6 +52,8 @@ log = logging.getLogger("moe_comm")
 
 AGREE_GRACE_S = 1.0   # how long past its deadline a call waits for survivors' masks
 
+
+AREAS_ENV = "MOE_COMM_LL_AREAS"      # "0": no receive areas (every LL row through the blocks)
 
 class HostComm:
     def __init__(self, group, heap_bytes: int, ll_bytes: int, timeout_s: float,
@@ -155,6 +157,53 @@ class HostComm:
         self._told = self.active.copy()     # whom agreements tell: the last decision
         self.heap = PageHeap(self._own.bytes, self.heap_offset, self.heap_bytes)
         self.late_rows = LateRows(self.gone)     # LL combine rows a masked rank may write
+        self._open_areas(job)
+
+    def _open_areas(self, job: str) -> None:
+        """Every rank's low-latency receive areas (host/ll_direct.py): LL_RECV_AREAS of
+        ll_stride bytes a rank in a segment of their own, mapped by every rank, its pages
+        reserved as the layouts in use need them (reserve_area). Only where every rank is on
+        this host, has the C loops, and is not elastic (a masked rank's late rows could land
+        in an area handed out again); else ``ll_areas`` is None and every row goes through
+        the blocks of the region."""
+        self.ll_areas = None             # [R] numpy uint8 over each rank's areas
+        self.ll_area_next = [None, None]  # per buffer: (area, call) its FREE push gave
+        self._area_segments = []
+        wanted = (self.ll_stride > 0 and not self.remote_ranks and not self.elastic and
+                  native.library() is not None and os.environ.get(AREAS_ENV, "1") != "0")
+        own = Segment.create(segment_name(job + "a", self.rank),
+                             LL_RECV_AREAS * self.ll_stride, reserve=False) if wanted else None
+        names = [None] * self.num_ranks
+        dist.all_gather_object(names, None if own is None else own.name, group=self.group)
+        if any(n is None for n in names):
+            if own is not None:
+                own.close()
+            return
+        try:
+            self._area_segments = [own if r == self.rank else Segment.open(n)
+                                   for r, n in enumerate(names)]
+            dist.barrier(group=self.group)
+        finally:
+            own.unlink()
+        self.ll_areas = [seg.bytes for seg in self._area_segments]
+        self._area_reserved = [0] * LL_RECV_AREAS
+
+    def area_reserved(self, area: int) -> int:
+        """Bytes reserved of this rank's receive area ``area`` (reserve_area)."""
+        return self._area_reserved[area]
+
+    def reserve_area(self, area: int, nbytes: int) -> bool:
+        """Reserve the first ``nbytes`` of this rank's receive area ``area`` (once); False
+        where /dev/shm cannot hold them (the rows then go through the region's blocks).
+        Whole pages: the FREE push that gives the area says how many."""
+        nbytes = round_up(nbytes, PAGE)
+        if self._area_reserved[area] < nbytes:
+            try:
+                self._area_segments[self.rank].reserve(area * self.ll_stride, nbytes)
+            except MemoryError:
+                return False
+            self._area_reserved[area] = nbytes
+        return True
 
     # -- primitives -----------------------------------------------------------------------
     def next_epoch(self) -> int:
@@ -464,6 +513,7 @@ class HostComm:
         # carries an old number and can never match); the next two calls of each kind skip
         # the flow-control wait, as the first two ever do.
         self.ll_base = dict(self.ll_seq)
+        self.ll_area_next = [None, None]
 
     def poison_free_heap(self, byte: int = 0xFF) -> None:
         """Fill every free heap page with ``byte``, and from now on the outputs small calls
@@ -482,9 +532,9 @@ class HostComm:
         self.ll_cache = {}
         self.outputs.clear()
         self.heap = None
-        for s in self.segments:
+        for s in self.segments + self._area_segments:
             if s is not None:
                 s.close()
-        self.segments = []
+        self.segments, self._area_segments, self.ll_areas = [], [], None
         if self._own is not None:
             self._own.close()

@@ -13,7 +13,9 @@ dispatch call s (buffer b = s % 2):
             to itself stay in its message rows (the receive reads them there).
   receive - wait for every source's count row; pack each expert's rows (source order) into
             recv_x [E_local, R*max_tokens, H], each message's bytes read from its token's
-            first message from that source; push LL_DISPATCH_FREE[b][me] to every peer.
+            first message from that source (a source on host/ll_direct.py's path may have
+            written its rows straight into the receive area this rank gave: they are copied
+            from there); push LL_DISPATCH_FREE[b][me] to every peer.
             Each phase is one C call where host/native.py can build one (the sort of the
             messages, each destination's copies, the pack; the combine's returns and sum),
             and the header views and offsets it reads are made once per layout.
@@ -46,7 +48,7 @@ from .native import copy_rows
 from .pool import OutputPool
 from .reduce import weighted_sum_rows
 from ..wire import (CALL_WORDS, LL_CALL_FIELDS, LL_DONE_LOGFMT, LL_MAX_TOPK, LL_NUM_BUFFERS,
-                    LLLayout, ll_msg_stride, tag_epoch, tag_value)
+                    LL_ROWS_DIRECT, LLLayout, ll_msg_stride, tag_epoch, tag_value)
 
 REFUSED = LL_CALL_FIELDS.index("layout_refused")   # the signature word of a refusal
 
@@ -322,12 +324,21 @@ def dispatch_pack(comm, handle: LowLatencyHandle, lay: LLLayout, *, recv_x, recv
     stride = ll_msg_stride(hidden, use_fp8)
     rows_in = tag_value(_count_rows(comm, lay, buf))      # a copy, read once
     rows_in[~comm.active] = 0                              # inactive sources sent nothing
+    # sources on host/ll_direct.py's path may have written their rows straight into the
+    # receive area this rank gave for the call (its FREE push two calls ago)
+    direct = (rows_in[:, num_local] & LL_ROWS_DIRECT) != 0
+    rows_in[:, num_local] &= ~LL_ROWS_DIRECT
+    area = _given_area(comm, lay, handle, use_fp8) if direct.any() else None
     region_rows, meta = _blocks(comm, lay, buf, me, stride)
     row_bytes = hidden if use_fp8 else hidden * 2
     own, handle.own_rows = handle.own_rows, None
-    packed = None if use_ue8m0 else native.ll_recv(
+    packed = None if use_ue8m0 or (area is None and direct.any()) else native.ll_recv(
         region_rows, meta, rows_in, M, recv_x, row_bytes, recv_scales if use_fp8 else None,
-        hidden, own=own)
+        hidden, own=own, direct=direct.astype(np.uint8) if area is not None else None,
+        area=area)
+    if packed is None and direct.any():
+        raise RuntimeError("low-latency dispatch: a source wrote its rows into a receive area "
+                           "this rank cannot read them from here")
     if packed is None:
         if own is not None:     # torch's packing reads every row from the region
             _write_messages(*own[1:], me, lay, me, region_rows, meta)
@@ -341,6 +352,26 @@ def dispatch_pack(comm, handle: LowLatencyHandle, lay: LLLayout, *, recv_x, recv
     handle.recv_meta, handle.recv_ranges, handle.received = recv_meta, ranges, True
     handle.return_base = torch.from_numpy(rows_in[:, num_local])
     _publish_free(comm, comm.layout.ll_dispatch_free(buf, me), handle.seq)
+    comm.ll_area_next[buf] = None               # (this FREE push gives no area)
+
+
+def _given_area(comm, lay: LLLayout, handle, use_fp8):
+    """(x, scales) of the receive area this rank gave for the call of ``handle``, shaped as
+    recv_x and recv_scales (uint8 rows, float32 scales or None), or None where it gave
+    none."""
+    given = comm.ll_area_next[handle.buf] if comm.ll_areas is not None else None
+    if given is None or given[1] != handle.seq - LL_NUM_BUFFERS:
+        return None
+    L, rows, H = lay.num_local, lay.num_ranks * lay.max_tokens, handle.hidden
+    row_bytes = H if use_fp8 else 2 * H
+    at = given[0] * comm.ll_stride
+    area = comm.ll_areas[comm.rank]
+    x = torch.from_numpy(area[at:at + L * rows * row_bytes]).view(L, rows, row_bytes)
+    if not use_fp8:
+        return x, None
+    at += L * rows * row_bytes
+    return x, torch.from_numpy(area[at:at + L * rows * H // 32]).view(torch.float32).view(
+        L, rows, H // 128)
 
 
 def _pack_torch(region_rows, meta, counts, M, recv_x, row_bytes, recv_scales, hidden,

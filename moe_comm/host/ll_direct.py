@@ -27,6 +27,11 @@ waits and its reads are two calls with the survivors' agreement between them, as
 that stay silent instead of raising; once a rank is masked, the Buffer's calls take ll.py's
 path. The words and
 places are ll.py's, so a rank here pairs with a rank on the Python path.
+
+A dispatch's receive gives the call two on one of this rank's receive areas (comm.ll_areas)
+in its FREE push, and the senders here write their rows straight into it, at the places the
+pack would give them, once the sources before them announced their counts; recv_x and its
+scales are then tensors on that area (docs/ARCHITECTURE.md, "Receive areas").
 """
 from __future__ import annotations
 
@@ -37,12 +42,15 @@ import torch
 
 from .. import signature
 from ..handle import LowLatencyHandle
-from ..wire import CALL_WORDS, LL_MAX_TOPK, LL_NUM_BUFFERS, LLLayout, ll_msg_stride
+from ..wire import (CALL_WORDS, LL_MAX_TOPK, LL_NUM_BUFFERS, LL_RECV_AREAS, LLLayout,
+                    ll_msg_stride)
 from . import ll, native, small
+from .pool import storage_users
 
 # what the C halves return (ll_direct.c LL_*), and FINISHED: the reads ran in ll.py
 OK, AGAIN, LATE, DIFFER, DECLINED, FINISHED = 0, 1, 2, 3, 5, 6
 WAITS, READS = 1, 2               # a receive half's steps (ll_direct.c LL_WAITS, LL_READS)
+AREA_BITS, AREA_PAGE = 4, 4096    # a FREE push's value: ll_direct.c's AREA_BITS, AREA_PAGE
 SKIPPED = 2                       # a send's sent[r]: rank r masked before it was sent to
 ENV = "MOE_COMM_LL_DIRECT"        # "0": every low-latency call on ll.py's path
 
@@ -69,11 +77,11 @@ class Context:
         per_buffer = {name: [] for name in ("payload", "meta", "count_out", "count_in",
                                             "call_out", "call_in", "dfree_in", "dfree_out",
                                             "cfree_in", "cfree_out", "done_in", "done_out",
-                                            "combine")}
+                                            "combine", "announce")}
         crw = lay.count_row_words * 8
         for b in range(LL_NUM_BUFFERS):
             off = {part: lay.offset(b, part, comm.ll_stride)
-                   for part in ("payload", "meta", "counts", "combine")}
+                   for part in ("payload", "meta", "counts", "combine", "announce")}
             for name, value in (
                     ("payload", arr(regions + off["payload"])),
                     ("meta", arr(regions + off["meta"])),
@@ -87,13 +95,18 @@ class Context:
                     ("cfree_out", arr(words + 8 * hl.ll_combine_free(b, me))),
                     ("done_in", in_mine(hl.ll_combine_done, b)),
                     ("done_out", arr(words + 8 * hl.ll_combine_done(b, me))),
-                    ("combine", arr(regions + off["combine"]))):
+                    ("combine", arr(regions + off["combine"])),
+                    ("announce", arr(regions + off["announce"]))):
                 per_buffer[name].append(value)
         a = small.addresses(comm)          # the doorbells, fence and rotation small.py uses
+        # every rank's receive areas (comm.ll_areas), or none
+        areas = 0 if comm.ll_areas is None else \
+            arr([comm.ll_areas[r].ctypes.data for r in range(R)])
         self.words = np.array(
             [R, me, L, lay.max_tokens, int(comm.crowded), a.fence, a.bell, a.p_bells,
              a.p_rotation, a.p_ready, arr(np.full(R, CALL_WORDS)), arr(np.full(R, L + 1)),
-             arr(np.ones(R)), CALL_WORDS, lay.max_tokens * LL_MAX_TOPK] +
+             arr(np.ones(R)), CALL_WORDS, lay.max_tokens * LL_MAX_TOPK, areas, comm.ll_stride,
+             LL_RECV_AREAS * comm.ll_stride, crw] +
             [p for name in per_buffer for p in per_buffer[name]], dtype=np.int64)
         self.keep = keep
         self.p = self.words.ctypes.data
@@ -120,6 +133,14 @@ class LLDirectCalls:
         self.everyone = np.ones(comm.num_ranks, dtype=bool)    # the handles' sent_to
         self.sent = np.zeros(comm.num_ranks, dtype=np.uint8)
         self.p_sent = self.sent.ctypes.data
+        self.announced = np.zeros(comm.num_ranks, dtype=np.int64)   # ll_direct.c's scratch
+        # this rank's receive areas (comm.ll_areas): a dispatch's recv_x and scales lie in
+        # the area it gave its senders, which wrote the rows there; lent[k]: the storages
+        # of area k's last tensors (the area is free again once only these refer to them)
+        self.areas = None if comm.ll_areas is None or not self.on else [
+            comm.ll_areas[comm.rank][k * comm.ll_stride:(k + 1) * comm.ll_stride]
+            for k in range(LL_RECV_AREAS)]
+        self.lent = [()] * LL_RECV_AREAS
 
     def _layout(self, M, H, E):
         """(LLLayout, Context) of these shapes, or None where they do not fit the region (the
@@ -198,10 +219,14 @@ class LLDirectCalls:
         p_seen = p + 8 * (n_route + n_recv + R * (L + 1) + R * M)
         call_row = self._call_row(H, use_fp8, K, E, M)
         wait_free = seq > comm.ll_base["dispatch"] + LL_NUM_BUFFERS
+        rows, x_bytes = R * M, H if use_fp8 else 2 * H
+        area_bytes = L * rows * (x_bytes + (H // 32 if use_fp8 else 0))
+        area = self._given(b, seq, wait_free, area_bytes)
         args = [cx.p, b, 0, seq, wait_free, int(comm.refresh_deadline() * 1e9), x.data_ptr(),
                 T, H, idx.data_ptr(), K, E, int(use_fp8), msgs.data_ptr(), stride,
                 scratch.data_ptr(), scratch.data_ptr() + 4 * T * (H // 128), p_tok, p_slot,
-                p_first, p_first + 8 * (E + 1), call_row.ctypes.data, self.p_sent, p_seen]
+                p_first, p_first + 8 * (E + 1), call_row.ctypes.data, self.p_sent, p_seen,
+                self.announced.ctypes.data]
         rc = self.lib.moe_ll_direct_send(*args)
         if rc == DECLINED:
             return None
@@ -218,11 +243,13 @@ class LLDirectCalls:
                                   call_row=call_row, sent_to=sent_to,
                                   own_rows=(comm.rank, msgs, tok, slot, first) if use_fp8
                                   else None)
-        rows = R * M
-        recv_x = self.empty(("ll_x", b), (L, rows, H),
-                            torch.float8_e4m3fn if use_fp8 else torch.bfloat16)
-        recv_scales = self.empty(("ll_s", b), (L, rows, H // 128), torch.float32) \
-            if use_fp8 else None
+        x_dtype = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
+        if area is not None:              # (the senders wrote their rows there, or will)
+            recv_x, recv_scales = self._lend(area, (L, rows, H), x_dtype, use_fp8)
+        else:
+            recv_x = self.empty(("ll_x", b), (L, rows, H), x_dtype)
+            recv_scales = self.empty(("ll_s", b), (L, rows, H // 128), torch.float32) \
+                if use_fp8 else None
         recv_count = torch.zeros(L, dtype=torch.int32)     # (zeros until received)
         at = n_route
         recv_meta = block[at:at + L * rows].view(L, rows)
@@ -233,13 +260,16 @@ class LLDirectCalls:
 
         def receive():
             own = handle.own_rows
+            # the area this rank gives the call two on (its FREE push says which)
+            nxt, free_value = self._next_area(b, seq, area, area_bytes)
             args = [cx.p, b, 0, seq, int(comm.refresh_deadline() * 1e9), call_row.ctypes.data,
                     stride, H if use_fp8 else 2 * H, H, recv_x.data_ptr(),
                     recv_scales.data_ptr() if use_fp8 else 0, recv_meta.data_ptr(),
                     ranges.data_ptr(), per_expert.data_ptr(), recv_count.data_ptr(), p_stats,
                     stats64, return_base.data_ptr(), p_rows_in, p_rows_in + 8 * R * (L + 1),
                     *((msgs.data_ptr(), stride, tok.data_ptr(), slot.data_ptr(),
-                       first.data_ptr() + 8 * comm.rank * L) if own else (0, 0, 0, 0, 0))]
+                       first.data_ptr() + 8 * comm.rank * L) if own else (0, 0, 0, 0, 0)),
+                    int(area is not None), free_value]
             outs = dict(recv_x=recv_x, recv_scales=recv_scales, recv_count=recv_count,
                         use_fp8=use_fp8, use_ue8m0=False, stats=stats)
             rc = self._receive(self.lib.moe_ll_direct_recv, args, "low_latency_dispatch",
@@ -248,16 +278,66 @@ class LLDirectCalls:
                 handle.recv_meta, handle.recv_ranges, handle.return_base = \
                     recv_meta, ranges, return_base
                 handle.received, handle.own_rows = True, None
+                comm.ll_area_next[b] = None if nxt is None else (nxt, seq)
             elif rc < 0:
                 raise ValueError(
                     f"low-latency dispatch: a source announced more than {M} rows for one "
                     "expert (a peer with another layout?)" if rc == -1 else
                     "low-latency dispatch: this rank's own count row disagrees with its "
-                    "messages")
+                    "messages" if rc == -2 else
+                    "low-latency dispatch: a source wrote its rows into a receive area this "
+                    "rank did not give for the call")
             elif rc != FINISHED:
                 ll.dispatch_recv(comm, handle, lay, **outs)
 
         return (recv_x, recv_scales) if use_fp8 else recv_x, recv_count, handle, receive
+
+    def _lend(self, area, shape, x_dtype, use_fp8):
+        """recv_x of ``shape`` (and its float32 scales after it with fp8) in receive area
+        ``area``: tensors on storages of their own (torch.save refuses two tensors that view
+        one storage as different types), kept in ``lent`` to see when the caller is done."""
+        L, rows, H = shape
+        x_bytes = L * rows * H * x_dtype.itemsize
+        mem = self.areas[area]
+        x = torch.from_numpy(mem[:x_bytes]).untyped_storage()
+        recv_x = torch.empty(0, dtype=x_dtype).set_(x, 0, shape)
+        if not use_fp8:
+            self.lent[area] = (x,)
+            return recv_x, None
+        s = torch.from_numpy(mem[x_bytes:x_bytes + L * rows * H // 32]).untyped_storage()
+        self.lent[area] = (x, s)
+        return recv_x, torch.empty(0, dtype=torch.float32).set_(s, 0, (L, rows, H // 128))
+
+    def _free(self, area) -> bool:
+        """Whether no tensor of the caller (or of a pending call) uses area ``area``."""
+        return all(storage_users(st) <= 1 for st in self.lent[area])
+
+    def _given(self, b, seq, wait_free, nbytes):
+        """The receive area this rank gave for dispatch ``seq`` (its FREE push of call seq - 2
+        on buffer ``b``, which the senders read where they awaited it), or None: none given,
+        or less of it reserved than this call's recv_x and scales take."""
+        given = self.comm.ll_area_next[b]
+        if self.areas is None or not wait_free or given is None or \
+                given[1] != seq - LL_NUM_BUFFERS or \
+                self.comm.area_reserved(given[0]) < nbytes:
+            return None
+        return given[0]
+
+    def _next_area(self, b, seq, current, nbytes):
+        """(area, FREE push value) for dispatch seq + 2: an area of this rank that neither
+        this call (``current``), nor the next one, nor a tensor of the caller uses, with
+        ``nbytes`` of it reserved (this layout's recv_x and scales); (None, 0) where there is
+        none (the senders then write into the region's blocks)."""
+        if self.areas is None:
+            return None, 0
+        comm, busy = self.comm, {current}
+        other = comm.ll_area_next[1 - b]
+        if other is not None and other[1] == seq - 1:
+            busy.add(other[0])
+        for k in range(LL_RECV_AREAS):
+            if k not in busy and self._free(k) and comm.reserve_area(k, nbytes):
+                return k, (comm.area_reserved(k) // AREA_PAGE) << AREA_BITS | (k + 1)
+        return None, 0
 
     def _receive(self, half, args, op, reads_in_python) -> int:
         """A receive half ``half(*args)`` (``args[2]``: its steps): both steps in one call;

@@ -60,7 +60,7 @@ _SIGNATURES = {
     "moe_ll_send": (_P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _I, _P, _I, _P, _I, _P,
                     ctypes.c_int),
     "moe_ll_recv": (_P, _I, _P, _P, _I, _I, _I, _I, _P, _I, _P, _I, _I, _P, _P, _P,
-                    _I, _P, _I, _P, _P, _P, _P),
+                    _I, _P, _I, _P, _P, _P, _P, _P, _P, _P),
     "moe_ll_return": (_P, _I, _I, _P, _I, _I, _I, _I, _P, _I, _I, _I),
     "moe_ll_combine": (_P, _I, _P, _P, _I, _P, _I, _I, _I, _P, ctypes.c_int, _P, _P, _P),
     # small normal calls (host/small.py): addresses travel as int64, every one checked there
@@ -86,9 +86,9 @@ _SIGNATURES = {
     # low-latency halves (host/ll_direct.py)
     "moe_ll_context_words": (), "moe_ll_stop_before_peer_write": (_I,),
     "moe_ll_direct_send": (_P, _I, _I, _I, _I, _I, _P, _I, _I, _P, _I, _I, _I, _P, _I, _P, _P,
-                           _P, _P, _P, _P, _P, _P, _P),
+                           _P, _P, _P, _P, _P, _P, _P, _P),
     "moe_ll_direct_recv": (_P, _I, _I, _I, _I, _P, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I,
-                           _P, _P, _P, _P, _I, _P, _P, _P),
+                           _P, _P, _P, _P, _I, _P, _P, _P, _I, _I),
     "moe_ll_direct_combine_send": (_P, _I, _I, _I, _I, _I, _P, _I, _P, _P, _P),
     "moe_ll_direct_combine_recv": (_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, _I, _I, _P, _P,
                                    _P, _P),
@@ -509,14 +509,18 @@ def ll_send(msgs: torch.Tensor, tok, slot, first, expert_lo: int, num_local: int
 
 
 def ll_recv(payload: torch.Tensor, meta: torch.Tensor, counts, max_tokens: int,
-            recv_x: torch.Tensor, row_bytes: int, recv_scales, scales_at: int, own=None):
+            recv_x: torch.Tensor, row_bytes: int, recv_scales, scales_at: int, own=None,
+            direct=None, area=None):
     """Pack the received rows per local expert: ``payload`` uint8 [slots, msg bytes] and
     ``meta`` (uint8, 8 per slot) of this rank's region, ``counts`` numpy int64 [R, >= L] (each
     source's count row); into ``recv_x`` (contiguous, ``row_bytes`` per row) and
     ``recv_scales`` (contiguous float32, or None). ``own``: (rank, msgs, tok, slot, first)
     where this rank's messages to itself stayed in ``msgs`` (ll_route's ``tok``, ``slot``,
     ``first``) rather than in its region. A message's bytes are read from the first row of its
-    token from the same source (a sender writes only that one: ll_send's ``once``). Returns
+    token from the same source (a sender writes only that one: ll_send's ``once``).
+    ``direct``: numpy uint8 [R] or None, the sources that wrote their rows straight into this
+    rank's receive ``area`` (x, scales: tensors shaped as recv_x and recv_scales) at their
+    packed places (host/ll_direct.py); copied from there unless recv_x is that area. Returns
     (recv_meta int64 [L, R*M], ranges int64 [L, R, 2], per_expert int64 [L]), or None where
     the C loops cannot run."""
     lib = library()
@@ -539,7 +543,10 @@ def ll_recv(payload: torch.Tensor, meta: torch.Tensor, counts, max_tokens: int,
                           per_expert.data_ptr(), me,
                           *((None, 0, None, None, None) if own is None else
                             (msgs.data_ptr(), msgs.stride(0), tok.data_ptr(), slot.data_ptr(),
-                             first.data_ptr() + me * num_local * 8)), canon.data_ptr())
+                             first.data_ptr() + me * num_local * 8)), canon.data_ptr(),
+                          None if direct is None else direct.ctypes.data,
+                          None if direct is None else area[0].data_ptr(),
+                          None if direct is None or area[1] is None else area[1].data_ptr())
     if err == -1:
         raise ValueError(f"low-latency dispatch: a source announced more than {max_tokens} "
                          "rows for one expert (a peer with another layout?)")

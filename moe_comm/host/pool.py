@@ -20,6 +20,12 @@ def _only_ours(base: torch.Tensor) -> bool:
     return _use_count is not None and _use_count(base.untyped_storage()._cdata) <= 2
 
 
+def storage_users(storage: torch.UntypedStorage) -> int:
+    """How many hold ``storage`` (the caller's own reference counted; a large number where
+    torch has no use-count hook, so nothing is ever taken for unused)."""
+    return _use_count(storage._cdata) if _use_count is not None else 1 << 30
+
+
 def _on(base: torch.Tensor, at: int, shape, dtype) -> torch.Tensor:
     """A tensor of ``shape`` and ``dtype`` on ``base``'s storage from byte ``at`` (a multiple
     of the dtype's size): not a view of base, so autograd lets the caller change it in place

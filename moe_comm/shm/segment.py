@@ -61,39 +61,59 @@ def reclaim_stale_segments(shm_dir: str = SHM_DIR) -> list:
     return removed
 
 
+def _reserve(fd: int, offset: int, length: int) -> None:
+    try:
+        os.posix_fallocate(fd, offset, length)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.ENOMEM):
+            raise MemoryError(
+                f"/dev/shm cannot hold {length} more bytes of a moe_comm segment; lower "
+                f"num_nvl_bytes/num_rdma_bytes or enlarge /dev/shm") from e
+        raise
+
+
 class Segment:
     """One mapped segment. ``bytes`` is a numpy uint8 view of the whole mapping."""
 
-    def __init__(self, name: str, mm: mmap.mmap, owner: bool, shm_dir: str = SHM_DIR):
+    def __init__(self, name: str, mm: mmap.mmap, owner: bool, shm_dir: str = SHM_DIR,
+                 fd: int | None = None):
         self.name, self.path, self.owner = name, os.path.join(shm_dir, name), owner
         self._mm = mm
+        self._fd = fd                   # kept by a segment reserved part by part (reserve)
         self.bytes = np.frombuffer(mm, dtype=np.uint8)
         self.size = len(mm)
         self.linked = owner
 
     @classmethod
-    def create(cls, name: str, size: int, shm_dir: str = SHM_DIR) -> "Segment":
+    def create(cls, name: str, size: int, shm_dir: str = SHM_DIR,
+               reserve: bool = True) -> "Segment":
+        """A new segment of ``size`` bytes. ``reserve=False``: no page is reserved yet; the
+        owner reserves the parts it lets peers write (:meth:`reserve`) before it does."""
         path = os.path.join(shm_dir, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            try:
+            if reserve:
                 # Reserve the pages now: running out of /dev/shm later would be a SIGBUS.
-                os.posix_fallocate(fd, 0, size)
-            except OSError as e:
-                if e.errno in (errno.ENOSPC, errno.ENOMEM):
-                    os.unlink(path)
-                    raise MemoryError(
-                        f"/dev/shm cannot hold a {size}-byte moe_comm segment; lower "
-                        f"num_nvl_bytes/num_rdma_bytes or enlarge /dev/shm") from e
-                raise
+                _reserve(fd, 0, size)
+            else:
+                os.ftruncate(fd, size)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             if os.path.exists(path):
                 os.unlink(path)
-            raise
-        finally:
             os.close(fd)
-        return cls(name, mm, owner=True, shm_dir=shm_dir)
+            raise
+        if reserve:
+            os.close(fd)
+            fd = None
+        return cls(name, mm, owner=True, shm_dir=shm_dir, fd=fd)
+
+    def reserve(self, offset: int, length: int) -> None:
+        """Reserve the pages of [offset, offset + length) of a segment created with
+        ``reserve=False`` (MemoryError where /dev/shm cannot hold them): only then may they
+        be written, by anyone (an unreserved page written when /dev/shm is full is a
+        SIGBUS)."""
+        _reserve(self._fd, offset, length)
 
     @classmethod
     def open(cls, name: str, shm_dir: str = SHM_DIR) -> "Segment":
@@ -117,6 +137,9 @@ class Segment:
         """Unmap. If tensors the caller still holds view this memory, the mapping stays until
         they die (the name is already unlinked, so nothing leaks past the process)."""
         self.unlink()
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
         self.bytes = None
         mm, self._mm = self._mm, None
         if mm is not None:
