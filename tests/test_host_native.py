@@ -62,27 +62,28 @@ def test_fp8_cast_is_torchs_bit_for_bit(dtype, round_scale, cast_version):
         native.quantize_fp8(x, round_scale, msgs, scales_at=hidden + 90)
 
 
-@pytest.fixture(params=[True, False], ids=["avx512", "plain"])
-def cast_version(request):
-    """Each test of the cast runs with the AVX-512 version (where the CPU has it) and without."""
-    before = native.fp8_avx512()
+def _with_and_without(switch, request):
+    """Run a test with a C loop's AVX-512 version (``switch``: its native switch; skipped
+    where the CPU has none) and without it, and restore the setting after."""
+    before = switch()
     if request.param and not before:
         pytest.skip("no AVX-512 here")
-    native.fp8_avx512(request.param)
+    switch(request.param)
     yield request.param
-    native.fp8_avx512(before)
+    switch(before)
+
+
+@pytest.fixture(params=[True, False], ids=["avx512", "plain"])
+def cast_version(request):
+    """Each test of the cast runs with the AVX-512 version and without."""
+    yield from _with_and_without(native.fp8_avx512, request)
 
 
 @pytest.fixture(params=[True, False], ids=["lines", "sse2"])
 def stream_version(request):
-    """Each test of the non-temporal copies runs with 64-byte AVX-512 stores (where the CPU
-    has them) and with 16-byte ones."""
-    before = native.stream_avx512()
-    if request.param and not before:
-        pytest.skip("no AVX-512 here")
-    native.stream_avx512(request.param)
-    yield request.param
-    native.stream_avx512(before)
+    """Each test of the non-temporal copies runs with 64-byte AVX-512 stores and with
+    16-byte ones."""
+    yield from _with_and_without(native.stream_avx512, request)
 
 
 def _near_edges(dtype, blocks=4096, seed=1) -> torch.Tensor:
