@@ -303,6 +303,9 @@ LL_MAX_TOPK = 16                     # combine slots per token in the LL receive
 # receive areas a rank gives its low-latency senders to write recv_x into (host/ll_direct.py):
 # the call it receives, the next one's, and two its caller may still hold
 LL_RECV_AREAS = 4
+# a dispatch FREE push's value: 0, or the area it gives the call two on (index + 1) in the low
+# LL_AREA_BITS, the pages of it reserved above them (ll_direct.c AREA_BITS, AREA_PAGE = PAGE)
+LL_AREA_BITS = 4
 
 
 @dataclass(frozen=True)

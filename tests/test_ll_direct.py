@@ -14,6 +14,8 @@ import moe_comm
 from moe_comm.host import ll, native
 from checks import check_ll, expert_ll, ll_combine, ll_inputs
 from moe_comm.quant import dequantize_fp8, quantize_fp8
+from moe_comm.reference import reference_ll_dispatch
+from moe_comm.wire import LL_ROWS_DIRECT
 from ranks import run_ranks
 
 
@@ -212,6 +214,118 @@ def test_receive_areas_never_overwrite_what_the_caller_holds(n, fp8, python_roun
             assert in_areas == want, (rank, in_areas)
         else:
             assert not any(in_areas[i] for i in python_rounds if rank == PY_RANK), in_areas
+
+
+def _newest_first(rank, n, case, rounds, drop):
+    """Dispatches two at a time with receive hooks, the newer one's hook called first; every
+    result held to the end, or (``drop``) each dropped once checked, but for one recv_scales
+    kept from round 2. Returns each round's (recv_x and scales, or their copies where
+    dropped, the counts, the area offset of recv_x or None) and whether the kept scales
+    stayed as they were."""
+    buf = _buffer(case, n)
+    comm = buf._ll_direct.comm
+    base, size = comm.ll_areas[rank].ctypes.data, comm.ll_areas[rank].nbytes
+    out, kept = [], None
+    for first in range(0, rounds, 2):
+        calls = []
+        for i in (first, first + 1):
+            c = dict(case, seed=case["seed"] + i)
+            x, idx, _ = ll_inputs(c, rank)
+            calls.append(buf.low_latency_dispatch(x, idx, c["max_tokens"], c["experts"],
+                                                  use_fp8=True, return_recv_hook=True))
+        for call in reversed(calls):
+            call[4]()
+        for i, ((rx, scales), cnt, *_) in zip((first, first + 1), calls):
+            at = rx.data_ptr() - base if base <= rx.data_ptr() < base + size else None
+            if drop and i == 2:
+                kept = (scales, scales.clone())
+            out.append(((rx.clone(), scales.clone()) if drop else (rx, scales), cnt, at))
+        del calls, rx, scales
+    same = kept is None or torch.equal(kept[0], kept[1])
+    dist.barrier()
+    buf.destroy()
+    return out, same
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_receive_areas_with_hooks_called_newest_first(drop):
+    """Two dispatches in flight whose hooks run newest first: the areas given for the calls
+    after them differ (one given twice would put two calls' rows in one area), every result
+    matches the reference; results the caller drops free their areas for reuse, and scales
+    kept alone keep theirs out of use."""
+    n, rounds = 2, 10
+    case = dict(seed=70, hidden=256, fp8=True, round_scale=False, ue8m0=False,
+                routing="random", max_tokens=16, tokens=[16, 11], experts=4 * n, topk=4)
+    results = run_ranks(_newest_first, n, case, rounds, drop, timeout=300)
+    for i in range(rounds):
+        c = dict(case, seed=case["seed"] + i)
+        ins = [ll_inputs(c, r) for r in range(n)]
+        ref = reference_ll_dispatch([t[0] for t in ins], [t[1] for t in ins], c["experts"],
+                                    c["max_tokens"])
+        for rank, (res, _) in enumerate(results):
+            (rx, scales), cnt, _ = res[i]
+            assert torch.equal(cnt, ref[rank]["recv_count"]), (i, rank)
+            for le, k in enumerate(cnt.tolist()):
+                q, s = quantize_fp8(ref[rank]["recv_x"][le, :k])
+                assert torch.equal(rx[le, :k].view(torch.uint8), q.view(torch.uint8)), \
+                    (i, rank, le)
+                assert torch.equal(scales[le, :k], s), (i, rank, le)
+    for rank, (res, same) in enumerate(results):
+        assert same, rank
+        areas = [at for _, _, at in res]
+        assert areas[:2] == [None, None] and None not in areas[2:6], areas
+        held = [at for at in areas if at is not None]
+        if not drop:      # each area once, until the caller holds all four
+            assert len(set(held)) == len(held) == 4, areas
+        else:             # reused (more calls than areas), never the kept scales' area
+            assert len(held) > 4 and areas.count(areas[2]) == 1, areas
+
+
+def _lower_sender_late(rank, n, case, rounds, late_s):
+    """``rounds`` dispatches, rank 0 starting each ``late_s`` after the others from the third
+    on. Returns each round's results (held) and, per round, which sources' count rows at this
+    rank say their rows came straight into its area."""
+    buf = _buffer(case, n)
+    lay = buf._ll_direct._layout(case["max_tokens"], case["hidden"], case["experts"])[0]
+    out = []
+    for i in range(rounds):
+        c = dict(case, seed=case["seed"] + i)
+        x, idx, w = ll_inputs(c, rank)
+        if rank == 0 and i >= 2:
+            time.sleep(late_s)
+        stats = torch.full((c["experts"] // n,), 5, dtype=torch.int64)
+        rx, cnt, handle, _, hook = buf.low_latency_dispatch(
+            x, idx, c["max_tokens"], c["experts"], cumulative_local_expert_recv_stats=stats,
+            use_fp8=True, return_recv_hook=True)
+        hook()
+        rows = ll.tag_value(ll._count_rows(buf._ll_direct.comm, lay, handle.buf))
+        direct = ((rows[:, lay.num_local] & LL_ROWS_DIRECT) != 0).tolist()
+        y = expert_ll(rx, rank)
+        combined, hook = ll_combine(buf, c, y, idx, w, handle, None)
+        hook()
+        out.append((dict(rx=rx, cnt=cnt, stats=stats, y=y, combined=combined.clone()), direct))
+    dist.barrier()
+    buf.destroy()
+    return out
+
+
+def test_a_late_lower_sender_sends_the_later_ones_through_the_blocks():
+    """A sender places its rows in a receive area after those of the sources before it, once
+    they announced their counts; where one is late (rank 0 here, 0.2 s), the later senders
+    write into the blocks after DIRECT_WAIT_NS (2 ms) instead of waiting for it, and every
+    result still matches the reference."""
+    n, rounds = 3, 5
+    case = dict(seed=80, hidden=256, fp8=True, round_scale=False, ue8m0=False, hook=True,
+                zero_copy=False, out=False, routing="random", max_tokens=16,
+                tokens=[16, 11, 7], experts=4 * n, topk=4)
+    results = run_ranks(_lower_sender_late, n, case, rounds, 0.2, timeout=300)
+    cases = [dict(case, seed=case["seed"] + i) for i in range(rounds)]
+    check_ll(n, cases, [[got for got, _ in res] for res in results], quantize_fp8)
+    # rank 0 has no source before it: its rows go into the areas; rank 2's into rank 1's
+    # came through the blocks in some late round (each waited 2 ms against rank 0's 200)
+    for rank in (1, 2):
+        assert all(results[rank][i][1][0] for i in range(2, rounds)), results[rank]
+    assert not all(results[1][i][1][2] for i in range(2, rounds)), results[1]
 
 
 LATE_S = 0.3          # several of a C wait's 50 ms slices: the halves go on past a slice

@@ -95,9 +95,14 @@ typedef int (*ll_send_fn)(void *state, int64_t r);
 /* Whether a send that returned 0 to rank r can go on now (the look before sleeping). */
 typedef int (*ll_ready_fn)(void *state, int64_t r);
 
-/* sent[r] of a dispatch that announced its counts to r and has not written its rows yet
- * (ll_direct.py's _drive_send waits only for ranks at 0) */
+/* sent[r] of a dispatch that signed its call to r (wrote its signature words, and its counts
+ * into r's announce row where r gave an area) and has not written its rows yet: waiting for
+ * the announces of the sources before it (LL_ANNOUNCED), or not (LL_SIGNED). ll_direct.py's
+ * _drive_send waits only for ranks at 0; SKIPPED (2) is its mark of a rank masked unsent. */
+#define LL_SENT 1
+#define LL_SKIPPED 2
 #define LL_ANNOUNCED 3
+#define LL_SIGNED 4
 
 /* Run send(state, r) for every rank r not yet sent[] (each after a look at this rank's FENCE
  * word: LL_LATE once it is set) once its FREE push (free_in[r], this rank's header) carries
@@ -118,7 +123,7 @@ static int64_t ll_each_free(const int64_t *lx, const int64_t *free_in, int64_t f
         int64_t left = 0;
         for (int64_t j = 0; j < R; j++) {
             const int64_t r = rotation[j];
-            if (sent[r] && sent[r] != LL_ANNOUNCED) continue;
+            if (sent[r] == LL_SENT || sent[r] == LL_SKIPPED) continue;
             const int64_t *w = (const int64_t *)(intptr_t)free_in[r];
             if (free_epoch >= 0 && (__atomic_load_n(w, __ATOMIC_ACQUIRE) >> 32) != free_epoch) {
                 left++;
@@ -130,7 +135,7 @@ static int64_t ll_each_free(const int64_t *lx, const int64_t *free_in, int64_t f
                 stop_before_peer_write = 0;
                 raise(SIGSTOP);
             }
-            if (send(state, r)) sent[r] = 1;
+            if (send(state, r)) sent[r] = LL_SENT;
             else left++;
         }
         if (!left) return LL_OK;
@@ -143,8 +148,9 @@ static int64_t ll_each_free(const int64_t *lx, const int64_t *free_in, int64_t f
         int any = 0;
         for (int64_t r = 0; r < R && !any; r++)
             any = sent[r] == LL_ANNOUNCED ? !ready || ready(state, r)
-                : !sent[r] && (__atomic_load_n((const int64_t *)(intptr_t)free_in[r],
-                                               __ATOMIC_RELAXED) >> 32) == free_epoch;
+                : sent[r] == LL_SIGNED ||
+                  (!sent[r] && (__atomic_load_n((const int64_t *)(intptr_t)free_in[r],
+                                                __ATOMIC_RELAXED) >> 32) == free_epoch);
         if (!any) sleep_on(bell, ns);
         else __atomic_store_n(bell_at(bell), 0, __ATOMIC_RELAXED);
     }
@@ -233,43 +239,55 @@ static int direct_rows(const struct ll_dispatch *d, int64_t r, uint8_t *area,
     return 1;
 }
 
+/* The count row this rank sends rank r: a count per local expert of r, then where r's
+ * messages start in this rank's order. */
+static void count_row(const struct ll_dispatch *d, int64_t r, int64_t *row) {
+    const int64_t L = d->lx[LX_L], e_lo = r * L;
+    for (int64_t le = 0; le < L; le++) row[le] = d->first[e_lo + le + 1] - d->first[e_lo + le];
+    row[L] = d->first[e_lo];
+}
+
+/* Sign the call to rank r (its buffer is free): the signature words; where r gave an area,
+ * this rank's counts into r's announce row, then the doorbells of the ranks after it (they
+ * may wait for them). sent[r] becomes LL_ANNOUNCED where this rank then writes its rows
+ * straight into r's area, else LL_SIGNED. */
+static void ll_sign(struct ll_dispatch *d, int64_t r) {
+    const int64_t *lx = d->lx, b = d->b, R = lx[LX_R], me = lx[LX_ME], L = lx[LX_L];
+    int64_t *call = (int64_t *)(intptr_t)LX_PTR(lx, LX_CALL_OUT + b)[r];
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+    for (int64_t i = 0; i < lx[LX_CALL_WORDS]; i++)
+        __atomic_store_n(&call[i], (d->seq << 32) | d->call_row[i], __ATOMIC_RELAXED);
+    d->sent[r] = LL_SIGNED;
+    if (!area_of(d, r)) return;
+    int64_t row[L + 1];
+    count_row(d, r, row);
+    int64_t *to = (int64_t *)(intptr_t)(LX_PTR(lx, LX_ANNOUNCE + b)[r] + me * lx[LX_COUNT_ROW]);
+    for (int64_t le = 0; le < L; le++)
+        __atomic_store_n(&to[le], (d->seq << 32) | row[le], __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    const int64_t *bells = LX_PTR(lx, LX_BELLS);
+    for (int64_t s = me + 1; s < R; s++) ring(bells[s]);
+    d->announced[r] = now_ns();
+    /* (its own rows are its receive's to pack; without rows there is nothing to place) */
+    if (r != me && d->first[(r + 1) * L] > d->first[r * L]) d->sent[r] = LL_ANNOUNCED;
+}
+
 /* ll.py's dispatch_send to rank r: the signature, the messages (a token's row once), then the
- * count row (a count per local expert, then where r's messages start in this rank's order),
- * then r's doorbell. Where r gave a receive area for this call, this rank first announces its
- * counts to r (and rings the ranks after it, which may wait for them); then, once the
- * sources before it announced theirs, writes its rows straight into r's area and flags its
- * count row (LL_ROWS_DIRECT); after DIRECT_WAIT_NS without them, into r's blocks. */
+ * count row, then r's doorbell. Where r gave a receive area for this call, once the sources
+ * before this rank announced their counts (ll_sign), the rows go straight into r's area (and
+ * the count row is flagged LL_ROWS_DIRECT); after DIRECT_WAIT_NS without them, into r's
+ * blocks. Returns 0 while it waits for them. */
 static int ll_dispatch_to(void *p, int64_t r) {
     struct ll_dispatch *d = p;
     const int64_t *lx = d->lx, b = d->b;
     const int64_t R = lx[LX_R], me = lx[LX_ME], L = lx[LX_L], e_lo = r * L;
     const int64_t *bells = LX_PTR(lx, LX_BELLS);
+    if (!d->sent[r]) ll_sign(d, r);
     int64_t row[L + 1];
-    for (int64_t le = 0; le < L; le++) row[le] = d->first[e_lo + le + 1] - d->first[e_lo + le];
-    row[L] = d->first[e_lo];
-    uint8_t *area = NULL;
-    if (d->sent[r] != LL_ANNOUNCED) {
-        int64_t *call = (int64_t *)(intptr_t)LX_PTR(lx, LX_CALL_OUT + b)[r];
-        __atomic_thread_fence(__ATOMIC_RELEASE);
-        for (int64_t i = 0; i < lx[LX_CALL_WORDS]; i++)
-            __atomic_store_n(&call[i], (d->seq << 32) | d->call_row[i], __ATOMIC_RELAXED);
-        area = area_of(d, r);
-        if (area) {
-            int64_t *to = (int64_t *)(intptr_t)(LX_PTR(lx, LX_ANNOUNCE + b)[r] +
-                                                me * lx[LX_COUNT_ROW]);
-            __atomic_thread_fence(__ATOMIC_RELEASE);
-            for (int64_t le = 0; le < L; le++)
-                __atomic_store_n(&to[le], (d->seq << 32) | row[le], __ATOMIC_RELAXED);
-            __atomic_thread_fence(__ATOMIC_SEQ_CST);
-            for (int64_t s = me + 1; s < R; s++) ring(bells[s]);
-            d->announced[r] = now_ns();
-            /* (its own rows are its receive's to pack; without rows there is nothing to place) */
-            if (r != me && d->first[e_lo + L] > d->first[e_lo]) d->sent[r] = LL_ANNOUNCED;
-        }
-    }
+    count_row(d, r, row);
     if (d->sent[r] == LL_ANNOUNCED) {
         int64_t off[L];
-        if (!area) area = area_of(d, r);
+        uint8_t *area = area_of(d, r);
         if (area && announces_in(d, r, off) && direct_rows(d, r, area, off)) {
             row[L] |= LL_ROWS_DIRECT;
             publish((int64_t *)(intptr_t)LX_PTR(lx, LX_COUNT_OUT + b)[r], bells[r], d->seq, row,
@@ -318,6 +336,13 @@ int64_t moe_ll_direct_send(const int64_t *lx, int64_t b, int64_t resume, int64_t
                             slot, first, call_row, (int)fp8, seen,
                             (first[E] - own) * stride >= STREAM_MIN_BYTES, (int)wait_free,
                             fp8 ? H : 2 * H, fp8 ? H / 128 * 4 : 0, sent, announced};
+    /* where ranks give areas: sign the call to every rank whose buffer is free before writing
+     * any rows, so that the senders after this rank find its counts early */
+    if (!resume && lx[LX_AREA] && wait_free && !*LX_PTR(lx, LX_FENCE))
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t *w = (const int64_t *)(intptr_t)LX_PTR(lx, LX_DFREE_IN + b)[r];
+            if ((__atomic_load_n(w, __ATOMIC_ACQUIRE) >> 32) == seq - 2) ll_sign(&d, r);
+        }
     return ll_each_free(lx, LX_PTR(lx, LX_DFREE_IN + b), wait_free ? seq - 2 : -1, deadline_ns,
                         sent, ll_dispatch_to, ll_announces_ready, &d);
 }

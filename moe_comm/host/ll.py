@@ -47,8 +47,9 @@ from . import native
 from .native import copy_rows
 from .pool import OutputPool
 from .reduce import weighted_sum_rows
-from ..wire import (CALL_WORDS, LL_CALL_FIELDS, LL_DONE_LOGFMT, LL_MAX_TOPK, LL_NUM_BUFFERS,
-                    LL_ROWS_DIRECT, LLLayout, ll_msg_stride, tag_epoch, tag_value)
+from ..wire import (CALL_WORDS, LL_AREA_BITS, LL_CALL_FIELDS, LL_DONE_LOGFMT, LL_MAX_TOPK,
+                    LL_NUM_BUFFERS, LL_ROWS_DIRECT, LLLayout, ll_msg_stride, tag_epoch,
+                    tag_value)
 
 REFUSED = LL_CALL_FIELDS.index("layout_refused")   # the signature word of a refusal
 
@@ -67,7 +68,7 @@ def _offsets(comm, lay: LLLayout, buf: int) -> dict:
     """Byte offsets of buffer ``buf``'s parts (``LLLayout.offset``) in this rank's region."""
     return _cached(comm, ("offsets", lay, buf), lambda: {
         part: lay.offset(buf, part, comm.ll_stride)
-        for part in ("payload", "meta", "counts", "combine")})
+        for part in ("payload", "meta", "counts", "combine", "announce")})
 
 
 def _blocks(comm, lay: LLLayout, buf: int, rank: int, stride: int):
@@ -205,6 +206,12 @@ def dispatch_send(comm, *, x, topk_idx, lay: LLLayout, use_fp8, round_scale, buf
     off = _offsets(comm, lay, buf)
     payload, meta_off = off["payload"], off["meta"]
     count_off = off["counts"] + me * lay.count_row_words * 8
+    announce_off = off["announce"] + me * lay.count_row_words * 8
+    # the FREE pushes this call waits for: where one gives a receive area, the senders after
+    # this rank on host/ll_direct.py's path place their rows after this rank's (below)
+    frees = _header_views(comm, comm.layout.ll_dispatch_free, buf) \
+        if comm.ll_areas is not None and seq > comm.ll_base["dispatch"] + LL_NUM_BUFFERS \
+        else None
     call_word = comm.layout.ll_call(buf, me)
     M = lay.max_tokens
     call_row = signature.low_latency(hidden=hidden, use_fp8=use_fp8, round_scale=round_scale,
@@ -228,6 +235,9 @@ def dispatch_send(comm, *, x, topk_idx, lay: LLLayout, use_fp8, round_scale, buf
         comm.signal(dst, call_word, seq, call_row)
         e_lo = dst * num_local
         counts = [first_l[e + 1] - first_l[e] for e in range(e_lo, e_lo + num_local)]
+        if frees is not None and tag_value(int(frees[dst][0])) & ((1 << LL_AREA_BITS) - 1):
+            # its counts, announced: the senders after it need them before they write
+            comm.ll_signal(dst, announce_off, seq, counts)
         if first_l[e_lo + num_local] > first_l[e_lo] and \
                 not (dst == me and own_rows is not None):       # each message one row copy
             # a token's row once per rank (not once per expert: a top-8 token has ~8/R

@@ -17,9 +17,9 @@ Which calls, on a Buffer whose peers are all on this host, while every rank is a
 The C send half checks the values before it writes anything (ids in [-1, E), no expert
 over M messages, this rank not fenced) and declines otherwise: the Buffer's whole path then
 runs and raises what is wrong. A C wait returns after a slice of 50 ms, so that Python's
-signal handlers run: a send then resumes in C; past its deadline (or with this rank fenced) it
-waits in Python for the ranks it has not reached (HostComm.wait: the timeout's error), then
-resumes. A receive that does not find everything within a slice, finds signatures that
+signal handlers run: a send or a receive then resumes in C; past its deadline (or with this
+rank fenced) a send waits in Python for the ranks it has not reached (HostComm.wait: the
+timeout's error), then resumes. A receive past its deadline, one that finds signatures that
 differ, or runs after a rank was masked since its send, is handed to host/ll.py's receive,
 which has read nothing less: it waits, raises, or packs. In an elastic Buffer a receive's C
 waits and its reads are two calls with the survivors' agreement between them, as in ll.py
@@ -42,15 +42,14 @@ import torch
 
 from .. import signature
 from ..handle import LowLatencyHandle
-from ..wire import (CALL_WORDS, LL_MAX_TOPK, LL_NUM_BUFFERS, LL_RECV_AREAS, LLLayout,
-                    ll_msg_stride)
+from ..wire import (CALL_WORDS, LL_AREA_BITS, LL_MAX_TOPK, LL_NUM_BUFFERS, LL_RECV_AREAS,
+                    PAGE, LLLayout, ll_msg_stride)
 from . import ll, native, small
 from .pool import storage_users
 
 # what the C halves return (ll_direct.c LL_*), and FINISHED: the reads ran in ll.py
 OK, AGAIN, LATE, DIFFER, DECLINED, FINISHED = 0, 1, 2, 3, 5, 6
 WAITS, READS = 1, 2               # a receive half's steps (ll_direct.c LL_WAITS, LL_READS)
-AREA_BITS, AREA_PAGE = 4, 4096    # a FREE push's value: ll_direct.c's AREA_BITS, AREA_PAGE
 SKIPPED = 2                       # a send's sent[r]: rank r masked before it was sent to
 ENV = "MOE_COMM_LL_DIRECT"        # "0": every low-latency call on ll.py's path
 
@@ -261,7 +260,7 @@ class LLDirectCalls:
         def receive():
             own = handle.own_rows
             # the area this rank gives the call two on (its FREE push says which)
-            nxt, free_value = self._next_area(b, seq, area, area_bytes)
+            nxt, free_value = self._next_area(area, area_bytes)
             args = [cx.p, b, 0, seq, int(comm.refresh_deadline() * 1e9), call_row.ctypes.data,
                     stride, H if use_fp8 else 2 * H, H, recv_x.data_ptr(),
                     recv_scales.data_ptr() if use_fp8 else 0, recv_meta.data_ptr(),
@@ -323,33 +322,38 @@ class LLDirectCalls:
             return None
         return given[0]
 
-    def _next_area(self, b, seq, current, nbytes):
+    def _next_area(self, current, nbytes):
         """(area, FREE push value) for dispatch seq + 2: an area of this rank that neither
-        this call (``current``), nor the next one, nor a tensor of the caller uses, with
-        ``nbytes`` of it reserved (this layout's recv_x and scales); (None, 0) where there is
-        none (the senders then write into the region's blocks)."""
+        this call (``current``), nor a call it gave an area that is still to come (whatever
+        its number: receive hooks may run newest first), nor a tensor of the caller uses,
+        with ``nbytes`` of it reserved (this layout's recv_x and scales); (None, 0) where
+        there is none (the senders then write into the region's blocks)."""
         if self.areas is None:
             return None, 0
-        comm, busy = self.comm, {current}
-        other = comm.ll_area_next[1 - b]
-        if other is not None and other[1] == seq - 1:
-            busy.add(other[0])
+        comm = self.comm
+        busy = {current} | {given[0] for given in comm.ll_area_next if given is not None}
         for k in range(LL_RECV_AREAS):
             if k not in busy and self._free(k) and comm.reserve_area(k, nbytes):
-                return k, (comm.area_reserved(k) // AREA_PAGE) << AREA_BITS | (k + 1)
+                return k, (comm.area_reserved(k) // PAGE) << LL_AREA_BITS | (k + 1)
         return None, 0
 
     def _receive(self, half, args, op, reads_in_python) -> int:
-        """A receive half ``half(*args)`` (``args[2]``: its steps): both steps in one call;
-        in an elastic Buffer the waits, the survivors' agreement (HostComm.agree, as ll.py's
-        receive), then the reads, or ``reads_in_python()`` (ll.py's) where the agreement
-        masked a rank. Returns the C half's code, FINISHED where ll.py read, or AGAIN without
-        a C call where a rank was masked since the send (ll.py's receive leaves it out)."""
+        """A receive half ``half(*args)`` (``args[2]``: its steps): both steps in one call,
+        called again after each slice that ran out (AGAIN; Python's signal handlers run
+        between: a receive that waits long stays on this path, and the dispatch's receive
+        still gives an area for the call two on); in an elastic Buffer the waits, the
+        survivors' agreement (HostComm.agree, as ll.py's receive), then the reads, or
+        ``reads_in_python()`` (ll.py's) where the agreement masked a rank. Returns the C
+        half's code, FINISHED where ll.py read, or AGAIN without a C call where a rank was
+        masked since the send (ll.py's receive leaves it out)."""
         if not self._usable(None, None):
             return AGAIN
         if not self.comm.elastic:
             args[2] = WAITS | READS
-            return half(*args)
+            rc = half(*args)
+            while rc == AGAIN:
+                rc = half(*args)
+            return rc
         args[2] = WAITS
         rc = half(*args)
         if rc != OK:
