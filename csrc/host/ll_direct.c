@@ -166,7 +166,7 @@ struct ll_dispatch {
     const int64_t *tok, *slot, *first, *call_row;
     int own_in_place;            /* fp8: the messages to itself stay in msgs (its receive) */
     uint8_t *seen;               /* uint8 [T] scratch of moe_ll_send */
-    int stream;                  /* moe_ll_send's: the messages to other ranks are large */
+    int stream;                  /* the messages to other ranks are large: non-temporal */
     int wait_free;               /* the FREE pushes were awaited (their values hold) */
     int64_t x_bytes, scale_bytes; /* a receive row's bytes, its scales' (fp8; else 0) */
     uint8_t *sent;               /* ll_each_free's */
@@ -230,12 +230,12 @@ static int direct_rows(const struct ll_dispatch *d, int64_t r, uint8_t *area,
         for (int64_t i = lo; i < hi; i++) {
             const int64_t row = le * R * M + off[le] + i - lo, t = d->tok[i];
             const uint8_t *msg = d->msgs + t * d->stride;
-            copy_run(area + row * xb, msg, (size_t)xb, 1);
+            copy_run(area + row * xb, msg, (size_t)xb, d->stream);
             if (sb) memcpy(scales + row * sb, msg + xb, (size_t)sb);
             meta[(le * R + me) * M + i - lo] = t << 8 | d->slot[i];
         }
     }
-    stream_done();
+    if (d->stream) stream_done();
     return 1;
 }
 

@@ -367,21 +367,29 @@ def dispatch_pack(comm, handle: LowLatencyHandle, lay: LLLayout, *, recv_x, recv
 
 def _given_area(comm, lay: LLLayout, handle, use_fp8):
     """(x, scales) of the receive area this rank gave for the call of ``handle``, shaped as
-    recv_x and recv_scales (uint8 rows, float32 scales or None), or None where it gave
-    none."""
+    recv_x and recv_scales (:func:`area_tensors`), or None where it gave none."""
     given = comm.ll_area_next[handle.buf] if comm.ll_areas is not None else None
     if given is None or given[1] != handle.seq - LL_NUM_BUFFERS:
         return None
-    L, rows, H = lay.num_local, lay.num_ranks * lay.max_tokens, handle.hidden
-    row_bytes = H if use_fp8 else 2 * H
     at = given[0] * comm.ll_stride
-    area = comm.ll_areas[comm.rank]
-    x = torch.from_numpy(area[at:at + L * rows * row_bytes]).view(L, rows, row_bytes)
+    return area_tensors(comm.ll_areas[comm.rank][at:at + comm.ll_stride],
+                        (lay.num_local, lay.num_ranks * lay.max_tokens, handle.hidden),
+                        use_fp8)
+
+
+def area_tensors(mem, shape, use_fp8):
+    """recv_x [L, R*M, H] (fp8, or bf16) and its float32 scales (fp8; else None) laid out in
+    a receive area ``mem`` (numpy uint8): the rows, then the scales, each tensor on a storage
+    of its own (torch.save refuses two tensors that view one storage as different types)."""
+    L, rows, H = shape
+    x_dtype = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
+    x_bytes = L * rows * H * x_dtype.itemsize
+    x = torch.empty(0, dtype=x_dtype).set_(torch.from_numpy(mem[:x_bytes]).untyped_storage(),
+                                           0, shape)
     if not use_fp8:
         return x, None
-    at += L * rows * row_bytes
-    return x, torch.from_numpy(area[at:at + L * rows * H // 32]).view(torch.float32).view(
-        L, rows, H // 128)
+    scales = torch.from_numpy(mem[x_bytes:x_bytes + L * rows * H // 32]).untyped_storage()
+    return x, torch.empty(0, dtype=torch.float32).set_(scales, 0, (L, rows, H // 128))
 
 
 def _pack_torch(region_rows, meta, counts, M, recv_x, row_bytes, recv_scales, hidden,

@@ -51,6 +51,10 @@ from .pool import storage_users
 OK, AGAIN, LATE, DIFFER, DECLINED, FINISHED = 0, 1, 2, 3, 5, 6
 WAITS, READS = 1, 2               # a receive half's steps (ll_direct.c LL_WAITS, LL_READS)
 SKIPPED = 2                       # a send's sent[r]: rank r masked before it was sent to
+# a dispatch whose messages come to fewer bytes gives no receive area for the call two on:
+# for a small call the area's bookkeeping cost more than the pack it saves (64 x 1024 on 2
+# ranks: 140 against 112 us a dispatch; 128 x 7168 on 4 ranks: 1250 against 1610)
+AREA_MIN_BYTES = native.STREAM_MIN_BYTES
 ENV = "MOE_COMM_LL_DIRECT"        # "0": every low-latency call on ll.py's path
 
 
@@ -242,11 +246,11 @@ class LLDirectCalls:
                                   call_row=call_row, sent_to=sent_to,
                                   own_rows=(comm.rank, msgs, tok, slot, first) if use_fp8
                                   else None)
-        x_dtype = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
         if area is not None:              # (the senders wrote their rows there, or will)
-            recv_x, recv_scales = self._lend(area, (L, rows, H), x_dtype, use_fp8)
+            recv_x, recv_scales = self._lend(area, (L, rows, H), use_fp8)
         else:
-            recv_x = self.empty(("ll_x", b), (L, rows, H), x_dtype)
+            recv_x = self.empty(("ll_x", b), (L, rows, H),
+                                torch.float8_e4m3fn if use_fp8 else torch.bfloat16)
             recv_scales = self.empty(("ll_s", b), (L, rows, H // 128), torch.float32) \
                 if use_fp8 else None
         recv_count = torch.zeros(L, dtype=torch.int32)     # (zeros until received)
@@ -259,8 +263,10 @@ class LLDirectCalls:
 
         def receive():
             own = handle.own_rows
-            # the area this rank gives the call two on (its FREE push says which)
-            nxt, free_value = self._next_area(area, area_bytes)
+            # the area this rank gives the call two on (its FREE push says which), where
+            # calls like this one are large
+            nxt, free_value = self._next_area(area, area_bytes) \
+                if T * K * stride >= AREA_MIN_BYTES else (None, 0)
             args = [cx.p, b, 0, seq, int(comm.refresh_deadline() * 1e9), call_row.ctypes.data,
                     stride, H if use_fp8 else 2 * H, H, recv_x.data_ptr(),
                     recv_scales.data_ptr() if use_fp8 else 0, recv_meta.data_ptr(),
@@ -291,21 +297,12 @@ class LLDirectCalls:
 
         return (recv_x, recv_scales) if use_fp8 else recv_x, recv_count, handle, receive
 
-    def _lend(self, area, shape, x_dtype, use_fp8):
-        """recv_x of ``shape`` (and its float32 scales after it with fp8) in receive area
-        ``area``: tensors on storages of their own (torch.save refuses two tensors that view
-        one storage as different types), kept in ``lent`` to see when the caller is done."""
-        L, rows, H = shape
-        x_bytes = L * rows * H * x_dtype.itemsize
-        mem = self.areas[area]
-        x = torch.from_numpy(mem[:x_bytes]).untyped_storage()
-        recv_x = torch.empty(0, dtype=x_dtype).set_(x, 0, shape)
-        if not use_fp8:
-            self.lent[area] = (x,)
-            return recv_x, None
-        s = torch.from_numpy(mem[x_bytes:x_bytes + L * rows * H // 32]).untyped_storage()
-        self.lent[area] = (x, s)
-        return recv_x, torch.empty(0, dtype=torch.float32).set_(s, 0, (L, rows, H // 128))
+    def _lend(self, area, shape, use_fp8):
+        """recv_x of ``shape`` and its scales in receive area ``area`` (ll.area_tensors), their
+        storages kept in ``lent`` to see when the caller is done with them."""
+        recv_x, scales = ll.area_tensors(self.areas[area], shape, use_fp8)
+        self.lent[area] = tuple(t.untyped_storage() for t in (recv_x, scales) if t is not None)
+        return recv_x, scales
 
     def _free(self, area) -> bool:
         """Whether no tensor of the caller (or of a pending call) uses area ``area``."""

@@ -15,15 +15,15 @@ from . import native
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
-def _only_ours(base: torch.Tensor) -> bool:
-    # our base tensor + the temporary UntypedStorage object of this query
-    return _use_count is not None and _use_count(base.untyped_storage()._cdata) <= 2
-
-
 def storage_users(storage: torch.UntypedStorage) -> int:
     """How many hold ``storage`` (the caller's own reference counted; a large number where
     torch has no use-count hook, so nothing is ever taken for unused)."""
     return _use_count(storage._cdata) if _use_count is not None else 1 << 30
+
+
+def _only_ours(base: torch.Tensor) -> bool:
+    # our base tensor + the temporary UntypedStorage object of this query
+    return storage_users(base.untyped_storage()) <= 2
 
 
 def _on(base: torch.Tensor, at: int, shape, dtype) -> torch.Tensor:
