@@ -383,8 +383,9 @@ static inline uint8_t f32_to_e4m3(float v) {
  * arithmetic (a float32 copy of the row, byte packing by shuffles: ~550 us for 128 x 7168).
  * This version keeps 16 values in registers from the bf16 or float32 input to the 16 e4m3
  * bytes (one vpmovdb): ~220 us, the same operations per value, so the same bits. It still
- * divides: a multiplication by 1 / s, with an exact division only for lanes near an e4m3
- * rounding edge, measured slower (the check costs more instructions than the divider). */
+ * divides: the divider is not what bounds it (a multiplication by 1 / s saved 10%, and made
+ * exact - with a check near rounding edges, or one FMA correction - it was slower); the
+ * number of operations per lane is (e4m3_16_normal). */
 #if defined(__x86_64__) && defined(__GNUC__)
 #define MOE_AVX512_CAST 1
 #include <immintrin.h>
@@ -421,17 +422,43 @@ AVX512_TARGET static inline __m128i e4m3_16(__m512 q) {
     return _mm512_cvtepi32_epi8(_mm512_or_si512(code, sign));
 }
 
-/* One token's row: hidden values of x (bf16 or float32) into e4m3 bytes at o. */
+/* e4m3_16 for lanes whose magnitude lies in [2^-6, 448] (normal codes, no clamp): the same
+ * bytes in 8 operations fewer. A lane outside that range is added to *special, and its byte
+ * is wrong: the caller casts that block again with e4m3_16. */
+AVX512_TARGET static inline __m128i e4m3_16_normal(__m512 q, __mmask16 *special) {
+    const __m512i u = _mm512_castps_si512(q);
+    const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
+    /* a - 2^-6 as unsigned above 448 - 2^-6: below 2^-6 (it wraps), above 448, or NaN */
+    *special |= _mm512_cmpgt_epu32_mask(_mm512_sub_epi32(a, _mm512_set1_epi32(0x3C800000)),
+                                        _mm512_set1_epi32(0x43E00000 - 0x3C800000));
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 20), _mm512_set1_epi32(1));
+    const __m512i up = _mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(0x7FFFF)), odd);
+    const __m512i code = _mm512_sub_epi32(_mm512_srli_epi32(up, 20),
+                                          _mm512_set1_epi32(120 << 3));
+    /* code | (u >> 24 & 0x80): the sign, in one ternary-logic operation */
+    return _mm512_cvtepi32_epi8(_mm512_ternarylogic_epi32(
+        code, _mm512_srli_epi32(u, 24), _mm512_set1_epi32(0x80), 0xF8));
+}
+
+/* One token's row: hidden values of x (bf16 or float32) into e4m3 bytes at o. A block is
+ * cast with e4m3_16_normal, and again with e4m3_16 only where one of its quotients is below
+ * 2^-6, above 448 or NaN (a block's largest value gives 448, so a block of real activations
+ * rarely has one): 128 x 7168 bf16 in ~90 us against ~120 with e4m3_16 alone. */
 AVX512_TARGET static void cast_row_avx512(const void *x, int in_dt, int64_t hidden,
                                           const float *scales, uint8_t *o) {
     const size_t elem = in_dt == DT_BF16 ? 2 : 4;
     for (int64_t g = 0; g < hidden / FP8_BLOCK; g++) {
         const __m512 s = _mm512_set1_ps(scales[g]);
-        for (int i = 0; i < FP8_BLOCK; i += 16) {
-            const int64_t at = g * FP8_BLOCK + i;
-            const __m512 q = _mm512_div_ps(load16((const char *)x + at * elem, in_dt), s);
-            _mm_storeu_si128((__m128i *)(o + at), e4m3_16(q));
-        }
+        const char *in = (const char *)x + g * FP8_BLOCK * elem;
+        uint8_t *out = o + g * FP8_BLOCK;
+        __mmask16 special = 0;
+        for (int i = 0; i < FP8_BLOCK; i += 16)
+            _mm_storeu_si128((__m128i *)(out + i), e4m3_16_normal(
+                _mm512_div_ps(load16(in + i * elem, in_dt), s), &special));
+        if (special)
+            for (int i = 0; i < FP8_BLOCK; i += 16)
+                _mm_storeu_si128((__m128i *)(out + i),
+                                 e4m3_16(_mm512_div_ps(load16(in + i * elem, in_dt), s)));
     }
 }
 
