@@ -192,9 +192,12 @@ def test_sums_are_torchs_bit_for_bit(dtype, out_dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_weighted_sums_are_torchs_bit_for_bit(dtype, monkeypatch):
+@pytest.mark.parametrize("tokens,rows_n", [(50, 160), (12, 140)])
+def test_weighted_sums_are_torchs_bit_for_bit(dtype, tokens, rows_n, monkeypatch):
+    """A few rows a token, and a dozen or more (a top-8 low-latency combine sums 8: GCC once
+    compiled the loop for more than 7 into other code than for fewer)."""
     g = torch.Generator().manual_seed(2)
-    tokens, rows_n, hidden = 50, 160, 512
+    hidden = 512
     rows = (torch.randn(rows_n, hidden, generator=g) * 5).to(dtype)
     tok = torch.randint(0, tokens - 3, (rows_n,), generator=g)      # unsorted; 3 tokens empty
     w = torch.rand(rows_n, generator=g)
