@@ -24,13 +24,14 @@ from moe_comm.host import direct, small
 
 def _cases(n):
     """Small calls of every kind, and calls only some pairs of which fit a slot (a rank's
-    100 rows of 14 KiB are more than a slot holds: that pair is granted a region)."""
+    400 rows of 14 KiB are more than a slot holds, 4 MiB at most: that pair is granted a
+    region)."""
     cases = []
     for seed, (routing, dtype, hidden, tokens) in enumerate([
             ("random", "bfloat16", 1024, [64] * n),
             ("skewed", "fp8", 512, [40 + 7 * r for r in range(n)]),
             ("holes", "float32", 128, [0] + [33] * (n - 1)),
-            ("random", "bfloat16", 7168, [4] + [200] * (n - 1)),      # mixed: grants too
+            ("random", "bfloat16", 7168, [4] + [400] * (n - 1)),      # mixed: grants too
             ("one_rank", "bfloat16", 256, [16] * n),
             ("empty", "bfloat16", 256, [8] * n)]):
         cases.append(dict(seed=100 + seed, tokens=tokens, hidden=hidden, experts=4 * n,
@@ -107,7 +108,7 @@ def test_small_calls_match_the_reference_beside_the_python_protocol(n, python_ra
     results = run_ranks(_rank, n, cases, python_ranks, timeout=120)
     check_normal(n, cases, [r[0] for r in results])
     for rank, (_, counts) in enumerate(results):
-        # rank 0's 4 tokens fit slots where its peers' 200 do not: it begins the mixed case
+        # rank 0's 4 tokens fit slots where its peers' 400 do not: it begins the mixed case
         # in direct.py and hands it on to the Python protocol
         assert counts.pop("handed on", 0) == (rank == 0 and rank not in python_ranks), counts
         if rank in python_ranks:

@@ -398,7 +398,7 @@ static inline uint8_t f32_to_e4m3(float v) {
  * bytes (one vpmovdb): ~220 us, the same operations per value, so the same bits. It still
  * divides: the divider is not what bounds it (a multiplication by 1 / s saved 10%, and made
  * exact - with a check near rounding edges, or one FMA correction - it was slower); the
- * number of operations per lane is (e4m3_16_normal). */
+ * operations per lane are, and e4m3_16_normal has fewer. */
 #if defined(__x86_64__) && defined(__GNUC__)
 #define MOE_AVX512_CAST 1
 #include <immintrin.h>
