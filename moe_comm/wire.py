@@ -274,11 +274,11 @@ def eager_slot_bytes(num_ranks: int) -> int:
     (parity, source rank), so a sender's small rows need no grant. 8 MiB / ranks, at most
     4 MiB and its flag's page: 4 MiB on 2 ranks (a 1024-token call of H=1024 bf16 rows with
     top-8 ids per pair, or 256 tokens of H=7168), 2 MiB on 4, 128 KiB on 64: the two
-    parities of all sources stay within 16 MiB a rank. (Calls that fit go as small calls,
-    host/small.py: at 64 x 7168 on 2 ranks about 2x faster than granted regions. With 1 MiB
-    slots a 2-rank 512 x 1024 call just missed them, and its dispatch took 774 us, against
-    MPICH's 704; with 2 MiB a 2-rank 1024 x 1024 dispatch did, 505-533 us against 224-476
-    with 4 MiB, calls of each alternating.)"""
+    parities of all sources stay within 16 MiB a rank (and a page or two of rounding).
+    (Calls that fit go as small calls, host/small.py: at 64 x 7168 on 2 ranks about 2x
+    faster than granted regions. With 1 MiB slots a 2-rank 512 x 1024 call just missed them,
+    and its dispatch took 774 us, against MPICH's 704; with 2 MiB a 2-rank 1024 x 1024
+    dispatch did, 505-533 us against 224-476 with 4 MiB, calls of each alternating.)"""
     return round_up(max(16 << 10, min((4 << 20) + PAGE, (8 << 20) // max(1, num_ranks))),
                     PAGE)
 
