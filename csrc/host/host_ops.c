@@ -1050,8 +1050,9 @@ static inline void publish(int64_t *words, int64_t bell, int64_t epoch, const in
 /* A dispatch's eager sends (eager.send), in the order of `dests` (nd ranks): rank d's rows
  * (ids[first[d]:first[d+1]]) into its slot of this rank at slot[d] (a byte address), then
  * the slot's flag at flag[d]: DONE_WRITTEN and the bytes written; then its doorbell rung
- * (bells[d]). Ranks without rows are skipped, and rank `skip` (this rank, whose receive
- * then takes its rows from x; -1: none). */
+ * (bells[d]). Ranks without rows are skipped, those with more than slot_rows (their rows go
+ * to a granted region: eager.pairs), and rank `skip` (this rank, whose receive then takes its
+ * rows from x; -1: none). */
 static void small_dispatch_send(int64_t skip, int64_t nd, const int64_t *dests,
                                 const int64_t *slot,
                                 const int64_t *flag, const int64_t *bells, const int64_t *ids,
@@ -1060,12 +1061,13 @@ static void small_dispatch_send(int64_t skip, int64_t nd, const int64_t *dests,
                                 int64_t row_bytes, const uint8_t *scales, int64_t s_row,
                                 int64_t scale_cols, const int64_t *topk_idx,
                                 const float *topk_w, int64_t K, int64_t num_local, int64_t align,
-                                int64_t page, int64_t done_written) {
+                                int64_t page, int64_t done_written, int64_t slot_rows) {
     for (int64_t j = 0; j < nd; j++) {
         const int64_t d = dests[j];
-        if (first[d + 1] == first[d] || d == skip) continue;
+        const int64_t n = first[d + 1] - first[d];
+        if (!n || n > slot_rows || d == skip) continue;
         const int64_t nbytes = put_dispatch_rows(
-            (uint8_t *)(intptr_t)slot[d], ids + first[d], first[d + 1] - first[d], x, x_stride,
+            (uint8_t *)(intptr_t)slot[d], ids + first[d], n, x, x_stride,
             T, row_bytes, scales, s_row, scale_cols, topk_idx, topk_w, K, d * num_local,
             num_local, align, page);
         const int64_t words[2] = {done_written, nbytes};
@@ -1335,7 +1337,7 @@ static int64_t small_start(const int64_t *cx, int64_t ep, int64_t cp, int64_t np
                            int64_t row_bytes, const uint8_t *scales, int64_t s_row,
                            int64_t scale_cols, const int64_t *topk_idx, const float *topk_w,
                            int64_t K, int64_t num_local, const int64_t *call_row,
-                           int64_t *matrix, int64_t skip) {
+                           int64_t *matrix, int64_t skip, int64_t slot_rows) {
     const int64_t R = cx[CX_R];
     int64_t *differ = (int64_t *)(intptr_t)cx[CX_DIFFER];
     *differ = 0;
@@ -1345,7 +1347,7 @@ static int64_t small_start(const int64_t *cx, int64_t ep, int64_t cp, int64_t np
                             CX_PTR(cx, CX_OUT_FLAG + ep), CX_PTR(cx, CX_BELLS), ids, first,
                             epoch, x, x_stride, T, row_bytes, scales, s_row, scale_cols,
                             topk_idx, topk_w, K, num_local, cx[CX_ALIGN], cx[CX_PAGE],
-                            cx[CX_DONE_WRITTEN]);
+                            cx[CX_DONE_WRITTEN], slot_rows);
         cx_post_call(cx, cp, epoch, call_row);
         if (np < 0) return SMALL_OK;
         int64_t counts[R];
@@ -1376,7 +1378,7 @@ int64_t moe_small_dispatch_start(const int64_t *cx, int64_t ep, int64_t cp, int6
                                  const int64_t *call_row, int64_t *matrix) {
     return small_start(cx, ep, cp, np, resume, epoch, deadline_ns, in_rank, T, st, sr, ids,
                        first, x, x_stride, row_bytes, scales, s_row, scale_cols, topk_idx,
-                       topk_w, K, num_local, call_row, matrix, -1);
+                       topk_w, K, num_local, call_row, matrix, -1, INT64_MAX);
 }
 
 /* The rest of a small dispatch every pair of which went eagerly: the slots of the ranks
@@ -1567,16 +1569,16 @@ int64_t moe_small_direct_finish(const int64_t *cx, int64_t ep, int64_t cp, int64
 
 /* This rank's own rows into its own slot, as small_dispatch_send writes them: for a dispatch
  * begun by moe_small_dispatch_direct (which skipped them) that goes on in the Python
- * protocol, which reads them there. */
+ * protocol, which reads them there (none beyond slot_rows: a granted region takes them). */
 void moe_small_send_own(const int64_t *cx, int64_t ep, int64_t epoch, const int64_t *ids,
                         const int64_t *first, const uint8_t *x, int64_t T, int64_t row_bytes,
                         const int64_t *topk_idx, const float *topk_w, int64_t K,
-                        int64_t num_local) {
+                        int64_t num_local, int64_t slot_rows) {
     const int64_t me = cx[CX_ME];
     small_dispatch_send(-1, 1, &me, CX_PTR(cx, CX_OUT_SLOT + ep), CX_PTR(cx, CX_OUT_FLAG + ep),
                         CX_PTR(cx, CX_BELLS), ids, first, epoch, x, row_bytes, T, row_bytes,
                         NULL, 0, 0, topk_idx, topk_w, K, num_local, cx[CX_ALIGN], cx[CX_PAGE],
-                        cx[CX_DONE_WRITTEN]);
+                        cx[CX_DONE_WRITTEN], slot_rows);
 }
 
 /* Returned by moe_small_dispatch_direct where it does not take the call: nothing written. */
@@ -1586,11 +1588,12 @@ void moe_small_send_own(const int64_t *cx, int64_t ep, int64_t epoch, const int6
  * of E experts and its layout (per_rank int32 [R], per_expert int32 [E], in_rank bool [T, R],
  * all contiguous), x rows of row_bytes, weights float32 [T, K]. Declines (SMALL_DECLINED,
  * before anything is written anywhere) where the caller's layout is not topk's or an id lies
- * outside [-1, E) (moe_layout_matches), where a rank's rows would not fit an eager slot of
- * slot_rows, or where this rank's FENCE word is set (its peers masked it): the Python
- * protocol then runs the call, and raises what is wrong. Else moe_small_dispatch_start of a
- * fresh dispatch at count parity cp (ids [T * R], first [R + 1], matrix [R, R]), but for
- * this rank's own rows (moe_small_direct_finish takes them from x), and, when it returns
+ * outside [-1, E) (moe_layout_matches), or where this rank's FENCE word is set (its peers
+ * masked it): the Python protocol then runs the call, and raises what is wrong. Else
+ * moe_small_dispatch_start of a fresh dispatch at count parity cp (ids [T * R], first
+ * [R + 1], matrix [R, R]), but for this rank's own rows (moe_small_direct_finish takes them
+ * from x) and the rows of ranks beyond an eager slot of slot_rows (granted regions take them:
+ * the call goes on in the Python protocol, normal.dispatch's `started`), and, when it returns
  * SMALL_OK, moe_small_matrix_info into info [2] and recv_count [R]. */
 int64_t moe_small_dispatch_direct(const int64_t *cx, int64_t ep, int64_t cp, int64_t epoch,
                                   int64_t deadline_ns, const int64_t *topk, int64_t T,
@@ -1601,14 +1604,12 @@ int64_t moe_small_dispatch_direct(const int64_t *cx, int64_t ep, int64_t cp, int
                                   const int64_t *call_row, int64_t *ids, int64_t *first,
                                   int64_t *matrix, int64_t *info, int64_t *recv_count) {
     const int64_t R = cx[CX_R];
-    for (int64_t d = 0; d < R; d++)        /* first: the cheap reason a large call declines */
-        if (per_rank[d] > slot_rows) return SMALL_DECLINED;
     if (*CX_PTR(cx, CX_FENCE) || !moe_layout_matches(topk, T, K, E, R, per_rank, per_expert,
                                                      in_rank))
         return SMALL_DECLINED;
     const int64_t rc = small_start(cx, ep, cp, cp, 0, epoch, deadline_ns, in_rank, T, R, 1, ids,
                                    first, x, row_bytes, row_bytes, NULL, 0, 0, topk, topk_w, K,
-                                   E / R, call_row, matrix, cx[CX_ME]);
+                                   E / R, call_row, matrix, cx[CX_ME], slot_rows);
     if (rc == SMALL_OK)
         moe_small_matrix_info(matrix, R, cx[CX_ME], slot_rows, heap_rows, info, recv_count);
     return rc;
@@ -1633,7 +1634,8 @@ int64_t moe_small_cached_direct(const int64_t *cx, int64_t ep, int64_t cp, int64
     for (int64_t s = 0; s < R; s++) count[s] = matrix[s * R + me];
     const int64_t rc = small_start(cx, ep, cp, -1, 0, epoch, deadline_ns, NULL, T, 0, 0,
                                    (int64_t *)ids, (int64_t *)first, x, row_bytes, row_bytes,
-                                   NULL, 0, 0, NULL, NULL, 0, 0, call_row, NULL, me);
+                                   NULL, 0, 0, NULL, NULL, 0, 0, call_row, NULL, me,
+                                   slot_rows);
     if (rc != SMALL_OK) return rc;
     return moe_small_direct_finish(cx, ep, cp, epoch, deadline_ns, count, row_bytes, 0, out_x,
                                    NULL, NULL, 0, NULL, call_row, x, T, ids, first, NULL, NULL);

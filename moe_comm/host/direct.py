@@ -16,14 +16,17 @@ on the CPU:
 - a combine of bf16 or float32 rows, with or without float32 weights.
 
 The Python here checks kinds and shapes only. The first C call checks the values before it
-writes anything - a fresh dispatch's ids within [-1, E) and its layout the one topk_idx gives;
-every pair's rows within an eager slot; this rank not fenced - and declines otherwise. A call
+writes anything - a fresh dispatch's ids within [-1, E) and its layout the one topk_idx gives
+(a cached dispatch or a combine: every pair's rows within an eager slot); this rank not
+fenced - and declines otherwise. A call
 this path does not take, or that C declines, runs the Buffer's whole path, which says what is
 wrong: the two accept the same calls and return the same results (tests/test_small_calls.py).
 
 The words, slots and epochs are the small path's (the C phases are small.py's), so a rank
-here pairs with a rank on either other path. A fresh dispatch whose count matrix shows another
-rank's rows beyond a slot goes on in normal.dispatch (``started``); a late or differing peer
+here pairs with a rank on either other path. A fresh dispatch of any size begins here: the
+rows of the pairs that fit a slot go there, the count matrix comes back, and where it shows
+rows beyond a slot (this rank's or another's) the call goes on in normal.dispatch
+(``started``), which grants regions for those; a late or differing peer
 is waited for, or raised on, by small._drive, as on the small path.
 """
 from __future__ import annotations
@@ -171,8 +174,6 @@ class DirectCalls:
             return None
         p_w = 0 if w is None else w.data_ptr()     # none: the weights received are 0
         call_row, p_call_row, row_bytes, slot_rows, heap_rows = self._shape(H, dtype, K, E)
-        if T > slot_rows and per_rank.numpy().max() > slot_rows:
-            return None       # (C declines it too) a large call: no allocations for nothing
         parity, epoch, cp, deadline_ns = self._numbers()
         # what the handle keeps, in one allocation (a numpy array's address costs more than
         # a tensor's): the token ids by rank [T * R], their offsets [R + 1], the count matrix
@@ -200,7 +201,7 @@ class DirectCalls:
         num_recv, eager_everywhere = int(self.info[0]), self.info[1]
         if not eager_everywhere:      # another rank's rows beyond a slot: the whole protocol
             lib.moe_small_send_own(cx, parity, epoch, ids.data_ptr(), p_first, x.data_ptr(), T,
-                                   row_bytes, idx.data_ptr(), p_w, K, E // R)
+                                   row_bytes, idx.data_ptr(), p_w, K, E // R, slot_rows)
             return self._go_on(backend, Started(parity, epoch, (matrix, ids, first)), x, idx,
                                w, E, alignment, in_rank, per_rank, per_expert)
         recv_x, recv_i, recv_w = self._empty("dispatch", num_recv * (row_bytes + 12 * K), [

@@ -78,7 +78,7 @@ _SIGNATURES = {
                                   _I, _I, _P, _P, _P, _P, _P, _P),
     "moe_small_direct_finish": (_P, _I, _I, _I, _I, _P, _I, _I, _P, _P, _P, _I, _P, _P, _P, _I,
                                 _P, _P, _P, _P),
-    "moe_small_send_own": (_P, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I),
+    "moe_small_send_own": (_P, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I, _I),
     "moe_small_cached_direct": (_P, _I, _I, _I, _I, _P, _I, _I, _P, _P, _P, _I, _I, _P, _P,
                                 _P),
     "moe_small_combine_direct": (_P, _I, _I, _I, _I, _P, _I, _I, _P, _P, _P, ctypes.c_int, _I,
