@@ -34,7 +34,7 @@ def backend(request, monkeypatch):
     return request.param
 
 
-def _inputs(rank):
+def _inputs(rank, T=T, H=H):
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(T, H, generator=g).bfloat16()
     idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
@@ -210,18 +210,19 @@ def test_a_call_that_disagrees_cannot_touch_a_call_in_flight():
         torch.testing.assert_close(out.float(), 2 * x.float(), rtol=1e-2, atol=1e-2)
 
 
-def _unchecked_worker(rank, n, eager):
+def _unchecked_worker(rank, n, eager, large):
     """With the signature check switched off (as if it had a bug), rank ODD dispatches rows
     twice as wide as its peers expect: its peers' grants are too small for them, so it writes
-    nothing into them (MOE_COMM_EAGER=0), or its rows go into its eager slots at them, whose
-    flags say a size the receivers do not expect; every rank involved raises, a tensor a
-    receiver holds is unchanged, and the next call works."""
+    nothing into them (MOE_COMM_EAGER=0, or rows beyond an eager slot: ``large``, 16 KB rows,
+    ~300 a pair, whose payload phase runs in C, granted.py), or its rows go into its eager
+    slots at them, whose flags say a size the receivers do not expect; every rank involved
+    raises, a tensor a receiver holds is unchanged, and the next call works."""
     import os
     from moe_comm import signature
     os.environ["MOE_COMM_EAGER"] = eager
     signature.check = lambda *a, **k: None
-    buf = moe_comm.Buffer(None, 16 << 20, timeout_s=20)
-    x, idx = _inputs(rank)
+    buf = moe_comm.Buffer(None, (96 if large else 16) << 20, timeout_s=20)
+    x, idx = _inputs(rank, *((512, 8192) if large else ()))
     layout = buf.get_dispatch_layout(idx, E)
     args = dict(topk_idx=idx, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
                 num_tokens_per_expert=layout[2])
@@ -239,16 +240,17 @@ def _unchecked_worker(rank, n, eager):
     return error, same, out, x, idx
 
 
-@pytest.mark.parametrize("eager", ["0", "1"])
-def test_rows_never_leave_the_granted_region(eager):
+@pytest.mark.parametrize("eager, large", [("0", False), ("1", False), ("1", True)])
+def test_rows_never_leave_the_granted_region(eager, large):
     """Host backend: the grant carries its size, the bound the sender obeys; an eager slot's
     flag carries the size the sender wrote, which the receiver checks."""
-    odd_sends_to = {int(e) // (E // R) for e in _inputs(ODD)[1].flatten()} - {ODD}
+    odd_idx = _inputs(ODD, *((512, 8192) if large else ()))[1]
+    odd_sends_to = {int(e) // (E // R) for e in odd_idx.flatten()} - {ODD}
     for rank, (error, same, out, x, idx) in enumerate(run_ranks(_unchecked_worker, R, eager,
-                                                                 timeout=120)):
+                                                                 large, timeout=120)):
         assert same, rank
         if rank == ODD:
-            assert error and ("nothing written to rank(s)" if eager == "0" else
+            assert error and ("nothing written to rank(s)" if eager == "0" or large else
                               "nothing received from rank(s)") in error, error
         elif rank in odd_sends_to:
             assert error and f"nothing received from rank(s) [{ODD}]" in error, (rank, error)

@@ -49,6 +49,45 @@ def test_silent_peer_raises_comm_timeout_naming_it():
         assert 1.4 < elapsed < 3.0, elapsed
 
 
+def _silent_after_counts(rank, n):
+    """The last rank takes part in the count exchange, then never grants: its peers wait for
+    its grant in granted.py's C call, which hands over to the Python waits at the deadline.
+    Rows of 16 KB, ~170 a pair: beyond an eager slot (8 MiB / 3), so every pair is granted."""
+    from moe_comm.host import granted, normal
+    buf = moe_comm.Buffer(None, 64 << 20, timeout_s=1.5)
+    torch.manual_seed(rank)
+    idx = torch.stack([torch.randperm(4 * n)[:2] for _ in range(512)])
+    ntr, _, nte, itr, _ = buf.get_dispatch_layout(idx, 4 * n)
+    taken = []
+    real = granted.exchange
+    granted.exchange = lambda *a, **k: (taken.append(1), real(*a, **k))[1]
+    if rank == n - 1:                    # counts sent, then silent until its peers gave up
+        def silent_grant(*args, **kwargs):
+            time.sleep(3.0)
+            raise SystemExit(0)
+        normal.grant = silent_grant
+    t0 = time.monotonic()
+    try:
+        buf.dispatch(torch.randn(512, 4096), topk_idx=idx, num_tokens_per_rank=ntr,
+                     is_token_in_rank=itr, num_tokens_per_expert=nte)
+    except moe_comm.CommTimeoutError as e:
+        return e.silent_ranks, e.op, time.monotonic() - t0, len(taken)
+    except SystemExit:
+        return None
+    return "no error"
+
+
+def test_peer_silent_after_the_counts_raises_comm_timeout_naming_it():
+    n = 3
+    results = run_ranks(_silent_after_counts, n, timeout=60)
+    for r in range(n - 1):
+        silent, op, elapsed, taken = results[r]
+        assert taken == 1, results[r]                  # the C payload phase waited
+        assert silent == [n - 1], results[r]
+        assert op == "dispatch/grant"
+        assert 1.4 < elapsed < 3.0, elapsed
+
+
 def _destroy(rank, n):
     os.environ["MOE_COMM_SMALL"] = "0"      # rx in the heap (small calls' are not)
     buf = moe_comm.Buffer(None, 4 << 20, timeout_s=20)
@@ -114,25 +153,30 @@ def test_reclaim_spares_live_segments():
     assert seg.name not in _our_segments()
 
 
-def _refuse_then_go_on(rank, n, eager):
+def _refuse_then_go_on(rank, n, eager, small="0"):
     """Rank 1 keeps every result alive until its heap cannot take the next call's rows: it
     raises BufferTooSmallError, and the very next call (a combine on an earlier handle) works,
     even with rank 1 racing ahead while a slow sender is still busy. Its senders raise
-    ReceiverFailed when they had to wait for its grant (MOE_COMM_EAGER=0); with eager slots
-    their rows needed none and their call went through. Ranks decide together (over the
-    group) when to stop."""
+    ReceiverFailed when they had to wait for its grant (MOE_COMM_EAGER=0, or rows beyond a
+    slot: with small calls on, granted.py's C call then writes to the other ranks); with
+    eager slots their rows needed none and their call went through. Ranks decide together
+    (over the group) when to stop."""
     import os
     import time
     import torch
     import torch.distributed as dist
     os.environ["MOE_COMM_EAGER"] = eager
-    os.environ["MOE_COMM_SMALL"] = "0"      # results held in the heap (small calls' are not)
-    import moe_comm
+    os.environ["MOE_COMM_SMALL"] = small    # "0": results held in the heap (small calls'
+    import moe_comm                         # are not); "1": rows beyond a slot, granted
+    from moe_comm.host import granted
     from moe_comm.host.normal import ReceiverFailed
-    buf = moe_comm.Buffer(None, 1 << 20, timeout_s=20)
+    taken = []
+    real = granted.exchange
+    granted.exchange = lambda *a, **k: (taken.append(1), real(*a, **k))[1]
+    buf = moe_comm.Buffer(None, (48 << 20) if small == "1" else (1 << 20), timeout_s=20)
     torch.manual_seed(rank)
-    x = torch.randn(64, 256)
-    idx = torch.stack([torch.randperm(4 * n)[:2] for _ in range(64)])
+    x = torch.randn(512, 4096) if small == "1" else torch.randn(64, 256)
+    idx = torch.stack([torch.randperm(4 * n)[:2] for _ in range(x.shape[0])])
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, 4 * n)
     args = dict(topk_idx=idx, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                 num_tokens_per_expert=per_expert)
@@ -152,17 +196,20 @@ def _refuse_then_go_on(rank, n, eager):
         if any(s != "no error" for s in seen):
             break
     kept.clear()                              # rank 1 lets its results go
+    out = None
     out, _, _ = buf.combine(rx, handle)
-    return first, out, x, idx
+    return first, out, x, idx, len(taken)
 
 
-@pytest.mark.parametrize("eager", ["1", "0"])
-def test_a_refusing_receiver_leaves_the_buffer_usable(eager):
-    results = run_ranks(_refuse_then_go_on, 3, eager, timeout=60)
+@pytest.mark.parametrize("eager, small", [("1", "0"), ("0", "0"), ("1", "1")])
+def test_a_refusing_receiver_leaves_the_buffer_usable(eager, small):
+    results = run_ranks(_refuse_then_go_on, 3, eager, small, timeout=60)
     assert results[1][0] == "BufferTooSmallError"
-    senders = "no error" if eager == "1" else "ReceiverFailed"
+    senders = "no error" if (eager, small) == ("1", "0") else "ReceiverFailed"
     assert results[0][0] == results[2][0] == senders
-    for first, out, x, idx in results:
+    # with small calls on, every dispatch's payload phase ran in C (granted.py)
+    assert all((r[4] > 1) == (small == "1") for r in results), [r[4] for r in results]
+    for first, out, x, idx, _ in results:
         # identity experts: each token comes back once per destination rank it went to
         ranks = (idx // 4).sort(1).values
         copies = 1 + (ranks[:, 1] != ranks[:, 0]).float()

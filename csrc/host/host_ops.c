@@ -1675,3 +1675,6 @@ int64_t moe_small_combine_direct(const int64_t *cx, int64_t ep, int64_t cp, int6
 /* Low-latency calls straight from the Buffer's arguments (moe_comm/host/ll_direct.py), in a
  * file of their own, built as part of this one: they use the waits and doorbells above. */
 #include "ll_direct.c"
+
+/* The payload phase of a granted normal dispatch (moe_comm/host/granted.py), the same way. */
+#include "granted.c"

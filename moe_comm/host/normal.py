@@ -41,7 +41,7 @@ from ..errors import BufferTooSmallError
 from ..handle import DispatchHandle, TokenIds
 from ..layout import tokens_per_host
 from ..wire import PAGE, SlabLayout, stream_chunk_rows
-from . import eager, native, relay, relay_rounds, small
+from . import eager, granted, native, relay, relay_rounds, small
 from .exchange import (ReceiverFailed, done_words, exchange_counts, grant, keeps_in_step,
                        put_rows, put_rows_multi, release_on_error, send_when_granted, settle,
                        signature_check)
@@ -310,6 +310,9 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
                             num_worst_tokens=num_worst_tokens, buffer_key=buffer_key)
         epochs = []
     in_slots = [s for s in range(R) if eagerly[s, me]]   # their rows wait in eager slots
+    # the payload phase in one C call (granted.py): a call begun in direct.py, in one round
+    in_c = (started is not None and len(epochs) == 1 and calls is None and scales is None and
+            topk_idx is not None and isinstance(send_ids, TokenIds))
     failure = None                    # a round's error: the rest of the rounds still run
     for r, ep in enumerate(epochs):
         if r:
@@ -321,16 +324,23 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
                            if has_region else (None, None))
         if r == 0:
             first_page = page
+        dests = [d for d in plan.dests(me, r) if not eagerly[me, d]]
+        sizes = {s: SlabLayout(int(matrix[s, me]), row_bytes, scale_cols, topk).nbytes
+                 for s in in_slots}
         try:
-            write, write_many = write_round(r)
-            _exchange(comm, ep, "dispatch", page=page, own_error=own_error,
-                      write=write, write_many=write_many, need=lambda d: slab(d).nbytes,
-                      calls=calls if r == 0 else None, call_row=call_row,
-                      dests=[d for d in plan.dests(me, r) if not eagerly[me, d]],
-                      sources=sources,
-                      flags=eager.flags(comm, parity, in_slots) if r == 0 else None,
-                      sizes={s: SlabLayout(int(matrix[s, me]), row_bytes, scale_cols,
-                                           topk).nbytes for s in in_slots})
+            if in_c:                  # begun in direct.py, one round: granted.py
+                granted.exchange(comm, ep, parity, page=page, own_error=own_error, plan=plan,
+                                 dests=dests, sources=sources, in_slots=in_slots, sizes=sizes,
+                                 send_ids=send_ids, x_bytes=x_bytes, topk_idx=topk_idx,
+                                 topk_weights=topk_weights, num_local=num_local)
+            else:
+                write, write_many = write_round(r)
+                _exchange(comm, ep, "dispatch", page=page, own_error=own_error,
+                          write=write, write_many=write_many, need=lambda d: slab(d).nbytes,
+                          calls=calls if r == 0 else None, call_row=call_row, dests=dests,
+                          sources=sources,
+                          flags=eager.flags(comm, parity, in_slots) if r == 0 else None,
+                          sizes=sizes)
         except Exception as e:
             if not keeps_in_step(e):
                 raise
