@@ -59,8 +59,8 @@ def _silent_after_counts(rank, n):
     idx = torch.stack([torch.randperm(4 * n)[:2] for _ in range(512)])
     ntr, _, nte, itr, _ = buf.get_dispatch_layout(idx, 4 * n)
     taken = []
-    real = granted.exchange
-    granted.exchange = lambda *a, **k: (taken.append(1), real(*a, **k))[1]
+    real = granted.dispatch
+    granted.dispatch = lambda *a, **k: (taken.append(1), real(*a, **k))[1]
     if rank == n - 1:                    # counts sent, then silent until its peers gave up
         def silent_grant(*args, **kwargs):
             time.sleep(3.0)
@@ -171,8 +171,8 @@ def _refuse_then_go_on(rank, n, eager, small="0"):
     from moe_comm.host import granted
     from moe_comm.host.normal import ReceiverFailed
     taken = []
-    real = granted.exchange
-    granted.exchange = lambda *a, **k: (taken.append(1), real(*a, **k))[1]
+    real = granted.dispatch
+    granted.dispatch = lambda *a, **k: (taken.append(1), real(*a, **k))[1]
     buf = moe_comm.Buffer(None, (48 << 20) if small == "1" else (1 << 20), timeout_s=20)
     torch.manual_seed(rank)
     x = torch.randn(512, 4096) if small == "1" else torch.randn(64, 256)

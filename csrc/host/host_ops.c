@@ -1076,7 +1076,8 @@ static void small_dispatch_send(int64_t skip, int64_t nd, const int64_t *dests,
 }
 
 /* A combine's eager sends: to each owner o (the no = R ranks in the order of `owners`; none
- * without rows) this rank's count[o] received rows from it (those after the rows of the
+ * without rows, nor with more than slot_rows: a granted region takes those, eager.pairs)
+ * this rank's count[o] received rows from it (those after the rows of the
  * owners before o) of x and their weights (float32 [*, K], or none), as a SlabLayout of
  * count[o] rows (scales none, top-k ids left unwritten: a combine sends none) at slot[o],
  * then the flag, and its doorbell rung (bells[o]). To itself (o = me) only the flag: the
@@ -1085,12 +1086,12 @@ static void small_combine_send(int64_t no, const int64_t *owners, const int64_t 
                                const int64_t *flag, const int64_t *bells, const int64_t *count,
                                int64_t epoch, const uint8_t *x, int64_t row_bytes,
                                const float *topk_w, int64_t K, int64_t align, int64_t page,
-                               int64_t done_written, int64_t me) {
+                               int64_t done_written, int64_t me, int64_t slot_rows) {
     int64_t start[no];                /* owner o's rows start after those of the ranks before */
     for (int64_t o = 0, at = 0; o < no; at += count[o], o++) start[o] = at;
     for (int64_t j = 0; j < no; j++) {
         const int64_t o = owners[j], n = count[o];
-        if (!n) continue;
+        if (!n || n > slot_rows) continue;
         int64_t offs[4];
         const int64_t nbytes = slab_layout(n, row_bytes, 0, K, align, page, offs);
         uint8_t *base = (uint8_t *)(intptr_t)slot[o];
@@ -1421,11 +1422,12 @@ int64_t moe_small_dispatch_finish(const int64_t *cx, int64_t ep, int64_t cp, int
  * (count [R]: the rows each owner sent this rank; small_combine_send), then the signature. */
 void moe_small_combine_start(const int64_t *cx, int64_t ep, int64_t cp, int64_t epoch,
                              const int64_t *count, const uint8_t *x, int64_t row_bytes,
-                             const float *topk_w, int64_t K, const int64_t *call_row) {
+                             const float *topk_w, int64_t K, const int64_t *call_row,
+                             int64_t slot_rows) {
     small_combine_send(cx[CX_R], CX_PTR(cx, CX_ROTATION), CX_PTR(cx, CX_OUT_SLOT + ep),
                        CX_PTR(cx, CX_OUT_FLAG + ep), CX_PTR(cx, CX_BELLS), count, epoch, x,
                        row_bytes, topk_w, K, cx[CX_ALIGN], cx[CX_PAGE], cx[CX_DONE_WRITTEN],
-                       cx[CX_ME]);
+                       cx[CX_ME], slot_rows);
     cx_post_call(cx, cp, epoch, call_row);
 }
 
@@ -1665,7 +1667,8 @@ int64_t moe_small_combine_direct(const int64_t *cx, int64_t ep, int64_t cp, int6
         if (s < me) own += counts[s];
     }
     const int64_t row_bytes = hidden * (dt == DT_F32 ? 4 : 2);
-    moe_small_combine_start(cx, ep, cp, epoch, counts, x, row_bytes, topk_w, K, call_row);
+    moe_small_combine_start(cx, ep, cp, epoch, counts, x, row_bytes, topk_w, K, call_row,
+                            INT64_MAX);
     return moe_small_combine_finish(cx, ep, cp, epoch, deadline_ns, counts + R, ids, first, dt,
                                     hidden, K, T, NULL, 0, out, dt, out_w, index, scratch,
                                     call_row, x + own * row_bytes,

@@ -1,32 +1,35 @@
-"""The payload phase of a granted normal dispatch in one C call (csrc/host/granted.c).
+"""The payload phase of a granted normal dispatch or combine in one C call
+(csrc/host/granted.c).
 
-normal.dispatch's ``_exchange`` waits for each destination's grant, writes its rows there,
-tells it DONE, then waits for every source's DONE word: a few hundred Python operations a
-call, which in a 4-rank 1024 x 7168 dispatch on 2 cores took a fifth of each rank's CPU (the
-ranks share the cores, so one rank's Python slows the others' copies). Here the C call does
-those steps over all peers, with the same words at the same places (exchange.py), so a rank
-here pairs with a rank on the Python path.
+normal.py's ``_exchange`` waits for each destination's grant, writes its rows there, tells
+it DONE, then waits for every source's DONE word: a few hundred Python operations a call,
+which in a 4-rank 1024 x 7168 dispatch on 2 cores took a fifth of each rank's CPU (the ranks
+share the cores, so one rank's Python slows the others' copies). Here the C call does those
+steps over all peers, with the same words at the same places (exchange.py), so a rank here
+pairs with a rank on the Python path.
 
-Which calls: a fresh dispatch begun in direct.py (``started``: every rank on this host, not
-elastic, every rank active, no relays, the C library loaded, x without scales) that moves in
-one round (no rank's region streams). A wait that does not end (the deadline, this rank
-fenced) hands over to the Python steps on the same words, which raise as in any call.
+Which calls: those that move in one round (no rank's region streams) on a Buffer whose small
+calls may run (small.usable: every rank on this host, not elastic, every rank active, no
+relays, the C library loaded): a dispatch without scales whose handle keeps its token ids as
+one tensor (handle.TokenIds: begun in direct.py or small.py), and a combine whose start ran in
+C (small.start_combine). A wait that does not end (the deadline, this rank fenced) hands
+over to the Python steps on the same words, which raise as in any call.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ..wire import GRANT_FAILED, PAGE, SlabLayout
+from ..wire import GRANT_FAILED
 from . import small
 from .eager import flags as eager_flags
-from .exchange import (DONE_NOTHING, DONE_REFUSED, GATHER_S, done_words, put_rows,
-                       release_on_error, send_when_granted, settle)
+from .exchange import (DONE_NOTHING, DONE_REFUSED, GATHER_S, done_words, release_on_error,
+                       send_when_granted, settle, signature_check)
 
 # granted.c's return codes beyond small.py's (SMALL_OK 0, SMALL_AGAIN)
 LATE_GRANTS, LATE_DONE, BAD_ID = 6, 7, 8
 # a destination's row of the table the C call reads (granted.c GD_*), and its states (GS_*)
 GD_WORDS, GD_STATE = 6, 5
-WRITTEN, FAILED, SHORT = 1, 2, 3
+WRITTEN, FAILED, SHORT, DIFFER = 1, 2, 3, 4
 
 
 class Addresses:
@@ -57,67 +60,98 @@ def addresses(comm) -> Addresses:
     return found
 
 
-def exchange(comm, epoch, parity, *, page, own_error, plan, dests, sources, in_slots, sizes,
-             send_ids, x_bytes, topk_idx, topk_weights, num_local):
-    """normal.py's ``_exchange`` of round 0 of a call that moves in one round: this rank's
-    rows to every destination of ``dests`` once it grants (``plan``: the call's RoundPlan;
-    ``send_ids``: the handle's TokenIds), then the DONE words of ``sources`` and the eager
-    flags of ``in_slots`` (at eager ``parity``; ``sizes`` the bytes this rank expects in
-    each), then settle. The granted ``page`` goes back to the heap if anything raises."""
+def dispatch(comm, epoch, parity, *, page, own_error, plan, dests, sources, in_slots, sizes,
+             send_ids, x_bytes, topk_idx, topk_weights, num_local, calls, call_row, write,
+             need):
+    """normal.dispatch's ``_exchange`` of round 0 of a call that moves in one round: this
+    rank's rows to every destination of ``dests`` once it grants (``plan``: the call's
+    RoundPlan; ``send_ids``: the handle's TokenIds), then the DONE words of ``sources`` and
+    the eager flags of ``in_slots`` (at eager ``parity``; ``sizes`` the bytes this rank
+    expects in each), then settle. ``calls`` (a cached dispatch: the signatures, posted at
+    the last call parity), else None. ``write`` / ``need``: the Python path's, for the
+    destinations left when a wait hands over."""
     me = comm.rank
+    table = _table(plan, me, dests, send_ids.ids.data_ptr() + 8 * send_ids.first[dests])
+    K = 0 if topk_idx is None else topk_idx.shape[1]
+
+    def phase(a, g, deadline_ns, cp, resume):
+        return a.lib.moe_granted_dispatch(
+            a.p_context, g.p_context, parity, cp, epoch, deadline_ns, resume,
+            table.ctypes.data, len(dests), g.p_src, x_bytes.data_ptr(), x_bytes.stride(0),
+            x_bytes.shape[0], x_bytes.shape[1], _ptr(topk_idx), _ptr(topk_weights), K,
+            num_local, 0 if calls is None else call_row.ctypes.data, int(GATHER_S * 1e9))
+    _run(comm, "dispatch", epoch, parity, phase, table, page=page, own_error=own_error,
+         dests=dests, sources=sources, in_slots=in_slots, sizes=sizes, calls=calls,
+         call_row=call_row, write=write, need=need)
+
+
+def combine(comm, epoch, parity, *, page, own_error, plan, dests, sources, in_slots, sizes,
+            x, topk_weights, calls, call_row, write, need):
+    """normal.combine's ``_exchange`` of round 0 of a call that moves in one round (its
+    signature posted in C: ``calls`` at the last call parity): this rank's received rows of
+    ``x`` (contiguous) and their weights back to each owner of ``dests`` once it grants, then
+    as :func:`dispatch`."""
+    me, matrix = comm.rank, plan.counts.T          # (plan: rows go back, matrix.T's)
+    before = np.cumsum(matrix[:, me]) - matrix[:, me]    # x's rows from each owner start
+    table = _table(plan, me, dests, before[dests])
+    K = 0 if topk_weights is None else topk_weights.shape[1]
+
+    def phase(a, g, deadline_ns, cp, resume):
+        return a.lib.moe_granted_combine(
+            a.p_context, g.p_context, parity, cp, epoch, deadline_ns, resume,
+            table.ctypes.data, len(dests), g.p_src, x.data_ptr(), x.shape[1] * x.element_size(),
+            _ptr(topk_weights), K, call_row.ctypes.data)
+    _run(comm, "combine", epoch, parity, phase, table, page=page, own_error=own_error,
+         dests=dests, sources=sources, in_slots=in_slots, sizes=sizes, calls=calls,
+         call_row=call_row, write=write, need=need)
+
+
+def _run(comm, op, epoch, parity, phase, table, *, page, own_error, dests, sources, in_slots,
+         sizes, calls, call_row, write, need):
+    """The C phase to its end (resumed after each slice of its waits, so Python's signal
+    handlers run), the Python steps where a wait handed over, then settle."""
     dones = {**done_words(comm, sources), **eager_flags(comm, parity, in_slots)}
     try:
-        table = _table(plan, me, dests, send_ids)
         a, g = small.addresses(comm), addresses(comm)
         g.src[:] = 0
         g.src[sources] = 1
         g.src[in_slots] = 2
-        K = topk_idx.shape[1]
-        deadline_ns = int(comm.deadline * 1e9)
-
-        def phase(resume):
-            return a.lib.moe_granted_dispatch(
-                a.p_context, g.p_context, parity, epoch, deadline_ns, resume,
-                table.ctypes.data, len(dests), g.p_src, x_bytes.data_ptr(),
-                x_bytes.stride(0), x_bytes.shape[0], x_bytes.shape[1], topk_idx.data_ptr(),
-                0 if topk_weights is None else topk_weights.data_ptr(), K, num_local,
-                int(GATHER_S * 1e9))
-
-        rc = phase(0)
-        while rc == small.AGAIN:       # a slice of the wait: Python's signal handlers ran
-            rc = phase(1)
+        deadline_ns, cp = int(comm.deadline * 1e9), (comm.call_seq - 1) % 2
+        rc = phase(a, g, deadline_ns, cp, 0)
+        while rc == small.AGAIN:
+            rc = phase(a, g, deadline_ns, cp, 1)
         state = table[:, GD_STATE]
         if rc == BAD_ID:
-            raise IndexError(f"put_rows: a token id outside [0, {x_bytes.shape[0]})")
+            raise IndexError(f"{op}: a token id outside the rows of x")
         failed = [d for d, s in zip(dests, state) if s == FAILED]
         short = [d for d, s in zip(dests, state) if s == SHORT]
         if rc == LATE_GRANTS:          # the Python steps on the same words (they raise)
-            def slab(d):
-                return SlabLayout(plan.chunk[d], x_bytes.shape[1], 0, K)
-
-            def write(d, dst_page):
-                put_rows(comm, d, dst_page * PAGE, slab(d), int(plan.row0[me, d]),
-                         send_ids[d], x_bytes, None, topk_idx, topk_weights, num_local)
             more = send_when_granted(comm, epoch, [d for d, s in zip(dests, state) if not s],
-                                     write, lambda d: slab(d).nbytes, "dispatch/grant")
+                                     write, need, op + "/grant",
+                                     signature_check(comm, epoch, op, calls, call_row))
             failed, short = failed + more[0], short + more[1]
         if rc:
-            comm.wait(dones, epoch, "dispatch/payload")
-        settle(comm, epoch, "dispatch", pages=[page], own_error=own_error, dones=dones,
-               failed=failed, short=short, sizes=sizes)
+            comm.wait(dones, epoch, op + "/payload")
+        settle(comm, epoch, op, pages=[page], own_error=own_error, dones=dones,
+               failed=failed, short=short, calls=calls, sizes=sizes)
     except BaseException:
         release_on_error(comm, epoch, [page], dones)
         raise
 
 
-def _table(plan, me: int, dests: list, send_ids) -> np.ndarray:
+def _ptr(t) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _table(plan, me: int, dests: list, rows) -> np.ndarray:
     """granted.c's destination rows: rank, rows of its region, where this rank's rows start
-    there, this rank's token ids for it (address, count), state."""
+    there, ``rows`` (a dispatch: the address of its token ids; a combine: its first row of
+    x), how many, state."""
     d = np.asarray(dests, dtype=np.int64)
     table = np.zeros((len(d), GD_WORDS), dtype=np.int64)
     table[:, 0] = d
     table[:, 1] = np.asarray(plan.chunk, dtype=np.int64)[d]
     table[:, 2] = plan.row0[me, d]
-    table[:, 3] = send_ids.ids.data_ptr() + 8 * send_ids.first[d]
+    table[:, 3] = rows
     table[:, 4] = plan.counts[me, d]
     return table

@@ -70,7 +70,7 @@ _SIGNATURES = {
                                  _P, _I, _I, _P, _P, _I, _I, _P, _P),
     "moe_small_dispatch_finish": (_P, _I, _I, _I, _I, _P, _I, _I, _I, _P, _P, _P, _P, _I, _P,
                                   _P),
-    "moe_small_combine_start": (_P, _I, _I, _I, _P, _P, _I, _P, _I, _P),
+    "moe_small_combine_start": (_P, _I, _I, _I, _P, _P, _I, _P, _I, _P, _I),
     "moe_small_combine_finish": (_P, _I, _I, _I, _I, _P, _P, _P, ctypes.c_int, _I, _I, _I, _P,
                                  ctypes.c_int, _P, ctypes.c_int, _P, _P, _P, _P, _P, _P),
     "moe_small_matrix_info": (_P, _I, _I, _I, _I, _P, _P),
@@ -79,8 +79,9 @@ _SIGNATURES = {
     "moe_small_direct_finish": (_P, _I, _I, _I, _I, _P, _I, _I, _P, _P, _P, _I, _P, _P, _P, _I,
                                 _P, _P, _P, _P),
     "moe_small_send_own": (_P, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I, _I),
-    "moe_granted_dispatch": (_P, _P, _I, _I, _I, _I, _P, _I, _P, _P, _I, _I, _I, _P, _P, _I, _I,
-                             _I),
+    "moe_granted_dispatch": (_P, _P, _I, _I, _I, _I, _I, _P, _I, _P, _P, _I, _I, _I, _P, _P, _I,
+                             _I, _P, _I),
+    "moe_granted_combine": (_P, _P, _I, _I, _I, _I, _I, _P, _I, _P, _P, _I, _P, _I, _P),
     "moe_small_cached_direct": (_P, _I, _I, _I, _I, _P, _I, _I, _P, _P, _P, _I, _I, _P, _P,
                                 _P),
     "moe_small_combine_direct": (_P, _I, _I, _I, _I, _P, _I, _I, _P, _P, _P, ctypes.c_int, _I,
@@ -113,7 +114,8 @@ _RETURNS = {"moe_copy_rows": ctypes.c_int, "moe_count_experts": ctypes.c_int,
             "moe_ll_direct_send": _I, "moe_ll_direct_recv": _I,
             "moe_ll_direct_combine_send": _I, "moe_ll_direct_combine_recv": _I,
             "moe_dispatch_layout": ctypes.c_int,
-            "moe_layout_matches": ctypes.c_int, "moe_granted_dispatch": _I}
+            "moe_layout_matches": ctypes.c_int, "moe_granted_dispatch": _I,
+            "moe_granted_combine": _I}
 
 
 def _compiler() -> str | None:

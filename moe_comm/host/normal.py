@@ -310,9 +310,10 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
                             num_worst_tokens=num_worst_tokens, buffer_key=buffer_key)
         epochs = []
     in_slots = [s for s in range(R) if eagerly[s, me]]   # their rows wait in eager slots
-    # the payload phase in one C call (granted.py): a call begun in direct.py, in one round
-    in_c = (started is not None and len(epochs) == 1 and calls is None and scales is None and
-            topk_idx is not None and isinstance(send_ids, TokenIds))
+    # the payload phase in one C call (granted.py): one round, token ids as one tensor
+    in_c = (small_ok and len(epochs) == 1 and scales is None and handle.relay is None and
+            isinstance(send_ids, TokenIds) and _c_rows(topk_idx, torch.int64) and
+            _c_rows(topk_weights, torch.float32))
     failure = None                    # a round's error: the rest of the rounds still run
     for r, ep in enumerate(epochs):
         if r:
@@ -328,13 +329,15 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
         sizes = {s: SlabLayout(int(matrix[s, me]), row_bytes, scale_cols, topk).nbytes
                  for s in in_slots}
         try:
-            if in_c:                  # begun in direct.py, one round: granted.py
-                granted.exchange(comm, ep, parity, page=page, own_error=own_error, plan=plan,
+            write, write_many = write_round(r)
+            if in_c:
+                granted.dispatch(comm, ep, parity, page=page, own_error=own_error, plan=plan,
                                  dests=dests, sources=sources, in_slots=in_slots, sizes=sizes,
                                  send_ids=send_ids, x_bytes=x_bytes, topk_idx=topk_idx,
-                                 topk_weights=topk_weights, num_local=num_local)
+                                 topk_weights=topk_weights, num_local=num_local, calls=calls,
+                                 call_row=call_row, write=write,
+                                 need=lambda d: slab(d).nbytes)
             else:
-                write, write_many = write_round(r)
                 _exchange(comm, ep, "dispatch", page=page, own_error=own_error,
                           write=write, write_many=write_many, need=lambda d: slab(d).nbytes,
                           calls=calls if r == 0 else None, call_row=call_row, dests=dests,
@@ -377,6 +380,11 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
                                                        scale_cols, topk),
                            recv, int(plan.row0[s, me]), widths)
     return _finish(comm, handle, recv, num_worst_tokens, dtype)
+
+
+def _c_rows(t, dtype) -> bool:
+    """Whether C may read ``t`` as it is: None, or contiguous of ``dtype``."""
+    return t is None or (t.dtype == dtype and t.is_contiguous())
 
 
 def _small_finish(comm, epoch, parity, handle, dtype, rows, call_row, call_parity):
@@ -597,6 +605,8 @@ def combine(comm, *, x, handle, topk_weights, bias, aborted=False):
                                                            topk),
                                [rows, None, None, weights], int(plan.row0[d, me]), widths)
 
+    # the payload phase in one C call (granted.py): one round, begun in C (small.py)
+    in_c = call_parity is not None and len(epochs) == 1 and _c_rows(topk_weights, torch.float32)
     failure = None                    # a round's error: the rest of the rounds still run
     for r, ep in enumerate(epochs):   # every round, also those that bring this rank nothing
         if r:
@@ -606,15 +616,23 @@ def combine(comm, *, x, handle, topk_weights, bias, aborted=False):
         page, own_error = (grant(comm, ep, mine.nbytes, "combine", experts,
                                  refuse if r == 0 else failure)
                            if r == 0 or hi > lo else (None, None))
+        owners = [o for o in plan.dests(me, r) if comm.active[o] and not eagerly[me, o]]
+        sizes = {d: SlabLayout(int(matrix[me, d]), row_bytes, 0, topk).nbytes
+                 for d in in_slots}
         try:
-            _exchange(comm, ep, "combine", page=page, own_error=own_error,
-                      write=write_round(r), need=lambda owner: slab(owner).nbytes,
-                      calls=calls if r == 0 else None, call_row=call_row, sources=experts,
-                      dests=[o for o in plan.dests(me, r)
-                             if comm.active[o] and not eagerly[me, o]],
-                      flags=eager.flags(comm, parity, in_slots) if r == 0 else None,
-                      sizes={d: SlabLayout(int(matrix[me, d]), row_bytes, 0, topk).nbytes
-                             for d in in_slots})
+            if in_c:                  # the payload phase in one C call (granted.py)
+                granted.combine(comm, ep, parity, page=page, own_error=own_error, plan=plan,
+                                dests=owners, sources=experts, in_slots=in_slots, sizes=sizes,
+                                x=x, topk_weights=topk_weights, calls=calls,
+                                call_row=call_row, write=write_round(r),
+                                need=lambda owner: slab(owner).nbytes)
+            else:
+                _exchange(comm, ep, "combine", page=page, own_error=own_error,
+                          write=write_round(r), need=lambda owner: slab(owner).nbytes,
+                          calls=calls if r == 0 else None, call_row=call_row,
+                          sources=experts, dests=owners,
+                          flags=eager.flags(comm, parity, in_slots) if r == 0 else None,
+                          sizes=sizes)
         except Exception as e:
             if not keeps_in_step(e):
                 raise

@@ -309,23 +309,22 @@ def receive_dispatch(comm, epoch: int, parity: int, matrix: np.ndarray, *, row_b
 
 def start_combine(comm, epoch: int, parity: int, call_row: np.ndarray, matrix: np.ndarray,
                   x: torch.Tensor, topk_weights):
-    """A small combine's sends (eager.send: each owner's rows of ``x``, received order, back
-    into its slot; to itself only the flag, its rows staying in x) and its signature, when
-    every owner's rows fit a slot and are bf16 or float32; returns the signatures' parity, or
-    None (nothing sent: the caller sends). ``x`` and ``topk_weights`` contiguous."""
+    """A combine's eager sends (eager.send: each owner's rows of ``x``, received order, back
+    into its slot; to itself only the flag, its rows staying in x; none to an owner whose rows
+    do not fit a slot: a granted region takes them) and its signature, for rows of bf16 or
+    float32; returns the signatures' parity, or None (nothing sent: the caller sends). ``x``
+    and ``topk_weights`` contiguous."""
     if x.dtype not in SUM_DTYPES:
         return None
     a = addresses(comm)
     K = 0 if topk_weights is None else topk_weights.shape[1]
     row_bytes = x.shape[1] * x.element_size()
     count = np.ascontiguousarray(matrix[:, comm.rank])     # rows each owner sent this rank
-    if not fits(comm, count, row_bytes, 0, K):
-        return None
     call_parity = _next_call_parity(comm)
     comm.check_fence()
     a.lib.moe_small_combine_start(a.p_context, parity, call_parity, epoch, count.ctypes.data,
                                   x.data_ptr(), row_bytes, _ptr(topk_weights), K,
-                                  call_row.ctypes.data)
+                                  call_row.ctypes.data, _max_rows(comm, row_bytes, 0, K)[0])
     return call_parity
 
 
