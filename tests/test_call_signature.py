@@ -71,9 +71,15 @@ def _attempt(errors):
     return attempt
 
 
-def _normal_worker(rank, n, case):
-    buf = moe_comm.Buffer(None, 16 << 20, timeout_s=20)
-    x, idx = _inputs(rank)
+# rows beyond an eager slot (16 KB, ~300 a pair; the narrower ones 12 KB): granted regions,
+# whose payload phases run in C (host/granted.py)
+LARGE = dict(T=512, H=8192, narrow=6144)
+
+
+def _normal_worker(rank, n, case, large=False):
+    buf = moe_comm.Buffer(None, (96 if large else 16) << 20, timeout_s=20)
+    x, idx = _inputs(rank, *((LARGE["T"], LARGE["H"]) if large else ()))
+    narrow = LARGE["narrow"] if large else 128
     odd = rank == ODD
     layout = buf.get_dispatch_layout(idx, E)
     args = dict(topk_idx=idx, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
@@ -83,7 +89,7 @@ def _normal_worker(rank, n, case):
     attempt = _attempt(errors)
 
     if case == "hidden":
-        attempt(lambda: buf.dispatch(x[:, :128] if odd else x, **args))
+        attempt(lambda: buf.dispatch(x[:, :narrow].contiguous() if odd else x, **args))
     elif case == "dtype":
         attempt(lambda: buf.dispatch(x.float() if odd else x, **args))
     elif case == "fp8":
@@ -106,7 +112,7 @@ def _normal_worker(rank, n, case):
         _, _, _, _, second, _ = buf.dispatch(x, **args)
         attempt(lambda: buf.dispatch(x, handle=handle if odd else second))
     elif case == "combine_hidden":
-        y = rx.float()[:, :128].bfloat16().contiguous() if odd else rx
+        y = rx.float()[:, :narrow].bfloat16().contiguous() if odd else rx
         attempt(lambda: buf.combine(y, handle) if not odd else buf._be.normal.combine(
             buf._comm, x=y, handle=handle, topk_weights=None, bias=()))
     # the next agreeing calls: the first may still report the mismatch (the CUDA backend's
@@ -122,9 +128,9 @@ def _normal_worker(rank, n, case):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_normal_calls_that_disagree_raise_on_every_rank(backend, case):
+def test_normal_calls_that_disagree_raise_on_every_rank(backend, case, large=False):
     field = CASES[case][0]
-    results = run_ranks(_normal_worker, R, case, timeout=120)
+    results = run_ranks(_normal_worker, R, case, large, timeout=120)
     for rank, (errors, out, x, idx) in enumerate(results):
         assert len(errors) == 1, (rank, errors)
         assert "the ranks disagree about this call" in errors[0], errors[0]
@@ -133,6 +139,14 @@ def test_normal_calls_that_disagree_raise_on_every_rank(backend, case):
         copies = torch.tensor([len({int(e) // (E // R) for e in row}) for row in idx])
         torch.testing.assert_close(out.float(), (x.float() * copies[:, None]).bfloat16().float(),
                                    rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("case", ["hidden", "handle", "combine_hidden"])
+def test_granted_calls_that_disagree_raise_on_every_rank(case):
+    """Host backend, rows beyond a slot: the dispatch's count exchange in C, the payload
+    phases in C (a cached dispatch's and a combine's check each receiver's signature before
+    writing there)."""
+    test_normal_calls_that_disagree_raise_on_every_rank("host", case, large=True)
 
 
 LL_CASES = {"hidden": "hidden", "fp8": "use_fp8", "max_tokens": "num_max_dispatch_tokens_per_rank"}
