@@ -49,10 +49,12 @@ def test_silent_peer_raises_comm_timeout_naming_it():
         assert 1.4 < elapsed < 3.0, elapsed
 
 
-def _silent_after_counts(rank, n):
-    """The last rank takes part in the count exchange, then never grants: its peers wait for
-    its grant in granted.py's C call, which hands over to the Python waits at the deadline.
-    Rows of 16 KB, ~170 a pair: beyond an eager slot (8 MiB / 3), so every pair is granted."""
+def _silent_after_counts(rank, n, where):
+    """The last rank takes part in the count exchange, then goes silent: before it grants
+    (``where`` "grant"), or after (``where`` "payload": it never writes nor says DONE). Its
+    peers wait for it in granted.py's C call, which hands over to the Python waits at the
+    deadline. Rows of 16 KB, ~300 a pair: beyond an eager slot (8 MiB / 3), so every pair is
+    granted."""
     from moe_comm.host import granted, normal
     buf = moe_comm.Buffer(None, 64 << 20, timeout_s=1.5)
     torch.manual_seed(rank)
@@ -62,30 +64,38 @@ def _silent_after_counts(rank, n):
     real = granted.dispatch
     granted.dispatch = lambda *a, **k: (taken.append(1), real(*a, **k))[1]
     if rank == n - 1:                    # counts sent, then silent until its peers gave up
-        def silent_grant(*args, **kwargs):
+        def silent(*args, **kwargs):
             time.sleep(3.0)
             raise SystemExit(0)
-        normal.grant = silent_grant
+        if where == "grant":
+            normal.grant = silent
+        else:
+            granted.dispatch = silent
     t0 = time.monotonic()
     try:
         buf.dispatch(torch.randn(512, 4096), topk_idx=idx, num_tokens_per_rank=ntr,
                      is_token_in_rank=itr, num_tokens_per_expert=nte)
     except moe_comm.CommTimeoutError as e:
-        return e.silent_ranks, e.op, time.monotonic() - t0, len(taken)
+        return (e.silent_ranks, e.op, time.monotonic() - t0, len(taken),
+                len(buf._comm.heap.quarantined))
     except SystemExit:
         return None
     return "no error"
 
 
-def test_peer_silent_after_the_counts_raises_comm_timeout_naming_it():
+@pytest.mark.parametrize("where", ["grant", "payload"])
+def test_peer_silent_after_the_counts_raises_comm_timeout_naming_it(where):
     n = 3
-    results = run_ranks(_silent_after_counts, n, timeout=60)
+    results = run_ranks(_silent_after_counts, n, where, timeout=60)
     for r in range(n - 1):
-        silent, op, elapsed, taken = results[r]
+        silent, op, elapsed, taken, quarantined = results[r]
         assert taken == 1, results[r]                  # the C payload phase waited
         assert silent == [n - 1], results[r]
-        assert op == "dispatch/grant"
+        assert op == "dispatch/" + where
         assert 1.4 < elapsed < 3.0, elapsed
+        # the region this rank granted the silent rank: it may still write there, so it is
+        # never handed out again
+        assert quarantined == 1, results[r]
 
 
 def _destroy(rank, n):
@@ -196,7 +206,7 @@ def _refuse_then_go_on(rank, n, eager, small="0"):
         if any(s != "no error" for s in seen):
             break
     kept.clear()                              # rank 1 lets its results go
-    out = None
+    out = None                                # (this one too, before the combine allocates)
     out, _, _ = buf.combine(rx, handle)
     return first, out, x, idx, len(taken)
 

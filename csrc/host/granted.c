@@ -119,11 +119,11 @@ static void combine_rows(const granted_call *c, uint8_t *region, const int64_t *
 static int granted_batch(const granted_call *c) {
     const int64_t *cx = c->cx, *gx = c->gx, nd = c->nd;
     int64_t put[nd * PUT_WORDS + 1], taken[nd + 1], nput = 0, stream = 0;
-    __atomic_thread_fence(__ATOMIC_ACQUIRE);
     for (int64_t j = 0; j < nd; j++) {
         int64_t *dest = c->dests + j * GD_WORDS;
         const int64_t d = dest[GD_RANK];
         if (dest[GD_STATE] != GS_PENDING || !granted(c, d)) continue;
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);   /* the grant (and signature) read below */
         const int64_t *w = (const int64_t *)(intptr_t)GX_PTR(gx, GX_GRANT_IN)[d];
         const int64_t page = w[0] & 0xFFFFFFFFll, pages = w[1] & 0xFFFFFFFFll;
         int64_t offs[4];

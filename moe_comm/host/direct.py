@@ -199,7 +199,7 @@ class DirectCalls:
             lib.moe_small_matrix_info(p_matrix, R, comm.rank, slot_rows, heap_rows,
                                       self.p_info, p_recv_count)
         num_recv, eager_everywhere = int(self.info[0]), self.info[1]
-        if not eager_everywhere:      # another rank's rows beyond a slot: the whole protocol
+        if not eager_everywhere:      # a pair beyond a slot, or rows beyond a heap: granted
             lib.moe_small_send_own(cx, parity, epoch, ids.data_ptr(), p_first, x.data_ptr(), T,
                                    row_bytes, idx.data_ptr(), p_w, K, E // R, slot_rows)
             return self._go_on(backend, Started(parity, epoch, (matrix, ids, first)), x, idx,

@@ -148,8 +148,9 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
     (moe_comm/layout.py DispatchLayout) where fresh routing sends it, None with a ``handle``.
     ``round_index``: this call is that round of a bigger one (relay_rounds.py), not split
     again; ``aborted``: this rank's previous round failed (relay_rounds.in_step).
-    ``started``: host/direct.py began this fresh dispatch as a small one, up to its count
-    matrix (direct.Started), and another rank's rows do not fit a slot: it goes on here.
+    ``started``: host/direct.py began this fresh dispatch, up to its count matrix
+    (direct.Started: the pairs that fit a slot sent there), and the matrix shows that not
+    every pair went eagerly or a rank's rows exceed its heap: it goes on here.
 
     Returns ``(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, handle)``."""
     me, R = comm.rank, comm.num_ranks

@@ -14,8 +14,9 @@ the Python protocol does the rest:
 
 - the Buffer: every peer on this host (no transport), not elastic, every rank active, flat
   (no relays), eager slots on, the C library loaded, ``MOE_COMM_SMALL`` not "0" (``usable``);
-- sends: a dispatch whose every count of this rank fits a slot, a combine of bf16 or float32
-  rows whose every owner's rows fit one;
+- sends: a dispatch whose every count of this rank fits a slot (direct.py: the counts that
+  fit, of any dispatch), a combine of bf16 or float32 rows (the owners' rows that fit one;
+  the rest go to granted regions, granted.py);
 - receives: a call whose every pair went eagerly (the count matrix says so on every rank):
   no grant anywhere, so nothing is left but to wait for the slots and read them. A dispatch
   with ``num_worst_tokens`` reads them in Python.
