@@ -129,8 +129,10 @@ static int granted_batch(const granted_call *c) {
         int64_t offs[4];
         const int64_t need = slab_layout(dest[GD_ROWS], c->row_bytes, 0, c->K, cx[CX_ALIGN],
                                          cx[CX_PAGE], offs);
+        /* (rows beyond the slab: a plan this call cannot have, refused all the same) */
         const int state = page == gx[GX_GRANT_FAILED] ? GS_FAILED : call_differs(c, d) ?
-                          GS_DIFFER : need > pages * cx[CX_PAGE] ? GS_SHORT : GS_WRITTEN;
+                          GS_DIFFER : need > pages * cx[CX_PAGE] ||
+                          dest[GD_ROW0] + dest[GD_N] > dest[GD_ROWS] ? GS_SHORT : GS_WRITTEN;
         if (state != GS_WRITTEN) {
             dest[GD_STATE] = state;
             granted_done(c, d, state == GS_FAILED ? gx[GX_DONE_NOTHING] : gx[GX_DONE_REFUSED]);

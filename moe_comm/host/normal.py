@@ -312,7 +312,8 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
         epochs = []
     in_slots = [s for s in range(R) if eagerly[s, me]]   # their rows wait in eager slots
     # the payload phase in one C call (granted.py): one round, token ids as one tensor
-    in_c = (small_ok and len(epochs) == 1 and scales is None and handle.relay is None and
+    in_c = (small_ok and refuse is None and plan.rounds == 1 and scales is None and
+            handle.relay is None and
             isinstance(send_ids, TokenIds) and _c_rows(topk_idx, torch.int64) and
             _c_rows(topk_weights, torch.float32))
     failure = None                    # a round's error: the rest of the rounds still run
@@ -607,7 +608,8 @@ def combine(comm, *, x, handle, topk_weights, bias, aborted=False):
                                [rows, None, None, weights], int(plan.row0[d, me]), widths)
 
     # the payload phase in one C call (granted.py): one round, begun in C (small.py)
-    in_c = call_parity is not None and len(epochs) == 1 and _c_rows(topk_weights, torch.float32)
+    in_c = (call_parity is not None and refuse is None and plan.rounds == 1 and
+            _c_rows(topk_weights, torch.float32))
     failure = None                    # a round's error: the rest of the rounds still run
     for r, ep in enumerate(epochs):   # every round, also those that bring this rank nothing
         if r:
