@@ -271,3 +271,40 @@ def test_rows_never_leave_the_granted_region(eager, large):
         copies = torch.tensor([len({int(e) // (E // R) for e in row}) for row in idx])
         torch.testing.assert_close(out.float(), (x.float() * copies[:, None]).bfloat16().float(),
                                    rtol=1e-2, atol=1e-2)
+
+
+def _near_a_slot_worker(rank, n, small):
+    """Ranks whose combines differ in topk only: 292 rows of H=7168 fit a slot without
+    weights, 291 with 4 of them, so rank 0 sends its rows eagerly while rank 1 waits for a
+    grant, and each waits for words the other never sends. At the deadline both raise
+    CallMismatchError naming topk (the signatures came), and the next combine is exact."""
+    import os
+    import time
+    os.environ["MOE_COMM_SMALL"] = small
+    buf = moe_comm.Buffer(None, 64 << 20, timeout_s=2)
+    T, E = 292, 8
+    idx = torch.full((T, 2), -1, dtype=torch.int64)
+    idx[:, 0] = 4 if rank == 0 else 0     # every token to the other rank
+    layout = buf.get_dispatch_layout(idx, E)
+    x = torch.randn(T, 7168).bfloat16()
+    rx, _, _, _, handle, _ = buf.dispatch(
+        x, topk_idx=idx, topk_weights=torch.rand(T, 2), num_tokens_per_rank=layout[0],
+        is_token_in_rank=layout[3], num_tokens_per_expert=layout[2])
+    t0 = time.monotonic()
+    try:
+        buf.combine(rx, handle, topk_weights=torch.rand(rx.shape[0], 4) if rank == 1 else None)
+        error = None
+    except moe_comm.CallMismatchError as e:
+        error = str(e)
+    elapsed = time.monotonic() - t0
+    out, _, _ = buf.combine(rx, handle)
+    buf.destroy()
+    return error, elapsed, out, x
+
+
+@pytest.mark.parametrize("small", ["1", "0"])
+def test_ranks_that_disagree_about_eager_slots_raise_call_mismatch(small):
+    for error, elapsed, out, x in run_ranks(_near_a_slot_worker, 2, small, timeout=60):
+        assert error and "topk: rank 0 has 0, rank 1 has 4" in error, error
+        assert 1.9 < elapsed < 10, elapsed
+        torch.testing.assert_close(out, x)

@@ -969,8 +969,9 @@ static int64_t backoff(int64_t spins, int crowded) {
  * its own to 1 and sleeps on it (a futex in shared memory) for at most its backoff's time; a
  * writer that published words for a rank and finds its doorbell set clears it and wakes it,
  * so the sleeper goes on when its words come, not when its sleep ends (ranks that outnumber
- * the cores sleep in most waits). The Python protocol's writers do not ring: their reader
- * sleeps its time out, as it would without doorbells. The store of the doorbell and the
+ * the cores sleep in most waits). The Python protocol's writers ring too where this library
+ * is loaded (host/doorbell.py); a rank without it does not, and its reader sleeps its time
+ * out, as it would without doorbells. The store of the doorbell and the
  * reader's second look at its slots, like the writer's stores and its look at the doorbell,
  * are ordered by full fences, so one of them sees the other's. */
 static inline uint32_t *bell_at(int64_t addr) { return (uint32_t *)(intptr_t)addr; }

@@ -13,7 +13,8 @@ import logging
 import numpy as np
 import torch
 
-from ..errors import BufferTooSmallError
+from .. import signature
+from ..errors import BufferTooSmallError, CommTimeoutError
 from ..layout import local_topk
 from ..wire import GRANT_FAILED, PAGE, tag_epoch, tag_value
 from . import native
@@ -231,6 +232,19 @@ def settle(comm, epoch, op, *, pages, own_error, dones, failed, short, calls=Non
     if lost:
         raise ReceiverFailed(f"{op}: rank(s) {lost} could not relay the rows of ranks on "
                              "other hosts to this rank (their staging region was refused)")
+
+
+def mismatch_behind(comm, epoch: int, op: str, calls, error: BaseException) -> None:
+    """A payload phase's wait that ran out (``error``, CommTimeoutError): where every active
+    rank's signature of this call (``calls``, post_call's views) came, and two differ, raise
+    CallMismatchError instead. Ranks that disagree about a call can disagree about which
+    pairs go through eager slots (rows of other widths near a slot's size), and then each
+    waits for words the other never sends; the signatures say why, on every rank alike."""
+    if calls is None or not isinstance(error, CommTimeoutError):
+        return
+    rows = {s: calls[s] for s in np.flatnonzero(comm.active)}
+    if all((tag_epoch(w) == epoch).all() for w in rows.values()):
+        signature.check(op, {s: tag_value(w) for s, w in rows.items()})
 
 
 def keeps_in_step(error: BaseException) -> bool:

@@ -22,8 +22,8 @@ import numpy as np
 from ..wire import GRANT_FAILED
 from . import small
 from .eager import flags as eager_flags
-from .exchange import (DONE_NOTHING, DONE_REFUSED, GATHER_S, done_words, release_on_error,
-                       send_when_granted, settle, signature_check)
+from .exchange import (DONE_NOTHING, DONE_REFUSED, GATHER_S, done_words, mismatch_behind,
+                       release_on_error, send_when_granted, settle, signature_check)
 
 # granted.c's return codes beyond small.py's (SMALL_OK 0, SMALL_AGAIN)
 LATE_GRANTS, LATE_DONE, BAD_ID = 6, 7, 8
@@ -134,8 +134,9 @@ def _run(comm, op, epoch, parity, phase, table, *, page, own_error, dests, sourc
             comm.wait(dones, epoch, op + "/payload")
         settle(comm, epoch, op, pages=[page], own_error=own_error, dones=dones,
                failed=failed, short=short, calls=calls, sizes=sizes)
-    except BaseException:
+    except BaseException as e:
         release_on_error(comm, epoch, [page], dones)
+        mismatch_behind(comm, epoch, op, calls, e)
         raise
 
 

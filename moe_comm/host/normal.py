@@ -43,8 +43,8 @@ from ..layout import tokens_per_host
 from ..wire import PAGE, SlabLayout, stream_chunk_rows
 from . import eager, granted, native, relay, relay_rounds, small
 from .exchange import (ReceiverFailed, done_words, exchange_counts, grant, keeps_in_step,
-                       put_rows, put_rows_multi, release_on_error, send_when_granted, settle,
-                       signature_check)
+                       mismatch_behind, put_rows, put_rows_multi, release_on_error,
+                       send_when_granted, settle, signature_check)
 from .pool import outputs
 from .reduce import sum_rows_per_token
 
@@ -136,8 +136,9 @@ def _exchange(comm, epoch, op, *, page, own_error, dests, sources, write, need, 
         comm.wait(dones, epoch, op + "/payload")
         settle(comm, epoch, op, pages=[page], own_error=own_error, dones=dones, failed=failed,
                short=short, calls=calls, sizes=sizes)
-    except BaseException:
+    except BaseException as e:
         release_on_error(comm, epoch, [page], dones)
+        mismatch_behind(comm, epoch, op, calls, e)
         raise
 
 

@@ -35,10 +35,11 @@ import os
 import numpy as np
 import torch
 
+from ..errors import CommTimeoutError
 from ..handle import TokenIds
 from ..wire import CALL_WORDS, DOORBELL_WORD, PAGE, SLAB_ALIGN
 from . import eager, native
-from .exchange import DONE_WRITTEN
+from .exchange import DONE_WRITTEN, mismatch_behind
 from .pool import outputs
 
 # dtype codes of host_ops.c (native.DTYPES): the rows a combine's C sum reads and writes
@@ -231,8 +232,13 @@ def _drive(comm, phase, op: str, epoch: int, parity: int, call_parity: int,
         elif rc == LATE_COUNTS:
             comm.wait(_views(comm, a.count_words[count_parity]), epoch, op + "/notify")
         elif rc == LATE_FLAGS:
-            comm.wait(eager.flags(comm, parity, np.flatnonzero(counts).tolist()), epoch,
-                      op + "/payload")
+            try:
+                comm.wait(eager.flags(comm, parity, np.flatnonzero(counts).tolist()), epoch,
+                          op + "/payload")
+            except CommTimeoutError as e:     # (ranks that disagree wait for each other)
+                if call_parity is not None:
+                    mismatch_behind(comm, epoch, op, call_views(comm, call_parity), e)
+                raise
         else:
             raise RuntimeError(f"{op}: rows larger than the granted region (sender and "
                                f"receiver computed other sizes): nothing written to rank(s) "
