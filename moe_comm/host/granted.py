@@ -8,7 +8,8 @@ share the cores, so one rank's Python slows the others' copies). Here the C call
 steps over all peers, with the same words at the same places (exchange.py), so a rank here
 pairs with a rank on the Python path.
 
-Which calls: those that move in one round (no rank's region streams) on a Buffer whose small
+Which calls: those that move in one round (no rank's region streams) and that no rank
+refused (a region too small for one row, ``num_worst_tokens`` exceeded) on a Buffer whose small
 calls may run (small.usable: every rank on this host, not elastic, every rank active, no
 relays, the C library loaded): a dispatch without scales whose handle keeps its token ids as
 one tensor (handle.TokenIds: begun in direct.py or small.py), and a combine whose start ran in
