@@ -79,7 +79,7 @@ def dispatch(comm, epoch, parity, *, page, own_error, plan, dests, sources, in_s
         return a.lib.moe_granted_dispatch(
             a.p_context, g.p_context, parity, cp, epoch, deadline_ns, resume,
             table.ctypes.data, len(dests), g.p_src, x_bytes.data_ptr(), x_bytes.stride(0),
-            x_bytes.shape[0], x_bytes.shape[1], _ptr(topk_idx), _ptr(topk_weights), K,
+            x_bytes.shape[0], x_bytes.shape[1], small._ptr(topk_idx), small._ptr(topk_weights), K,
             num_local, 0 if calls is None else call_row.ctypes.data, int(GATHER_S * 1e9))
     _run(comm, "dispatch", epoch, parity, phase, table, page=page, own_error=own_error,
          dests=dests, sources=sources, in_slots=in_slots, sizes=sizes, calls=calls,
@@ -101,7 +101,7 @@ def combine(comm, epoch, parity, *, page, own_error, plan, dests, sources, in_sl
         return a.lib.moe_granted_combine(
             a.p_context, g.p_context, parity, cp, epoch, deadline_ns, resume,
             table.ctypes.data, len(dests), g.p_src, x.data_ptr(), x.shape[1] * x.element_size(),
-            _ptr(topk_weights), K, call_row.ctypes.data)
+            small._ptr(topk_weights), K, call_row.ctypes.data)
     _run(comm, "combine", epoch, parity, phase, table, page=page, own_error=own_error,
          dests=dests, sources=sources, in_slots=in_slots, sizes=sizes, calls=calls,
          call_row=call_row, write=write, need=need)
@@ -139,10 +139,6 @@ def _run(comm, op, epoch, parity, phase, table, *, page, own_error, dests, sourc
         release_on_error(comm, epoch, [page], dones)
         mismatch_behind(comm, epoch, op, calls, e)
         raise
-
-
-def _ptr(t) -> int:
-    return 0 if t is None else t.data_ptr()
 
 
 def _table(plan, me: int, dests: list, rows) -> np.ndarray:
