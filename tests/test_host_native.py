@@ -86,6 +86,13 @@ def stream_version(request):
     yield from _with_and_without(native.stream_avx512, request)
 
 
+@pytest.fixture(params=[True, False], ids=["avx512", "plain"])
+def sum_version(request):
+    """Each test of the per-token sums runs with their AVX-512 version and without (asked
+    for before monkeypatch, which may turn the C library off until its own teardown)."""
+    yield from _with_and_without(native.sum_avx512, request)
+
+
 def _near_edges(dtype, blocks=4096, seed=1) -> torch.Tensor:
     """Blocks of 128 whose quotients by their scale land on, and a few ulps either side of,
     the e4m3 rounding edges (midpoints, the subnormal range, the clamp): the first value
@@ -181,7 +188,7 @@ def _segments(dtype, hidden, seed):
 @pytest.mark.parametrize("dtype,out_dtype", [(torch.bfloat16, torch.bfloat16),
                                              (torch.float32, torch.float32),
                                              (torch.bfloat16, torch.float32)])
-def test_sums_are_torchs_bit_for_bit(dtype, out_dtype, monkeypatch):
+def test_sums_are_torchs_bit_for_bit(sum_version, dtype, out_dtype, monkeypatch):
     tokens, segs, ids = _segments(dtype, 384, seed=1)
     bias = [torch.randn(tokens, 384), torch.randn(tokens, 384)]
     fast = reduce.sum_rows_per_token(segs, ids, tokens, out_dtype, bias)
@@ -193,7 +200,7 @@ def test_sums_are_torchs_bit_for_bit(dtype, out_dtype, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tokens,rows_n", [(50, 160), (12, 140)])
-def test_weighted_sums_are_torchs_bit_for_bit(dtype, tokens, rows_n, monkeypatch):
+def test_weighted_sums_are_torchs_bit_for_bit(sum_version, dtype, tokens, rows_n, monkeypatch):
     """A few rows a token, and a dozen or more (a top-8 low-latency combine sums 8: GCC once
     compiled the loop for more than 7 into other code than for fewer)."""
     g = torch.Generator().manual_seed(2)
@@ -209,10 +216,12 @@ def test_weighted_sums_are_torchs_bit_for_bit(dtype, tokens, rows_n, monkeypatch
     assert (fast[tokens - 3:] == 0).all()
 
 
-@pytest.mark.parametrize("hidden", [1, 7, 255, 256, 257, 600])
+@pytest.mark.parametrize("hidden", [1, 7, 255, 256, 257, 600, 1040])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_sums_over_chunk_edges_strided_rows_and_signed_zeros(hidden, weighted, monkeypatch):
-    """The C sum takes the channels 256 at a time: widths around that edge, segments that are
+def test_sums_over_chunk_edges_strided_rows_and_signed_zeros(sum_version, hidden, weighted,
+                                                            monkeypatch):
+    """The C sum takes the channels 256 at a time (its AVX-512 version 128, in registers of
+    16, widths of 16 only): widths around those edges, segments that are
     views with a row stride of their own (a combine sums a rank's own rows straight from its
     x), unsorted ids, a token whose rows are all -0.0 (0 + -0 is +0: the sum starts at 0)."""
     g = torch.Generator().manual_seed(hidden)
@@ -239,6 +248,22 @@ def test_sums_over_chunk_edges_strided_rows_and_signed_zeros(hidden, weighted, m
     assert torch.equal(results[0].view(torch.int16), results[1].view(torch.int16))
     assert (results[0][tokens - 1].view(torch.int16) == 0).all()     # +0, not -0
     assert (results[0][tokens - 2] == 0).all()                        # no rows: 0
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_large_sums_stream_torchs_bits(sum_version, out_dtype, monkeypatch):
+    """An output of 2 MiB or more is written with non-temporal stores (whole lines in the
+    AVX-512 version): tokens of 0 to 5 rows, a bias, every row of out written."""
+    g = torch.Generator().manual_seed(9)
+    tokens, hidden = 160, 7168                          # 2.3 MB of bf16
+    segs = [(torch.randn(n, hidden, generator=g) * 3).bfloat16() for n in (150, 90, 0, 120, 40)]
+    ids = [torch.randperm(tokens - 4, generator=g)[:s.shape[0]].sort().values for s in segs]
+    bias = [torch.randn(tokens, hidden, generator=g)]
+    fast = reduce.sum_rows_per_token(segs, ids, tokens, out_dtype, bias)
+    monkeypatch.setenv(native.ENV, "0")
+    slow = reduce.sum_rows_per_token(segs, ids, tokens, out_dtype, bias)
+    assert torch.equal(fast.view(torch.uint8), slow.view(torch.uint8))
+    assert torch.equal(fast[tokens - 4:], bias[0][tokens - 4:].to(out_dtype))
 
 
 def test_sums_with_ids_past_the_tokens_write_nothing():
@@ -521,7 +546,7 @@ def test_low_latency_pack_and_return_match_torch(monkeypatch):
         native.ll_return(y, ranges, 2, torch.zeros(100, 2 * hidden, dtype=torch.uint8))
 
 
-def test_low_latency_combine_sum_is_torchs_bit_for_bit(monkeypatch):
+def test_low_latency_combine_sum_is_torchs_bit_for_bit(sum_version, monkeypatch):
     """The combine's weighted sum of this rank's returned rows (in its message order) gives
     reduce.weighted_sum_rows's bits on the torch path; tokens without rows get 0."""
     idx = _routing()

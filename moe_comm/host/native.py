@@ -351,6 +351,15 @@ def stream_avx512(on: bool | None = None) -> bool:
     return bool(switch(-1 if on is None else int(on)))
 
 
+def sum_avx512(on: bool | None = None) -> bool:
+    """Whether the per-token sums (sum_rows, the combines' sums) run their AVX-512 version
+    (where the CPU has it); ``on=False`` turns it off, ``True`` back on (tests check the bits
+    of both versions)."""
+    switch = library().moe_sum_avx512          # a test hook: typed here, not in _SIGNATURES
+    switch.argtypes, switch.restype = (ctypes.c_int,), ctypes.c_int
+    return bool(switch(-1 if on is None else int(on)))
+
+
 def copy_rows(src: torch.Tensor, src_rows, dst: torch.Tensor, dst_rows) -> None:
     """``dst[dst_rows[i]] = src[src_rows[i]]`` for uint8 matrices (rows contiguous, any row
     stride; the row width is ``src``'s, at most ``dst``'s), ``None`` rows meaning 0, 1, ...:
