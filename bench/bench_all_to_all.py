@@ -38,8 +38,12 @@ the JSON keeps min/median/max of every time and the calls a repeat made. copy_gb
 measured several times in each case (before moe_comm's dispatch, between its dispatch and its
 combine, after its combine, and after each baseline's calls) and reported as the median, its
 samples and spread beside it. The machine's copy bandwidth swings within seconds (one run here:
-5 to 56 GB/s), so the summary's shares of it set each call beside the samples taken just
-before and after it (``dispatch_copy_gbps``, ``combine_copy_gbps``: their mean). The JSON is
+5 to 56 GB/s), so the summary's shares of it pair moe_comm's calls with copies repeat by
+repeat: each of its 5 repeats runs between two samples of the bar (one block each of the
+copies), and its share is the median over the repeats of the call's GB/s over the mean of
+the two samples around it (``dispatch_copy_share``, ``combine_copy_share``; each repeat's in
+``paired``). ``dispatch_copy_gbps``, ``combine_copy_gbps`` keep the mean of the case's
+samples before and after each column, the shares' bar of earlier runs. The JSON is
 {"run": versions, machine and settings, "rows": [...]}.
 
 Backends: ``host`` runs CPU tensors over the shared-memory backend (gloo for the baseline);
@@ -69,7 +73,8 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(BENCH), BENCH]
 import moe_comm  # noqa: E402
 from a2a_baseline import PaddedExchange, byte_rows, normal_exchange  # noqa: E402
-from call_timing import calls_to_time, copy_gbps, timed_across_ranks, timed_spread  # noqa: E402
+from call_timing import (CopyBar, calls_to_time, copy_gbps, timed_across_ranks,  # noqa: E402
+                         timed_spread, timed_with_copy_bar)
 from hosts import measure as measure_link  # noqa: E402
 from moe_comm.testing import netns  # noqa: E402
 from moe_comm.testing.processes import run_ranks  # noqa: E402
@@ -89,6 +94,7 @@ DEFAULT_DTYPE = {"normal": ["bfloat16"], "ll": ["fp8"]}
 BASELINE = {"normal": "all_to_all_single", "ll": "the padded all_to_all_single exchange"}
 MPI_BASELINE = {"normal": "MPICH Alltoallv", "ll": "MPICH's padded Alltoall"}
 REPEATS = 3                     # timed repeats per call; each is --iters calls back to back
+PAIRED_REPEATS = 5              # moe_comm's calls: repeats, each between two copy bar samples
 MIN_REPEAT_S = 0.1              # or more calls, where --iters would take less (calls_to_time)
 CASE_TIMEOUT_S = 600
 
@@ -99,6 +105,7 @@ class _RankEnv:
     (else the rank), baseline on an NCCL group of every rank; the Buffer gets the default group
     either way. ``mpi_a2a``: the same all_to_all over MPI_COMM_WORLD when mpiexec started this
     rank, else None. ``spread``: (min, median, max) seconds per call of every timed column;
+    ``paired``: moe_comm's columns' repeats beside their copy samples (timed_beside_copy);
     ``copy_samples``: copy GB/s measured at several points of the case."""
 
     def __init__(self, rank, backend):
@@ -116,6 +123,7 @@ class _RankEnv:
         self.mpi_a2a = None if comm is None else mpi_all_to_all_single(comm)
         self.spread = {}
         self.calls = {}
+        self.paired = {}
         self.copy_samples = []
 
     def timed(self, column, fn, iters):
@@ -126,6 +134,23 @@ class _RankEnv:
         calls = self.calls[column] = calls_to_time(fn, iters, self.device, MIN_REPEAT_S)
         self.spread[column] = timed_spread(fn, calls, self.device, REPEATS)
         return self.spread[column][1]
+
+    def timed_beside_copy(self, column, fn, iters, bar):
+        """timed() for moe_comm's own calls, with PAIRED_REPEATS repeats each between two
+        samples of ``bar`` (a CopyBar): ``paired[column]`` keeps (seconds per call, copy GB/s
+        around it) per repeat, from which _row forms the call's share of the bar repeat by
+        repeat."""
+        fn()
+        fn()
+        calls = self.calls[column] = calls_to_time(fn, iters, self.device, MIN_REPEAT_S)
+        pairs = self.paired[column] = timed_with_copy_bar(fn, calls, bar, PAIRED_REPEATS)
+        times = [t for t, _ in pairs]
+        self.spread[column] = min(times), statistics.median(times), max(times)
+        return self.spread[column][1]
+
+    def copy_bar(self, nbytes, iters):
+        """A CopyBar of ``nbytes`` (at least 1 MiB) for timed_beside_copy."""
+        return CopyBar(max(nbytes, 1 << 20), self.device, iters, MIN_REPEAT_S)
 
     def sample_copy(self, nbytes, iters):
         """One more copy bandwidth sample: copies of ``nbytes`` (at least 1 MiB), every rank
@@ -215,12 +240,14 @@ def _run_ll(rank, n, case, iters, env):
     dispatch()                        # (its result sizes the copy samples)
     msgs = int(state["out"][1].sum())
     recv_bytes = msgs * token_bytes(h, fp8)
+    bar = env.copy_bar(recv_bytes, iters)
     env.sample_copy(recv_bytes, iters)                  # copy samples around each column
-    env.timed("dispatch_us", dispatch, iters)
+    env.timed_beside_copy("dispatch_us", dispatch, iters, bar)
     env.sample_copy(recv_bytes, iters)
     recv_x, recv_count, handle, _, _ = state["out"]
     y = torch.randn(e // n, n * t, h).bfloat16().to(env.device)
-    env.timed("combine_us", lambda: buf.low_latency_combine(y, idx, w, handle), iters)
+    env.timed_beside_copy("combine_us", lambda: buf.low_latency_combine(y, idx, w, handle),
+                          iters, bar)
     combine_bytes = msgs * 2 * h
     env.sample_copy(recv_bytes, iters)
     buf.destroy()
@@ -270,6 +297,9 @@ def _row(n, case, iters, env, baselines, y, recv_bytes, combine_bytes, wire_rati
     mean = lambda i: sum(s[i] for s in stats) / n  # noqa: E731
     copies = [sum(ss) / n for ss in zip(*(s[2] for s in stats))]
     us = {c: lo_med_hi[1] * 1e6 for c, lo_med_hi in env.spread.items()}
+    # each repeat of moe_comm's calls against the copy samples just around it
+    shares = {op: [mean(i) / sec / 1e9 / gbps for sec, gbps in env.paired[f"{op}_us"]]
+              for i, op in enumerate(("dispatch", "combine"))}
     return dict(case_columns(case), dispatch_us=us["dispatch_us"], combine_us=us["combine_us"],
                 dispatch_gbps=mean(0) / us["dispatch_us"] / 1e3,
                 combine_gbps=mean(1) / us["combine_us"] / 1e3,
@@ -281,6 +311,11 @@ def _row(n, case, iters, env, baselines, y, recv_bytes, combine_bytes, wire_rati
                 combine_copy_gbps=(copies[1] + copies[2]) / 2,
                 mpi_dispatch_us=us.get("mpi_dispatch_us"), mpi_combine_us=us.get("mpi_combine_us"),
                 copy_gbps_samples=copies, copy_gbps_min=min(copies), copy_gbps_max=max(copies),
+                dispatch_copy_share=statistics.median(shares["dispatch"]),
+                combine_copy_share=statistics.median(shares["combine"]),
+                paired={op: dict(shares=shares[op],
+                                 copy_gbps=[g for _, g in env.paired[f"{op}_us"]])
+                        for op in shares},
                 spread_us={c: dict(min=lo * 1e6, median=med * 1e6, max=hi * 1e6,
                                    calls=env.calls[c])
                            for c, (lo, med, hi) in env.spread.items()})
@@ -301,12 +336,13 @@ def _run_normal(rank, n, case, iters, env):
     recv_x = state["out"][0]
     recv_bytes = sum(t.numel() * t.element_size()
                      for t in (recv_x if isinstance(recv_x, tuple) else (recv_x,)))
+    bar = env.copy_bar(recv_bytes, iters)
     env.sample_copy(recv_bytes, iters)                  # copy samples around each column
-    env.timed("dispatch_us", dispatch, iters)
+    env.timed_beside_copy("dispatch_us", dispatch, iters, bar)
     env.sample_copy(recv_bytes, iters)
     recv_x, _, recv_w, _, handle, _ = state["out"]
     y = (recv_x[0].float() if isinstance(recv_x, tuple) else recv_x.float()).bfloat16()
-    env.timed("combine_us", lambda: buf.combine(y, handle), iters)
+    env.timed_beside_copy("combine_us", lambda: buf.combine(y, handle), iters, bar)
     combine_bytes = y.numel() * y.element_size()
     env.sample_copy(recv_bytes, iters)
     wire = None
@@ -431,6 +467,15 @@ def _has_mpi(rows):
     return bool(rows) and all(r.get("mpi_dispatch_us") is not None for r in rows)
 
 
+def _share(row, op):
+    """``op``'s (dispatch, combine) share of the copy bandwidth in ``row``: the median over
+    its repeats of each against the copy samples around it; in rows of older runs, its GB/s
+    over the mean of the samples before and after its column."""
+    if f"{op}_copy_share" in row:
+        return row[f"{op}_copy_share"]
+    return row[f"{op}_gbps"] / row.get(f"{op}_copy_gbps", row["copy_gbps"])
+
+
 def summarize(rows):
     """One line per mode: speed-ups over the baseline (and over MPI when it ran) and
     dispatch's and combine's shares of the copy bandwidth measured beside them (geometric means
@@ -441,10 +486,8 @@ def summarize(rows):
         ratios = {
             "dispatch": [r["baseline_dispatch_us"] / r["dispatch_us"] for r in rs],
             "combine": [r["baseline_combine_us"] / r["combine_us"] for r in rs],
-            "copy": [r["dispatch_gbps"] / r.get("dispatch_copy_gbps", r["copy_gbps"])
-                     for r in rs],
-            "combine copy": [r["combine_gbps"] / r.get("combine_copy_gbps", r["copy_gbps"])
-                             for r in rs]}
+            "copy": [_share(r, "dispatch") for r in rs],
+            "combine copy": [_share(r, "combine") for r in rs]}
         g = {k: _geomean(v) for k, v in ratios.items()}
         over_mpi = ""
         if _has_mpi(rs):
@@ -776,7 +819,7 @@ def _run_record(argv, args, backend, rows, launcher, no_mpi):
     info = run_info(None if no_mpi else mpi_ranks.versions(), mpi_library)
     med, lo, hi, n = copy_summary(rows)
     return dict(info, backend=backend, iters=args.iters, min_repeat_s=MIN_REPEAT_S,
-                repeats=REPEATS,
+                repeats=REPEATS, paired_repeats=PAIRED_REPEATS,
                 buffer_mb=args.buffer_mb,
                 argv=list(sys.argv[1:] if argv is None else argv),
                 mpi_baselines=None if no_mpi else MPI_BASELINE, no_mpi_reason=no_mpi,

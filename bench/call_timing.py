@@ -47,19 +47,28 @@ def timed_spread(fn, iters, device, repeats=3):
     calls; docs/PERF.md, session 16), and every column and copy sample is then timed warm."""
     for _ in range(iters):
         fn()
-    per_call = []
-    for _ in range(repeats):
-        sync(device)
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        sync(device)
-        per_call.append((time.perf_counter() - t0) / iters)
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, per_call)
-    slowest = [max(col) for col in zip(*everyone)]
+    slowest = slowest_rank([block_seconds(fn, iters, device) for _ in range(repeats)])
     return min(slowest), statistics.median(slowest), max(slowest)
+
+
+def block_seconds(fn, calls, device):
+    """This rank's seconds per call of ``calls`` calls of ``fn()`` back to back, after a
+    barrier of the default group (every rank times its block at once)."""
+    sync(device)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync(device)
+    return (time.perf_counter() - t0) / calls
+
+
+def slowest_rank(values):
+    """Per position of this rank's list ``values`` (each a number, as every rank's list is),
+    the largest over the ranks of the default group; every rank gets the same list."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, list(values))
+    return [max(col) for col in zip(*everyone)]
 
 
 def calls_to_time(fn, iters, device, min_seconds, probe=3):
@@ -107,3 +116,53 @@ def copy_gbps(nbytes, device, time_call):
     if not streamed.item():
         return plain
     return max(plain, nbytes / time_call(lambda: native.copy_stream(dst, src)) / 1e9)
+
+
+class CopyBar:
+    """copy_gbps's bar, sampled block by block between a call's own timed blocks, so that
+    each of the call's repeats has copy samples taken just before and after it
+    (timed_with_copy_bar): the machine's copy bandwidth swings several-fold within seconds,
+    and a call and a bar timed a few seconds apart can land in different minutes. Copies of
+    ``nbytes`` bytes, every rank at once, torch's copy and (on the CPU, where every rank has
+    it) the non-temporal one, each a block of at least ``min_seconds``; a sample is the
+    faster of the two."""
+
+    def __init__(self, nbytes, device, iters, min_seconds):
+        self.nbytes, self.device = nbytes, device
+        src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+        dst = torch.empty_like(src)
+        dst.copy_(src)                      # first touch of dst: not what a copy costs
+        self.ways = [lambda: dst.copy_(src)]
+        if device.type == "cpu":
+            streamed = torch.tensor([int(native.library() is not None)])
+            dist.all_reduce(streamed, op=dist.ReduceOp.MIN)
+            if streamed.item():
+                self.ways.append(lambda: native.copy_stream(dst, src))
+        self.calls = [calls_to_time(way, iters, device, min_seconds) for way in self.ways]
+
+    def local_sample(self):
+        """This rank's seconds per copy, one block of each way (a collective: every rank
+        calls it at the same point); gbps() turns every rank's into a sample."""
+        return [block_seconds(way, calls, self.device)
+                for way, calls in zip(self.ways, self.calls)]
+
+    def gbps(self, everyone):
+        """GB/s of one sample from every rank's local_sample (slowest rank per way, the
+        faster way)."""
+        return self.nbytes / min(max(col) for col in zip(*everyone)) / 1e9
+
+
+def timed_with_copy_bar(fn, calls, bar, repeats):
+    """``repeats`` blocks of ``calls`` calls of ``fn()`` (block_seconds) with a copy bar
+    sample (``bar``, a CopyBar) before the first and after each, every rank at once. Returns
+    per block (seconds per call of the slowest rank, copy GB/s: the mean of the samples just
+    before and after it), the same on every rank."""
+    samples, blocks = [bar.local_sample()], []
+    for _ in range(repeats):
+        blocks.append(block_seconds(fn, calls, bar.device))
+        samples.append(bar.local_sample())
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (samples, blocks))
+    gbps = [bar.gbps([rank[0][i] for rank in everyone]) for i in range(repeats + 1)]
+    return [(max(rank[1][i] for rank in everyone), (gbps[i] + gbps[i + 1]) / 2)
+            for i in range(repeats)]

@@ -5,6 +5,7 @@ summary, progress line, argument errors)."""
 import importlib.util
 import io
 import json
+import statistics
 import os
 import subprocess
 import sys
@@ -68,11 +69,19 @@ def test_tiny_sweep_end_to_end(tmp_path):
         assert row["dispatch_copy_gbps"] == pytest.approx((samples[0] + samples[1]) / 2)
         assert row["combine_copy_gbps"] == pytest.approx((samples[1] + samples[2]) / 2)
         assert row["copy_gbps_min"] <= row["copy_gbps"] <= row["copy_gbps_max"], row
+        # moe_comm's repeats, each against the copy samples around it
+        for op in ("dispatch", "combine"):
+            paired = row["paired"][op]
+            assert len(paired["shares"]) == len(paired["copy_gbps"]) == bench.PAIRED_REPEATS
+            assert min(paired["copy_gbps"]) > 0 and min(paired["shares"]) > 0, paired
+            assert row[f"{op}_copy_share"] == statistics.median(paired["shares"])
+            assert row["spread_us"][f"{op}_us"]["min"] <= row[f"{op}_us"], row
     run = saved["run"]
     assert run["versions"]["torch"] == torch.__version__ and run["versions"]["mpi"] is None
     assert run["versions"]["moe_comm"] and run["versions"]["python"]
     assert run["machine"]["cores"] >= 1 and "cpu_model" in run["machine"]
     assert (run["iters"], run["repeats"], run["backend"]) == (2, bench.REPEATS, "host")
+    assert run["paired_repeats"] == bench.PAIRED_REPEATS
     assert run["copy_gbps"]["samples"] == 4 * len(rows)
     assert run["copy_gbps"]["min"] <= run["copy_gbps"]["median"] <= run["copy_gbps"]["max"]
     assert len(lines) == 1 + len(rows) + 3 + (1 if HAVE_MPL else 0), r.stdout
@@ -125,6 +134,11 @@ def test_summary_geometric_mean_best_worst():
     assert "dispatch / combine at 10% / 100% of copy bandwidth" in lines[0]
     assert "dispatch 8.0x (tokens=128) / 2.0x (tokens=64)" in lines[0]
     assert "dispatch vs copy 50% (tokens=128) / 2% (tokens=64)" in lines[0]
+    # shares paired repeat by repeat with the copy samples around them stand first
+    paired = dict(_row("normal", 64, 8.0, 2.0, 0.5), dispatch_copy_share=0.25,
+                  combine_copy_share=0.75)
+    assert bench.summarize([paired])[0].endswith("dispatch / combine at 25% / 75% of copy "
+                                                 "bandwidth")
 
 
 class _Tty(io.StringIO):
