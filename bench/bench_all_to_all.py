@@ -414,8 +414,9 @@ def run_cases(cases, iters, backend="host", *, launcher=run_ranks, on_row=None,
     """Run ``cases`` (dicts from build_cases) one after another and return their rows, in
     order. ``launcher(fn, n, *args, timeout=...)`` runs ``fn(rank, n, *args)`` on ``n`` ranks
     joined by a default process group and returns the per-rank results; the default,
-    moe_comm.testing.processes.run_ranks, forks local processes. A runner over several machines passes
-    its own. ``on_row(row)`` sees each row as soon as it is done; ``progress``: a Progress."""
+    moe_comm.testing.processes.run_ranks, forks local processes. A runner over several
+    machines passes its own. ``on_row(row)`` sees each row as soon as it is done;
+    ``progress``: a Progress."""
     rows = []
     for i, case in enumerate(cases):
         if progress is not None:
