@@ -13,8 +13,14 @@ from moe_comm.host import exchange, ll, native, reduce
 from moe_comm.quant import quantize_fp8
 from moe_comm.wire import LLLayout
 
-pytestmark = pytest.mark.skipif(native.library() is None,
+# where a compiler exists the library must build (the first test): a build that
+# fails fails these tests rather than skipping them
+pytestmark = pytest.mark.skipif(native._compiler() is None,
                                 reason="no C compiler: the host backend uses torch's loops")
+
+
+def test_the_library_builds_where_a_compiler_exists():
+    assert native.library() is not None, "host_ops.c did not build: see the log's warning"
 
 
 def _edge_values() -> torch.Tensor:
@@ -65,6 +71,8 @@ def test_fp8_cast_is_torchs_bit_for_bit(dtype, round_scale, cast_version):
 def _with_and_without(switch, request):
     """Run a test with a C loop's AVX-512 version (``switch``: its native switch; skipped
     where the CPU has none) and without it, and restore the setting after."""
+    if native.library() is None:
+        pytest.fail("the host backend's C library did not build (see its warning)")
     before = switch()
     if request.param and not before:
         pytest.skip("no AVX-512 here")
@@ -250,6 +258,29 @@ def test_sums_over_chunk_edges_strided_rows_and_signed_zeros(sum_version, hidden
     assert (results[0][tokens - 2] == 0).all()                        # no rows: 0
 
 
+@pytest.mark.parametrize("hidden", [176, 1040])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_sums_of_partial_chunks_nan_and_inf(sum_version, hidden, out_dtype, monkeypatch):
+    """Widths whose last chunk is 3 or 1 registers of 16 (the AVX-512 version's tails), into
+    either output dtype; NaN rows give 0x7FC0 in bf16 (the C rule: torch's vectorised cast
+    gives other NaN bits; rounding this NaN's payload would not), an infinite one inf."""
+    g = torch.Generator().manual_seed(hidden)
+    tokens = 12
+    segs = [(torch.randn(n, hidden, generator=g) * 3).bfloat16() for n in (12, 7)]
+    ids = [torch.arange(12), torch.arange(7) * 2 % 12]
+    segs[1][1, hidden - 1], segs[0][5, 100] = float("inf"), -0.0
+    segs[1][0, 5:6].view(torch.int16).fill_(0x7FFF)     # a NaN with payload bits
+    fast = native.sum_rows(segs, ids, tokens, out_dtype)
+    monkeypatch.setenv(native.ENV, "0")
+    slow = reduce.sum_rows_per_token(segs, ids, tokens, out_dtype)
+    nan = fast.isnan()
+    assert nan.sum() == 1 and nan[0, 5] and torch.isinf(fast[2, hidden - 1])
+    if out_dtype == torch.bfloat16:
+        assert fast[0, 5].view(torch.int16) == 0x7FC0
+    bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(fast[~nan].view(bits), slow[~nan].view(bits))
+
+
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_large_sums_stream_torchs_bits(sum_version, out_dtype, monkeypatch):
     """An output of 2 MiB or more is written with non-temporal stores (whole lines in the
@@ -264,6 +295,12 @@ def test_large_sums_stream_torchs_bits(sum_version, out_dtype, monkeypatch):
     slow = reduce.sum_rows_per_token(segs, ids, tokens, out_dtype, bias)
     assert torch.equal(fast.view(torch.uint8), slow.view(torch.uint8))
     assert torch.equal(fast[tokens - 4:], bias[0][tokens - 4:].to(out_dtype))
+    # into an out whose rows do not start on 64-byte lines: no non-temporal stores there
+    monkeypatch.setenv(native.ENV, "1")
+    flat = torch.full((tokens * hidden + 8,), 7.0, dtype=out_dtype)
+    out = flat[8:].view(tokens, hidden)
+    assert native.sum_rows(segs, ids, tokens, out_dtype, bias, out=out) is out
+    assert torch.equal(out.view(torch.uint8), slow.view(torch.uint8)) and (flat[:8] == 7).all()
 
 
 def test_sums_with_ids_past_the_tokens_write_nothing():

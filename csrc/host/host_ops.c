@@ -335,16 +335,17 @@ AVX512_SUM_TARGET static ALWAYS_INLINE void sum_token_avx512(const int64_t *addr
     const int64_t in_elem = bf16 ? 2 : 4;
     int64_t h0 = 0;
     for (; h0 < hidden; h0 += SUM_LANES) {
+        const int64_t n = hidden - h0 < SUM_LANES ? hidden - h0 : SUM_LANES;
         for (int64_t i = 0; i < next_rows; i++) {
             const char *p = (const char *)(intptr_t)next[i] + h0 * in_elem;
-            for (int64_t b = 0; b < SUM_LANES * in_elem; b += 64) __builtin_prefetch(p + b, 0, 3);
+            for (int64_t b = 0; b < n * in_elem; b += 64) __builtin_prefetch(p + b, 0, 3);
         }
-        if (hidden - h0 >= SUM_LANES)
+        if (n == SUM_LANES)
             sum_lanes_avx512(addr, wt, rows, bf16, weighted, bias_addr, num_bias, bias_at, h0,
                              SUM_LANES / 16, out, out_bf16, stream);
         else
             sum_lanes_avx512(addr, wt, rows, bf16, weighted, bias_addr, num_bias, bias_at, h0,
-                             (int)(hidden - h0) / 16, out, out_bf16, stream);
+                             (int)n / 16, out, out_bf16, stream);
     }
 }
 
@@ -413,7 +414,7 @@ MOE_CLONES void moe_sum_rows(const int64_t *row_addr, const float *weight, const
     const int stream = (size_t)(num_tokens * hidden) * out_elem >= STREAM_MIN_BYTES;
     uint8_t staged[SUM_CHUNK * 4] __attribute__((aligned(64)));
 #ifdef MOE_AVX512_STREAM
-    /* non-temporal stores of whole 32- or 64-byte pieces need out's rows aligned to them */
+    /* its non-temporal stores write whole 64-byte lines: out's rows must start on them */
     if (hidden % 16 == 0 && use_sum_avx512() &&
         (!stream || ((uintptr_t)out % 64 == 0 && (hidden * (int64_t)out_elem) % 64 == 0))) {
         sum_rows_avx512(row_addr, weight, first, bf16, hidden, num_tokens, bias_addr,
