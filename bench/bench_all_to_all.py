@@ -136,10 +136,11 @@ class _RankEnv:
         return self.spread[column][1]
 
     def timed_beside_copy(self, column, fn, iters, bar):
-        """timed() for moe_comm's own calls, with PAIRED_REPEATS repeats each between two
-        samples of ``bar`` (a CopyBar): ``paired[column]`` keeps (seconds per call, copy GB/s
-        around it) per repeat, from which _row forms the call's share of the bar repeat by
-        repeat."""
+        """As timed(), for moe_comm's own calls: after the same warm-up, PAIRED_REPEATS
+        repeats (not REPEATS), each between two samples of ``bar`` (a CopyBar), and an untimed
+        repeat before them (timed_with_copy_bar). ``paired[column]`` keeps (seconds per call,
+        copy GB/s around it) per repeat, from which _row forms the call's share of the bar
+        repeat by repeat."""
         fn()
         fn()
         calls = self.calls[column] = calls_to_time(fn, iters, self.device, MIN_REPEAT_S)
@@ -314,6 +315,7 @@ def _row(n, case, iters, env, baselines, y, recv_bytes, combine_bytes, wire_rati
                 dispatch_copy_share=statistics.median(shares["dispatch"]),
                 combine_copy_share=statistics.median(shares["combine"]),
                 paired={op: dict(shares=shares[op],
+                                 us=[sec * 1e6 for sec, _ in env.paired[f"{op}_us"]],
                                  copy_gbps=[g for _, g in env.paired[f"{op}_us"]])
                         for op in shares},
                 spread_us={c: dict(min=lo * 1e6, median=med * 1e6, max=hi * 1e6,

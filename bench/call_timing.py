@@ -125,9 +125,14 @@ class CopyBar:
     and a call and a bar timed a few seconds apart can land in different minutes. Copies of
     ``nbytes`` bytes, every rank at once, torch's copy and (on the CPU, where every rank has
     it) the non-temporal one, each a block of at least ``min_seconds``; a sample is the
-    faster of the two."""
+    faster of the two. Every rank copies the same bytes, the ranks' mean of ``nbytes``."""
 
     def __init__(self, nbytes, device, iters, min_seconds):
+        # every rank copies the ranks' mean: a sample's GB/s is then those bytes over the
+        # slowest rank's time, on every rank alike
+        mean = torch.tensor([float(nbytes)], dtype=torch.float64)
+        dist.all_reduce(mean)
+        nbytes = max(1, round(float(mean) / dist.get_world_size()))
         self.nbytes, self.device = nbytes, device
         src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
         dst = torch.empty_like(src)
@@ -139,6 +144,7 @@ class CopyBar:
             if streamed.item():
                 self.ways.append(lambda: native.copy_stream(dst, src))
         self.calls = [calls_to_time(way, iters, device, min_seconds) for way in self.ways]
+        self.local_sample()                 # untimed: see timed_spread (idle memory is slow)
 
     def local_sample(self):
         """This rank's seconds per copy, one block of each way (a collective: every rank
@@ -156,7 +162,8 @@ def timed_with_copy_bar(fn, calls, bar, repeats):
     """``repeats`` blocks of ``calls`` calls of ``fn()`` (block_seconds) with a copy bar
     sample (``bar``, a CopyBar) before the first and after each, every rank at once. Returns
     per block (seconds per call of the slowest rank, copy GB/s: the mean of the samples just
-    before and after it), the same on every rank."""
+    before and after it), the same on every rank. One untimed block first (timed_spread)."""
+    block_seconds(fn, calls, bar.device)
     samples, blocks = [bar.local_sample()], []
     for _ in range(repeats):
         blocks.append(block_seconds(fn, calls, bar.device))

@@ -64,9 +64,10 @@ def main():
     gen = torch.Generator().manual_seed(a.seed)
     L, P, R = a.experts, a.slots, a.ranks
     w = make_loads(a.layers, L, a.zipf, a.sigma, a.tokens, gen)
-    print(f"{a.layers} layers x {L} experts -> {P} slots on {R} ranks, {a.nodes} nodes, {a.groups} groups, "
-          f"{a.threads} thread(s)")
-    print(f"{'scenario':<34}{'bal mean':>9}{'bal min':>9}{'ms':>8}{'moved':>8}{'moved w/o old':>15}")
+    print(f"{a.layers} layers x {L} experts -> {P} slots on {R} ranks, {a.nodes} nodes, "
+          f"{a.groups} groups, {a.threads} thread(s)")
+    print(f"{'scenario':<34}{'bal mean':>9}{'bal min':>9}{'ms':>8}{'moved':>8}"
+          f"{'moved w/o old':>15}")
 
     def report(name, p2l, secs=None, active=None, old=None, fresh=None):
         bal = balancedness(w_now, p2l, R, active)
