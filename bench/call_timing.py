@@ -80,15 +80,8 @@ def calls_to_time(fn, iters, device, min_seconds, probe=3):
     barrier can take several times a call's time where ranks share cores (3-4 ms calls of 4
     ranks on 2 cores probed at over 10 ms), and a repeat sized by it was 10 calls, which it
     then weighed on."""
-    sync(device)
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(probe):
-        fn()
-    sync(device)
-    took = torch.tensor([(time.perf_counter() - t0) / probe], dtype=torch.float64)
-    dist.all_reduce(took, op=dist.ReduceOp.MAX)
-    return max(iters, min(int(min_seconds / max(float(took), 1e-9)) + 1, 100 * iters))
+    took = slowest_rank([block_seconds(fn, probe, device)])[0]
+    return max(iters, min(int(min_seconds / max(took, 1e-9)) + 1, 100 * iters))
 
 
 def timed_across_ranks(fn, iters, device, repeats=3):

@@ -65,6 +65,52 @@ static inline void load_row(const void *src, int dt, int64_t hidden, float *dst)
 #if defined(__x86_64__) && defined(__GNUC__)
 #define MOE_AVX512_STREAM 1
 #include <immintrin.h>
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+
+/* Whether the CPU has what the AVX-512 versions use: F (the copies), F/BW/VL/DQ (the fp8
+ * cast and the sums) */
+static int cpu_has_avx512f(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f");
+}
+
+static int cpu_has_avx512bw(void) {
+    __builtin_cpu_init();
+    return cpu_has_avx512f() && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+
+/* An AVX-512 version's setting: -1 until first asked (then whether the CPU has it), 0 off
+ * (a test's switch), 1 on */
+static inline int avx512_on(int *setting, int (*cpu_has)(void)) {
+    if (__builtin_expect(*setting < 0, 0)) *setting = cpu_has();
+    return *setting;
+}
+
+/* The tests' switch of a version (moe_stream_avx512, moe_sum_avx512, moe_fp8_avx512): on =
+ * 0 turns it off, 1 back on where the CPU has it, -1 only asks. Returns the setting now. */
+#define AVX512_SWITCH(name, setting, cpu_has) \
+    int name(int on) { \
+        if (on == 0) setting = 0; \
+        if (on == 1) setting = -1; \
+        return avx512_on(&setting, cpu_has); \
+    }
+
+/* 16 inputs (bf16 or float32) as float32 */
+AVX512_TARGET static inline __m512 load16(const void *x, int in_dt) {
+    if (in_dt == DT_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16));
+    return _mm512_loadu_ps((const float *)x);
+}
+#else
+#define AVX512_SWITCH(name, setting, cpu_has) \
+    int name(int on) { \
+        (void)on; \
+        return 0; \
+    }
+#endif
+#ifdef MOE_AVX512_STREAM
 
 /* copy_stream with 64-byte stores, each a whole line: a low-latency receive's pack of
  * 7 KB rows (4 ranks, 128 x 7168 fp8) took 7-12% less of the dispatch's time than with
@@ -81,30 +127,10 @@ __attribute__((target("avx512f"))) static void copy_stream_avx512(uint8_t *d, co
     memcpy(d + i, s + i, n - i);
 }
 
-/* -1: not asked yet; moe_stream_avx512 may turn it off (tests check both versions' bytes) */
+/* whether copy_stream uses 64-byte stores (tests check both versions' bytes) */
 static int stream_avx512 = -1;
-
-static inline int use_stream_avx512(void) {
-    if (__builtin_expect(stream_avx512 < 0, 0)) {
-        __builtin_cpu_init();
-        stream_avx512 = __builtin_cpu_supports("avx512f");
-    }
-    return stream_avx512;
-}
 #endif
-
-/* Whether copy_stream uses 64-byte stores: on = 0 turns them off, 1 back on where the CPU
- * has them, -1 only asks. Returns the setting now. */
-int moe_stream_avx512(int on) {
-#ifdef MOE_AVX512_STREAM
-    if (on == 0) stream_avx512 = 0;
-    if (on == 1) stream_avx512 = -1;
-    return use_stream_avx512();
-#else
-    (void)on;
-    return 0;
-#endif
-}
+AVX512_SWITCH(moe_stream_avx512, stream_avx512, cpu_has_avx512f)
 
 /* memcpy for output written once and not read back during the call: non-temporal stores
  * where the CPU has them (x86-64: SSE2, or AVX-512's whole lines), which skip reading the
@@ -113,7 +139,7 @@ int moe_stream_avx512(int on) {
  * ends with stream_done(). */
 static inline void copy_stream(uint8_t *d, const uint8_t *s, size_t n) {
 #ifdef MOE_AVX512_STREAM
-    if (use_stream_avx512()) {
+    if (avx512_on(&stream_avx512, cpu_has_avx512f)) {
         copy_stream_avx512(d, s, n);
         return;
     }
@@ -243,30 +269,12 @@ static ALWAYS_INLINE void sum_chunk(const int64_t *addr, const float *wt, int64_
  * term(row 0), + term(row 1), ..., + each bias; term = v or the rounded v * w. */
 #ifdef MOE_AVX512_STREAM
 #define SUM_LANES 128
-#define AVX512_SUM_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 
-/* -1: not asked yet; moe_sum_avx512 may turn it off (tests check both versions' bits) */
+/* whether the sums use it (tests check both versions' bits) */
 static int sum_avx512 = -1;
 
-static int use_sum_avx512(void) {
-    if (__builtin_expect(sum_avx512 < 0, 0)) {
-        __builtin_cpu_init();
-        sum_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                     __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-    }
-    return sum_avx512;
-}
-
-/* 16 channels of a bf16 or float32 row as float32 */
-AVX512_SUM_TARGET static inline __m512 sum_load16(const void *p, int bf16) {
-    if (bf16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-    return _mm512_loadu_ps((const float *)p);
-}
-
 /* f32_to_bf16 of 16 lanes: round to nearest even, NaN -> 0x7FC0 */
-AVX512_SUM_TARGET static inline __m256i sum_bf16_16(__m512 v) {
+AVX512_TARGET static inline __m256i sum_bf16_16(__m512 v) {
     const __m512i u = _mm512_castps_si512(v);
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(
@@ -279,7 +287,7 @@ AVX512_SUM_TARGET static inline __m256i sum_bf16_16(__m512 v) {
 
 /* Channels [h0, h0 + 16 * lanes) of one token's sum (sum_token_avx512), inlined with a
  * constant `lanes` for whole chunks so that the accumulators stay in registers. */
-AVX512_SUM_TARGET static ALWAYS_INLINE void sum_lanes_avx512(
+AVX512_TARGET static ALWAYS_INLINE void sum_lanes_avx512(
         const int64_t *addr, const float *wt, int64_t rows, int bf16, int weighted,
         const int64_t *bias_addr, int num_bias, int64_t bias_at, int64_t h0, const int lanes,
         void *out, int out_bf16, int stream) {
@@ -290,7 +298,7 @@ AVX512_SUM_TARGET static ALWAYS_INLINE void sum_lanes_avx512(
         const char *row = (const char *)(intptr_t)addr[i] + h0 * in_elem;
         const __m512 w = _mm512_set1_ps(weighted ? wt[i] : 1.0f);
         for (int j = 0; j < lanes; j++) {
-            __m512 v = sum_load16(row + j * 16 * in_elem, bf16);
+            __m512 v = load16(row + j * 16 * in_elem, bf16 ? DT_BF16 : DT_F32);
             if (weighted) v = _mm512_mul_ps(v, w);
             acc[j] = _mm512_add_ps(acc[j], v);
         }
@@ -326,7 +334,7 @@ AVX512_SUM_TARGET static ALWAYS_INLINE void sum_lanes_avx512(
  * addr (weights wt when weighted), then the float32 biases (bias_at elements into each).
  * stream: non-temporal stores (out's row aligned for them). next: the next token's rows, to
  * prefetch chunk by chunk. */
-AVX512_SUM_TARGET static ALWAYS_INLINE void sum_token_avx512(const int64_t *addr, const float *wt,
+AVX512_TARGET static ALWAYS_INLINE void sum_token_avx512(const int64_t *addr, const float *wt,
                                                int64_t rows, int bf16, int weighted,
                                                const int64_t *bias_addr, int num_bias,
                                                int64_t bias_at, int64_t hidden, void *out,
@@ -351,7 +359,7 @@ AVX512_SUM_TARGET static ALWAYS_INLINE void sum_token_avx512(const int64_t *addr
 
 /* moe_sum_rows with sum_token_avx512, one loop per input dtype and weighting (constant
  * flags: no branches in the channel loops). */
-AVX512_SUM_TARGET static void sum_rows_avx512(const int64_t *row_addr, const float *weight,
+AVX512_TARGET static void sum_rows_avx512(const int64_t *row_addr, const float *weight,
                                               const int64_t *first, int bf16, int64_t hidden,
                                               int64_t num_tokens, const int64_t *bias_addr,
                                               int num_bias, void *out, int out_bf16,
@@ -375,18 +383,7 @@ AVX512_SUM_TARGET static void sum_rows_avx512(const int64_t *row_addr, const flo
 }
 #endif
 
-/* Whether the per-token sums use the AVX-512 version: on = 0 turns it off, 1 back on where
- * the CPU has it, -1 only asks. Returns the setting now. */
-int moe_sum_avx512(int on) {
-#ifdef MOE_AVX512_STREAM
-    if (on == 0) sum_avx512 = 0;
-    if (on == 1) sum_avx512 = -1;
-    return use_sum_avx512();
-#else
-    (void)on;
-    return 0;
-#endif
-}
+AVX512_SWITCH(moe_sum_avx512, sum_avx512, cpu_has_avx512bw)
 
 /* GCC's unroll-and-jam (-O3) merged two passes of sum_chunk's row-pair loop into one scalar
  * loop over four rows wherever a token has more than 7 (every token of a top-8 low-latency
@@ -415,7 +412,7 @@ MOE_CLONES void moe_sum_rows(const int64_t *row_addr, const float *weight, const
     uint8_t staged[SUM_CHUNK * 4] __attribute__((aligned(64)));
 #ifdef MOE_AVX512_STREAM
     /* its non-temporal stores write whole 64-byte lines: out's rows must start on them */
-    if (hidden % 16 == 0 && use_sum_avx512() &&
+    if (hidden % 16 == 0 && avx512_on(&sum_avx512, cpu_has_avx512bw) &&
         (!stream || ((uintptr_t)out % 64 == 0 && (hidden * (int64_t)out_elem) % 64 == 0))) {
         sum_rows_avx512(row_addr, weight, first, bf16, hidden, num_tokens, bias_addr,
                         num_bias, out, out_bf16, stream);
@@ -562,18 +559,8 @@ static inline uint8_t f32_to_e4m3(float v) {
  * divides: the divider is not what bounds it (a multiplication by 1 / s saved 10%, and made
  * exact - with a check near rounding edges, or one FMA correction - it was slower); the
  * operations per lane are, and e4m3_16_normal has fewer. */
-#if defined(__x86_64__) && defined(__GNUC__)
+#ifdef MOE_AVX512_STREAM
 #define MOE_AVX512_CAST 1
-#include <immintrin.h>
-#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
-
-/* 16 inputs (bf16 or float32) as float32 */
-AVX512_TARGET static inline __m512 load16(const void *x, int in_dt) {
-    if (in_dt == DT_BF16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16));
-    return _mm512_loadu_ps((const float *)x);
-}
 
 /* f32_to_e4m3 of clamp(q, -448, 448) for 16 lanes, as bytes: the clamp on the magnitude's
  * bits (448 = 0x43E00000; a NaN's bits lie above it, and it is replaced by 0x7F anyway) */
@@ -639,31 +626,10 @@ AVX512_TARGET static void cast_row_avx512(const void *x, int in_dt, int64_t hidd
     }
 }
 
-/* -1: not asked yet; moe_fp8_avx512 may turn it off (tests check both versions' bits) */
-static int use_avx512 = -1;
-
-static int has_avx512(void) {
-    if (use_avx512 < 0) {
-        __builtin_cpu_init();
-        use_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                     __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-    }
-    return use_avx512;
-}
+/* whether moe_fp8_cast uses it (tests check both versions' bits) */
+static int cast_avx512 = -1;
 #endif
-
-/* Whether moe_fp8_cast uses the AVX-512 version: on = 0 turns it off, 1 back on where the
- * CPU has it, -1 only asks. Returns the setting now. */
-int moe_fp8_avx512(int on) {
-#ifdef MOE_AVX512_CAST
-    if (on == 0) use_avx512 = 0;
-    if (on == 1) use_avx512 = -1;
-    return has_avx512();
-#else
-    (void)on;
-    return 0;
-#endif
-}
+AVX512_SWITCH(moe_fp8_avx512, cast_avx512, cpu_has_avx512bw)
 
 /* out[t, c] = e4m3(clamp(x[t, c] / scales[t, c / 128], -448, 448)); out rows out_stride
  * bytes apart (a message row), x rows x_stride elements apart. With scales_at >= 0 the row's
@@ -674,7 +640,7 @@ MOE_CLONES void moe_fp8_cast(const void *x, int in_dt, int64_t num_tokens, int64
     const int64_t groups = hidden / FP8_BLOCK;
     const size_t elem = in_dt == DT_BF16 ? 2 : 4;
 #ifdef MOE_AVX512_CAST
-    if (has_avx512()) {
+    if (avx512_on(&cast_avx512, cpu_has_avx512bw)) {
         for (int64_t t = 0; t < num_tokens; t++) {
             uint8_t *o = out + t * out_stride;
             cast_row_avx512((const char *)x + t * x_stride * elem, in_dt, hidden,
