@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import socket
 import time
@@ -67,7 +68,10 @@ def run_ranks(fn, n, *args, timeout=120.0, expect_exit=()):
             break
         if all(not p.is_alive() for p in procs) and queue.empty():
             break
-        time.sleep(0.005)
+        # asleep until a result comes or a rank ends (not a poll every few ms: the ranks of
+        # a benchmark share the cores with this process)
+        mp.connection.wait([queue._reader, *(p.sentinel for p in procs)],
+                           timeout=min(1.0, max(0.0, deadline - time.monotonic())))
     for p in procs:
         p.join(timeout=max(0.1, deadline - time.monotonic()))
         if p.is_alive():
