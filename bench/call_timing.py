@@ -92,23 +92,28 @@ def timed_across_ranks(fn, iters, device, repeats=3):
 def copy_gbps(nbytes, device, time_call):
     """GB/s (1e9 B/s) of copying ``nbytes`` from one buffer on ``device`` to another;
     ``time_call(fn)`` says how many seconds one call of fn takes (seconds_per_call for one
-    process, timed_across_ranks for all ranks copying at once). On the CPU the faster of
-    torch's copy and a copy with non-temporal stores (native.copy_stream): the host backend
-    writes a large dispatch's payload that way, which beat torch's copy by up to a fifth with
-    two ranks copying at once (13 against 10.5-11 GB/s), so torch's alone is no upper bound."""
+    process, timed_across_ranks for all ranks copying at once). The faster of copy_ways."""
+    return nbytes / min(time_call(way) for way in copy_ways(nbytes, device)) / 1e9
+
+
+def copy_ways(nbytes, device):
+    """Copies of ``nbytes`` from one new buffer on ``device`` to another, as functions: torch's,
+    and on the CPU one with non-temporal stores (native.copy_stream). The host backend writes
+    a large dispatch's payload that way, which beat torch's copy by up to a fifth with two
+    ranks copying at once (13 against 10.5-11 GB/s), so torch's alone is no upper bound. In a
+    process group every rank gets the same ways (the callers time them as collectives)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
     dst = torch.empty_like(src)
     dst.copy_(src)                          # first touch of dst: not what a copy costs
-    plain = nbytes / time_call(lambda: dst.copy_(src)) / 1e9
+    ways = [lambda: dst.copy_(src)]
     if device.type != "cpu":
-        return plain
+        return ways
     streamed = torch.tensor([int(native.library() is not None)])
     if dist.is_available() and dist.is_initialized():
-        # time_call may be a collective: every rank times the streamed copy, or none does
         dist.all_reduce(streamed, op=dist.ReduceOp.MIN)
-    if not streamed.item():
-        return plain
-    return max(plain, nbytes / time_call(lambda: native.copy_stream(dst, src)) / 1e9)
+    if streamed.item():
+        ways.append(lambda: native.copy_stream(dst, src))
+    return ways
 
 
 class CopyBar:
@@ -116,9 +121,9 @@ class CopyBar:
     each of the call's repeats has copy samples taken just before and after it
     (timed_with_copy_bar): the machine's copy bandwidth swings several-fold within seconds,
     and a call and a bar timed a few seconds apart can land in different minutes. Copies of
-    ``nbytes`` bytes, every rank at once, torch's copy and (on the CPU, where every rank has
-    it) the non-temporal one, each a block of at least ``min_seconds``; a sample is the
-    faster of the two. Every rank copies the same bytes, the ranks' mean of ``nbytes``."""
+    ``nbytes`` bytes, every rank at once (copy_ways), each a block of at least
+    ``min_seconds``; a sample is the faster way. Every rank copies the same bytes, the ranks'
+    mean of ``nbytes``."""
 
     def __init__(self, nbytes, device, iters, min_seconds):
         # every rank copies the ranks' mean: a sample's GB/s is then those bytes over the
@@ -127,15 +132,7 @@ class CopyBar:
         dist.all_reduce(mean)
         nbytes = max(1, round(float(mean) / dist.get_world_size()))
         self.nbytes, self.device = nbytes, device
-        src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
-        dst = torch.empty_like(src)
-        dst.copy_(src)                      # first touch of dst: not what a copy costs
-        self.ways = [lambda: dst.copy_(src)]
-        if device.type == "cpu":
-            streamed = torch.tensor([int(native.library() is not None)])
-            dist.all_reduce(streamed, op=dist.ReduceOp.MIN)
-            if streamed.item():
-                self.ways.append(lambda: native.copy_stream(dst, src))
+        self.ways = copy_ways(nbytes, device)
         self.calls = [calls_to_time(way, iters, device, min_seconds) for way in self.ways]
         self.local_sample()                 # untimed: see timed_spread (idle memory is slow)
 

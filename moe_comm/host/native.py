@@ -334,30 +334,29 @@ def quantize_fp8(x: torch.Tensor, round_scale: bool, out: torch.Tensor,
     return scales
 
 
-def fp8_avx512(on: bool | None = None) -> bool:
-    """Whether the fp8 cast runs its AVX-512 version (where the CPU has it); ``on=False``
-    turns it off, ``True`` back on (tests check the bits of both versions)."""
-    switch = library().moe_fp8_avx512          # a test hook: typed here, not in _SIGNATURES
+def _avx512_switch(symbol: str, on: bool | None) -> bool:
+    """A C loop's AVX-512 switch (a test hook: typed here, not in _SIGNATURES): ``on=False``
+    turns the version off, ``True`` back on where the CPU has it, None only asks."""
+    switch = getattr(library(), symbol)
     switch.argtypes, switch.restype = (ctypes.c_int,), ctypes.c_int
     return bool(switch(-1 if on is None else int(on)))
+
+
+def fp8_avx512(on: bool | None = None) -> bool:
+    """Whether the fp8 cast runs its AVX-512 version (tests check the bits of both)."""
+    return _avx512_switch("moe_fp8_avx512", on)
 
 
 def stream_avx512(on: bool | None = None) -> bool:
     """Whether the non-temporal copies (copy_stream and the large receives' rows) store whole
-    64-byte lines with AVX-512 (where the CPU has it); ``on=False`` turns that off, ``True``
-    back on (tests check the bytes of both versions)."""
-    switch = library().moe_stream_avx512       # a test hook: typed here, not in _SIGNATURES
-    switch.argtypes, switch.restype = (ctypes.c_int,), ctypes.c_int
-    return bool(switch(-1 if on is None else int(on)))
+    64-byte lines with AVX-512 (tests check the bytes of both versions)."""
+    return _avx512_switch("moe_stream_avx512", on)
 
 
 def sum_avx512(on: bool | None = None) -> bool:
     """Whether the per-token sums (sum_rows, the combines' sums) run their AVX-512 version
-    (where the CPU has it); ``on=False`` turns it off, ``True`` back on (tests check the bits
-    of both versions)."""
-    switch = library().moe_sum_avx512          # a test hook: typed here, not in _SIGNATURES
-    switch.argtypes, switch.restype = (ctypes.c_int,), ctypes.c_int
-    return bool(switch(-1 if on is None else int(on)))
+    (tests check the bits of both)."""
+    return _avx512_switch("moe_sum_avx512", on)
 
 
 def copy_rows(src: torch.Tensor, src_rows, dst: torch.Tensor, dst_rows) -> None:
