@@ -278,7 +278,8 @@ def eager_slot_bytes(num_ranks: int) -> int:
     (Calls that fit go as small calls, host/small.py: at 64 x 7168 on 2 ranks about 2x
     faster than granted regions. With 1 MiB slots a 2-rank 512 x 1024 call just missed them,
     and its dispatch took 774 us, against MPICH's 704; with 2 MiB a 2-rank 1024 x 1024
-    dispatch did, 505-533 us against 224-476 with 4 MiB, calls of each alternating.)"""
+    dispatch did, 505-533 us against 224-476 with 4 MiB, calls of each alternating. Since
+    granted calls run in C, a large dispatch on one host fills less of a slot: eager.room.)"""
     return round_up(max(16 << 10, min((4 << 20) + PAGE, (8 << 20) // max(1, num_ranks))),
                     PAGE)
 

@@ -137,7 +137,8 @@ class DirectCalls:
                                    handle_id=0)
             row_bytes = hidden * dtype.itemsize
             found = self.shapes[key] = (row, row.ctypes.data, row_bytes,
-                                        *small._max_rows(self.comm, row_bytes, 0, topk))
+                                        *small._max_rows(self.comm, row_bytes, 0, topk,
+                                                         "dispatch"))
             self._scratch(num_experts // self.comm.num_ranks, 1, 1)
         return found
 
@@ -245,7 +246,7 @@ class DirectCalls:
                 x.is_contiguous() and x.is_cpu):
             return None
         row_bytes, num_recv = H * dtype.itemsize, handle.num_recv_tokens
-        slot_rows, heap_rows = small._max_rows(self.comm, row_bytes, 0, 0)
+        slot_rows, heap_rows = small._max_rows(self.comm, row_bytes, 0, 0, "dispatch")
         call_row = signature.normal("cached dispatch", hidden=H, dtype=dtype, scale_cols=0,
                                     topk=0, num_experts=0, num_worst_tokens=0,
                                     handle_id=handle.call_id)
@@ -287,7 +288,7 @@ class DirectCalls:
                 return None
             K = w.shape[1]
         row_bytes = H * dtype.itemsize
-        slot_rows, heap_rows = small._max_rows(comm, row_bytes, 0, K)
+        slot_rows, heap_rows = small._max_rows(comm, row_bytes, 0, K, "combine")
         call_row = signature.normal("combine", hidden=H, dtype=dtype, scale_cols=0, topk=K,
                                     num_experts=0, num_worst_tokens=0, handle_id=handle.call_id)
         ids, first = small.handle_ids(handle)

@@ -182,7 +182,8 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
                   num_local)
 
     def send_eagerly(counts, ids_to):     # rows that fit a slot, before anything else
-        fit = eager.pairs(comm, counts[None, :], row_bytes, scale_cols, topk, eager_on)[0]
+        fit = eager.pairs(comm, counts[None, :], row_bytes, scale_cols, topk, eager_on,
+                          "dispatch")[0]
         dests = [d for d in _rotation(me, R) if fit[d] and comm.active[d]]
         def write(d, base):
             lay = SlabLayout(int(counts[d]), row_bytes, scale_cols, topk)
@@ -242,7 +243,8 @@ def dispatch(comm, *, x_bytes, dtype, hidden, scales, topk_idx, topk_weights, la
                                 call_id=epoch)
     handle = handle.without_inactive(comm.active, me)
     matrix, send_ids = handle.count_matrix, handle.send_token_ids
-    eagerly = eager.pairs(comm, matrix, row_bytes, scale_cols, topk, eager_on)   # [s, d]
+    eagerly = eager.pairs(comm, matrix, row_bytes, scale_cols, topk, eager_on,
+                          "dispatch")   # [s, d]
     recv_rows = matrix.sum(0)
     rows_at = [max(int(recv_rows[d]), num_worst_tokens) for d in range(R)]
     plan = RoundPlan(matrix, rows_at, [stream_chunk_rows(
@@ -567,7 +569,8 @@ def combine(comm, *, x, handle, topk_weights, bias, aborted=False):
 
     # rows that fit an eager slot go first, without a grant (eager.py); then the signature
     eagerly = eager.pairs(comm, matrix.T, row_bytes, 0, topk,
-                          comm.eager_slot > 0 and _relays(comm) is None)    # [expert, owner]
+                          comm.eager_slot > 0 and _relays(comm) is None,
+                          "combine")    # [expert, owner]
     def write_eagerly(o, base):
         lay = SlabLayout(int(matrix[o, me]), row_bytes, 0, topk)
         put_back(o, base, lay, 0, int(matrix[:o, me].sum()), int(matrix[o, me]))

@@ -129,28 +129,31 @@ def addresses(comm) -> Addresses:
     return found
 
 
-def _max_rows(comm, row_bytes: int, scale_cols: int, topk: int):
-    """The most rows of that shape an eager slot holds, and a region of the whole heap."""
-    key = (row_bytes, scale_cols, topk)
+def _max_rows(comm, row_bytes: int, scale_cols: int, topk: int, op: str):
+    """The most rows of that shape of ``op`` ("dispatch" or "combine") an eager slot takes
+    (eager.room), and a region of the whole heap."""
+    key = (row_bytes, scale_cols, topk, op)
     cache = addresses(comm).max_rows
     if key not in cache:
-        cache[key] = (eager.max_rows(comm.eager_slot - PAGE, row_bytes, scale_cols, topk),
+        cache[key] = (eager.max_rows(eager.room(comm, op), row_bytes, scale_cols, topk),
                       eager.max_rows(comm.heap_bytes, row_bytes, scale_cols, topk))
     return cache[key]
 
 
 def fits(comm, counts: np.ndarray, row_bytes: int, scale_cols: int, topk: int) -> bool:
-    """Whether every count (of a row or a matrix) fits an eager slot (eager.pairs)."""
-    return int(counts.max(initial=0)) <= _max_rows(comm, row_bytes, scale_cols, topk)[0]
+    """Whether every count (of a row or a matrix) of a dispatch fits an eager slot
+    (eager.pairs)."""
+    return int(counts.max(initial=0)) <= _max_rows(comm, row_bytes, scale_cols, topk,
+                                                   "dispatch")[0]
 
 
 def _in_slots(comm, matrix: np.ndarray, received: np.ndarray, row_bytes: int,
-              scale_cols: int, topk: int) -> bool:
+              scale_cols: int, topk: int, op: str) -> bool:
     """Whether the Python protocol would grant nothing anywhere for this call: every pair
     of ``matrix`` fits a slot (eager.pairs), and every rank's ``received`` rows fit its heap
     in one region (normal.RoundPlan: one round, nothing refused, no more epochs taken).
     The same on every rank."""
-    slot_rows, heap_rows = _max_rows(comm, row_bytes, scale_cols, topk)
+    slot_rows, heap_rows = _max_rows(comm, row_bytes, scale_cols, topk, op)
     return int(matrix.max(initial=0)) <= slot_rows and \
         int(received.max(initial=0)) <= heap_rows
 
@@ -158,7 +161,7 @@ def _in_slots(comm, matrix: np.ndarray, received: np.ndarray, row_bytes: int,
 def dispatch_in_slots(comm, matrix: np.ndarray, row_bytes: int, scale_cols: int,
                       topk: int) -> bool:
     """Whether a dispatch of count matrix ``matrix`` goes all in eager slots (_in_slots)."""
-    return _in_slots(comm, matrix, matrix.sum(0), row_bytes, scale_cols, topk)
+    return _in_slots(comm, matrix, matrix.sum(0), row_bytes, scale_cols, topk, "dispatch")
 
 
 def combine_in_slots(comm, matrix: np.ndarray, dtype, row_bytes: int, topk: int,
@@ -166,8 +169,9 @@ def combine_in_slots(comm, matrix: np.ndarray, dtype, row_bytes: int, topk: int,
     """Whether a combine on a dispatch of ``matrix`` goes all in eager slots (_in_slots:
     owner o gets back the ``matrix[o].sum()`` rows it sent) and its sum runs in C (bf16 or
     float32 rows, contiguous float32 biases)."""
-    return dtype in SUM_DTYPES and _in_slots(comm, matrix, matrix.sum(1), row_bytes, 0, topk) \
-        and all(b.dtype == torch.float32 and b.is_contiguous() for b in biases)
+    return dtype in SUM_DTYPES and \
+        _in_slots(comm, matrix, matrix.sum(1), row_bytes, 0, topk, "combine") and \
+        all(b.dtype == torch.float32 and b.is_contiguous() for b in biases)
 
 
 def _ptr(t) -> int:
@@ -331,7 +335,8 @@ def start_combine(comm, epoch: int, parity: int, call_row: np.ndarray, matrix: n
     comm.check_fence()
     a.lib.moe_small_combine_start(a.p_context, parity, call_parity, epoch, count.ctypes.data,
                                   x.data_ptr(), row_bytes, _ptr(topk_weights), K,
-                                  call_row.ctypes.data, _max_rows(comm, row_bytes, 0, K)[0])
+                                  call_row.ctypes.data,
+                                  _max_rows(comm, row_bytes, 0, K, "combine")[0])
     return call_parity
 
 
