@@ -119,6 +119,20 @@ def test_small_calls_match_the_reference_beside_the_python_protocol(n, python_ra
             assert counts["receive_combine"] == len(cases) - 1, (rank, counts)
 
 
+def test_a_dispatch_beyond_its_share_of_a_slot_is_granted_its_combine_goes_in_slots():
+    """On one host a dispatch pair goes through a slot only up to 16 MiB / R^2 (eager.room:
+    1 MiB on 4 ranks), a combine's up to the slot (2 MiB): 100 tokens of H=7168 (~91 rows of
+    14 KiB a pair, 1.3 MB) dispatch through granted regions, fresh and cached, and come back
+    through the slots, summed in C from a handle the granted dispatch made."""
+    n = 4
+    case = dict(seed=7, tokens=[100] * n, hidden=7168, experts=4 * n, topk=4,
+                routing="random", dtype="bfloat16", bias=False, alignment=1, worst=0)
+    results = run_ranks(_rank, n, [case], (), timeout=120)
+    check_normal(n, [case], [r[0] for r in results])
+    for rank, (_, counts) in enumerate(results):
+        assert counts == {"handed on": 1, "receive_combine": 1}, (rank, counts)
+
+
 def test_strided_routing_tensors_match_the_reference():
     n = 2
     cases = _cases(n)[:2]
