@@ -25,12 +25,7 @@ transport (MPI_Alltoall for counts and equal parts, MPI_Alltoallv for uneven one
 mpi_exchange.py). When mpi4py can be imported, the ranks are started by MPICH's
 ``mpiexec -n R`` instead of being forked (mpi_ranks.py), and each rank builds its gloo group
 from MPI's rank and size, so moe_comm and both baselines run in the same processes on the same
-data. Its calls are timed beside moe_comm's: a block of MPI's after each of moe_comm's 5
-repeats (and the copy sample that follows it), so the two are timed within a second of each
-other whatever the machine does from one minute to the next; the summary's speed-up over MPI
-is the median over the repeats of each pair of blocks (``mpi_dispatch_speedup``,
-``mpi_combine_speedup``; each block's time in ``paired``), the columns the medians of the
-blocks. Without mpi4py (or with --hosts) the MPI columns are None and a note says why.
+data. Without mpi4py (or with --hosts) the MPI columns are None and a note says why.
 
 GB/s follow DeepEP's convention: real payload bytes a rank receives in dispatch (and sends
 back in combine) divided by the call's time. ``copy_gbps`` is what one process copies per
@@ -140,30 +135,18 @@ class _RankEnv:
         self.spread[column] = timed_spread(fn, calls, self.device, REPEATS)
         return self.spread[column][1]
 
-    def timed_beside_copy(self, column, fn, iters, bar, beside=None):
+    def timed_beside_copy(self, column, fn, iters, bar):
         """As timed(), for moe_comm's own calls: after the same warm-up, PAIRED_REPEATS
         repeats (not REPEATS), each between two samples of ``bar`` (a CopyBar), and an untimed
         repeat before them (timed_with_copy_bar). ``paired[column]`` keeps (seconds per call,
         copy GB/s around it) per repeat, from which _row forms the call's share of the bar
-        repeat by repeat. ``beside``: (its column, fn2), the MPI baseline's same call, timed
-        in a block after each of fn's (its own warm-up and calls_to_time first):
-        ``paired[column]`` then holds its seconds per call third, and its column's spread
-        and calls are kept as timed() keeps them."""
+        repeat by repeat."""
         fn()
         fn()
         calls = self.calls[column] = calls_to_time(fn, iters, self.device, MIN_REPEAT_S)
-        other = None
-        if beside is not None:
-            other_column, fn2 = beside
-            fn2()
-            fn2()
-            other = fn2, calls_to_time(fn2, iters, self.device, MIN_REPEAT_S)
-            self.calls[other_column] = other[1]
-        pairs = self.paired[column] = timed_with_copy_bar(fn, calls, bar, PAIRED_REPEATS,
-                                                          other)
-        for col, at in [(column, 0)] + ([] if beside is None else [(beside[0], 2)]):
-            times = [p[at] for p in pairs]
-            self.spread[col] = min(times), statistics.median(times), max(times)
+        pairs = self.paired[column] = timed_with_copy_bar(fn, calls, bar, PAIRED_REPEATS)
+        times = [t for t, _ in pairs]
+        self.spread[column] = min(times), statistics.median(times), max(times)
         return self.spread[column][1]
 
     def copy_bar(self, nbytes, iters):
@@ -259,33 +242,27 @@ def _run_ll(rank, n, case, iters, env):
     msgs = int(state["out"][1].sum())
     recv_bytes = msgs * token_bytes(h, fp8)
     bar = env.copy_bar(recv_bytes, iters)
-    mpi = _mpi(env, lambda a2a: _ll_baseline(x, idx, w, e, t, fp8, a2a))
     env.sample_copy(recv_bytes, iters)                  # copy samples around each column
-    env.timed_beside_copy("dispatch_us", dispatch, iters, bar, _beside(mpi, "dispatch"))
+    env.timed_beside_copy("dispatch_us", dispatch, iters, bar)
     env.sample_copy(recv_bytes, iters)
     recv_x, recv_count, handle, _, _ = state["out"]
     y = torch.randn(e // n, n * t, h).bfloat16().to(env.device)
     env.timed_beside_copy("combine_us", lambda: buf.low_latency_combine(y, idx, w, handle),
-                          iters, bar, _beside(mpi, "combine", y))
+                          iters, bar)
     combine_bytes = msgs * 2 * h
     env.sample_copy(recv_bytes, iters)
     buf.destroy()
-    baselines = {"baseline_": _ll_baseline(x, idx, w, e, t, fp8, env.a2a)}
+    baselines = {prefix: _ll_baseline(x, idx, w, e, t, fp8, a2a)
+                 for prefix, a2a in _baseline_transports(env)}
     return _row(n, case, iters, env, baselines, y, recv_bytes, combine_bytes)
 
 
-def _mpi(env, make):
-    """The MPI baseline's (dispatch, combine), ``make(a2a)`` over MPI_COMM_WORLD, when
-    mpiexec started the ranks (else None): timed beside moe_comm's own calls, block after
-    block (_beside), not after them as the torch.distributed baseline is."""
-    return None if env.mpi_a2a is None else make(env.mpi_a2a)
-
-
-def _beside(mpi, op, *args):
-    """timed_beside_copy's ``beside`` for ``op`` of the MPI baseline ``mpi`` (or None)."""
-    if mpi is None:
-        return None
-    return f"mpi_{op}_us", mpi[0] if op == "dispatch" else functools.partial(mpi[1], *args)
+def _baseline_transports(env):
+    """(column prefix, all_to_all) of each baseline this rank can run: torch.distributed's,
+    and MPI's when mpiexec started the ranks."""
+    yield "baseline_", env.a2a
+    if env.mpi_a2a is not None:
+        yield "mpi_", env.mpi_a2a
 
 
 def _wire_ratio(n, per_host, step, row_bytes, iters):
@@ -311,9 +288,7 @@ def _wire_ratio(n, per_host, step, row_bytes, iters):
 def _row(n, case, iters, env, baselines, y, recv_bytes, combine_bytes, wire_ratio=None):
     """Time the baselines (one copy bandwidth sample after each) in the same run, then build
     the table row (bytes averaged over ranks, times of the slowest rank, copy samples averaged
-    over ranks). ``baselines``: {column prefix: (dispatch, combine)}; the MPI baseline's
-    calls were timed beside moe_comm's (_beside): its speed-ups are the median over the
-    repeats of each pair of blocks (``mpi_dispatch_speedup``, ``mpi_combine_speedup``)."""
+    over ranks). ``baselines``: {column prefix: (dispatch, combine)}."""
     for prefix, (b_dispatch, b_combine) in baselines.items():
         env.timed(prefix + "dispatch_us", b_dispatch, iters)
         env.timed(prefix + "combine_us", functools.partial(b_combine, y), iters)
@@ -324,13 +299,8 @@ def _row(n, case, iters, env, baselines, y, recv_bytes, combine_bytes, wire_rati
     copies = [sum(ss) / n for ss in zip(*(s[2] for s in stats))]
     us = {c: lo_med_hi[1] * 1e6 for c, lo_med_hi in env.spread.items()}
     # each repeat of moe_comm's calls against the copy samples just around it
-    shares = {op: [mean(i) / sec / 1e9 / gbps for sec, gbps, *_ in env.paired[f"{op}_us"]]
+    shares = {op: [mean(i) / sec / 1e9 / gbps for sec, gbps in env.paired[f"{op}_us"]]
               for i, op in enumerate(("dispatch", "combine"))}
-    # the MPI baseline's block after each of moe_comm's (None where it did not run)
-    mpi = {op: [p[2] for p in env.paired[f"{op}_us"]] if len(env.paired[f"{op}_us"][0]) > 2
-           else None for op in shares}
-    speedups = {op: None if mpi[op] is None else statistics.median(
-        m / p[0] for m, p in zip(mpi[op], env.paired[f"{op}_us"])) for op in shares}
     return dict(case_columns(case), dispatch_us=us["dispatch_us"], combine_us=us["combine_us"],
                 dispatch_gbps=mean(0) / us["dispatch_us"] / 1e3,
                 combine_gbps=mean(1) / us["combine_us"] / 1e3,
@@ -341,16 +311,12 @@ def _row(n, case, iters, env, baselines, y, recv_bytes, combine_bytes, wire_rati
                 dispatch_copy_gbps=(copies[0] + copies[1]) / 2,
                 combine_copy_gbps=(copies[1] + copies[2]) / 2,
                 mpi_dispatch_us=us.get("mpi_dispatch_us"), mpi_combine_us=us.get("mpi_combine_us"),
-                mpi_dispatch_speedup=speedups["dispatch"],
-                mpi_combine_speedup=speedups["combine"],
                 copy_gbps_samples=copies, copy_gbps_min=min(copies), copy_gbps_max=max(copies),
                 dispatch_copy_share=statistics.median(shares["dispatch"]),
                 combine_copy_share=statistics.median(shares["combine"]),
                 paired={op: dict(shares=shares[op],
-                                 us=[p[0] * 1e6 for p in env.paired[f"{op}_us"]],
-                                 copy_gbps=[p[1] for p in env.paired[f"{op}_us"]],
-                                 **({} if mpi[op] is None else
-                                    dict(mpi_us=[sec * 1e6 for sec in mpi[op]])))
+                                 us=[sec * 1e6 for sec, _ in env.paired[f"{op}_us"]],
+                                 copy_gbps=[g for _, g in env.paired[f"{op}_us"]])
                         for op in shares},
                 spread_us={c: dict(min=lo * 1e6, median=med * 1e6, max=hi * 1e6,
                                    calls=env.calls[c])
@@ -373,14 +339,12 @@ def _run_normal(rank, n, case, iters, env):
     recv_bytes = sum(t.numel() * t.element_size()
                      for t in (recv_x if isinstance(recv_x, tuple) else (recv_x,)))
     bar = env.copy_bar(recv_bytes, iters)
-    mpi = _mpi(env, lambda a2a: _baseline(x, idx, w, itr, ntr, a2a))
     env.sample_copy(recv_bytes, iters)                  # copy samples around each column
-    env.timed_beside_copy("dispatch_us", dispatch, iters, bar, _beside(mpi, "dispatch"))
+    env.timed_beside_copy("dispatch_us", dispatch, iters, bar)
     env.sample_copy(recv_bytes, iters)
     recv_x, _, recv_w, _, handle, _ = state["out"]
     y = (recv_x[0].float() if isinstance(recv_x, tuple) else recv_x.float()).bfloat16()
-    env.timed_beside_copy("combine_us", lambda: buf.combine(y, handle), iters, bar,
-                          _beside(mpi, "combine", y))
+    env.timed_beside_copy("combine_us", lambda: buf.combine(y, handle), iters, bar)
     combine_bytes = y.numel() * y.element_size()
     env.sample_copy(recv_bytes, iters)
     wire = None
@@ -391,7 +355,8 @@ def _run_normal(rank, n, case, iters, env):
                            iters)
     del state["out"], recv_x, recv_w
     buf.destroy()
-    baselines = {"baseline_": _baseline(x, idx, w, itr, ntr, env.a2a)}
+    baselines = {prefix: _baseline(x, idx, w, itr, ntr, a2a)
+                 for prefix, a2a in _baseline_transports(env)}
     return _row(n, case, iters, env, baselines, y, recv_bytes, combine_bytes, wire)
 
 
@@ -514,14 +479,6 @@ def _share(row, op):
     return row[f"{op}_gbps"] / row.get(f"{op}_copy_gbps", row["copy_gbps"])
 
 
-def _over_mpi(row, op):
-    """``op``'s speed-up over MPI in ``row``: the median over the repeats of each pair of
-    blocks timed beside each other; in rows of older runs, the ratio of the columns' times."""
-    if row.get(f"mpi_{op}_speedup") is not None:
-        return row[f"mpi_{op}_speedup"]
-    return row[f"mpi_{op}_us"] / row[f"{op}_us"]
-
-
 def summarize(rows):
     """One line per mode: speed-ups over the baseline (and over MPI when it ran) and
     dispatch's and combine's shares of the copy bandwidth measured beside them (geometric means
@@ -537,7 +494,7 @@ def summarize(rows):
         g = {k: _geomean(v) for k, v in ratios.items()}
         over_mpi = ""
         if _has_mpi(rs):
-            g_mpi = {op: _geomean([_over_mpi(r, op) for r in rs])
+            g_mpi = {op: _geomean([r[f"mpi_{op}_us"] / r[f"{op}_us"] for r in rs])
                      for op in ("dispatch", "combine")}
             over_mpi = (f", {g_mpi['dispatch']:.1f}x / {g_mpi['combine']:.1f}x over "
                         f"{MPI_BASELINE[mode]}")

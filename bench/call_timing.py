@@ -148,28 +148,18 @@ class CopyBar:
         return self.nbytes / min(max(col) for col in zip(*everyone)) / 1e9
 
 
-def timed_with_copy_bar(fn, calls, bar, repeats, beside=None):
+def timed_with_copy_bar(fn, calls, bar, repeats):
     """``repeats`` blocks of ``calls`` calls of ``fn()`` (block_seconds) with a copy bar
     sample (``bar``, a CopyBar) before the first and after each, every rank at once. Returns
     per block (seconds per call of the slowest rank, copy GB/s: the mean of the samples just
-    before and after it), the same on every rank. One untimed block first (timed_spread).
-    ``beside``: (fn2, calls2), a call compared with fn (a baseline doing the same exchange):
-    a block of it after each sample that follows a block of fn, so each pair of blocks runs
-    within a second of each other, and each returned tuple gets fn2's seconds per call
-    (slowest rank) third. The machine's speed swings within minutes, and a baseline timed
-    after all of fn's repeats can land in other ones."""
+    before and after it), the same on every rank. One untimed block first (timed_spread)."""
     block_seconds(fn, calls, bar.device)
-    if beside is not None:
-        block_seconds(*beside, bar.device)
-    samples, blocks, others = [bar.local_sample()], [], []
+    samples, blocks = [bar.local_sample()], []
     for _ in range(repeats):
         blocks.append(block_seconds(fn, calls, bar.device))
         samples.append(bar.local_sample())
-        if beside is not None:
-            others.append(block_seconds(*beside, bar.device))
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (samples, blocks, others))
+    dist.all_gather_object(everyone, (samples, blocks))
     gbps = [bar.gbps([rank[0][i] for rank in everyone]) for i in range(repeats + 1)]
-    return [(max(rank[1][i] for rank in everyone), (gbps[i] + gbps[i + 1]) / 2) +
-            (() if beside is None else (max(rank[2][i] for rank in everyone),))
+    return [(max(rank[1][i] for rank in everyone), (gbps[i] + gbps[i + 1]) / 2)
             for i in range(repeats)]

@@ -6,7 +6,6 @@ low-latency mode. Skips, saying so, when mpi4py or MPICH's mpiexec is not instal
 import importlib.util
 import json
 import os
-import statistics
 import subprocess
 import sys
 
@@ -55,13 +54,6 @@ def test_mpi_columns_in_a_tiny_sweep(tmp_path):
             assert isinstance(row[c], float) and row[c] > 0, (c, row)
             spread = row["spread_us"][c]
             assert 0 < spread["min"] <= spread["median"] == row[c] <= spread["max"], spread
-        # timed beside moe_comm's calls, block after block: a speed-up per pair of blocks
-        for op in ("dispatch", "combine"):
-            paired = row["paired"][op]
-            assert len(paired["mpi_us"]) == len(paired["us"]) == bench.PAIRED_REPEATS, paired
-            assert row[f"mpi_{op}_us"] == statistics.median(paired["mpi_us"]), row
-            assert row[f"mpi_{op}_speedup"] == pytest.approx(statistics.median(
-                m / u for m, u in zip(paired["mpi_us"], paired["us"]))), row
     for mode, what in (("normal", "MPICH Alltoallv"), ("ll", "MPICH's padded Alltoall")):
         summary = [ln for ln in lines if ln.startswith(f"summary {mode} ")]
         assert len(summary) == 1 and f"over {what}" in summary[0], r.stdout

@@ -74,9 +74,11 @@ def _strided(t):
     return None if t is None else torch.stack([t, t], 2)[:, :, 0]
 
 
-def _rank(rank, n, cases, python_ranks, strided=False):
+def _rank(rank, n, cases, python_ranks, strided=False, cores=None):
     if rank in python_ranks:
         os.environ["MOE_COMM_HOST_NATIVE"] = "0"
+    if cores:                       # the ranks share this many cores, on any machine
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:cores])
     counts = {}
     _count_small(counts)
     buf = moe_comm.Buffer(None, 32 << 20, timeout_s=30)
@@ -119,18 +121,25 @@ def test_small_calls_match_the_reference_beside_the_python_protocol(n, python_ra
             assert counts["receive_combine"] == len(cases) - 1, (rank, counts)
 
 
-def test_a_dispatch_beyond_its_share_of_a_slot_is_granted_its_combine_goes_in_slots():
-    """On one host a dispatch pair goes through a slot only up to 16 MiB / R^2 (eager.room:
-    1 MiB on 4 ranks), a combine's up to the slot (2 MiB): 100 tokens of H=7168 (~91 rows of
-    14 KiB a pair, 1.3 MB) dispatch through granted regions, fresh and cached, and come back
-    through the slots, summed in C from a handle the granted dispatch made."""
+@pytest.mark.parametrize("python_ranks", [(), (1,)])
+def test_a_dispatch_beyond_its_share_of_a_slot_is_granted_its_combine_goes_in_slots(
+        python_ranks):
+    """Where ranks outnumber cores (4 ranks on 2 here), a dispatch pair goes through a slot
+    only up to 16 MiB / R^2 (eager.room: 1 MiB on 4 ranks, 72 rows of 14 KiB with their top-4
+    ids and weights), a combine's up to the slot (2 MiB, 145 rows): 128 tokens of H=7168
+    routed to 4 of 16 experts send a rank ~93 rows (each token reaches a rank with
+    probability 0.73), so every pair dispatches through a granted region, fresh and cached,
+    and comes back through the slots, summed in C from the handle the granted dispatch made;
+    also beside a rank on the Python protocol, which must decide alike which pairs went
+    through slots."""
     n = 4
-    case = dict(seed=7, tokens=[100] * n, hidden=7168, experts=4 * n, topk=4,
+    case = dict(seed=7, tokens=[128] * n, hidden=7168, experts=4 * n, topk=4,
                 routing="random", dtype="bfloat16", bias=False, alignment=1, worst=0)
-    results = run_ranks(_rank, n, [case], (), timeout=120)
+    results = run_ranks(_rank, n, [case], python_ranks, False, 2, timeout=120)
     check_normal(n, [case], [r[0] for r in results])
     for rank, (_, counts) in enumerate(results):
-        assert counts == {"handed on": 1, "receive_combine": 1}, (rank, counts)
+        want = {} if rank in python_ranks else {"handed on": 1, "receive_combine": 1}
+        assert counts == want, (rank, counts)
 
 
 def test_strided_routing_tensors_match_the_reference():

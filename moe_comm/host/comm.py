@@ -88,12 +88,17 @@ class HostComm:
         reclaim_stale_segments()
         # Agree on a job id, find which ranks share this host, check segments are sized alike.
         hierarchical = os.environ.get("MOE_COMM_RELAY", "1") != "0"
-        info = (host_identity(), size, secrets.token_hex(8), hierarchical)
+        info = (host_identity(), size, secrets.token_hex(8), hierarchical,
+                len(os.sched_getaffinity(0)))
         infos = [None] * self.num_ranks
         dist.all_gather_object(infos, info, group=group)
         self.remote_ranks = [r for r in range(self.num_ranks) if infos[r][0] != info[0]]
         # more ranks than cores here: waits sleep rather than poll (atomics.Backoff)
         self.crowded = self.num_ranks - len(self.remote_ranks) > len(os.sched_getaffinity(0))
+        # the same, decided alike on every rank of this host (the fewest cores any of them may
+        # run on): eager.room sizes a dispatch's slots by it, which every rank must do alike
+        self.shared_cores = self.num_ranks - len(self.remote_ranks) > \
+            min(i[4] for i in infos if i[0] == info[0])
         hosts = list(dict.fromkeys(i[0] for i in infos))      # host index: order of first rank
         # int64 [R] host index of every rank; None on one host (layout.tokens_per_host)
         self.host_of = torch.tensor([hosts.index(i[0]) for i in infos]) if len(hosts) > 1 \

@@ -41,17 +41,20 @@ def max_rows(slot_bytes: int, row_bytes: int, scale_cols: int, topk: int) -> int
     return lo
 
 
-# On one host, a dispatch's rows for one rank go through a slot only up to this many bytes
-# over the square of the ranks (and the slot's size: 4 MiB on 2 ranks, 1 MiB on 4): the
-# R x R pairs' slots and the copies out of them then stay within a server's last-level cache
-# (32 MB here). A slot costs a dispatch a second copy (into the slot, then out into recv_x),
-# a granted region a round trip; on 4 ranks sharing 2 cores the copy cost more from about
-# 1 MB a pair: a 128 x 7168 dispatch took 1.8-1.9 ms through slots against 1.1 through granted
-# regions, a 1024 x 1024 one 2.8 against 1.9, while a 64 x 7168 one (0.84 MB a pair) took
-# 0.46-0.59 against 0.59-0.81 (docs/PERF.md, session 23). Across hosts a slot saves a round
-# trip over the network: up to its size. A combine's rows go through slots up to their size
-# everywhere: the owner sums them from there, still in the cache.
+# Where more ranks than cores share one host, a dispatch's rows for one rank go through a
+# slot only up to this many bytes over the square of the ranks (at least DISPATCH_MIN_BYTES,
+# at most the slot: 4 MiB on 2 ranks, 1 MiB on 4): the R x R pairs' slots and the copies out
+# of them then stay within a server's last-level cache (32 MB here). A slot costs a dispatch a
+# second copy (into the slot, then out into recv_x), a granted region a round trip. With 4
+# ranks on 2 cores the copy cost more from about 1 MB a pair: a 128 x 7168 dispatch took
+# 1.75-1.95 ms through slots against 0.86-1.25 through granted regions, a 1024 x 1024 one
+# 2.5-2.8 against 1.6-2.0, while a 64 x 7168 one (0.84 MB a pair) took 464-666 us against
+# 553-815 (docs/PERF.md, session 23). Only that was measured: with a core per rank, or across
+# hosts (where a slot saves a round trip over the network), a pair fills the whole slot. A
+# combine's rows go through slots up to their size everywhere: the owner sums them from
+# there, still in the cache.
 HOST_DISPATCH_BYTES = 16 << 20
+DISPATCH_MIN_BYTES = 128 << 10
 
 
 def room(comm, op: str) -> int:
@@ -60,8 +63,8 @@ def room(comm, op: str) -> int:
     if comm.eager_slot <= 0:
         return 0
     whole = comm.eager_slot - PAGE
-    if op == "dispatch" and comm.transport is None:
-        return min(whole, HOST_DISPATCH_BYTES // comm.num_ranks ** 2)
+    if op == "dispatch" and comm.transport is None and comm.shared_cores:
+        return min(whole, max(DISPATCH_MIN_BYTES, HOST_DISPATCH_BYTES // comm.num_ranks ** 2))
     return whole
 
 
