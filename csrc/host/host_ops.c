@@ -399,16 +399,15 @@ AVX512_SWITCH(moe_sum_avx512, sum_avx512, cpu_has_avx512bw)
  * `hidden` channels of dtype in_dt), in the order they are added: acc = 0; acc += w * row
  * (or acc += row without weights); then acc += bias_k[t] for each float32 [T, hidden]
  * bias; out[t] = acc converted to out_dt. Each channel sees exactly these operations; the
- * channels go SUM_CHUNK at a time (sum_chunk). `scratch` is no longer used. */
-MOE_CLONES void moe_sum_rows(const int64_t *row_addr, const float *weight, const int64_t *first,
-                  int in_dt, int64_t hidden, int64_t num_tokens, const int64_t *bias_addr,
-                  int num_bias, void *out, int out_dt, float *scratch) {
-    (void)scratch;
+ * channels go SUM_CHUNK at a time (sum_chunk). stream: out written with non-temporal stores. */
+MOE_CLONES static void sum_rows(const int64_t *row_addr, const float *weight,
+                                const int64_t *first, int in_dt, int64_t hidden,
+                                int64_t num_tokens, const int64_t *bias_addr, int num_bias,
+                                void *out, int out_dt, int stream) {
     float acc[SUM_CHUNK];
     const int bf16 = in_dt == DT_BF16, out_bf16 = out_dt == DT_BF16;
     const size_t out_elem = out_bf16 ? 2 : 4;
     const int64_t in_elem = bf16 ? 2 : 4;
-    const int stream = (size_t)(num_tokens * hidden) * out_elem >= STREAM_MIN_BYTES;
     uint8_t staged[SUM_CHUNK * 4] __attribute__((aligned(64)));
 #ifdef MOE_AVX512_STREAM
     /* its non-temporal stores write whole 64-byte lines: out's rows must start on them */
@@ -448,6 +447,17 @@ MOE_CLONES void moe_sum_rows(const int64_t *row_addr, const float *weight, const
         }
     }
     if (stream) stream_done();
+}
+
+/* sum_rows with non-temporal stores where out is at least STREAM_MIN_BYTES (a sum in pieces,
+ * csrc/host/ring.c, decides for the whole output instead). `scratch` is no longer used. */
+MOE_CLONES void moe_sum_rows(const int64_t *row_addr, const float *weight, const int64_t *first,
+                  int in_dt, int64_t hidden, int64_t num_tokens, const int64_t *bias_addr,
+                  int num_bias, void *out, int out_dt, float *scratch) {
+    (void)scratch;
+    sum_rows(row_addr, weight, first, in_dt, hidden, num_tokens, bias_addr, num_bias, out,
+             out_dt, (size_t)(num_tokens * hidden) * (out_dt == DT_BF16 ? 2 : 4) >=
+             STREAM_MIN_BYTES);
 }
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -1811,3 +1821,6 @@ int64_t moe_small_combine_direct(const int64_t *cx, int64_t ep, int64_t cp, int6
 
 /* The payload phase of a granted normal dispatch (moe_comm/host/granted.py), the same way. */
 #include "granted.c"
+
+/* A normal combine too large for the eager slots, streamed through them (host/ring.py). */
+#include "ring.c"

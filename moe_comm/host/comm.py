@@ -40,7 +40,7 @@ from ..transport import open_transport
 from ..wire import (CALL_WORDS, LL_RECV_AREAS, MAGIC, MAX_EPOCH, PAGE, VERSION, HeaderLayout,
                     agree_round_tag, agree_rounds, eager_slot_bytes, ll_stride, mask_bits,
                     mask_words, round_up, tag_value)
-from . import native
+from . import native, ring
 from .doorbell import Doorbells
 from .heap import PageHeap
 from .late_rows import LateRows
@@ -89,7 +89,7 @@ class HostComm:
         # Agree on a job id, find which ranks share this host, check segments are sized alike.
         hierarchical = os.environ.get("MOE_COMM_RELAY", "1") != "0"
         info = (host_identity(), size, secrets.token_hex(8), hierarchical,
-                len(os.sched_getaffinity(0)))
+                len(os.sched_getaffinity(0)), ring.able())
         infos = [None] * self.num_ranks
         dist.all_gather_object(infos, info, group=group)
         self.remote_ranks = [r for r in range(self.num_ranks) if infos[r][0] != info[0]]
@@ -99,6 +99,8 @@ class HostComm:
         # run on): eager.room sizes a dispatch's slots by it, which every rank must do alike
         self.shared_cores = self.num_ranks - len(self.remote_ranks) > \
             min(i[4] for i in infos if i[0] == info[0])
+        # large combines streamed through the eager slots (ring.py): all ranks or none
+        self.ring_combine = all(i[5] for i in infos)
         hosts = list(dict.fromkeys(i[0] for i in infos))      # host index: order of first rank
         # int64 [R] host index of every rank; None on one host (layout.tokens_per_host)
         self.host_of = torch.tensor([hosts.index(i[0]) for i in infos]) if len(hosts) > 1 \

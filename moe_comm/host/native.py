@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 ENV = "MOE_COMM_HOST_NATIVE"
 SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "host" / "host_ops.c"
 # the files SOURCE includes (built as part of it: the cache key covers them too)
-INCLUDED = (SOURCE.parent / "ll_direct.c", SOURCE.parent / "granted.c")
+INCLUDED = tuple(SOURCE.parent / name for name in ("ll_direct.c", "granted.c", "ring.c"))
 FLAGS = ("-O3", "-ffp-contract=off", "-fno-trapping-math", "-fPIC", "-shared", "-Wall", "-Werror")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}       # host_ops.c's DT_F32, DT_BF16
 
@@ -82,6 +82,10 @@ _SIGNATURES = {
     "moe_granted_dispatch": (_P, _P, _I, _I, _I, _I, _I, _P, _I, _P, _P, _I, _I, _I, _P, _P, _I,
                              _I, _P, _I),
     "moe_granted_combine": (_P, _P, _I, _I, _I, _I, _I, _P, _I, _P, _P, _I, _P, _I, _P),
+    # a combine streamed through the eager slots (host/ring.py)
+    "moe_ring_combine": (_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, ctypes.c_int, _I, _I, _I,
+                         _P, ctypes.c_int, _P, ctypes.c_int, _P, _P, _P, _P, _P, _I, _I, _I,
+                         _I),
     "moe_small_cached_direct": (_P, _I, _I, _I, _I, _P, _I, _I, _P, _P, _P, _I, _I, _P, _P,
                                 _P),
     "moe_small_combine_direct": (_P, _I, _I, _I, _I, _P, _I, _I, _P, _P, _P, ctypes.c_int, _I,
@@ -115,7 +119,7 @@ _RETURNS = {"moe_copy_rows": ctypes.c_int, "moe_count_experts": ctypes.c_int,
             "moe_ll_direct_combine_send": _I, "moe_ll_direct_combine_recv": _I,
             "moe_dispatch_layout": ctypes.c_int,
             "moe_layout_matches": ctypes.c_int, "moe_granted_dispatch": _I,
-            "moe_granted_combine": _I}
+            "moe_granted_combine": _I, "moe_ring_combine": _I}
 
 
 def _compiler() -> str | None:

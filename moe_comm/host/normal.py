@@ -41,7 +41,7 @@ from ..errors import BufferTooSmallError
 from ..handle import DispatchHandle, TokenIds
 from ..layout import tokens_per_host
 from ..wire import PAGE, SlabLayout, stream_chunk_rows
-from . import eager, granted, native, relay, relay_rounds, small
+from . import eager, granted, native, relay, relay_rounds, ring, small
 from .exchange import (ReceiverFailed, done_words, exchange_counts, grant, keeps_in_step,
                        mismatch_behind, put_rows, put_rows_multi, release_on_error,
                        send_when_granted, settle, signature_check)
@@ -527,6 +527,11 @@ def combine(comm, *, x, handle, topk_weights, bias, aborted=False):
             return small.receive_combine(comm, epoch, parity, handle, x, topk_weights,
                                          dtype=dtype, hidden=hidden, topk=topk, biases=bias,
                                          call_parity=call_parity, call_row=call_row)
+        # the rest streamed through the slots, the owners summing from the cache (ring.py)
+        if ring.usable(comm, dtype, row_bytes, topk):
+            return ring.combine(comm, epoch, parity, handle, x, topk_weights, dtype=dtype,
+                                hidden=hidden, topk=topk, biases=bias, call_parity=call_parity,
+                                call_row=call_row)
     sent_rows = matrix.sum(1)
     # the rows come back to their owners: expert rank d sends owner o matrix[o, d] rows
     plan = RoundPlan(matrix.T, [int(n) for n in sent_rows], [stream_chunk_rows(

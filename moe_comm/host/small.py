@@ -37,7 +37,7 @@ import torch
 
 from ..errors import CommTimeoutError
 from ..handle import TokenIds
-from ..wire import CALL_WORDS, DOORBELL_WORD, PAGE, SLAB_ALIGN
+from ..wire import CALL_WORDS, DOORBELL_WORD, PAGE, SLAB_ALIGN, tag_epoch
 from . import eager, native
 from .exchange import DONE_WRITTEN, mismatch_behind
 from .pool import outputs
@@ -230,7 +230,8 @@ def _drive(comm, phase, op: str, epoch: int, parity: int, call_parity: int,
             return
         resume = 2 if checked else 1
         if rc == AGAIN:
-            pass
+            if not checked:
+                calls_differ(comm, call_parity, epoch, op)      # raises if they do
         elif rc == LATE_CALLS:
             comm.verify_call(call_views(comm, call_parity), epoch, op)
         elif rc == LATE_COUNTS:
@@ -248,6 +249,19 @@ def _drive(comm, phase, op: str, epoch: int, parity: int, call_parity: int,
                                f"receiver computed other sizes): nothing written to rank(s) "
                                f"[], nothing received from rank(s) [{-rc - 1}]")
         rc = phase(resume)
+
+
+def calls_differ(comm, call_parity, epoch: int, op: str) -> None:
+    """CallMismatchError if every rank's signature of this call (at ``call_parity``; None:
+    none posted) came and two differ; else nothing, without waiting. A wait's slices end
+    with it: a rank whose call differs may have taken a path that never sends the words
+    this rank waits for (a combine it streams, ring.py, that this rank sent eagerly), and
+    has raised at once, its next call begun; this rank must not hold out to its deadline."""
+    if call_parity is None:
+        return
+    index = addresses(comm).call_words[call_parity]
+    if (tag_epoch(addresses(comm).words[index]) == epoch).all():
+        comm.verify_call(call_views(comm, call_parity), epoch, op)
 
 
 def _next_call_parity(comm) -> int:

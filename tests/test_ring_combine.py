@@ -1,0 +1,151 @@
+"""Normal combines streamed through the eager slots in parts (moe_comm/host/ring.py), bit for
+bit against moe_comm.reference_combine.
+
+The slots are made small here (256 KiB a pair, parts of 63 KiB: 4 rows of H=7168), so calls
+of a few hundred rows go through many parts, each slot's parts reused several times; pairs
+whose rows fit a slot whole still go eagerly beside the streamed ones. The free heap and the
+pooled outputs are poisoned (0xFF) before every call, so a row read from where nobody wrote
+shows up as NaN.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+import moe_comm
+import moe_comm.host.comm as host_comm
+from inputs import expert_fn, make_inputs
+from ranks import run_ranks
+from moe_comm.host import ring
+
+SLOT = 256 << 10
+
+
+def _cases(n):
+    def case(seed, tokens, routing, dtype, hidden, biases):
+        return dict(seed=seed, tokens=tokens, hidden=hidden, experts=4 * n, topk=4,
+                    routing=routing, dtype=dtype, bias=biases > 0, biases=biases)
+
+    return [case(1, [48 + 7 * r for r in range(n)], "random", "bfloat16", 7168, 2),
+            case(2, [500] * n, "holes", "float32", 300, 1),            # -1 slots
+            case(3, [0] + [233] * (n - 1), "skewed", "bfloat16", 1024, 0),  # a rank of none
+            case(4, [1100] * n, "one_rank", "bfloat16", 130, 1),       # all to one rank
+            # rank 0's few rows fit a slot whole (eager), the others' stream
+            case(5, [3] + [300] * (n - 1), "random", "bfloat16", 1024, 0)]
+
+
+def _biases(case, bias):
+    if bias is None:
+        return None
+    return bias if case["biases"] == 1 else (bias, (bias.float() * 0.5).to(bias.dtype))
+
+
+def _counted(calls):
+    real = ring.combine
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+    ring.combine = counted
+
+
+def _run(rank, n, cases, ring_off_at):
+    if rank == ring_off_at:
+        os.environ[ring.ENV] = "0"
+    host_comm.eager_slot_bytes = lambda R: SLOT
+    calls = []
+    _counted(calls)
+    buf = moe_comm.Buffer(None, 32 << 20, timeout_s=30)
+    out = []
+    for case in cases:
+        x, idx, w, bias = make_inputs(case, rank)
+        ntr, _, nte, itr, _ = buf.get_dispatch_layout(idx, case["experts"])
+        rx, _, rw, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=ntr,
+                                               is_token_in_rank=itr,
+                                               num_tokens_per_expert=nte, topk_idx=idx,
+                                               topk_weights=w)
+        y = expert_fn(rx, rank)
+        before = len(calls)
+        for _ in range(2):           # twice: the second call's slots at the other parity
+            buf._comm.poison_free_heap()
+            comb, comb_w, _ = buf.combine(y, handle, topk_weights=rw,
+                                          bias=_biases(case, bias))
+        out.append(dict(y=y.clone(), comb=comb, comb_w=comb_w, streamed=len(calls) - before))
+        del rx, rw, y, handle
+    buf.destroy()
+    return out
+
+
+def _check(n, cases, results):
+    for ci, case in enumerate(cases):
+        ins = [make_inputs(case, r) for r in range(n)]
+        ref = moe_comm.reference_dispatch([i[0] for i in ins], [i[1] for i in ins],
+                                          case["experts"], [i[2] for i in ins])
+        biases = None if not case["bias"] else [
+            tuple(b.float() for b in ((_biases(case, i[3]),) if case["biases"] == 1
+                                      else _biases(case, i[3]))) for i in ins]
+        want = moe_comm.reference_combine([results[d][ci]["y"] for d in range(n)], ref,
+                                          case["tokens"], bias=biases)
+        for r in range(n):
+            got = results[r][ci]
+            assert got["comb"].dtype == want[r].dtype, (case, r)
+            assert torch.equal(got["comb"].view(torch.uint8), want[r].view(torch.uint8)), \
+                (case, r)
+            sent = ins[r][1] >= 0
+            assert torch.equal(got["comb_w"], torch.where(sent, ins[r][2], 0.0)), (case, r)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_streamed_combines_are_the_references_bit_for_bit(n):
+    cases = _cases(n)
+    results = run_ranks(_run, n, cases, None, timeout=240)
+    _check(n, cases, results)
+    for ci in range(len(cases)):         # every case streamed somewhere: all ranks alike
+        assert [results[r][ci]["streamed"] for r in range(n)] == [2] * n, ci
+
+
+def test_one_rank_without_it_turns_it_off_for_all():
+    """MOE_COMM_RING=0 on one rank: every rank's combines go through granted regions (the
+    ranks agreed at the Buffer's creation), with the same sums."""
+    n = 3
+    cases = _cases(n)[:2]
+    results = run_ranks(_run, n, cases, 1, timeout=240)
+    _check(n, cases, results)
+    assert all(results[r][ci]["streamed"] == 0 for r in range(n) for ci in range(2))
+
+
+def _one_granted(rank, n, timeout_s):
+    """Rank 1 takes the granted path for a combine that rank 0 streams (as if the ranks
+    had not agreed): neither gets what it waits for, and each must raise at its deadline,
+    rank 0 naming rank 1."""
+    host_comm.eager_slot_bytes = lambda R: SLOT
+    buf = moe_comm.Buffer(None, 32 << 20, timeout_s=timeout_s)
+    case = _cases(n)[0]
+    x, idx, w, _ = make_inputs(case, rank)
+    ntr, _, nte, itr, _ = buf.get_dispatch_layout(idx, case["experts"])
+    rx, _, rw, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=ntr, is_token_in_rank=itr,
+                                           num_tokens_per_expert=nte, topk_idx=idx,
+                                           topk_weights=w)
+    if rank == 1:
+        ring.usable = lambda *args: False
+    t0 = time.monotonic()
+    try:
+        buf.combine(rx, handle, topk_weights=rw)
+        outcome = "returned"
+    except moe_comm.CommTimeoutError as e:
+        outcome = (type(e).__name__, e.silent_ranks)
+    return outcome, time.monotonic() - t0
+
+
+def test_a_peer_that_does_not_stream_is_a_deadline():
+    timeout_s = 2.0
+    results = run_ranks(_one_granted, 2, timeout_s, timeout=60)
+    (outcome0, took0), (outcome1, took1) = results
+    assert outcome0 == ("CommTimeoutError", [1]), outcome0
+    assert outcome1[0] == "CommTimeoutError", outcome1
+    # the deadline, plus what a loaded 2-core machine may add (waits sleep 1 ms at most)
+    for took in (took0, took1):
+        assert timeout_s <= took < timeout_s + 3, took
