@@ -7,13 +7,19 @@
  * order, a part at a time into its eager slot at the owner, which holds `parts` parts; the
  * owner sums the tokens whose rows have all come while those parts are still in the cache,
  * then hands the parts back. In a two-process model of a 2-rank 1024 x 7168 combine this took
- * 1.6 ms against 2.45 for the whole region (docs/PERF.md, session 24).
+ * 1.6 ms against 2.45 for the whole region; in the library 2.0-2.3 ms against 2.8-3.7
+ * (docs/PERF.md, session 24).
  *
- * Every rank takes this path alike or none does: its decision depends on the count matrix,
- * the rows' shape (both in the call's signature) and the Buffer's agreement at creation
- * (HostComm.ring_combine), and the owner sums nothing before every rank's signature equals
- * its own. A pair whose rows fit the slot whole went eagerly (moe_small_combine_start);
- * only the others stream. Words, in the flag page of slot (ep, expert) at the owner, tagged
+ * Every rank takes this path alike or none does: its decision depends on the count matrix
+ * (the handle's, named in the call's signature), the rows' shape (in the signature) and the
+ * Buffer's agreement at creation (HostComm.ring_combine). The owner sums nothing before every
+ * rank's signature came. Where two differ it goes on all the same (every write and read stays
+ * in this rank's own slots and outputs) to its deadline, then small.py raises
+ * CallMismatchError: a peer may have taken another path and wait for words this rank never
+ * sends, and the small calls' finish phases and the Python protocol's waits hold out to
+ * their deadlines too, so all ranks raise near the same time and meet at the next call.
+ * A pair whose rows fit the slot whole went eagerly (moe_small_combine_start); only the
+ * others stream. Words, in the flag page of slot (ep, expert) at the owner, tagged
  * with the call's epoch like every signal: the parts the expert has written (RING_WRITTEN,
  * after the rows; the owner's doorbell rung) and the parts the owner has summed and handed
  * back (RING_TAKEN; the expert's doorbell rung). An expert writes part p into slot part
@@ -36,16 +42,20 @@ static inline int64_t ring_weights_at(int64_t part_rows, int64_t row_bytes) {
 }
 
 /* What moe_ring_combine returns beyond small.py's codes: the deadline passed (or this rank
- * was fenced) while a peer's part or hand-back had not come. */
-enum { RING_LATE = 9 };
+ * was fenced) while a peer's part or hand-back had not come (RS_SILENT names the peers);
+ * token ids of the handle out of order or outside [0, T) (nothing summed past them). */
+enum { RING_LATE = 9, RING_BAD_IDS = 10 };
 
 /* The caller's state words, kept between the resumed runs of one call: the signatures
- * checked, the eager slots come, the tokens summed, then per rank the parts this rank wrote
- * to it (as expert), the rows of it summed and the parts handed back to it (as owner). */
-enum { RS_CALLS, RS_FLAGS, RS_T, RS_WORDS };
+ * checked, the eager slots come, the tokens summed, two signatures differing (told to
+ * small.py, at cx[CX_DIFFER], only at the deadline: it raises at once), then per rank the
+ * parts this rank wrote to it (as expert), the rows of it summed and the parts handed back
+ * to it (as owner), and at RING_LATE whether this rank was still waiting for it. */
+enum { RS_CALLS, RS_FLAGS, RS_T, RS_DIFFER, RS_WORDS };
 #define RS_SENT(s, R, d) ((s)[RS_WORDS + (d)])
 #define RS_CURSOR(s, R, d) ((s)[RS_WORDS + (R) + (d)])
 #define RS_TAKEN(s, R, d) ((s)[RS_WORDS + 2 * (R) + (d)])
+#define RS_SILENT(s, R, d) ((s)[RS_WORDS + 3 * (R) + (d)])
 
 typedef struct {
     const int64_t *cx;
@@ -65,6 +75,7 @@ typedef struct {
     const float *topk_w;
     int64_t slot_rows, part_rows, part_bytes, parts;
     int64_t own_at;                   /* x's first row for this rank itself */
+    const int64_t *eager_at;          /* [R][2] an eager slot's rows and weights (offsets) */
 } ring_call;
 
 /* The value of a tagged word of this call (its low 32 bits), or 0 if it is an older one. */
@@ -108,7 +119,7 @@ static int64_t ring_send(const ring_call *c) {
     return sent;
 }
 
-/* Whether every rank's signature came (then compared: CX_DIFFER set where one differs);
+/* Whether every rank's signature came (then compared: RS_DIFFER set where one differs);
  * without blocking. */
 static int ring_calls_came(const ring_call *c) {
     const int64_t *where = CX_PTR(c->cx, CX_CALL_IN + c->cp), nw = c->cx[CX_CALL_WORDS];
@@ -121,8 +132,7 @@ static int ring_calls_came(const ring_call *c) {
     for (int64_t s = 0; s < c->R; s++) {
         const int64_t *w = (const int64_t *)(intptr_t)where[s];
         for (int64_t i = 0; i < nw; i++)
-            if ((w[i] & 0xFFFFFFFFll) != c->call_row[i])
-                *(int64_t *)(intptr_t)c->cx[CX_DIFFER] = 1;
+            if ((w[i] & 0xFFFFFFFFll) != c->call_row[i]) c->state[RS_DIFFER] = 1;
     }
     return 1;
 }
@@ -161,10 +171,8 @@ static inline const uint8_t *ring_row(const ring_call *c, int64_t d, int64_t i,
     }
     const uint8_t *slot = (const uint8_t *)(intptr_t)CX_PTR(c->cx, CX_IN_SLOT + c->ep)[d];
     if (!ring_streams(c, n)) {
-        int64_t offs[4];
-        slab_layout(n, c->row_bytes, 0, c->K, c->cx[CX_ALIGN], c->cx[CX_PAGE], offs);
-        *w = (const float *)(slot + offs[3]) + i * c->K;
-        return slot + offs[0] + i * c->row_bytes;
+        *w = (const float *)(slot + c->eager_at[2 * d + 1]) + i * c->K;
+        return slot + c->eager_at[2 * d] + i * c->row_bytes;
     }
     const uint8_t *part = slot + ((i / c->part_rows) % c->parts) * c->part_bytes;
     const int64_t k = i % c->part_rows;
@@ -173,7 +181,8 @@ static inline const uint8_t *ring_row(const ring_call *c, int64_t d, int64_t i,
 }
 
 /* As owner: the tokens [RS_T, t_end) whose rows have all come, summed (small_combine_recv's
- * sums, in rank order), and the parts they emptied handed back. Returns whether it summed. */
+ * sums, in rank order), and the parts they emptied handed back. Returns whether it summed,
+ * or -1 for token ids not ascending within [0, T) (a handle that is not this call's). */
 static int ring_sum(const ring_call *c) {
     const int64_t R = c->R, T = c->T, t0 = c->state[RS_T];
     int64_t *s = c->state;
@@ -192,8 +201,10 @@ static int ring_sum(const ring_call *c) {
     for (int64_t t = 0; t <= L; t++) tfirst[t] = 0;
     for (int64_t d = 0; d < R; d++) {
         const int64_t *ids = c->ids + c->first[d], n = c->count_in[d];
-        for (int64_t i = RS_CURSOR(s, R, d); i < n && ids[i] < t_end; i++)
+        for (int64_t i = RS_CURSOR(s, R, d); i < n && ids[i] < t_end; i++) {
+            if (ids[i] < t0 || (i && ids[i] <= ids[i - 1])) return -1;
             tfirst[ids[i] - t0 + 1]++;
+        }
     }
     for (int64_t t = 0; t < L; t++) tfirst[t + 1] += tfirst[t];
     if (c->K) memset(c->out_w + t0 * c->K, 0, (size_t)(L * c->K * 4));
@@ -208,6 +219,7 @@ static int ring_sum(const ring_call *c) {
                 for (int64_t k = 0; k < c->K; k++) c->out_w[t * c->K + k] += w[k];
         }
         RS_CURSOR(s, R, d) = i;
+        if (t_end == T && i < n) return -1;      /* rows of tokens past T: never summed */
     }
     for (int64_t t = L; t > 0; t--) tfirst[t] = tfirst[t - 1];   /* cursors back to starts */
     tfirst[0] = 0;
@@ -240,35 +252,63 @@ static int ring_sent_all(const ring_call *c) {
     return 1;
 }
 
-/* A sum of the words that a step of this rank waits on (the hand-backs of its owners, the
- * parts of its experts, the signatures, the eager flags): changed, something may go on. */
-static int64_t ring_words_now(const ring_call *c) {
-    int64_t sum = 0;
+/* A sum of every word that a step of this rank waits on (the hand-backs of its owners, the
+ * parts of its experts, every word of the signatures, the eager flags): changed, something
+ * may go on. */
+static uint64_t ring_words_now(const ring_call *c) {
+    uint64_t sum = 0;
     const int64_t *out_flag = CX_PTR(c->cx, CX_OUT_FLAG + c->ep);
     const int64_t *in_flag = CX_PTR(c->cx, CX_IN_FLAG + c->ep);
-    const int64_t *calls = CX_PTR(c->cx, CX_CALL_IN + c->cp);
+    const int64_t *calls = CX_PTR(c->cx, CX_CALL_IN + c->cp), nw = c->cx[CX_CALL_WORDS];
     for (int64_t d = 0; d < c->R; d++) {
         const int64_t *o = (const int64_t *)(intptr_t)out_flag[d];
         const int64_t *i = (const int64_t *)(intptr_t)in_flag[d];
-        sum += __atomic_load_n(o + RING_TAKEN, __ATOMIC_RELAXED) +
-               __atomic_load_n(i + RING_WRITTEN, __ATOMIC_RELAXED) +
-               __atomic_load_n(i, __ATOMIC_RELAXED) + __atomic_load_n(i + 1, __ATOMIC_RELAXED) +
-               __atomic_load_n((const int64_t *)(intptr_t)calls[d], __ATOMIC_RELAXED);
+        const int64_t *call = (const int64_t *)(intptr_t)calls[d];
+        sum += (uint64_t)__atomic_load_n(o + RING_TAKEN, __ATOMIC_RELAXED) +
+               (uint64_t)__atomic_load_n(i + RING_WRITTEN, __ATOMIC_RELAXED) +
+               (uint64_t)__atomic_load_n(i, __ATOMIC_RELAXED) +
+               (uint64_t)__atomic_load_n(i + 1, __ATOMIC_RELAXED);
+        for (int64_t k = 0; k < nw; k++)
+            sum += (uint64_t)__atomic_load_n(call + k, __ATOMIC_RELAXED);
     }
     return sum;
 }
 
+/* At RING_LATE: which peers this rank was still waiting for - the experts whose next part
+ * holds its sums back, the owners that had not handed back a part it needed. */
+static void ring_silent(const ring_call *c) {
+    const int64_t R = c->R, t0 = c->state[RS_T];
+    for (int64_t d = 0; d < R; d++) {
+        int silent = 0;
+        if (d != c->me && ring_streams(c, c->count_in[d]) && t0 < c->T) {
+            const int64_t *flag =
+                (const int64_t *)(intptr_t)CX_PTR(c->cx, CX_IN_FLAG + c->ep)[d];
+            const int64_t came = ring_word(flag + RING_WRITTEN, c->epoch) * c->part_rows;
+            silent = came < c->count_in[d] && c->ids[c->first[d] + came] <= t0;
+        }
+        if (d != c->me && ring_streams(c, c->count_out[d])) {
+            const int64_t *flag =
+                (const int64_t *)(intptr_t)CX_PTR(c->cx, CX_OUT_FLAG + c->ep)[d];
+            const int64_t p = RS_SENT(c->state, R, d);
+            silent |= p < ring_parts_of(c, c->count_out[d]) &&
+                      p - ring_word(flag + RING_TAKEN, c->epoch) >= c->parts;
+        }
+        RS_SILENT(c->state, R, d) = silent;
+    }
+}
+
 /* The whole combine after moe_small_combine_start (this rank's eager pairs and signature
  * sent): this rank's streamed rows to each owner, part by part, and its own sums as its rows
- * come. `state` [RS_WORDS + 3R], zero at the first run; `index` int64 [T + 1 + the rows this
- * rank gets back]; out / out_w [T, hidden] / [T, K]. Returns SMALL_OK, SMALL_AGAIN (the
- * wait's slice ended: run again with the same state), SMALL_LATE_CALLS / SMALL_LATE_FLAGS
- * (the deadline, signatures or eager slots missing: small.py's Python waits raise),
- * RING_LATE (the deadline, parts or hand-backs missing; also when this rank was fenced), or
- * -(d + 1) for a rank whose eager slot holds another size. With `go_past` set, signatures
- * that differ do not stop it (a test turned the check off). */
+ * come. `state` [RS_WORDS + 4R], zero at the first run; `index` int64 [T + 1 + the rows this
+ * rank gets back]; out / out_w [T, hidden] / [T, K]. Returns SMALL_OK, SMALL_AGAIN (the wait's
+ * slice ended: run again with the same state), SMALL_LATE_CALLS / SMALL_LATE_FLAGS (the
+ * deadline, signatures or eager slots missing: small.py's Python waits raise), RING_LATE
+ * (the deadline, parts or hand-backs missing; also when this rank was fenced; at the
+ * deadline the word at cx[CX_DIFFER] is set where two signatures differ), RING_BAD_IDS,
+ * or -(d + 1) for a rank whose eager slot holds another size or whose count is not the
+ * handle's. */
 int64_t moe_ring_combine(const int64_t *cx, int64_t ep, int64_t cp, int64_t epoch,
-                         int64_t deadline_ns, int64_t go_past, int64_t *state,
+                         int64_t deadline_ns, int64_t *state,
                          const int64_t *count_in, const int64_t *count_out, const int64_t *ids,
                          const int64_t *first, int in_dt, int64_t hidden, int64_t K, int64_t T,
                          const int64_t *bias_addr, int num_bias, void *out, int out_dt,
@@ -276,45 +316,59 @@ int64_t moe_ring_combine(const int64_t *cx, int64_t ep, int64_t cp, int64_t epoc
                          const uint8_t *x, const float *topk_w, int64_t slot_rows,
                          int64_t part_rows, int64_t part_bytes, int64_t parts) {
     const int64_t out_elem = out_dt == DT_BF16 ? 2 : 4;
-    int64_t own_at = 0;
+    const int64_t R = cx[CX_R], row_bytes = hidden * (in_dt == DT_BF16 ? 2 : 4);
+    int64_t own_at = 0, eager_at[2 * R], offs[4];
+    int64_t *differ = (int64_t *)(intptr_t)cx[CX_DIFFER];
     for (int64_t o = 0; o < cx[CX_ME]; o++) own_at += count_out[o];
+    *differ = 0;
+    for (int64_t d = 0; d < R; d++) {
+        if (count_in[d] != first[d + 1] - first[d]) return -(d + 1);
+        slab_layout(count_in[d], row_bytes, 0, K, cx[CX_ALIGN], cx[CX_PAGE], offs);
+        eager_at[2 * d] = offs[0];
+        eager_at[2 * d + 1] = offs[3];
+    }
     const ring_call c = {cx, ep, cp, epoch, cx[CX_ME], cx[CX_R], state, count_in, count_out,
                          ids, first, in_dt, out_dt, num_bias,
                          /* non-temporal sums where the whole output is large and aligned */
                          T * hidden * out_elem >= STREAM_MIN_BYTES &&
                          (uintptr_t)out % 64 == 0 && (hidden * out_elem) % 64 == 0,
-                         hidden, hidden * (in_dt == DT_BF16 ? 2 : 4), K, T, bias_addr,
+                         hidden, row_bytes, K, T, bias_addr,
                          (uint8_t *)out, out_w, index, call_row, x, topk_w, slot_rows,
-                         part_rows, part_bytes, parts, own_at};
+                         part_rows, part_bytes, parts, own_at, eager_at};
     const int64_t *fence = CX_PTR(cx, CX_FENCE), bell = cx[CX_BELL];
     const int64_t slice_end = now_ns() + WAIT_SLICE_NS;
     const int64_t until = slice_end < deadline_ns ? slice_end : deadline_ns;
-    int64_t *differ = (int64_t *)(intptr_t)cx[CX_DIFFER];
     for (int64_t spins = 0;;) {
-        const int64_t seen = ring_words_now(&c);   /* what the steps below look at */
+        const uint64_t seen = ring_words_now(&c);  /* what the steps below look at */
         int moved = ring_send(&c) > 0;
-        if (!state[RS_CALLS] && ring_calls_came(&c)) {
-            state[RS_CALLS] = 1;
-            if (*differ && !go_past) return SMALL_LATE_CALLS;   /* small._drive raises */
-        }
+        if (!state[RS_CALLS])         /* (differing: noted, and on) */
+            state[RS_CALLS] = ring_calls_came(&c);
         if (state[RS_CALLS] && !state[RS_FLAGS]) {
             const int64_t came = ring_flags_came(&c);
             if (came < 0) return came;
             state[RS_FLAGS] = came;
         }
-        if (state[RS_CALLS] && state[RS_FLAGS]) moved |= ring_sum(&c);
-        if (state[RS_CALLS] && state[RS_FLAGS] && state[RS_T] >= T && ring_sent_all(&c)) {
-            if (c.stream) stream_done();
-            return SMALL_OK;
+        if (state[RS_CALLS] && state[RS_FLAGS]) {
+            const int summed = ring_sum(&c);
+            if (summed < 0) return RING_BAD_IDS;
+            moved |= summed;
         }
+        /* (signatures that differ: on to the deadline, as a peer on another path waits for
+         * words this rank never sends; then every rank raises, in step for the next call) */
+        if (state[RS_CALLS] && state[RS_FLAGS] && state[RS_T] >= T && ring_sent_all(&c) &&
+            !state[RS_DIFFER])
+            return SMALL_OK;
         if (moved) { spins = 0; continue; }
         if (__atomic_load_n(fence, __ATOMIC_RELAXED) || now_ns() > until) {
-            if (c.stream) stream_done();
             if (until < deadline_ns && !__atomic_load_n(fence, __ATOMIC_RELAXED))
                 return SMALL_AGAIN;
+            *differ = state[RS_DIFFER];
+            ring_silent(&c);
             return !state[RS_CALLS] ? SMALL_LATE_CALLS : !state[RS_FLAGS] ? SMALL_LATE_FLAGS
                                                                           : RING_LATE;
         }
+        /* a peer's part or sum takes as long as a copy of megabytes: yield briefly, then
+         * sleep until the doorbell rings (granted.c's waits, for the same reason) */
         const int64_t ns = backoff(spins++, 1);
         if (!ns) continue;
         __atomic_store_n(bell_at(bell), 1, __ATOMIC_SEQ_CST);      /* then a second look */

@@ -120,8 +120,6 @@ def _run(comm, op, epoch, parity, phase, table, *, page, own_error, dests, sourc
         deadline_ns, cp = int(comm.deadline * 1e9), (comm.call_seq - 1) % 2
         rc = phase(a, g, deadline_ns, cp, 0)
         while rc == small.AGAIN:
-            if calls is not None:
-                small.calls_differ(comm, cp, epoch, op)      # raises if they do
             rc = phase(a, g, deadline_ns, cp, 1)
         state = table[:, GD_STATE]
         if rc == BAD_ID:

@@ -83,9 +83,8 @@ _SIGNATURES = {
                              _I, _P, _I),
     "moe_granted_combine": (_P, _P, _I, _I, _I, _I, _I, _P, _I, _P, _P, _I, _P, _I, _P),
     # a combine streamed through the eager slots (host/ring.py)
-    "moe_ring_combine": (_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, ctypes.c_int, _I, _I, _I,
-                         _P, ctypes.c_int, _P, ctypes.c_int, _P, _P, _P, _P, _P, _I, _I, _I,
-                         _I),
+    "moe_ring_combine": (_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, ctypes.c_int, _I, _I, _I, _P,
+                         ctypes.c_int, _P, ctypes.c_int, _P, _P, _P, _P, _P, _I, _I, _I, _I),
     "moe_small_cached_direct": (_P, _I, _I, _I, _I, _P, _I, _I, _P, _P, _P, _I, _I, _P, _P,
                                 _P),
     "moe_small_combine_direct": (_P, _I, _I, _I, _I, _P, _I, _I, _P, _P, _P, ctypes.c_int, _I,

@@ -10,12 +10,17 @@ come, while those parts are still in the cache, then hands the parts back for th
 Pairs whose rows fit a slot whole go eagerly as before (small.start_combine); this rank's rows
 for itself stay in x.
 
-Every rank takes this path for a call alike or none does: the count matrix and the rows'
-shape decide it (both in the call's signature, which every rank checks before it sums), with
+Every rank takes this path for a call alike or none does: the count matrix (the handle's,
+which the call's signature names) and the rows' shape (in the signature) decide it, with
 ``HostComm.ring_combine``, which the ranks agree on when the Buffer is made (every rank has
-the C library and neither ``MOE_COMM_SMALL`` nor ``MOE_COMM_RING`` is "0"). A wait that
-passes its deadline raises CommTimeoutError naming the ranks whose parts (or hand-backs) did
-not come; signatures that differ raise CallMismatchError on every rank, as in any call.
+the C library and neither ``MOE_COMM_SMALL`` nor ``MOE_COMM_RING`` is "0"). (A call all of
+whose pairs fit the slots may still be summed here on one rank and by small.receive_combine
+on another, where their biases differ in layout: the words and bytes are the same.) A wait
+that passes its deadline raises CommTimeoutError naming the ranks whose parts (or
+hand-backs) this rank waited for; signatures that differ raise CallMismatchError on every
+rank at its deadline (a peer may have taken another path and wait there for words this rank
+never sends, as the small calls' and the Python protocol's waits do: the ranks then meet at
+the next call).
 """
 from __future__ import annotations
 
@@ -31,8 +36,9 @@ from . import eager, native, small
 ENV = "MOE_COMM_RING"        # "0" on any rank: large combines go through granted regions
 PARTS = 4                    # parts a slot holds: an expert writes ahead of the owner's sum
 ALIGN = 64                   # a part's weights start on a cache line (ring.c RING_ALIGN)
-# ring.c's codes: the deadline passed with parts or hand-backs missing; its state words
-RING_LATE, STATE_WORDS = 9, 3
+# ring.c's codes (the deadline passed with parts or hand-backs missing; a handle whose token
+# ids are not ascending in [0, T)) and its state words before the per-rank ones
+RING_LATE, RING_BAD_IDS, STATE_WORDS = 9, 10, 4
 
 
 def able() -> bool:
@@ -81,9 +87,8 @@ def combine(comm, epoch: int, parity: int, handle, x, topk_weights, *, dtype, hi
     biases = [b.to(torch.float32).contiguous() for b in biases]
     bias_addr = np.array([b.data_ptr() for b in biases] or [0], dtype=np.int64)
     index = torch.empty(T + 1 + int(count_in.sum()), dtype=torch.int64)
-    state = np.zeros(STATE_WORDS + 3 * R, dtype=np.int64)
+    state = np.zeros(STATE_WORDS + 4 * R, dtype=np.int64)
     eager_in = np.where(count_in <= slot_rows, count_in, 0)   # the sources in eager slots
-    a.differ[0] = 0
     args = (a.p_context, parity, call_parity, epoch, small._deadline_ns(comm))
     rest = (state.ctypes.data, count_in.ctypes.data, count_out.ctypes.data, ids.data_ptr(),
             first.ctypes.data, small.SUM_DTYPES[dtype], hidden, topk, T, bias_addr.ctypes.data,
@@ -91,23 +96,17 @@ def combine(comm, epoch: int, parity: int, handle, x, topk_weights, *, dtype, hi
             index.data_ptr(), call_row.ctypes.data, x.data_ptr(), small._ptr(topk_weights),
             slot_rows, part_rows, part_bytes, PARTS)
 
-    def phase(resume):
-        rc = a.lib.moe_ring_combine(*args, int(resume == 2), *rest)
+    def phase(resume):        # (run again after a slice: the state says where it was)
+        rc = a.lib.moe_ring_combine(*args, *rest)
         if rc == RING_LATE:
             comm.check_fence()                 # a rank the survivors masked: RankMaskedError
-            raise CommTimeoutError("combine/payload", _silent(state, count_in, count_out,
-                                                              me, slot_rows, part_rows),
-                                   comm.timeout_s)
+            if a.differ[0]:                    # a peer on another path: CallMismatchError
+                comm.verify_call(small.call_views(comm, call_parity), epoch, "combine")
+            silent = np.flatnonzero(state[STATE_WORDS + 3 * R:]).tolist()
+            raise CommTimeoutError("combine/payload", silent, comm.timeout_s)
+        if rc == RING_BAD_IDS:
+            raise ValueError("combine: the handle's token ids are not ascending within its "
+                             "num_tokens (a handle this Buffer's dispatch did not make?)")
         return rc
     small._drive(comm, phase, "combine", epoch, parity, call_parity, counts=eager_in)
     return out, out_w
-
-
-def _silent(state, count_in, count_out, me: int, slot_rows: int, part_rows: int) -> list:
-    """The ranks this rank still waited for: experts whose rows had not all come, owners
-    that had not handed back the parts this rank needed."""
-    R = len(count_in)
-    sent, cursor = state[STATE_WORDS:STATE_WORDS + R], state[STATE_WORDS + R:STATE_WORDS + 2 * R]
-    return [d for d in range(R) if d != me and (
-        (count_in[d] > slot_rows and cursor[d] < count_in[d]) or
-        (count_out[d] > slot_rows and sent[d] < -(-count_out[d] // part_rows)))]

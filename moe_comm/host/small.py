@@ -16,7 +16,7 @@ the Python protocol does the rest:
   (no relays), eager slots on, the C library loaded, ``MOE_COMM_SMALL`` not "0" (``usable``);
 - sends: a dispatch whose every count of this rank fits a slot (direct.py: the counts that
   fit, of any dispatch), a combine of bf16 or float32 rows (the owners' rows that fit one;
-  the rest go to granted regions, granted.py);
+  the rest stream through the slots, ring.py, or go to granted regions, granted.py);
 - receives: a call whose every pair went eagerly (the count matrix says so on every rank):
   no grant anywhere, so nothing is left but to wait for the slots and read them. A dispatch
   with ``num_worst_tokens`` reads them in Python.
@@ -37,7 +37,7 @@ import torch
 
 from ..errors import CommTimeoutError
 from ..handle import TokenIds
-from ..wire import CALL_WORDS, DOORBELL_WORD, PAGE, SLAB_ALIGN, tag_epoch
+from ..wire import CALL_WORDS, DOORBELL_WORD, PAGE, SLAB_ALIGN
 from . import eager, native
 from .exchange import DONE_WRITTEN, mismatch_behind
 from .pool import outputs
@@ -230,8 +230,7 @@ def _drive(comm, phase, op: str, epoch: int, parity: int, call_parity: int,
             return
         resume = 2 if checked else 1
         if rc == AGAIN:
-            if not checked:
-                calls_differ(comm, call_parity, epoch, op)      # raises if they do
+            pass
         elif rc == LATE_CALLS:
             comm.verify_call(call_views(comm, call_parity), epoch, op)
         elif rc == LATE_COUNTS:
@@ -249,19 +248,6 @@ def _drive(comm, phase, op: str, epoch: int, parity: int, call_parity: int,
                                f"receiver computed other sizes): nothing written to rank(s) "
                                f"[], nothing received from rank(s) [{-rc - 1}]")
         rc = phase(resume)
-
-
-def calls_differ(comm, call_parity, epoch: int, op: str) -> None:
-    """CallMismatchError if every rank's signature of this call (at ``call_parity``; None:
-    none posted) came and two differ; else nothing, without waiting. A wait's slices end
-    with it: a rank whose call differs may have taken a path that never sends the words
-    this rank waits for (a combine it streams, ring.py, that this rank sent eagerly), and
-    has raised at once, its next call begun; this rank must not hold out to its deadline."""
-    if call_parity is None:
-        return
-    index = addresses(comm).call_words[call_parity]
-    if (tag_epoch(addresses(comm).words[index]) == epoch).all():
-        comm.verify_call(call_views(comm, call_parity), epoch, op)
 
 
 def _next_call_parity(comm) -> int:
