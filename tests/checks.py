@@ -166,3 +166,36 @@ def check_ll(n, cases, results, quantize):
         for r in range(n):
             torch.testing.assert_close(results[r][ci]["combined"].float(), comb[r].float(),
                                        rtol=2e-2, atol=2e-2)
+
+
+def combine_biases(case, bias):
+    """A case's biases as Buffer.combine takes them: None, one tensor, or two."""
+    if bias is None:
+        return None
+    return bias if case["biases"] == 1 else (bias, (bias.float() * 0.5).to(bias.dtype))
+
+
+def check_combine_bits(n, cases, results):
+    """Every rank's combine (``results[rank][case]``: dict with y, comb, comb_w) equals
+    moe_comm.reference_combine's bit for bit (a token's rows added in rank order, then the
+    biases of combine_biases), and its weights come back once each (0 from other ranks;
+    None where the case has ``weights`` False)."""
+    for ci, case in enumerate(cases):
+        ins = [make_inputs(case, r) for r in range(n)]
+        ref = moe_comm.reference_dispatch([i[0] for i in ins], [i[1] for i in ins],
+                                          case["experts"], [i[2] for i in ins])
+        biases = None if not case["bias"] else [
+            tuple(b.float() for b in ((combine_biases(case, i[3]),) if case["biases"] == 1
+                                      else combine_biases(case, i[3]))) for i in ins]
+        want = moe_comm.reference_combine([results[d][ci]["y"] for d in range(n)], ref,
+                                          case["tokens"], bias=biases)
+        for r in range(n):
+            got = results[r][ci]
+            assert got["comb"].dtype == want[r].dtype, (case, r)
+            assert torch.equal(got["comb"].view(torch.uint8), want[r].view(torch.uint8)), \
+                (case, r)
+            if not case.get("weights", True):
+                assert got["comb_w"] is None, (case, r)
+                continue
+            sent = ins[r][1] >= 0      # each weight comes back once, 0 from the other ranks
+            assert torch.equal(got["comb_w"], torch.where(sent, ins[r][2], 0.0)), (case, r)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import moe_comm
+from checks import check_combine_bits, combine_biases
 from inputs import expert_fn, make_inputs
 from ranks import run_ranks
 
@@ -30,13 +31,6 @@ def _cases(n):
             case(5, [340 + 5 * r for r in range(n)], "random", "bfloat16", 7168, 0)]
 
 
-def _biases(case, bias):
-    """The case's biases as Buffer.combine takes them: None, one tensor, or two."""
-    if bias is None:
-        return None
-    return bias if case["biases"] == 1 else (bias, (bias.float() * 0.5).to(bias.dtype))
-
-
 def _run(rank, n, cases):
     buf = moe_comm.Buffer(None, 32 << 20, timeout_s=30)
     out = []
@@ -51,7 +45,7 @@ def _run(rank, n, cases):
         y = expert_fn(rx, rank)
         buf._comm.poison_free_heap()
         comb, comb_w, _ = buf.combine(y, handle, topk_weights=rw,
-                                      bias=_biases(case, bias))
+                                      bias=combine_biases(case, bias))
         out.append(dict(y=y.clone(), comb=comb, comb_w=comb_w))
         del rx, rw, y, handle
     buf.destroy()
@@ -61,23 +55,7 @@ def _run(rank, n, cases):
 @pytest.mark.parametrize("n", [2, 3])
 def test_combine_sums_are_the_references_bit_for_bit(n):
     cases = _cases(n)
-    results = run_ranks(_run, n, cases, timeout=240)
-    for ci, case in enumerate(cases):
-        ins = [make_inputs(case, r) for r in range(n)]
-        ref = moe_comm.reference_dispatch([i[0] for i in ins], [i[1] for i in ins],
-                                          case["experts"], [i[2] for i in ins])
-        biases = None if not case["bias"] else [
-            tuple(b.float() for b in ((_biases(case, i[3]),) if case["biases"] == 1
-                                      else _biases(case, i[3]))) for i in ins]
-        want = moe_comm.reference_combine([results[d][ci]["y"] for d in range(n)], ref,
-                                          case["tokens"], bias=biases)
-        for r in range(n):
-            got = results[r][ci]
-            assert got["comb"].dtype == want[r].dtype, (case, r)
-            assert torch.equal(got["comb"].view(torch.uint8), want[r].view(torch.uint8)), \
-                (case, r)
-            sent = ins[r][1] >= 0      # each weight comes back once, 0 from the other ranks
-            assert torch.equal(got["comb_w"], torch.where(sent, ins[r][2], 0.0)), (case, r)
+    check_combine_bits(n, cases, run_ranks(_run, n, cases, timeout=240))
 
 
 def _held_outputs(rank, n):

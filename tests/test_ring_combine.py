@@ -15,10 +15,10 @@ import os
 import time
 
 import pytest
-import torch
 
 import moe_comm
 import moe_comm.host.comm as host_comm
+from checks import check_combine_bits, combine_biases
 from inputs import expert_fn, make_inputs
 from ranks import run_ranks
 from moe_comm.host import ring
@@ -38,12 +38,6 @@ def _cases(n):
             case(4, [1100] * n, "one_rank", "bfloat16", 130, 1, False),  # one rank, no weights
             # rank 0's few rows fit a slot whole (eager), the others' stream
             case(5, [3] + [300] * (n - 1), "random", "bfloat16", 1024, 0)]
-
-
-def _biases(case, bias):
-    if bias is None:
-        return None
-    return bias if case["biases"] == 1 else (bias, (bias.float() * 0.5).to(bias.dtype))
 
 
 def _counted(calls):
@@ -80,40 +74,18 @@ def _run(rank, n, cases, ring_off_at, late=0.0):
             if i and late and rank == n - 1 and case is cases[0]:
                 time.sleep(late)
             comb, comb_w, _ = buf.combine(y, handle, topk_weights=rw if case["weights"] else
-                                          None, bias=_biases(case, bias))
+                                          None, bias=combine_biases(case, bias))
         out.append(dict(y=y.clone(), comb=comb, comb_w=comb_w, streamed=len(calls) - before))
         del rx, rw, y, handle
     buf.destroy()
     return out
 
 
-def _check(n, cases, results):
-    for ci, case in enumerate(cases):
-        ins = [make_inputs(case, r) for r in range(n)]
-        ref = moe_comm.reference_dispatch([i[0] for i in ins], [i[1] for i in ins],
-                                          case["experts"], [i[2] for i in ins])
-        biases = None if not case["bias"] else [
-            tuple(b.float() for b in ((_biases(case, i[3]),) if case["biases"] == 1
-                                      else _biases(case, i[3]))) for i in ins]
-        want = moe_comm.reference_combine([results[d][ci]["y"] for d in range(n)], ref,
-                                          case["tokens"], bias=biases)
-        for r in range(n):
-            got = results[r][ci]
-            assert got["comb"].dtype == want[r].dtype, (case, r)
-            assert torch.equal(got["comb"].view(torch.uint8), want[r].view(torch.uint8)), \
-                (case, r)
-            sent = ins[r][1] >= 0
-            if not case["weights"]:
-                assert got["comb_w"] is None, (case, r)
-                continue
-            assert torch.equal(got["comb_w"], torch.where(sent, ins[r][2], 0.0)), (case, r)
-
-
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_streamed_combines_are_the_references_bit_for_bit(n):
     cases = _cases(n)
     results = run_ranks(_run, n, cases, None, 0.3 if n == 3 else 0.0, timeout=240)
-    _check(n, cases, results)
+    check_combine_bits(n, cases, results)
     for ci in range(len(cases)):         # every case streamed somewhere: all ranks alike
         assert [results[r][ci]["streamed"] for r in range(n)] == [2] * n, ci
 
@@ -124,27 +96,34 @@ def test_one_rank_without_it_turns_it_off_for_all():
     n = 3
     cases = _cases(n)[:2]
     results = run_ranks(_run, n, cases, 1, timeout=240)
-    _check(n, cases, results)
+    check_combine_bits(n, cases, results)
     assert all(results[r][ci]["streamed"] == 0 for r in range(n) for ci in range(2))
+
+
+def _dispatched(rank, n, timeout_s):
+    """A Buffer with small slots and the first case dispatched on it: ``(buf, case, y, rw,
+    handle, bias)``, y the expert outputs."""
+    host_comm.eager_slot_bytes = lambda R: SLOT
+    buf = moe_comm.Buffer(None, 32 << 20, timeout_s=timeout_s)
+    case = _cases(n)[0]
+    x, idx, w, bias = make_inputs(case, rank)
+    ntr, _, nte, itr, _ = buf.get_dispatch_layout(idx, case["experts"])
+    rx, _, rw, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=ntr, is_token_in_rank=itr,
+                                           num_tokens_per_expert=nte, topk_idx=idx,
+                                           topk_weights=w)
+    return buf, case, expert_fn(rx, rank), rw, handle, bias
 
 
 def _one_granted(rank, n, timeout_s):
     """Rank 1 takes the granted path for a combine that rank 0 streams (as if the ranks
     had not agreed): neither gets what it waits for, and each must raise at its deadline,
     rank 0 naming rank 1."""
-    host_comm.eager_slot_bytes = lambda R: SLOT
-    buf = moe_comm.Buffer(None, 32 << 20, timeout_s=timeout_s)
-    case = _cases(n)[0]
-    x, idx, w, _ = make_inputs(case, rank)
-    ntr, _, nte, itr, _ = buf.get_dispatch_layout(idx, case["experts"])
-    rx, _, rw, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=ntr, is_token_in_rank=itr,
-                                           num_tokens_per_expert=nte, topk_idx=idx,
-                                           topk_weights=w)
+    buf, _, y, rw, handle, _ = _dispatched(rank, n, timeout_s)
     if rank == 1:
         ring.usable = lambda *args: False
     t0 = time.monotonic()
     try:
-        buf.combine(rx, handle, topk_weights=rw)
+        buf.combine(y, handle, topk_weights=rw)
         outcome = "returned"
     except moe_comm.CommTimeoutError as e:
         outcome = (type(e).__name__, e.silent_ranks)
@@ -168,15 +147,7 @@ def _differs(rank, n, timeout_s, field):
     other parts, so neither gets all it waits for): both raise CallMismatchError naming the
     field at their deadline, and the next combine, on which they agree, is the
     reference's."""
-    host_comm.eager_slot_bytes = lambda R: SLOT
-    buf = moe_comm.Buffer(None, 32 << 20, timeout_s=timeout_s)
-    case = _cases(n)[0]
-    x, idx, w, bias = make_inputs(case, rank)
-    ntr, _, nte, itr, _ = buf.get_dispatch_layout(idx, case["experts"])
-    rx, _, rw, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=ntr, is_token_in_rank=itr,
-                                           num_tokens_per_expert=nte, topk_idx=idx,
-                                           topk_weights=w)
-    y = expert_fn(rx, rank)
+    buf, case, y, rw, handle, bias = _dispatched(rank, n, timeout_s)
     t0 = time.monotonic()
     try:
         if field == "topk":
@@ -190,7 +161,7 @@ def _differs(rank, n, timeout_s, field):
     except moe_comm.CallMismatchError as e:
         error = str(e)
     took = time.monotonic() - t0
-    comb, comb_w, _ = buf.combine(y, handle, topk_weights=rw, bias=_biases(case, bias))
+    comb, comb_w, _ = buf.combine(y, handle, topk_weights=rw, bias=combine_biases(case, bias))
     buf.destroy()
     return error, took, dict(y=y, comb=comb, comb_w=comb_w)
 
@@ -204,4 +175,4 @@ def test_ranks_whose_streamed_combines_differ_raise_call_mismatch_and_go_on(fiel
     for error, took, _ in results:
         assert error and says in error, error
         assert timeout_s <= took < timeout_s + 3, took
-    _check(n, _cases(n)[:1], [[r[2]] for r in results])
+    check_combine_bits(n, _cases(n)[:1], [[r[2]] for r in results])
