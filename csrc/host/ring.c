@@ -74,7 +74,7 @@ typedef struct {
     const uint8_t *x;                 /* this rank's rows in received order (by owner) */
     const float *topk_w;
     int64_t slot_rows, part_rows, part_bytes, parts;
-    int64_t own_at;                   /* x's first row for this rank itself */
+    const int64_t *out_at;            /* [R] x's first row for each owner */
     const int64_t *eager_at;          /* [R][2] an eager slot's rows and weights (offsets) */
 } ring_call;
 
@@ -93,8 +93,7 @@ static inline int64_t ring_parts_of(const ring_call *c, int64_t n) {
 /* As expert: the next part to each owner whose slot has room for it. Returns how many. */
 static int64_t ring_send(const ring_call *c) {
     const int64_t *cx = c->cx, *rot = CX_PTR(cx, CX_ROTATION);
-    int64_t sent = 0, start[c->R];
-    for (int64_t o = 0, at = 0; o < c->R; at += c->count_out[o], o++) start[o] = at;
+    int64_t sent = 0;
     for (int64_t j = 0; j < c->R; j++) {
         const int64_t o = rot[j], n = c->count_out[o];
         if (o == c->me || !ring_streams(c, n)) continue;
@@ -107,10 +106,10 @@ static int64_t ring_send(const ring_call *c) {
         uint8_t *part = (uint8_t *)(intptr_t)CX_PTR(cx, CX_OUT_SLOT + c->ep)[o] +
                         (p % c->parts) * c->part_bytes;
         /* plain stores: the owner reads the part soon, from the cache */
-        memcpy(part, c->x + (start[o] + lo) * c->row_bytes, (size_t)(m * c->row_bytes));
+        memcpy(part, c->x + (c->out_at[o] + lo) * c->row_bytes, (size_t)(m * c->row_bytes));
         if (c->K && c->topk_w)
             memcpy(part + ring_weights_at(c->part_rows, c->row_bytes),
-                   c->topk_w + (start[o] + lo) * c->K, (size_t)(m * c->K * 4));
+                   c->topk_w + (c->out_at[o] + lo) * c->K, (size_t)(m * c->K * 4));
         const int64_t written = p + 1;
         RS_SENT(c->state, c->R, o) = written;
         publish(flag + RING_WRITTEN, CX_PTR(cx, CX_BELLS)[o], c->epoch, &written, 1);
@@ -166,8 +165,9 @@ static inline const uint8_t *ring_row(const ring_call *c, int64_t d, int64_t i,
                                       const float **w) {
     const int64_t n = c->count_in[d];
     if (d == c->me) {                 /* this rank's own rows stay in x */
-        *w = c->topk_w ? c->topk_w + (c->own_at + i) * c->K : NULL;
-        return c->x + (c->own_at + i) * c->row_bytes;
+        const int64_t at = c->out_at[d] + i;
+        *w = c->topk_w ? c->topk_w + at * c->K : NULL;
+        return c->x + at * c->row_bytes;
     }
     const uint8_t *slot = (const uint8_t *)(intptr_t)CX_PTR(c->cx, CX_IN_SLOT + c->ep)[d];
     if (!ring_streams(c, n)) {
@@ -317,9 +317,9 @@ int64_t moe_ring_combine(const int64_t *cx, int64_t ep, int64_t cp, int64_t epoc
                          int64_t part_rows, int64_t part_bytes, int64_t parts) {
     const int64_t out_elem = out_dt == DT_BF16 ? 2 : 4;
     const int64_t R = cx[CX_R], row_bytes = hidden * (in_dt == DT_BF16 ? 2 : 4);
-    int64_t own_at = 0, eager_at[2 * R], offs[4];
+    int64_t out_at[R], eager_at[2 * R], offs[4];
     int64_t *differ = (int64_t *)(intptr_t)cx[CX_DIFFER];
-    for (int64_t o = 0; o < cx[CX_ME]; o++) own_at += count_out[o];
+    for (int64_t o = 0, at = 0; o < R; at += count_out[o], o++) out_at[o] = at;
     *differ = 0;
     for (int64_t d = 0; d < R; d++) {
         if (count_in[d] != first[d + 1] - first[d]) return -(d + 1);
@@ -334,7 +334,7 @@ int64_t moe_ring_combine(const int64_t *cx, int64_t ep, int64_t cp, int64_t epoc
                          (uintptr_t)out % 64 == 0 && (hidden * out_elem) % 64 == 0,
                          hidden, row_bytes, K, T, bias_addr,
                          (uint8_t *)out, out_w, index, call_row, x, topk_w, slot_rows,
-                         part_rows, part_bytes, parts, own_at, eager_at};
+                         part_rows, part_bytes, parts, out_at, eager_at};
     const int64_t *fence = CX_PTR(cx, CX_FENCE), bell = cx[CX_BELL];
     const int64_t slice_end = now_ns() + WAIT_SLICE_NS;
     const int64_t until = slice_end < deadline_ns ? slice_end : deadline_ns;
