@@ -5,6 +5,10 @@ neighbours, subnormals, the clamp at 448, zeros, infinities) and ragged routing 
 without rows, empty segments)."""
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import platform
+
 import numpy as np
 import pytest
 import torch
@@ -179,6 +183,31 @@ def test_fp8_cast_of_every_bf16_at_every_scale():
                 f"{values[bad[0, 1]].item()!r}: {fast[tuple(bad[0])]:#x} against "
                 f"{plain[tuple(bad[0])]:#x}")
     finally:
+        native.fp8_avx512(before)
+
+
+def test_fp8_cast_ignores_the_threads_rounding_mode():
+    """The AVX-512 cast rounds to 3 mantissa bits with the instruction's own rounding
+    (nearest even), not the thread's: under fesetround(FE_UPWARD) or FE_TOWARDZERO its bytes
+    are still the plain loop's, quotients just above 448 included (with the thread's
+    rounding, 450 took NaN's code)."""
+    before = native.fp8_avx512()
+    if not before or platform.machine() != "x86_64":
+        pytest.skip("no AVX-512 here")
+    libm = ctypes.CDLL(ctypes.util.find_library("m"))
+    to_nearest, upward, toward_zero = 0, 0x800, 0xC00          # x86's <fenv.h>
+    g = torch.Generator().manual_seed(5)
+    row = torch.cat([torch.arange(448, 466, 2, dtype=torch.float32).repeat(15)[:128],
+                     torch.randn(896, generator=g) * 3]).bfloat16()
+    scales = torch.tensor([[1.0] + [0.02] * 7, [1.0] * 8, [3.0 / 448] * 8])
+    try:
+        for mode in (upward, toward_zero):
+            assert libm.fesetround(mode) == 0
+            fast, plain = _cast_rows(row, scales, True), _cast_rows(row, scales, False)
+            libm.fesetround(to_nearest)
+            assert torch.equal(fast, plain), mode
+    finally:
+        libm.fesetround(to_nearest)
         native.fp8_avx512(before)
 
 

@@ -622,7 +622,8 @@ AVX512_TARGET static inline __m128i e4m3_16_normal(__m512 q, __mmask16 *special)
  * shifted left by 20, and q's bits in *u. The rounding to 3 mantissa bits is the FPU's:
  * |q| + 2^(e+20), e the exponent of |q|, keeps 3 bits of its mantissa, rounded to nearest
  * even, and taking 2^(e+20) away again is exact; the code is then the rounded bits less
- * those of 2^-7 (bias 7 against 127). */
+ * those of 2^-7 (bias 7 against 127). Both with the rounding in the instruction, not the
+ * thread's MXCSR: a caller's fesetround(FE_UPWARD) would turn 449 into NaN's code. */
 AVX512_TARGET static inline __m512i e4m3_code20(__m512 q, __m512i *u, __mmask16 *special) {
     *u = _mm512_castps_si512(q);
     const __m512i a = _mm512_and_si512(*u, _mm512_set1_epi32(0x7FFFFFFF));
@@ -630,7 +631,10 @@ AVX512_TARGET static inline __m512i e4m3_code20(__m512 q, __m512i *u, __mmask16 
                                         _mm512_set1_epi32(0x43E80000 - 0x3C800000));
     const __m512 c = _mm512_castsi512_ps(_mm512_add_epi32(
         _mm512_and_si512(a, _mm512_set1_epi32(0x7F800000)), _mm512_set1_epi32(20 << 23)));
-    const __m512 r = _mm512_sub_ps(_mm512_add_ps(_mm512_castsi512_ps(a), c), c);
+#define NEAREST (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+    const __m512 r = _mm512_sub_round_ps(_mm512_add_round_ps(_mm512_castsi512_ps(a), c, NEAREST),
+                                         c, NEAREST);
+#undef NEAREST
     return _mm512_sub_epi32(_mm512_castps_si512(r), _mm512_set1_epi32(120 << 23));
 }
 

@@ -345,8 +345,13 @@ int64_t moe_ll_direct_send(const int64_t *lx, int64_t b, int64_t resume, int64_t
             const int64_t *w = (const int64_t *)(intptr_t)LX_PTR(lx, LX_DFREE_IN + b)[r];
             if ((__atomic_load_n(w, __ATOMIC_ACQUIRE) >> 32) == seq - 2) ll_sign(&d, r);
         }
-    if (!resume && fp8)
+    if (!resume && fp8) {
         moe_fp8_quantize(x, DT_BF16, T, H, H, scales, msgs, stride, scratch, H);
+        /* the wait for the sources before this rank (DIRECT_WAIT_NS) starts after the cast */
+        const int64_t cast_end = now_ns();
+        for (int64_t r = 0; r < R; r++)
+            if (sent[r] == LL_ANNOUNCED) announced[r] = cast_end;
+    }
     return ll_each_free(lx, LX_PTR(lx, LX_DFREE_IN + b), wait_free ? seq - 2 : -1, deadline_ns,
                         sent, ll_dispatch_to, ll_announces_ready, &d);
 }
