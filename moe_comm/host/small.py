@@ -229,9 +229,7 @@ def _drive(comm, phase, op: str, epoch: int, parity: int, call_parity: int,
         if rc == 0:
             return
         resume = 2 if checked else 1
-        if rc == AGAIN:
-            pass
-        elif rc == LATE_CALLS:
+        if rc == LATE_CALLS:
             comm.verify_call(call_views(comm, call_parity), epoch, op)
         elif rc == LATE_COUNTS:
             comm.wait(_views(comm, a.count_words[count_parity]), epoch, op + "/notify")
@@ -243,7 +241,7 @@ def _drive(comm, phase, op: str, epoch: int, parity: int, call_parity: int,
                 if call_parity is not None:
                     mismatch_behind(comm, epoch, op, call_views(comm, call_parity), e)
                 raise
-        else:
+        elif rc != AGAIN:             # (AGAIN: a slice ran out, the phase goes on waiting)
             raise RuntimeError(f"{op}: rows larger than the granted region (sender and "
                                f"receiver computed other sizes): nothing written to rank(s) "
                                f"[], nothing received from rank(s) [{-rc - 1}]")
