@@ -55,22 +55,30 @@ def _silent_after_counts(rank, n, where):
     peers wait for it in granted.py's C call, which hands over to the Python waits at the
     deadline. Rows of 16 KB, ~300 a pair: beyond an eager slot (8 MiB / 3), so every pair is
     granted."""
-    from moe_comm.host import granted, normal
+    from moe_comm.host import exchange, granted, normal
     buf = moe_comm.Buffer(None, 64 << 20, timeout_s=1.5)
     torch.manual_seed(rank)
     idx = torch.stack([torch.randperm(4 * n)[:2] for _ in range(512)])
     ntr, _, nte, itr, _ = buf.get_dispatch_layout(idx, 4 * n)
     taken = []
-    real = granted.dispatch
-    granted.dispatch = lambda *a, **k: (taken.append(1), real(*a, **k))[1]
+    for name in ("dispatch", "fresh_dispatch"):   # the C payload phase of either path
+        real = getattr(granted, name)
+        setattr(granted, name, lambda *a, _real=real, **k: (taken.append(1), _real(*a, **k))[1])
     if rank == n - 1:                    # counts sent, then silent until its peers gave up
         def silent(*args, **kwargs):
             time.sleep(3.0)
             raise SystemExit(0)
+
+        def grant_then_silent(comm, epoch, parity, handle, region, *args, **kwargs):
+            exchange.grant(comm, epoch, region.nbytes, "dispatch",
+                           handle.count_matrix[:, comm.rank].nonzero()[0].tolist())
+            silent()
+        # (direct.py's one-round path grants in granted.fresh_dispatch, normal.dispatch's
+        # other calls in normal.grant, then granted.dispatch)
         if where == "grant":
-            normal.grant = silent
+            normal.grant = granted.fresh_dispatch = silent
         else:
-            granted.dispatch = silent
+            granted.dispatch, granted.fresh_dispatch = silent, grant_then_silent
     t0 = time.monotonic()
     try:
         buf.dispatch(torch.randn(512, 4096), topk_idx=idx, num_tokens_per_rank=ntr,
@@ -181,8 +189,9 @@ def _refuse_then_go_on(rank, n, eager, small="0"):
     from moe_comm.host import granted
     from moe_comm.host.normal import ReceiverFailed
     taken = []
-    real = granted.dispatch
-    granted.dispatch = lambda *a, **k: (taken.append(1), real(*a, **k))[1]
+    for name in ("dispatch", "fresh_dispatch"):   # the C payload phase of either path
+        real = getattr(granted, name)
+        setattr(granted, name, lambda *a, _real=real, **k: (taken.append(1), _real(*a, **k))[1])
     buf = moe_comm.Buffer(None, (48 << 20) if small == "1" else (1 << 20), timeout_s=20)
     torch.manual_seed(rank)
     x = torch.randn(512, 4096) if small == "1" else torch.randn(64, 256)

@@ -42,8 +42,9 @@ def _cases(n):
 
 def _count_small(counts):
     """Count this rank's calls finished in C: by small.py's receive functions, or by
-    direct.py (counted as the receive functions' calls) where a fresh dispatch was not
-    handed on to the Python protocol."""
+    direct.py (counted as the receive functions' calls) where a fresh dispatch was neither
+    handed on to the Python protocol ("handed on") nor granted regions there ("granted":
+    one round, no source's rows in this rank's slots, DirectCalls._granted)."""
     def count(name):
         counts[name] = counts.get(name, 0) + 1
 
@@ -56,13 +57,15 @@ def _count_small(counts):
         setattr(small, name, counted)
     calls = direct.DirectCalls
     for method, name in (("dispatch", "receive_dispatch"), ("cached", "receive_dispatch"),
-                         ("combine", "receive_combine"), ("_go_on", "handed on")):
+                         ("combine", "receive_combine"), ("_go_on", "handed on"),
+                         ("_granted", "granted")):
         real = getattr(calls, method)
 
         def counted(*args, _real=real, _name=name, **kwargs):
-            before = counts.get("handed on", 0)
+            before = counts.get("handed on", 0) + counts.get("granted", 0)
             got = _real(*args, **kwargs)
-            if got is not None and counts.get("handed on", 0) == before:
+            if got is not None and counts.get("handed on", 0) + counts.get("granted",
+                                                                            0) == before:
                 count(_name)
             return got
         setattr(calls, method, counted)
@@ -138,8 +141,35 @@ def test_a_dispatch_beyond_its_share_of_a_slot_is_granted_its_combine_goes_in_sl
     results = run_ranks(_rank, n, [case], python_ranks, False, 2, timeout=120)
     check_normal(n, [case], [r[0] for r in results])
     for rank, (_, counts) in enumerate(results):
-        want = {} if rank in python_ranks else {"handed on": 1, "receive_combine": 1}
+        want = {} if rank in python_ranks else {"granted": 1, "receive_combine": 1}
         assert counts == want, (rank, counts)
+
+
+def _held_granted(rank, n):
+    counts = {}
+    _count_small(counts)
+    buf = moe_comm.Buffer(None, 96 << 20, timeout_s=30)
+    held = []
+    for call in range(4):             # each call's results held through the calls after it
+        case = dict(seed=50 + call, tokens=[512] * n, hidden=4096, experts=4 * n, topk=2,
+                    routing="random", dtype="float32", bias=False, alignment=1, worst=0)
+        x, idx, w, _ = make_inputs(case, rank)
+        ntr, _, nte, itr, _ = buf.get_dispatch_layout(idx, case["experts"])
+        rx, ri, rw, *_ = buf.dispatch(x, num_tokens_per_rank=ntr, is_token_in_rank=itr,
+                                      num_tokens_per_expert=nte, topk_idx=idx, topk_weights=w)
+        held.append(((rx, ri, rw), (rx.clone(), ri.clone(), rw.clone())))
+    same = [all(torch.equal(a, b) for a, b in zip(*h)) for h in held]
+    buf.destroy()
+    return same, counts
+
+
+def test_granted_dispatch_results_held_are_never_overwritten():
+    """A fresh dispatch whose rows go to granted regions in one round (direct.py _granted:
+    rows of 16 KiB, ~340 a pair, beyond a slot) returns views of its region: each call's
+    results, held while the later calls run, keep their values."""
+    for same, counts in run_ranks(_held_granted, 3, timeout=120):
+        assert same == [True] * 4
+        assert counts == {"granted": 4}, counts
 
 
 def test_strided_routing_tensors_match_the_reference():

@@ -23,6 +23,7 @@ enum {
     GX_DONE_OUT,                  /* int64 [R]: this rank's DONE word in rank d's header */
     GX_DONE_IN,                   /* int64 [R]: rank s's DONE word in this rank's header */
     GX_HEAP,                      /* int64 [R]: rank d's heap */
+    GX_GRANT_OUT,                 /* int64 [R]: this rank's grant for rank s, in s's header */
     GX_WORDS
 };
 
@@ -35,7 +36,8 @@ enum { GD_RANK, GD_ROWS, GD_ROW0, GD_IDS, GD_N, GD_STATE, GD_WORDS };
 enum { GS_PENDING = 0, GS_WRITTEN = 1, GS_FAILED = 2, GS_SHORT = 3, GS_DIFFER = 4 };
 
 /* What the calls return besides SMALL_OK / SMALL_AGAIN (small.py's codes): */
-enum { GRANTED_LATE_GRANTS = 6, GRANTED_LATE_DONE = 7, GRANTED_BAD_ID = 8 };
+enum { GRANTED_LATE_GRANTS = 6, GRANTED_LATE_DONE = 7, GRANTED_BAD_ID = 8,
+       GRANTED_UNWRITTEN = 9 };
 
 #define GX_PTR(gx, i) ((const int64_t *)(intptr_t)(gx)[i])
 
@@ -262,4 +264,61 @@ int64_t moe_granted_combine(const int64_t *cx, const int64_t *gx, int64_t ep, in
     const granted_call c = {cx, gx, epoch, dests, nd, CX_PTR(cx, CX_CALL_IN + cp), call_row, 1,
                             x, row_bytes, 0, row_bytes, NULL, topk_w, K, 0};
     return granted_phase(&c, ep, deadline_ns, resume, src, 0);
+}
+
+/* The rest of a fresh dispatch begun in direct.py, once its count matrix [R, R] came, that
+ * moves in one round with no source's rows in an eager slot of this rank (granted.py
+ * fresh_dispatch): this rank's grant [page, pages] to every source (as exchange.grant
+ * pushes it), its destinations beyond an eager slot of slot_rows rows into dests [R][GD_WORDS]
+ * (*nd of them, in normal.py's rotation order: the peers after this rank, then itself; the
+ * pairs within a slot went with the counts) and its sources into src [R] (1: a DONE word to
+ * wait for), then moe_granted_dispatch's payload phase (ids / first [R + 1]: the token ids
+ * by destination). With resume (after SMALL_AGAIN) only the phase goes on. Returns what the
+ * phase returns, or GRANTED_UNWRITTEN where it ended but a destination's rows were not written
+ * (its grant failed, was short) or a source's DONE does not say its rows were (settle raises
+ * what went wrong). As Python steps, these took ~250 us of each rank's CPU a call in a 4-rank
+ * 1024 x 7168 dispatch on 2 cores (docs/PERF.md, session 26). */
+int64_t moe_granted_fresh(const int64_t *cx, const int64_t *gx, int64_t ep, int64_t epoch,
+                          int64_t deadline_ns, int64_t resume, const int64_t *matrix,
+                          int64_t slot_rows, int64_t page, int64_t pages, int64_t *dests,
+                          int64_t *nd, int64_t *src, const int64_t *ids, const int64_t *first,
+                          const uint8_t *x, int64_t x_stride, int64_t T, int64_t row_bytes,
+                          const int64_t *topk_idx, const float *topk_w, int64_t K,
+                          int64_t num_local, int64_t gather_ns) {
+    const int64_t me = cx[CX_ME], R = cx[CX_R];
+    if (!resume) {
+        const int64_t grant[2] = {page, pages};
+        for (int64_t s = 0; s < R; s++) {
+            src[s] = matrix[s * R + me] > 0;
+            if (src[s])
+                publish((int64_t *)(intptr_t)GX_PTR(gx, GX_GRANT_OUT)[s],
+                        CX_PTR(cx, CX_BELLS)[s], epoch, grant, 2);
+        }
+        *nd = 0;
+        for (int64_t i = 0; i < R; i++) {
+            const int64_t d = (me + 1 + i) % R, n = matrix[me * R + d];
+            if (n <= slot_rows) continue;
+            int64_t rows = 0, row0 = 0;             /* d's region; where this rank's start */
+            for (int64_t s = 0; s < R; s++) {
+                rows += matrix[s * R + d];
+                row0 += s < me ? matrix[s * R + d] : 0;
+            }
+            int64_t *t = dests + (*nd)++ * GD_WORDS;
+            t[GD_RANK] = d, t[GD_ROWS] = rows, t[GD_ROW0] = row0;
+            t[GD_IDS] = (int64_t)(intptr_t)(ids + first[d]), t[GD_N] = n;
+            t[GD_STATE] = GS_PENDING;
+        }
+    }
+    const granted_call c = {cx, gx, epoch, dests, *nd, NULL, NULL, 0, x, x_stride, T,
+                            row_bytes, topk_idx, topk_w, K, num_local};
+    const int64_t rc = granted_phase(&c, ep, deadline_ns, resume, src, gather_ns);
+    if (rc != SMALL_OK) return rc;
+    for (int64_t j = 0; j < *nd; j++)
+        if (dests[j * GD_WORDS + GD_STATE] != GS_WRITTEN) return GRANTED_UNWRITTEN;
+    const int64_t *done_in = GX_PTR(gx, GX_DONE_IN);
+    for (int64_t s = 0; s < R; s++)      /* (the phase's acquire fence ordered these reads) */
+        if (src[s] && (*(const int64_t *)(intptr_t)done_in[s] & 0xFFFFFFFFll) !=
+                      cx[CX_DONE_WRITTEN])
+            return GRANTED_UNWRITTEN;
+    return SMALL_OK;
 }

@@ -39,9 +39,9 @@ import torch
 from .. import signature
 from ..event import EventOverlap
 from ..handle import DispatchHandle, TokenIds
-from ..layout import DispatchLayout
-from ..wire import MAX_EPOCH
-from . import native, small
+from ..layout import DispatchLayout, aligned_expert_counts
+from ..wire import MAX_EPOCH, SlabLayout
+from . import granted, native, small
 from .pool import POOLED_BYTES
 
 # x dtypes a dispatch here moves (as rows of bytes: the dtype only sizes them); a combine
@@ -203,8 +203,11 @@ class DirectCalls:
         if not eager_everywhere:      # a pair beyond a slot, or rows beyond a heap: granted
             lib.moe_small_send_own(cx, parity, epoch, ids.data_ptr(), p_first, x.data_ptr(), T,
                                    row_bytes, idx.data_ptr(), p_w, K, E // R, slot_rows)
-            return self._go_on(backend, Started(parity, epoch, (matrix, ids, first)), x, idx,
-                               w, E, alignment, in_rank, per_rank, per_expert)
+            started = Started(parity, epoch, (matrix, ids, first))
+            if self._one_round(matrix, slot_rows, heap_rows):
+                return self._granted(started, x, idx, w, E, alignment, in_rank, slot_rows)
+            return self._go_on(backend, started, x, idx, w, E, alignment, in_rank, per_rank,
+                               per_expert)
         recv_x, recv_i, recv_w = self._empty("dispatch", num_recv * (row_bytes + 12 * K), [
             (num_recv, H, dtype), (num_recv, K, torch.int64), (num_recv, K, torch.float32)])
         args = (cx, parity, 0, epoch, deadline_ns, p_recv_count, row_bytes, K,
@@ -220,6 +223,44 @@ class DirectCalls:
             counts = [(c + alignment - 1) // alignment * alignment for c in counts]
         handle = DispatchHandle(self.key, T, H, matrix, in_rank, TokenIds(ids, first), num_recv,
                                 0, call_id=epoch)
+        return recv_x, recv_i, recv_w, counts, handle, EventOverlap()
+
+    def _one_round(self, matrix, slot_rows, heap_rows) -> bool:
+        """Whether a fresh dispatch of count ``matrix`` moves in one round (every rank's
+        region fits its heap) with no source's rows in an eager slot of this rank: then
+        :meth:`_granted` runs it."""
+        col = matrix[:, self.comm.rank]
+        return int(matrix.sum(0).max()) <= heap_rows and not (
+            (col > 0) & (col <= slot_rows)).any()
+
+    def _granted(self, started, x, idx, w, num_experts, alignment, in_rank, slot_rows):
+        """The rest of a fresh dispatch :meth:`_one_round` accepts: granted.fresh_dispatch
+        (its grant and payload phase in one C call), then the region as the outputs and the
+        received ids counted per expert. normal.dispatch runs the same steps for any call, in
+        several times the Python (docs/PERF.md, session 26)."""
+        comm, (matrix, ids, first) = self.comm, started.counts
+        me, R = comm.rank, comm.num_ranks
+        (T, H), K, num_local = x.shape, idx.shape[1], num_experts // R
+        num_recv = int(matrix[:, me].sum())
+        lay = SlabLayout(num_recv, H * x.element_size(), 0, K)
+        handle = DispatchHandle(self.key, T, H, matrix, in_rank, TokenIds(ids, first),
+                                num_recv, 0, call_id=started.epoch)
+        page = granted.fresh_dispatch(comm, started.epoch, started.parity, handle, lay,
+                                      x.view(torch.uint8), idx, w, num_local, slot_rows)
+        # (torch's views of the region's tensor: that tensor's numpy array returns the pages
+        # when the last is gone; numpy's own views would skip it for the heap's buffer)
+        region, offs = comm.heap.tensor_owning(page, lay.nbytes), lay.offsets
+        recv_x = region[:num_recv * lay.row_bytes].view(x.dtype).view(num_recv, H)
+        recv_i = region[offs[2]:offs[2] + num_recv * K * 8].view(torch.int64).view(num_recv, K)
+        recv_w = region[offs[3]:offs[3] + num_recv * K * 4].view(torch.float32).view(
+            num_recv, K)
+        if self.lib.moe_count_experts(recv_i.data_ptr(), num_recv * K, num_local,
+                                      self.p_local):        # (an id beyond them: torch says)
+            return recv_x, recv_i, recv_w, aligned_expert_counts(recv_i, num_local,
+                                                                 alignment), handle, EventOverlap()
+        counts = self.local[:num_local].tolist()
+        if alignment != 1:
+            counts = [(c + alignment - 1) // alignment * alignment for c in counts]
         return recv_x, recv_i, recv_w, counts, handle, EventOverlap()
 
     def _go_on(self, backend, started, x, idx, w, num_experts, alignment, in_rank, per_rank,

@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..wire import GRANT_FAILED
+from ..wire import GRANT_FAILED, PAGE, SlabLayout
 from . import small
 from .eager import flags as eager_flags
-from .exchange import (DONE_NOTHING, DONE_REFUSED, GATHER_S, done_words, mismatch_behind,
-                       release_on_error, send_when_granted, settle, signature_check)
+from .exchange import (DONE_NOTHING, DONE_REFUSED, GATHER_S, done_words, grant,
+                       mismatch_behind, put_rows, release_on_error, send_when_granted, settle,
+                       signature_check)
 
 # granted.c's return codes beyond small.py's (SMALL_OK 0, SMALL_AGAIN)
-LATE_GRANTS, LATE_DONE, BAD_ID = 6, 7, 8
+LATE_GRANTS, LATE_DONE, BAD_ID, UNWRITTEN = 6, 7, 8, 9
 # a destination's row of the table the C call reads (granted.c GD_*), and its states (GS_*)
 GD_WORDS, GD_STATE = 6, 5
 WRITTEN, FAILED, SHORT, DIFFER = 1, 2, 3, 4
@@ -46,12 +47,16 @@ class Addresses:
             [words[me] + 8 * lay.grant(d) for d in range(R)],
             [words[d] + 8 * lay.done(me) for d in range(R)],
             [words[me] + 8 * lay.done(s) for s in range(R)],
-            [comm.peer_heap(d).data_ptr() for d in range(R)])]
+            [comm.peer_heap(d).data_ptr() for d in range(R)],
+            [words[s] + 8 * lay.grant(me) for s in range(R)])]
         self.context = np.array([GRANT_FAILED, DONE_NOTHING, DONE_REFUSED] +
                                 [a.ctypes.data for a in self.arrays], dtype=np.int64)
         self.p_context = self.context.ctypes.data
         self.src = np.zeros(R, dtype=np.int64)        # what each source's wait reads
         self.p_src = self.src.ctypes.data
+        # a fresh dispatch's destinations and their number, as moe_granted_fresh fills them
+        self.table = np.zeros((R, GD_WORDS), dtype=np.int64)
+        self.nd = np.zeros(1, dtype=np.int64)
 
 
 def addresses(comm) -> Addresses:
@@ -84,6 +89,102 @@ def dispatch(comm, epoch, parity, *, page, own_error, plan, dests, sources, in_s
     _run(comm, "dispatch", epoch, parity, phase, table, page=page, own_error=own_error,
          dests=dests, sources=sources, in_slots=in_slots, sizes=sizes, calls=calls,
          call_row=call_row, write=write, need=need)
+
+
+class OneRound:
+    """The RoundPlan (normal.py) of a call that moves in one round, as _table reads it:
+    every region's rows (``chunk``), where each source's rows start in it (``row0``), the
+    count matrix (``counts``)."""
+
+    def __init__(self, matrix: np.ndarray, rows_at: np.ndarray):
+        self.counts, self.chunk = matrix, rows_at
+        self.row0 = np.cumsum(matrix, 0) - matrix
+
+
+def fresh_dispatch(comm, epoch, parity, handle, region: SlabLayout, x_bytes, topk_idx,
+                   topk_weights, num_local, slot_rows) -> int:
+    """The rest of a fresh dispatch begun in direct.py, once its count matrix came, where it
+    moves in one round and no source's rows wait in an eager slot of this rank: its grant of
+    ``region`` (the slab of every row this rank receives), then :func:`dispatch`'s payload
+    phase to the destinations beyond an eager slot of ``slot_rows`` rows (those within one
+    got theirs with the counts), in one C call (granted.c moe_granted_fresh) where the
+    region could be allocated. normal.dispatch's steps for such a call, without the
+    branches it does not take. Returns the granted page; raises as normal.dispatch does."""
+    pages = max(1, -(-region.nbytes // PAGE))
+    page = comm.heap.alloc(pages)
+    if page is None:                  # (grant says so to every source, and raises after)
+        return _fresh_in_python(comm, epoch, parity, handle, region, x_bytes, topk_idx,
+                                topk_weights, num_local, slot_rows)
+    me = comm.rank
+    matrix, send_ids = handle.count_matrix, handle.send_token_ids
+    a, g = small.addresses(comm), addresses(comm)
+    deadline_ns, K = int(comm.deadline * 1e9), topk_idx.shape[1]
+
+    def phase(resume):
+        return a.lib.moe_granted_fresh(
+            a.p_context, g.p_context, parity, epoch, deadline_ns, resume, matrix.ctypes.data,
+            slot_rows, page, pages, g.table.ctypes.data, g.nd.ctypes.data, g.p_src,
+            send_ids.ids.data_ptr(), send_ids.first.ctypes.data, x_bytes.data_ptr(),
+            x_bytes.stride(0), x_bytes.shape[0], x_bytes.shape[1], topk_idx.data_ptr(),
+            small._ptr(topk_weights), K, num_local, int(GATHER_S * 1e9))
+    sources = None
+    try:
+        rc = phase(0)
+        while rc == small.AGAIN:
+            rc = phase(1)
+        if rc == 0:
+            return page
+        # what stopped it, on the same words, as the Python steps conclude (they raise)
+        sources = np.flatnonzero(matrix[:, me]).tolist()
+        table = g.table[:int(g.nd[0])].copy()
+        plan = OneRound(matrix, matrix.sum(0))
+        write, need = _fresh_writes(comm, plan, send_ids, x_bytes, topk_idx, topk_weights,
+                                    num_local, K)
+        _conclude(comm, "dispatch", epoch, rc, table, page=page, own_error=None,
+                  dests=table[:, 0].tolist(), dones=done_words(comm, sources), sizes={},
+                  calls=None, call_row=None, write=write, need=need)
+    except BaseException:
+        if sources is None:
+            sources = np.flatnonzero(matrix[:, me]).tolist()
+        release_on_error(comm, epoch, [page], done_words(comm, sources))
+        raise
+    return page
+
+
+def _fresh_writes(comm, plan, send_ids, x_bytes, topk_idx, topk_weights, num_local, K):
+    """A one-round dispatch's ``write`` and ``need`` for the Python steps (a grant that came
+    late), as normal.dispatch gives them."""
+    me, row_bytes = comm.rank, x_bytes.shape[1]
+
+    def slab(d):
+        return SlabLayout(int(plan.chunk[d]), row_bytes, 0, K)
+
+    def write(d, d_page):
+        put_rows(comm, d, d_page * PAGE, slab(d), int(plan.row0[me, d]), send_ids[d],
+                 x_bytes, None, topk_idx, topk_weights, num_local)
+    return write, lambda d: slab(d).nbytes
+
+
+def _fresh_in_python(comm, epoch, parity, handle, region, x_bytes, topk_idx, topk_weights,
+                     num_local, slot_rows) -> int:
+    """fresh_dispatch where this rank's region could not be allocated: the grant tells every
+    source so (GRANT_FAILED), this rank still writes to its destinations, then raises
+    BufferTooSmallError as every rank on normal.dispatch's path does."""
+    me, R = comm.rank, comm.num_ranks
+    matrix, send_ids = handle.count_matrix, handle.send_token_ids
+    K = topk_idx.shape[1]
+    plan = OneRound(matrix, matrix.sum(0))
+    sources = np.flatnonzero(matrix[:, me]).tolist()
+    page, own_error = grant(comm, epoch, region.nbytes, "dispatch", sources)
+    row = matrix[me]
+    dests = [d for d in ((me + 1 + i) % R for i in range(R)) if row[d] > slot_rows]
+    write, need = _fresh_writes(comm, plan, send_ids, x_bytes, topk_idx, topk_weights,
+                                num_local, K)
+    dispatch(comm, epoch, parity, page=page, own_error=own_error, plan=plan, dests=dests,
+             sources=sources, in_slots=[], sizes={}, send_ids=send_ids, x_bytes=x_bytes,
+             topk_idx=topk_idx, topk_weights=topk_weights, num_local=num_local, calls=None,
+             call_row=None, write=write, need=need)
+    return page
 
 
 def combine(comm, epoch, parity, *, page, own_error, plan, dests, sources, in_slots, sizes,
@@ -121,24 +222,34 @@ def _run(comm, op, epoch, parity, phase, table, *, page, own_error, dests, sourc
         rc = phase(a, g, deadline_ns, cp, 0)
         while rc == small.AGAIN:
             rc = phase(a, g, deadline_ns, cp, 1)
-        state = table[:, GD_STATE]
-        if rc == BAD_ID:
-            raise IndexError(f"{op}: a token id outside the rows of x")
-        failed = [d for d, s in zip(dests, state) if s == FAILED]
-        short = [d for d, s in zip(dests, state) if s == SHORT]
-        if rc == LATE_GRANTS:          # the Python steps on the same words (they raise)
-            more = send_when_granted(comm, epoch, [d for d, s in zip(dests, state) if not s],
-                                     write, need, op + "/grant",
-                                     signature_check(comm, epoch, op, calls, call_row))
-            failed, short = failed + more[0], short + more[1]
-        if rc:
-            comm.wait(dones, epoch, op + "/payload")
-        settle(comm, epoch, op, pages=[page], own_error=own_error, dones=dones,
-               failed=failed, short=short, calls=calls, sizes=sizes)
+        _conclude(comm, op, epoch, rc, table, page=page, own_error=own_error, dests=dests,
+                  dones=dones, sizes=sizes, calls=calls, call_row=call_row, write=write,
+                  need=need)
     except BaseException as e:
         release_on_error(comm, epoch, [page], dones)
         mismatch_behind(comm, epoch, op, calls, e)
         raise
+
+
+def _conclude(comm, op, epoch, rc, table, *, page, own_error, dests, dones, sizes, calls,
+              call_row, write, need):
+    """After a C payload phase returned ``rc`` with ``table``'s states: the Python steps
+    where a wait handed over (a late grant, a late DONE), then settle, which raises what went
+    wrong the same way on every rank."""
+    state = table[:, GD_STATE]
+    if rc == BAD_ID:
+        raise IndexError(f"{op}: a token id outside the rows of x")
+    failed = [d for d, s in zip(dests, state) if s == FAILED]
+    short = [d for d, s in zip(dests, state) if s == SHORT]
+    if rc == LATE_GRANTS:          # the Python steps on the same words (they raise)
+        more = send_when_granted(comm, epoch, [d for d, s in zip(dests, state) if not s],
+                                 write, need, op + "/grant",
+                                 signature_check(comm, epoch, op, calls, call_row))
+        failed, short = failed + more[0], short + more[1]
+    if rc:
+        comm.wait(dones, epoch, op + "/payload")
+    settle(comm, epoch, op, pages=[page], own_error=own_error, dones=dones, failed=failed,
+           short=short, calls=calls, sizes=sizes)
 
 
 def _table(plan, me: int, dests: list, rows) -> np.ndarray:

@@ -82,6 +82,8 @@ _SIGNATURES = {
     "moe_granted_dispatch": (_P, _P, _I, _I, _I, _I, _I, _P, _I, _P, _P, _I, _I, _I, _P, _P, _I,
                              _I, _P, _I),
     "moe_granted_combine": (_P, _P, _I, _I, _I, _I, _I, _P, _I, _P, _P, _I, _P, _I, _P),
+    "moe_granted_fresh": (_P, _P, _I, _I, _I, _I, _P, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I,
+                          _I, _I, _P, _P, _I, _I, _I),
     # a combine streamed through the eager slots (host/ring.py)
     "moe_ring_combine": (_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, ctypes.c_int, _I, _I, _I, _P,
                          ctypes.c_int, _P, ctypes.c_int, _P, _P, _P, _P, _P, _I, _I, _I, _I),
@@ -118,7 +120,7 @@ _RETURNS = {"moe_copy_rows": ctypes.c_int, "moe_count_experts": ctypes.c_int,
             "moe_ll_direct_combine_send": _I, "moe_ll_direct_combine_recv": _I,
             "moe_dispatch_layout": ctypes.c_int,
             "moe_layout_matches": ctypes.c_int, "moe_granted_dispatch": _I,
-            "moe_granted_combine": _I, "moe_ring_combine": _I}
+            "moe_granted_combine": _I, "moe_granted_fresh": _I, "moe_ring_combine": _I}
 
 
 def _compiler() -> str | None:
