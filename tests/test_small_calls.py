@@ -172,6 +172,40 @@ def test_granted_dispatch_results_held_are_never_overwritten():
         assert counts == {"granted": 4}, counts
 
 
+def _granted_with_empty_ranks(rank, n):
+    counts = {}
+    _count_small(counts)
+    buf = moe_comm.Buffer(None, 96 << 20, timeout_s=30)
+    g = torch.Generator().manual_seed(rank)
+    T, H, E = 512, 4096, 4 * n
+    x = torch.randn(T, H, generator=g)
+    # experts of ranks 0 and 1 only (rank 2 receives nothing), and rank 1 sends nothing
+    idx = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(T)])
+    if rank == 1:
+        x, idx = x[:0].contiguous(), idx[:0].contiguous()
+    ntr, _, nte, itr, _ = buf.get_dispatch_layout(idx, E)
+    rx, ri, rw, cnt, handle, _ = buf.dispatch(x, num_tokens_per_rank=ntr, is_token_in_rank=itr,
+                                              num_tokens_per_expert=nte, topk_idx=idx)
+    out, _, _ = buf.combine(rx, handle)
+    buf.destroy()
+    return x, idx, rx, ri, cnt, out, counts
+
+
+def test_granted_dispatch_of_ranks_that_send_or_receive_nothing():
+    """direct.py's one-round granted path where a rank sends no token and another receives
+    none: identity experts give each token back once per rank it reached."""
+    n = 3
+    results = run_ranks(_granted_with_empty_ranks, n, timeout=120)
+    for rank, (x, idx, rx, ri, cnt, out, counts) in enumerate(results):
+        assert counts.get("granted") == 1, counts
+        want_rows = sum(int((r[1] // 4 == rank).any(1).sum()) for r in results)
+        assert rx.shape == (want_rows, 4096) and ri.shape == (want_rows, 2)
+        assert sum(cnt) == sum(int((r[1] // 4 == rank).sum()) for r in results)
+        copies = torch.tensor([len({int(e) // 4 for e in row}) for row in idx])
+        torch.testing.assert_close(out, x * copies[:, None].float())
+    assert results[2][2].shape[0] == 0
+
+
 def test_strided_routing_tensors_match_the_reference():
     n = 2
     cases = _cases(n)[:2]

@@ -247,13 +247,10 @@ class DirectCalls:
                                 num_recv, 0, call_id=started.epoch)
         page = granted.fresh_dispatch(comm, started.epoch, started.parity, handle, lay,
                                       x.view(torch.uint8), idx, w, num_local, slot_rows)
-        # (torch's views of the region's tensor: that tensor's numpy array returns the pages
-        # when the last is gone; numpy's own views would skip it for the heap's buffer)
-        region, offs = comm.heap.tensor_owning(page, lay.nbytes), lay.offsets
-        recv_x = region[:num_recv * lay.row_bytes].view(x.dtype).view(num_recv, H)
-        recv_i = region[offs[2]:offs[2] + num_recv * K * 8].view(torch.int64).view(num_recv, K)
-        recv_w = region[offs[3]:offs[3] + num_recv * K * 4].view(torch.float32).view(
-            num_recv, K)
+        offs = lay.offsets
+        recv_x, recv_i, recv_w = comm.heap.tensors_owning(page, lay.nbytes, [
+            (0, x.dtype, num_recv, H), (offs[2], torch.int64, num_recv, K),
+            (offs[3], torch.float32, num_recv, K)])
         if self.lib.moe_count_experts(recv_i.data_ptr(), num_recv * K, num_local,
                                       self.p_local):        # (an id beyond them: torch says)
             return recv_x, recv_i, recv_w, aligned_expert_counts(recv_i, num_local,

@@ -57,6 +57,7 @@ class Addresses:
         # a fresh dispatch's destinations and their number, as moe_granted_fresh fills them
         self.table = np.zeros((R, GD_WORDS), dtype=np.int64)
         self.nd = np.zeros(1, dtype=np.int64)
+        self.p_table, self.p_nd = self.table.ctypes.data, self.nd.ctypes.data
 
 
 def addresses(comm) -> Addresses:
@@ -123,7 +124,7 @@ def fresh_dispatch(comm, epoch, parity, handle, region: SlabLayout, x_bytes, top
     def phase(resume):
         return a.lib.moe_granted_fresh(
             a.p_context, g.p_context, parity, epoch, deadline_ns, resume, matrix.ctypes.data,
-            slot_rows, page, pages, g.table.ctypes.data, g.nd.ctypes.data, g.p_src,
+            slot_rows, page, pages, g.p_table, g.p_nd, g.p_src,
             send_ids.ids.data_ptr(), send_ids.first.ctypes.data, x_bytes.data_ptr(),
             x_bytes.stride(0), x_bytes.shape[0], x_bytes.shape[1], topk_idx.data_ptr(),
             small._ptr(topk_weights), K, num_local, int(GATHER_S * 1e9))

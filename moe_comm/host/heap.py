@@ -84,13 +84,28 @@ class PageHeap:
         start = self.offset + page * PAGE
         return self._bytes[start:start + nbytes]
 
-    def tensor_owning(self, page: int, nbytes: int) -> torch.Tensor:
-        """A uint8 tensor over ``nbytes`` at ``page`` that returns the pages when it (and every
-        view of it) is gone."""
+    def _array_owning(self, page: int, nbytes: int) -> np.ndarray:
+        """A uint8 array over ``nbytes`` at ``page`` that returns the pages when it is gone
+        (numpy's own views of it do not keep it: they keep the heap's buffer)."""
         arr = np.frombuffer(self._bytes, dtype=np.uint8, count=nbytes,
                             offset=self.offset + page * PAGE)
         weakref.finalize(arr, self._released.append, page)
-        return torch.from_numpy(arr)
+        return arr
+
+    def tensor_owning(self, page: int, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor over ``nbytes`` at ``page`` that returns the pages when it (and every
+        view of it) is gone."""
+        return torch.from_numpy(self._array_owning(page, nbytes))
+
+    def tensors_owning(self, page: int, nbytes: int, parts) -> list:
+        """Tensors over parts of the ``nbytes`` at ``page``, ``(byte offset, dtype, rows,
+        cols)`` each, that return the pages when the last of them (and of their views) is
+        gone: one torch call each (torch.frombuffer keeps the array), where slicing
+        tensor_owning's takes three. Empty parts are tensors of their own."""
+        arr = self._array_owning(page, nbytes)
+        return [torch.frombuffer(arr, dtype=dt, count=rows * cols, offset=at).view(rows, cols)
+                if rows * cols else torch.empty(rows, cols, dtype=dt)
+                for at, dt, rows, cols in parts]
 
     @property
     def free_bytes(self) -> int:
