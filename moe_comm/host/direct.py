@@ -327,6 +327,8 @@ class DirectCalls:
             K = w.shape[1]
         row_bytes = H * dtype.itemsize
         slot_rows, heap_rows = small._max_rows(comm, row_bytes, 0, K, "combine")
+        if int(handle.count_matrix.max(initial=0)) > slot_rows:
+            return None               # (C declines it: a pair beyond a slot) before outputs
         call_row = signature.normal("combine", hidden=H, dtype=dtype, scale_cols=0, topk=K,
                                     num_experts=0, num_worst_tokens=0, handle_id=handle.call_id)
         ids, first = small.handle_ids(handle)
