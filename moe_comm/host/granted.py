@@ -15,6 +15,12 @@ relays, the C library loaded): a dispatch without scales whose handle keeps its 
 one tensor (handle.TokenIds: begun in direct.py or small.py), and a combine whose start ran in
 C (small.start_combine). A wait that does not end (the deadline, this rank fenced) hands
 over to the Python steps on the same words, which raise as in any call.
+
+A fresh dispatch begun in direct.py that moves in one round with no source's rows in this
+rank's slots goes further (fresh_dispatch): its grant too, and its destinations' table, in
+the same C call, so that Python does no more than allocate the region before it and make
+the outputs after (normal.dispatch's Python around this phase took ~250 us of each rank's
+CPU a call in the 4-rank 1024 x 7168 dispatch above).
 """
 from __future__ import annotations
 
