@@ -217,10 +217,7 @@ class DirectCalls:
         if rc:                        # (a fresh dispatch's finish checks no signatures)
             small._drive(comm, lambda resume: lib.moe_small_direct_finish(*args), "dispatch",
                          epoch, parity, cp, counts=self._sources(self.info[2:]), rc=rc)
-        num_local = E // R
-        counts = self.local[:num_local].tolist()
-        if alignment != 1:
-            counts = [(c + alignment - 1) // alignment * alignment for c in counts]
+        counts = self._counted(E // R, alignment)
         handle = DispatchHandle(self.key, T, H, matrix, in_rank, TokenIds(ids, first), num_recv,
                                 0, call_id=epoch)
         return recv_x, recv_i, recv_w, counts, handle, EventOverlap()
@@ -255,10 +252,16 @@ class DirectCalls:
                                       self.p_local):        # (an id beyond them: torch says)
             return recv_x, recv_i, recv_w, aligned_expert_counts(recv_i, num_local,
                                                                  alignment), handle, EventOverlap()
+        return recv_x, recv_i, recv_w, self._counted(num_local, alignment), handle, \
+            EventOverlap()
+
+    def _counted(self, num_local, alignment) -> list:
+        """The received ids per local expert C counted into ``self.local``, rounded up to
+        ``alignment``."""
         counts = self.local[:num_local].tolist()
         if alignment != 1:
             counts = [(c + alignment - 1) // alignment * alignment for c in counts]
-        return recv_x, recv_i, recv_w, counts, handle, EventOverlap()
+        return counts
 
     def _go_on(self, backend, started, x, idx, w, num_experts, alignment, in_rank, per_rank,
                per_expert):

@@ -122,20 +122,21 @@ def fresh_dispatch(comm, epoch, parity, handle, region: SlabLayout, x_bytes, top
     if page is None:                  # (grant says so to every source, and raises after)
         return _fresh_in_python(comm, epoch, parity, handle, region, x_bytes, topk_idx,
                                 topk_weights, num_local, slot_rows)
-    me = comm.rank
-    matrix, send_ids = handle.count_matrix, handle.send_token_ids
-    a, g = small.addresses(comm), addresses(comm)
-    deadline_ns, K = int(comm.deadline * 1e9), topk_idx.shape[1]
-
-    def phase(resume):
-        return a.lib.moe_granted_fresh(
-            a.p_context, g.p_context, parity, epoch, deadline_ns, resume, matrix.ctypes.data,
-            slot_rows, page, pages, g.p_table, g.p_nd, g.p_src,
-            send_ids.ids.data_ptr(), send_ids.first.ctypes.data, x_bytes.data_ptr(),
-            x_bytes.stride(0), x_bytes.shape[0], x_bytes.shape[1], topk_idx.data_ptr(),
-            small._ptr(topk_weights), K, num_local, int(GATHER_S * 1e9))
+    me, send_ids = comm.rank, handle.send_token_ids
+    # (C reads it as int64, row-major: direct.py's is already, so this copies nothing)
+    matrix = np.ascontiguousarray(handle.count_matrix, dtype=np.int64)
     sources = None
     try:
+        a, g = small.addresses(comm), addresses(comm)
+        deadline_ns, K = int(comm.deadline * 1e9), topk_idx.shape[1]
+
+        def phase(resume):
+            return a.lib.moe_granted_fresh(
+                a.p_context, g.p_context, parity, epoch, deadline_ns, resume,
+                matrix.ctypes.data, slot_rows, page, pages, g.p_table, g.p_nd, g.p_src,
+                send_ids.ids.data_ptr(), send_ids.first.ctypes.data, x_bytes.data_ptr(),
+                x_bytes.stride(0), x_bytes.shape[0], x_bytes.shape[1], topk_idx.data_ptr(),
+                small._ptr(topk_weights), K, num_local, int(GATHER_S * 1e9))
         rc = phase(0)
         while rc == small.AGAIN:
             rc = phase(1)
