@@ -296,7 +296,7 @@ int64_t moe_granted_fresh(const int64_t *cx, const int64_t *gx, int64_t ep, int6
         }
         *nd = 0;
         for (int64_t i = 0; i < R; i++) {
-            const int64_t d = (me + 1 + i) % R, n = matrix[me * R + d];
+            const int64_t d = CX_PTR(cx, CX_ROTATION)[i], n = matrix[me * R + d];
             if (n <= slot_rows) continue;
             int64_t rows = 0, row0 = 0;             /* d's region; where this rank's start */
             for (int64_t s = 0; s < R; s++) {

@@ -178,14 +178,13 @@ def _fresh_in_python(comm, epoch, parity, handle, region, x_bytes, topk_idx, top
     """fresh_dispatch where this rank's region could not be allocated: the grant tells every
     source so (GRANT_FAILED), this rank still writes to its destinations, then raises
     BufferTooSmallError as every rank on normal.dispatch's path does."""
-    me, R = comm.rank, comm.num_ranks
-    matrix, send_ids = handle.count_matrix, handle.send_token_ids
+    me, matrix, send_ids = comm.rank, handle.count_matrix, handle.send_token_ids
     K = topk_idx.shape[1]
     plan = OneRound(matrix, matrix.sum(0))
     sources = np.flatnonzero(matrix[:, me]).tolist()
     page, own_error = grant(comm, epoch, region.nbytes, "dispatch", sources)
     row = matrix[me]
-    dests = [d for d in ((me + 1 + i) % R for i in range(R)) if row[d] > slot_rows]
+    dests = [int(d) for d in small.addresses(comm).rotation if row[d] > slot_rows]
     write, need = _fresh_writes(comm, plan, send_ids, x_bytes, topk_idx, topk_weights,
                                 num_local, K)
     dispatch(comm, epoch, parity, page=page, own_error=own_error, plan=plan, dests=dests,
